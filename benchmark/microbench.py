@@ -1,0 +1,120 @@
+"""Per-call cost of SharedCache: get_slot hit / miss, set_slot, construction.
+
+Run: ``python -m benchmark.microbench [--ref-dir DIR] [--construct-gib 1 8]``
+
+Every figure is printed next to references measured in the same run (a bare ``clone()`` of one
+slot, torch and numpy indexing), because a shared machine is noisy: compare ratios. With
+``--ref-dir`` pointing at ``pip install --target DIR stocaching==0.2.1``, stocaching 0.2.1 is
+measured too, imported under another name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import os
+import sys
+import time
+import timeit
+
+import numpy as np
+import torch
+
+import stocaching
+
+
+def _per_call(fn, number: int, repeat: int = 7) -> float:
+    """Median of ``repeat`` runs of ``number`` calls, in microseconds per call."""
+    times = timeit.repeat(fn, number=number, repeat=repeat)
+    return float(np.median(times)) / number * 1e6
+
+
+def _load_ref(ref_dir: str):
+    spec = importlib.util.spec_from_file_location(
+        "stocaching_ref", os.path.join(ref_dir, "stocaching", "__init__.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_calls(dims: tuple[int, ...], ref, n: int = 2000) -> list[tuple[str, float]]:
+    number = 20000 if np.prod(dims) < 10000 else 2000
+    x = torch.randint(0, 255, dims, dtype=torch.uint8)
+    gib = (np.prod(dims) + 1) * n * 1.01 / 2**30
+    rows = []
+    with stocaching.SharedCache(gib, n, dims, name="microbench") as c:
+        for i in range(n // 2):
+            c.set_slot(i, x)
+        arr = c.array
+        rows.append(("bare clone() of one slot", _per_call(lambda: arr[5].clone(), number)))
+        rows.append(("torch index view arr[i]", _per_call(lambda: arr[5], number)))
+        rows.append(("get_slot hit (copy)", _per_call(lambda: c.get_slot(5), number)))
+        rows.append(("get_slot hit (copy=False view)",
+                     _per_call(lambda: c.get_slot(5, copy=False), number)))
+        rows.append(("get_slot miss (empty)", _per_call(lambda: c.get_slot(n - 1), number)))
+        it = iter(range(n // 2, n))
+        rows.append(("set_slot (fresh slot)", _per_call(lambda: c.set_slot(next(it), x), 500, 1)))
+        rows.append(("set_slot overwrite",
+                     _per_call(lambda: c.set_slot(7, x, allow_overwrite=True), number // 4)))
+    with stocaching.SharedCache(gib / 2, n, dims, name="microbench-oob") as c:
+        rows.append(("get_slot miss (out of bounds)", _per_call(lambda: c.get_slot(n - 1),
+                                                                number)))
+    if ref is not None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            r = ref.SharedCache(gib, n, dims)
+        r.set_slot(5, x)
+        rows.append(("0.2.1 get_slot hit (view)", _per_call(lambda: r.get_slot(5), number)))
+        rows.append(("0.2.1 get_slot miss (empty)", _per_call(lambda: r.get_slot(n - 1), number)))
+        it = iter(range(n // 2, n))
+        rows.append(("0.2.1 set_slot (fresh slot)",
+                     _per_call(lambda: r.set_slot(next(it), x), 500, 1)))
+    return rows
+
+
+def bench_construct(gib: float, ref) -> list[tuple[str, float]]:
+    dims = (3, 256, 256)
+    n = int(gib * 2**30 / (np.prod(dims) + 1))
+    # Touch and drop a buffer of the same size first: memory left idle on these VMs is slower
+    # to fault in the first time (see BASELINE.md).
+    warm = np.ones(int(gib * 2**30), dtype=np.uint8)
+    del warm
+    t0 = time.perf_counter()
+    c = stocaching.SharedCache(gib, n, dims, name="microbench-build")
+    rows = [(f"construct {gib:g} GiB", (time.perf_counter() - t0) * 1e6)]
+    c.close()
+    del c
+    if ref is not None:
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            r = ref.SharedCache(gib, n, dims)
+        rows.append((f"0.2.1 construct {gib:g} GiB", (time.perf_counter() - t0) * 1e6))
+        del r
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref-dir", default=None,
+                    help="directory of `pip install --target DIR stocaching==0.2.1`")
+    ap.add_argument("--construct-gib", type=float, nargs="*", default=[1, 8])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ref = _load_ref(args.ref_dir) if args.ref_dir else None
+    print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
+          f"torch threads {torch.get_num_threads()}")
+    for dims in [(3, 32, 32), (3, 256, 256)]:
+        print(f"\n{dims} uint8, median per call")
+        for name, us in bench_calls(dims, ref):
+            print(f"  {name:34s} {us:9.2f} us")
+    print("\nconstruction (wall time)")
+    for gib in args.construct_gib:
+        for name, us in bench_construct(gib, ref):
+            print(f"  {name:34s} {us / 1e6:9.3f} s")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1489 @@
+"""stocaching: cache a fixed fraction of a dataset's decoded samples in shared memory.
+
+One file, importable as ``stocaching``: copy it into your project, or ``pip install`` the
+package. It needs only the standard library, torch, numpy and psutil.
+
+Example::
+
+    import torch
+    from stocaching import SharedCache
+
+    class MyDataset(torch.utils.data.Dataset):
+        def __init__(self, paths):
+            self.paths = paths
+            self.cache = SharedCache(size_limit_gib=8, dataset_len=len(paths), data_dims=(3, 256, 256))
+
+        def __len__(self):
+            return len(self.paths)
+
+        def __getitem__(self, i):
+            x = self.cache.get_slot(i)         # a copy of the cached sample, or None
+            if x is None:
+                x = decode_and_resize(self.paths[i])   # uint8 (3, 256, 256)
+                self.cache.set_slot(i, x)      # no-op when sample i has no slot
+            return augment(x)                  # random transforms come *after* the cache
+
+The segment lives in /dev/shm and is shared by every DataLoader worker (fork, spawn or
+forkserver) and every local rank of a ``torchrun`` job: the local leader creates it, the other
+local ranks attach to it. Its name is removed from /dev/shm as soon as every local rank has
+attached, so the kernel frees the memory when the last process using it exits, however it
+exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheConfigError",
+    "CacheLayout",
+    "CacheTimeoutError",
+    "SharedCache",
+    "World",
+    "CacheCapacityError",
+    "clean_segments",
+    "get_shm_size",
+    "list_segments",
+    "plan",
+]
+
+__version__ = "0.3.0"
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import itertools
+import logging
+import math
+import mmap
+import os
+import secrets
+import stat
+import struct
+import sys
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import psutil
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# Constants
+# ----------------------------------------------------------------------------------------------
+
+BYTES_PER_GIB = 1024**3
+BYTES_PER_MIB = 1024**2
+
+#: Values of ``SharedCache.aux_array``. 0, 1 and 2 are those of stocaching 0.2.1.
+EMPTY, SET, OOB, WRITING = 0, 1, 2, 3
+
+SEGMENT_PREFIX = "stocaching"
+DEFAULT_SHM_DIR = "/dev/shm"
+_MAX_DIMS = 8
+
+#: Free RAM (available, per psutil) that a new cache should leave, below which we warn.
+RAM_MARGIN_BYTES = 2 * BYTES_PER_GIB
+RAM_MARGIN_FRACTION = 0.05
+
+# torch dtype -> (code stored in the segment header, numpy dtype of the same size and layout).
+# bfloat16 has no numpy twin: it is stored as uint16 and viewed back as bfloat16.
+_DTYPES: dict[torch.dtype, tuple[int, Any]] = {
+    torch.bool: (1, np.bool_),
+    torch.uint8: (2, np.uint8),
+    torch.int8: (3, np.int8),
+    torch.int16: (4, np.int16),
+    torch.int32: (5, np.int32),
+    torch.int64: (6, np.int64),
+    torch.float16: (7, np.float16),
+    torch.bfloat16: (8, np.uint16),
+    torch.float32: (9, np.float32),
+    torch.float64: (10, np.float64),
+    torch.uint16: (11, np.uint16),
+    torch.uint32: (12, np.uint32),
+    torch.uint64: (13, np.uint64),
+    torch.complex64: (14, np.complex64),
+    torch.complex128: (15, np.complex128),
+}
+_DTYPE_BY_CODE = {code: dt for dt, (code, _) in _DTYPES.items()}
+
+# Casts that set_slot accepts because every value of the source dtype is exactly representable
+# in the cache's dtype. Anything else must already have the cache's dtype.
+_LOSSLESS: dict[torch.dtype, frozenset[torch.dtype]] = {
+    torch.bool: frozenset(_DTYPES),
+    torch.uint8: frozenset({torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+                            torch.uint64, torch.float16, torch.bfloat16, torch.float32,
+                            torch.float64, torch.complex64, torch.complex128}),
+    torch.int8: frozenset({torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                           torch.float32, torch.float64, torch.complex64, torch.complex128}),
+    torch.int16: frozenset({torch.int32, torch.int64, torch.float32, torch.float64,
+                            torch.complex64, torch.complex128}),
+    torch.uint16: frozenset({torch.int32, torch.int64, torch.uint32, torch.uint64, torch.float32,
+                             torch.float64, torch.complex64, torch.complex128}),
+    torch.int32: frozenset({torch.int64, torch.float64, torch.complex128}),
+    torch.uint32: frozenset({torch.int64, torch.uint64, torch.float64, torch.complex128}),
+    torch.float16: frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128}),
+    torch.bfloat16: frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128}),
+    torch.float32: frozenset({torch.float64, torch.complex64, torch.complex128}),
+    torch.float64: frozenset({torch.complex128}),
+    torch.complex64: frozenset({torch.complex128}),
+}
+
+logger = logging.getLogger("stocaching")
+
+# ----------------------------------------------------------------------------------------------
+# Private helpers: argument checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    """True for Python, numpy and 0-dim integer torch scalars; False for bool."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (int, np.integer)):
+        return True
+    if isinstance(x, torch.Tensor):
+        return x.ndim == 0 and not x.is_floating_point() and not x.is_complex() \
+            and x.dtype is not torch.bool
+    return False
+
+
+def _check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None,
+               expect: str | None = None) -> int:
+    """Return ``value`` as an int, or raise naming ``name``, the expectation and the value."""
+    if low is not None and high is not None:
+        what = expect or f"an int in [{low}, {high}]"
+    elif low is not None:
+        what = expect or (f"an int >= {low}" if low != 1 else "a positive int")
+    else:
+        what = expect or "an int"
+    if not _is_int(value):
+        raise TypeError(f"{name} should be {what}, but got {name}={value!r} "
+                        f"(type {type(value).__name__})")
+    v = int(value)
+    if (low is not None and v < low) or (high is not None and v > high):
+        raise ValueError(f"{name} should be {what}, but got {name}={v}")
+    return v
+
+
+def _check_dims(data_dims: Any) -> tuple[int, ...]:
+    expect = "a non-empty tuple of positive ints"
+    if isinstance(data_dims, torch.Size):
+        data_dims = tuple(data_dims)
+    if not isinstance(data_dims, (tuple, list)) or len(data_dims) == 0:
+        raise (TypeError if not isinstance(data_dims, (tuple, list)) else ValueError)(
+            f"data_dims should be {expect}, but got data_dims={data_dims!r}")
+    if not all(_is_int(d) for d in data_dims):
+        raise TypeError(f"data_dims should be {expect}, but got data_dims={tuple(data_dims)!r}")
+    dims = tuple(int(d) for d in data_dims)
+    if any(d <= 0 for d in dims) or len(dims) > _MAX_DIMS:
+        raise ValueError(f"data_dims should be {expect} (at most {_MAX_DIMS} of them), "
+                         f"but got data_dims={dims!r}")
+    return dims
+
+
+def _check_dtype(dtype: Any) -> torch.dtype:
+    if dtype not in _DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
+        raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
+            f"dtype should be one of the fixed-size torch dtypes ({names}), "
+            f"but got dtype={dtype!r}")
+    return dtype
+
+
+def _check_name(param: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 64 or \
+            not all(c.isalnum() or c in "-." for c in value):
+        raise ValueError(f"{param} should be 1 to 64 characters of letters, digits, '-' and "
+                         f"'.', but got {param}={value!r}")
+    return value
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", BYTES_PER_GIB), ("MiB", BYTES_PER_MIB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int) -> int:
+    """0.2.1's sizing rule: the budget covers the slots plus one aux byte per sample."""
+    limit = size_limit_gib * BYTES_PER_GIB
+    if slot_bytes * dataset_len + dataset_len <= limit:
+        return dataset_len
+    return max(0, min(dataset_len, int((limit - dataset_len) / slot_bytes)))
+
+
+def _process_start(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a pid from its reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return start == 0 or _process_start(pid) in (0, start)
+
+
+# ----------------------------------------------------------------------------------------------
+# Who am I: the world and rank description
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """Where this process sits in a (possibly distributed) job.
+
+    Built from the environment that ``torchrun`` or SLURM sets, so it works before
+    ``torch.distributed.init_process_group``; tests and unusual launchers can build one by hand.
+
+    Args:
+        rank: global rank, in ``[0, world_size)``.
+        world_size: number of processes in the job.
+        local_rank: rank on this machine, in ``[0, local_world_size)``.
+        local_world_size: processes on this machine that share one cache.
+        node_rank: index of this machine, in ``[0, num_nodes)``.
+        num_nodes: number of machines.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("world_size", self.world_size, low=1)
+        _check_int("rank", self.rank, low=0, high=self.world_size - 1)
+        _check_int("local_world_size", self.local_world_size, low=1, high=self.world_size,
+                   expect=f"an int in [1, world_size={self.world_size}]")
+        _check_int("local_rank", self.local_rank, low=0, high=self.local_world_size - 1)
+        _check_int("num_nodes", self.num_nodes, low=1, high=self.world_size,
+                   expect=f"an int in [1, world_size={self.world_size}]")
+        _check_int("node_rank", self.node_rank, low=0, high=self.num_nodes - 1)
+
+    @property
+    def is_local_leader(self) -> bool:
+        """True for the process that creates the node's cache (local rank 0)."""
+        return self.local_rank == 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "World":
+        """Read torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+        GROUP_WORLD_SIZE), else SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID,
+        SLURM_NNODES); a process with neither is a world of one."""
+        env = os.environ if env is None else env
+
+        def get(*names: str) -> int | None:
+            for n in names:
+                v = env.get(n)
+                if v not in (None, ""):
+                    try:
+                        return int(v)
+                    except ValueError:
+                        raise ValueError(f"environment variable {n} should be an int, "
+                                         f"but got {n}={v!r}") from None
+            return None
+
+        if "LOCAL_RANK" in env or "RANK" in env:
+            world_size = get("WORLD_SIZE") or 1
+            rank = get("RANK") or 0
+            local_rank = get("LOCAL_RANK") or 0
+            local_ws = get("LOCAL_WORLD_SIZE") or (world_size if "LOCAL_RANK" in env else 1)
+            num_nodes = get("GROUP_WORLD_SIZE") or max(1, world_size // local_ws)
+            node_rank = get("GROUP_RANK")
+            if node_rank is None:
+                node_rank = rank // local_ws
+        elif "SLURM_PROCID" in env:
+            world_size = get("SLURM_NTASKS") or 1
+            rank = get("SLURM_PROCID") or 0
+            local_rank = get("SLURM_LOCALID") or 0
+            num_nodes = get("SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+            node_rank = get("SLURM_NODEID") or 0
+            local_ws = max(1, world_size // num_nodes)
+        else:
+            return cls()
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank,
+                   local_world_size=local_ws, node_rank=node_rank, num_nodes=num_nodes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Which dataset indices each node caches
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Which dataset indices get a slot on which node: a pure function of its four fields.
+
+    With one node the first ``slots`` indices are cached, as in stocaching 0.2.1. With several,
+    a permutation of the dataset drawn from ``seed`` is dealt out: node k takes the ``slots``
+    entries starting at ``k * slots``, wrapping around, so the nodes' subsets are uniformly
+    random and disjoint while ``num_nodes * slots <= dataset_len``, and when the cluster can hold
+    more than the dataset every index is held by either floor or ceil of
+    ``num_nodes * slots / dataset_len`` nodes.
+
+    Args:
+        dataset_len: number of samples in the dataset.
+        slots: slots per node (the same on every node).
+        num_nodes: number of nodes. Default: 1.
+        seed: seed of the permutation (ignored with one node). Default: 0.
+    """
+
+    dataset_len: int
+    slots: int
+    num_nodes: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("dataset_len", self.dataset_len, low=1)
+        _check_int("slots", self.slots, low=0, high=self.dataset_len)
+        _check_int("num_nodes", self.num_nodes, low=1)
+        _check_int("seed", self.seed, low=0, high=2**63 - 1)
+
+    def _perm(self) -> np.ndarray:
+        return np.random.default_rng(self.seed).permutation(self.dataset_len)
+
+    def indices(self, node_rank: int) -> np.ndarray:
+        """Dataset indices cached by ``node_rank``, in slot order (int64)."""
+        node_rank = _check_int("node_rank", node_rank, low=0, high=self.num_nodes - 1)
+        if self.num_nodes == 1:
+            return np.arange(self.slots, dtype=np.int64)
+        pos = (node_rank * self.slots + np.arange(self.slots, dtype=np.int64)) % self.dataset_len
+        return self._perm()[pos].astype(np.int64, copy=False)
+
+    def owners(self) -> np.ndarray:
+        """Boolean matrix ``(num_nodes, dataset_len)``: ``owners()[k, i]`` is True when node k
+        caches index i."""
+        out = np.zeros((self.num_nodes, self.dataset_len), dtype=bool)
+        if self.num_nodes == 1:
+            out[0, : self.slots] = True
+            return out
+        perm = self._perm()
+        base = np.arange(self.slots, dtype=np.int64)
+        for k in range(self.num_nodes):
+            out[k, perm[(k * self.slots + base) % self.dataset_len]] = True
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Exceptions (they cross DataLoader worker boundaries, so they pickle with their attributes)
+# ----------------------------------------------------------------------------------------------
+
+
+class CacheCapacityError(RuntimeError):
+    """The shared-memory filesystem cannot hold the cache. Raised at construction, never later.
+
+    Attributes:
+        path: the directory (normally /dev/shm).
+        needed: bytes the cache needs.
+        free: bytes free there.
+    """
+
+    def __init__(self, message: str, path: str = "", needed: int = 0, free: int = 0) -> None:
+        super().__init__(message)
+        self.path, self.needed, self.free = path, needed, free
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.path, self.needed, self.free)
+
+
+class CacheConfigError(ValueError):
+    """A segment with this cache's name exists but was made for another configuration.
+
+    Attributes:
+        field: the first differing field (e.g. ``"data_dims"``).
+        expected: this process's value.
+        found: the segment's value.
+    """
+
+    def __init__(self, message: str, field: str = "", expected: Any = None,
+                 found: Any = None) -> None:
+        super().__init__(message)
+        self.field, self.expected, self.found = field, expected, found
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.field, self.expected, self.found)
+
+
+class CacheTimeoutError(TimeoutError):
+    """A local rank waited too long for the local leader to create the cache.
+
+    Attributes:
+        path: the segment name it waited for.
+        timeout: seconds waited.
+    """
+
+    def __init__(self, message: str, path: str = "", timeout: float = 0.0) -> None:
+        super().__init__(message)
+        self.path, self.timeout = path, timeout
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.path, self.timeout)
+
+
+# ----------------------------------------------------------------------------------------------
+# The segment: names, layout of its header, locks
+# ----------------------------------------------------------------------------------------------
+#
+# One file in /dev/shm holds everything:
+#   [header, 4 KiB][stats table][aux: 1 byte per dataset index][seq: uint32 per slot]
+#   [slot map: int32/int64 per dataset index, multi-node only][pad to a page][slots]
+# The header is written by the creator before the segment gets its public name, so a segment
+# found under its name is complete. POSIX record locks (fcntl.lockf) on byte offsets far past
+# the end of the file serialise writers of one slot and the few slow-path updates of the header;
+# the kernel drops them when a process dies, so a crash never leaves a lock behind. A shared
+# flock() held by every process using the segment tells a live segment from a stale one.
+
+_MAGIC = b"STOCACH1"
+_LAYOUT_VERSION = 1
+_HEADER_BYTES = 4096
+_HEADER_FIELDS = (
+    "version", "total_bytes", "dataset_len", "slots", "dtype_code", "ndim",
+    *(f"dim{i}" for i in range(_MAX_DIMS)),
+    "num_nodes", "node_rank", "layout_seed", "creator_pid", "creator_start", "uid",
+    "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
+    "attached", "ready",
+)
+_HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
+_FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
+_STATS_ROWS = 1024
+_STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, 2 spare
+_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES = range(6)
+_LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, _LOCK_BASE + 1 + s slot s
+
+
+def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
+    """A key shared by the local ranks of one job and by no other job of this user here."""
+    env = os.environ if env is None else env
+    if env.get("STOCACHING_JOB_KEY"):
+        return _check_name("STOCACHING_JOB_KEY", env["STOCACHING_JOB_KEY"])
+    if world.local_world_size == 1:
+        return f"p{os.getpid()}"  # nobody else needs to find it
+    parts = [str(os.getppid())]  # torchrun, srun and mp.spawn start local ranks from one parent
+    parts += [env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                        "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
+                                        "SLURM_STEP_ID")]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def _segment_name(job_key: str, node_rank: int, name: str) -> str:
+    """The one place that names segments: prefix, user id, job key, node, cache name."""
+    return f"{SEGMENT_PREFIX}_{os.getuid()}_{job_key}_n{node_rank}_{name}"
+
+
+def _parse_segment_name(fname: str) -> dict | None:
+    if not fname.startswith(SEGMENT_PREFIX + "_"):
+        return None
+    parts = fname[len(SEGMENT_PREFIX) + 1:].split("_", 3)
+    if len(parts) != 4 or not parts[0].isdigit():
+        return None
+    return {"uid": int(parts[0]), "job_key": parts[1], "node": parts[2],
+            "name": parts[3].split(".", 1)[0], "starting": fname.endswith(".init")}
+
+
+def _lock(fd: int, offset: int, length: int = 1, exclusive: bool = True) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, length, offset)
+
+
+def _unlock(fd: int, offset: int, length: int = 1) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_UN, length, offset)
+
+
+def _try_stale(fd: int) -> bool:
+    """True when no live process holds the segment (we then hold an exclusive flock on it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _open_existing(path: str) -> int:
+    """Open a segment without following a symlink and check that it is ours and private."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{path} is not a regular file; stocaching will not use it. "
+                                  "Remove it or choose another name=")
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PermissionError(
+                f"{path} belongs to uid {st.st_uid} with mode {stat.filemode(st.st_mode)}, but a "
+                f"cache segment must belong to uid {os.getuid()} with mode -rw-------; it is "
+                "not trusted. Remove it, or set another job_key= / name=")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_header(buf: Any) -> dict:
+    magic, *values = _HEADER.unpack_from(buf, 0)
+    if magic != _MAGIC:
+        raise CacheConfigError("the segment is not a stocaching segment (bad magic)", "magic",
+                               _MAGIC, magic)
+    return dict(zip(_HEADER_FIELDS, values))
+
+
+def _unlink_if_same(path: str, ino: int, dev: int) -> None:
+    """Remove ``path`` only if it is still the file we made (never someone else's)."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if st.st_ino == ino and st.st_dev == dev:
+            os.unlink(path)
+
+
+def _close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class _Closed:
+    """Stands in for the shared buffers of a closed cache: any access says so."""
+
+    def __getitem__(self, key: Any) -> Any:
+        raise ValueError("this SharedCache is closed")
+
+    __setitem__ = __getitem__
+
+
+_CLOSED = _Closed()
+_LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
+_FORK_HOOK_REGISTERED = False
+_NAME_COUNTER = itertools.count()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_LIVE_CACHES):
+        cache._after_fork()
+
+
+# ----------------------------------------------------------------------------------------------
+# SharedCache
+# ----------------------------------------------------------------------------------------------
+
+
+class SharedCache:
+    """A cache of fixed-shape samples in shared memory, one per node, for PyTorch datasets.
+
+    A drop-in superset of stocaching 0.2.1's ``SharedCache``: same positional arguments, same
+    sizing rule, same ``array`` / ``aux_array`` / ``get_slot`` / ``set_slot`` / ``clear``.
+
+    Sizing: if the whole dataset (slots plus one aux byte per sample) fits in ``size_limit_gib``,
+    every index gets a slot; otherwise ``int((limit - dataset_len) / slot_bytes)`` of them do and
+    the rest are out of bounds (OOB): ``get_slot`` returns None for them and ``set_slot`` ignores
+    them. The segment adds a 4 KiB header, a 64 KiB stats table, 4 bytes per slot (write
+    sequence numbers) and, with several nodes, a 4-byte slot map entry per sample on top of
+    that budget. With one node the first ``len(cache)`` indices get slots (as in 0.2.1); with
+    several, each node caches a random subset given by :class:`CacheLayout`.
+
+    Processes: in a job launched by ``torchrun`` (or SLURM), the local leader (LOCAL_RANK 0)
+    creates the segment and the other local ranks attach to it, checking that dataset_len,
+    data_dims, dtype and slot count match. Construct it with the same arguments on every local
+    rank, in the same order as any other cache. DataLoader workers (fork, spawn, forkserver,
+    persistent or not) get the cache with the dataset and share it. The segment's name is
+    removed as soon as every local rank has attached, so the memory is freed when the last
+    process using it exits, even by SIGKILL.
+
+    Concurrency contract: any number of processes and threads may call ``get_slot``,
+    ``set_slot``, ``clear`` and ``stats`` at the same time. ``get_slot`` takes no lock and makes
+    no system call; it returns either a consistent copy of a completely written slot or a miss
+    (None), never a half-written slot. Writers of one slot are serialised by a per-slot lock
+    that the kernel releases if the writer dies; a slot whose writer died mid-write reads as
+    empty and can be written again. The per-process counters behind ``stats`` may lose an
+    increment when several threads of one process read at once. The reader's check relies on
+    the CPU keeping stores in order (x86-64); on weakly ordered CPUs (ARM) an overwrite racing a
+    read is not guaranteed to be detected.
+
+    Args:
+        size_limit_gib: budget in GiB (int or float) for the slots and the aux array.
+        dataset_len: number of samples in the full dataset.
+        data_dims: shape of one sample, e.g. ``(3, 256, 256)``.
+        dtype: torch dtype of the samples; any fixed-size dtype. Default: ``torch.uint8``.
+        name: name of this cache within the job, to tell several caches apart (e.g.
+            ``"train"``, ``"val"``). Default: ``"c<k>"`` for the k-th cache this process makes,
+            which matches across ranks that make their caches in the same order.
+        job_key: key shared by the local ranks of one job. Default: ``$STOCACHING_JOB_KEY``, or
+            derived from the launcher (the parent pid and torchrun/SLURM variables).
+        world: who this process is. Default: ``World.from_env()``.
+        shm_dir: directory of a tmpfs to put the segment in. Default: ``$STOCACHING_SHM_DIR``
+            or ``/dev/shm``.
+        layout_seed: seed of the multi-node layout (all nodes must agree). Default: 0.
+        timeout: seconds a non-leader waits for the leader's segment. Default: 300.
+
+    Raises:
+        CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
+        CacheConfigError: the leader's segment has another configuration.
+        CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
+        PermissionError: a file under the segment's name is not ours or not private.
+    """
+
+    def __init__(self, size_limit_gib: float, dataset_len: int, data_dims: Sequence[int],
+                 dtype: torch.dtype = torch.uint8, *, name: str | None = None,
+                 job_key: str | None = None, world: World | None = None,
+                 shm_dir: str | None = None, layout_seed: int = 0,
+                 timeout: float = 300.0) -> None:
+        if isinstance(size_limit_gib, bool) or not isinstance(size_limit_gib, (int, float)) \
+                or not math.isfinite(size_limit_gib) or size_limit_gib <= 0:
+            raise (TypeError if not isinstance(size_limit_gib, (int, float)) or
+                   isinstance(size_limit_gib, bool) else ValueError)(
+                "size_limit_gib should be a positive finite number of GiB, "
+                f"but got size_limit_gib={size_limit_gib!r}")
+        dataset_len = _check_int("dataset_len", dataset_len, low=1)
+        dims = _check_dims(data_dims)
+        dtype = _check_dtype(dtype)
+        world = World.from_env() if world is None else world
+        if not isinstance(world, World):
+            raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
+        layout_seed = _check_int("layout_seed", layout_seed, low=0, high=2**63 - 1)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not timeout > 0:
+            raise ValueError(f"timeout should be a positive number of seconds, "
+                             f"but got timeout={timeout!r}")
+        name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
+        job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
+        shm_dir = shm_dir if shm_dir is not None else \
+            os.environ.get("STOCACHING_SHM_DIR", DEFAULT_SHM_DIR)
+        if not isinstance(shm_dir, (str, os.PathLike)) or not os.path.isdir(shm_dir):
+            raise ValueError(f"shm_dir should be an existing directory on a tmpfs, "
+                             f"but got shm_dir={shm_dir!r}")
+
+        item = dtype.itemsize
+        slot_bytes = math.prod(dims) * item
+        slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes)
+        self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
+        self._world = world
+        self._dims, self._dtype = dims, dtype
+        self._name = name
+        self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
+                                                                    name))
+        self._fd = -1
+        self._finalizer: weakref.finalize | None = None
+        if world.is_local_leader:
+            self._create(size_limit_gib)
+        else:
+            self._attach_by_name(float(timeout))
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _plan_offsets(self) -> dict:
+        lay = self._layout
+        stats_off = _HEADER_BYTES
+        aux_off = stats_off + _STATS_ROWS * _STATS_COLS * 8
+        seq_off = aux_off + (lay.dataset_len + 7) // 8 * 8
+        map_off = seq_off + (lay.slots * 4 + 7) // 8 * 8
+        map_item = 0 if lay.num_nodes == 1 else (4 if lay.slots < 2**31 else 8)
+        data_off = map_off + lay.dataset_len * map_item
+        data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        slot_bytes = math.prod(self._dims) * self._dtype.itemsize
+        return {"stats_off": stats_off, "aux_off": aux_off, "seq_off": seq_off,
+                "map_off": map_off if map_item else 0, "data_off": data_off,
+                "total_bytes": data_off + max(1, lay.slots * slot_bytes)}
+
+    def _expected_header(self) -> dict:
+        lay = self._layout
+        h = {"version": _LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
+             "dtype_code": _DTYPES[self._dtype][0], "ndim": len(self._dims),
+             "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
+             "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS}
+        for i in range(_MAX_DIMS):
+            h[f"dim{i}"] = self._dims[i] if i < len(self._dims) else 0
+        h.update(self._plan_offsets())
+        return h
+
+    def _create(self, size_limit_gib: float) -> None:
+        head = self._expected_header()
+        total = head["total_bytes"]
+        shm_dir = os.path.dirname(self._path)
+        clean_segments(shm_dir)  # segments of this user whose processes are all gone
+        vfs = os.statvfs(shm_dir)
+        free = vfs.f_bavail * vfs.f_frsize
+        if total > free:
+            raise self._capacity_error(shm_dir, total, free)
+        vm = psutil.virtual_memory()
+        margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
+        if vm.available - total < margin:
+            warnings.warn(
+                f"the cache needs {_fmt_bytes(total)} of shared memory but only "
+                f"{_fmt_bytes(vm.available)} of RAM is available; less than "
+                f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
+                "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
+                ResourceWarning, stacklevel=3)
+
+        tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        st = os.fstat(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS mid-epoch
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize
+                    raise self._capacity_error(shm_dir, total, free) from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, total)
+                warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
+                              f"{e.strerror}); a full filesystem may raise SIGBUS later",
+                              RuntimeWarning, stacklevel=3)
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
+                        local_world_size=self._world.local_world_size, attached=1, ready=0)
+            _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
+            self._map(fd, mm, head)
+            if self._slot_map is not None or self._layout.slots < self._layout.dataset_len:
+                aux = self._aux_np
+                aux[:] = OOB
+                held = self._layout.indices(self._world.node_rank)
+                aux[held] = EMPTY
+                if self._slot_map is not None:
+                    smap = np.frombuffer(mm, f"i{self._slot_map.itemsize}",
+                                         self._layout.dataset_len, head["map_off"])
+                    smap[:] = -1
+                    smap[held] = np.arange(len(held))
+            struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
+            if self._world.local_world_size > 1:
+                self._publish(tmp, fd)
+        except BaseException:
+            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+            _close_fd(fd)
+            raise
+        _unlink_if_same(tmp, st.st_ino, st.st_dev)
+        self._finalizer = weakref.finalize(self, _finalize_segment, fd, self._path,
+                                           st.st_ino, st.st_dev)
+        lay = self._layout
+        logger.info(
+            "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s %s on node %d: "
+            "%s in %s, %s free there afterwards", self._name, lay.slots, lay.dataset_len,
+            100.0 * lay.slots / lay.dataset_len, tuple(self._dims),
+            str(self._dtype).replace("torch.", ""), self._world.node_rank, _fmt_bytes(total),
+            shm_dir, _fmt_bytes(os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize))
+
+    def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
+        lay = self._layout
+        per_slot = math.prod(self._dims) * self._dtype.itemsize
+        fits = max(0, (free - (total - lay.slots * per_slot)) // per_slot)
+        fit_gib = (fits * per_slot + lay.dataset_len) / BYTES_PER_GIB
+        need_gib = math.ceil(total / BYTES_PER_GIB) + 1
+        return CacheCapacityError(
+            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
+            f"({lay.slots} slots of {_fmt_bytes(per_slot)}). Give it more room (docker run "
+            f"--shm-size={need_gib}g, or mount -o remount,size={need_gib}G {shm_dir}) or pass "
+            f"a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+
+    def _publish(self, tmp: str, fd: int) -> None:
+        """Give the finished segment its public name so the other local ranks can attach."""
+        for _ in range(3):
+            try:
+                os.link(tmp, self._path)
+                return
+            except FileExistsError:
+                pass
+            try:
+                other = _open_existing(self._path)
+            except FileNotFoundError:
+                continue
+            try:
+                if not _try_stale(other):
+                    raise CacheConfigError(
+                        f"a live cache is already named {self._path}: another job or cache of "
+                        "this job uses the same job_key and name. Pass a distinct name= (e.g. "
+                        "'train' and 'val') or set STOCACHING_JOB_KEY per job",
+                        "name", self._name, self._path)
+                st = os.fstat(other)
+                _unlink_if_same(self._path, st.st_ino, st.st_dev)  # left by a dead job
+            finally:
+                os.close(other)
+        raise CacheConfigError(f"could not publish {self._path}: it keeps reappearing", "name",
+                               self._name, self._path)
+
+    def _attach_by_name(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            try:
+                fd = _open_existing(self._path)
+            except FileNotFoundError:
+                fd = -1
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise PermissionError(f"{self._path} is a symbolic link; stocaching does "
+                                          "not follow links. Remove it") from None
+                raise
+            if fd >= 0:
+                if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
+                    os.close(fd)
+                else:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except OSError:
+                        os.close(fd)  # a cleaner holds it for a moment
+                    else:
+                        break
+            if time.monotonic() > deadline:
+                raise CacheTimeoutError(
+                    f"local rank {self._world.local_rank} waited {timeout:.0f} s for local rank "
+                    f"0 (the local leader) to create {self._path}, but it never arrived. Check "
+                    "that every local rank constructs its caches with the same arguments and in "
+                    "the same order, that rank 0 is alive, and that all ranks see the same "
+                    "STOCACHING_JOB_KEY", self._path, timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        try:
+            st = os.fstat(fd)
+            if st.st_size < _HEADER_BYTES:
+                raise CacheConfigError(f"{self._path} is too small to be a cache segment",
+                                       "total_bytes", _HEADER_BYTES, st.st_size)
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            head = _read_header(mm)
+            self._check_header(head, st.st_size)
+            self._map(fd, mm, head)
+            with self._header_locked():
+                attached = self._header_get("attached") + 1
+                self._header_set("attached", attached)
+            if attached >= head["local_world_size"]:
+                _unlink_if_same(self._path, st.st_ino, st.st_dev)  # all here: drop the name
+        except BaseException:
+            os.close(fd)
+            raise
+        self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+
+    def _check_header(self, head: dict, size: int) -> None:
+        want = self._expected_header()
+        names = {"dataset_len": "dataset_len", "dtype_code": "dtype", "ndim": "data_dims",
+                 "slots": "slot count (from size_limit_gib)", "num_nodes": "num_nodes",
+                 "node_rank": "node_rank", "layout_seed": "layout_seed", "version": "version"}
+        for field, label in names.items():
+            if head[field] != want[field]:
+                exp, got = want[field], head[field]
+                if field == "dtype_code":
+                    exp, got = self._dtype, _DTYPE_BY_CODE.get(got, got)
+                raise CacheConfigError(
+                    f"the cache {self._path} made by local rank 0 has {label}={got}, but this "
+                    f"process asked for {label}={exp}; construct the cache with the same "
+                    "arguments on every local rank", label, exp, got)
+        dims = tuple(head[f"dim{i}"] for i in range(head["ndim"]))
+        if dims != self._dims:
+            raise CacheConfigError(
+                f"the cache {self._path} made by local rank 0 has data_dims={dims}, but this "
+                f"process asked for data_dims={self._dims}; construct the cache with the same "
+                "arguments on every local rank", "data_dims", self._dims, dims)
+        if not head["ready"] or head["total_bytes"] > size or \
+                any(head[k] != want[k] for k in ("stats_off", "aux_off", "seq_off",
+                                                 "map_off", "data_off", "total_bytes")):
+            raise CacheConfigError(f"{self._path} is damaged or from another stocaching "
+                                   "version", "layout", want["total_bytes"], head["total_bytes"])
+
+    def _map(self, fd: int, mm: mmap.mmap, head: dict) -> None:
+        """Build every view of the segment and claim this process's stats row."""
+        global _FORK_HOOK_REGISTERED
+        lay = self._layout
+        self._fd, self._mm = fd, mm
+        self._total = head["total_bytes"]
+        self._n = lay.dataset_len
+        np_dtype = _DTYPES[self._dtype][1]
+        view = memoryview(mm)
+        self._aux_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
+        self._aux_mv = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
+        self._seq_np = np.frombuffer(mm, np.uint32, lay.slots, head["seq_off"])
+        self._seq_mv = view[head["seq_off"]: head["seq_off"] + 4 * lay.slots].cast("I")
+        self._stats_np = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
+                                       head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
+        if head["map_off"]:
+            item = 4 if lay.slots < 2**31 else 8
+            self._slot_map = view[head["map_off"]: head["map_off"] + item * lay.dataset_len] \
+                .cast("i" if item == 4 else "q")
+        else:
+            self._slot_map = None
+        self._np_slots = np.frombuffer(mm, np_dtype, lay.slots * math.prod(self._dims),
+                                       head["data_off"]).reshape(lay.slots, *self._dims)
+        self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
+        self._array = self._to_torch(self._np_slots)
+        # A read-only mapping of the same pages backs the copy=False views: writing into one
+        # is a crash (SIGSEGV), not a silent change of the cached sample.
+        self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
+        ro = np.frombuffer(self._ro_mm, np_dtype, lay.slots * math.prod(self._dims),
+                           head["data_off"]).reshape(lay.slots, *self._dims)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            self._ro_slots = self._to_torch(ro)
+        self._tlock = threading.Lock()
+        self._closed = False
+        self._claim_stats_row()
+        _LIVE_CACHES.add(self)
+        if not _FORK_HOOK_REGISTERED:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _FORK_HOOK_REGISTERED = True
+
+    def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        return t.view(self._view_as) if self._view_as is not None else t
+
+    # -- locks and the header -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, offset: int, length: int = 1) -> Iterator[None]:
+        with self._tlock:  # POSIX record locks do not exclude threads of one process
+            _lock(self._fd, offset, length)
+            try:
+                yield
+            finally:
+                _unlock(self._fd, offset, length)
+
+    def _header_locked(self) -> contextlib.AbstractContextManager:
+        return self._locked(_LOCK_BASE)
+
+    def _header_get(self, field: str) -> int:
+        return struct.unpack_from("<q", self._mm, _FIELD_OFFSET[field])[0]
+
+    def _header_set(self, field: str, value: int) -> None:
+        struct.pack_into("<q", self._mm, _FIELD_OFFSET[field], value)
+
+    def _claim_stats_row(self) -> None:
+        """Give this process its own row of counters; fold rows of dead processes into row 0."""
+        rows = self._stats_np
+        pid = os.getpid()
+        with self._header_locked():
+            free = 0
+            for r in np.flatnonzero(rows[1:, _PID]) + 1:
+                if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
+                    rows[0, _HITS:] += rows[r, _HITS:]
+                    rows[r] = 0
+            empty = np.flatnonzero(rows[1:, _PID] == 0)
+            if len(empty):
+                free = int(empty[0]) + 1
+                rows[free, _PID], rows[free, _START] = pid, _process_start(pid)
+            else:
+                warnings.warn(f"more than {_STATS_ROWS - 1} processes use this cache; their "
+                              "stats share one row and may undercount", RuntimeWarning)
+        row_off = _HEADER_BYTES + free * _STATS_COLS * 8
+        self._ctr = memoryview(self._mm)[row_off: row_off + _STATS_COLS * 8].cast("q")
+
+    def _after_fork(self) -> None:
+        """In a forked child (e.g. a DataLoader worker): fresh thread lock, own stats row."""
+        self._tlock = threading.Lock()
+        if not self._closed:
+            try:
+                self._claim_stats_row()
+            except Exception:  # never break the child over statistics
+                self._ctr = memoryview(bytearray(_STATS_COLS * 8)).cast("q")
+
+    # -- pickling (spawn and forkserver DataLoader workers) ---------------------------------
+
+    def __reduce__(self) -> tuple:
+        if self._closed:
+            raise ValueError("a closed SharedCache cannot be sent to another process")
+        from multiprocessing.reduction import DupFd
+
+        state = (self._layout, self._world, self._dims, self._dtype, self._name, self._path)
+        return _rebuild_cache, (DupFd(self._fd), state)
+
+    # -- the public API -------------------------------------------------------------------
+
+    @property
+    def array(self) -> torch.Tensor:
+        """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory.
+
+        .. warning::
+            This is a raw view: writing into it bypasses the slot states and the protection of
+            concurrent readers. Use ``set_slot``.
+        """
+        return self._array
+
+    @property
+    def aux_array(self) -> torch.Tensor:
+        """State of every dataset index, a uint8 tensor of shape ``(dataset_len,)`` in shared
+        memory: 0 empty, 1 set, 2 out of bounds (no slot on this node), 3 being written."""
+        return torch.from_numpy(self._aux_np)
+
+    @property
+    def dataset_len(self) -> int:
+        """Number of samples in the full dataset."""
+        return self._layout.dataset_len
+
+    @property
+    def data_dims(self) -> tuple[int, ...]:
+        """Shape of one sample."""
+        return self._dims
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the samples."""
+        return self._dtype
+
+    @property
+    def world(self) -> World:
+        """Who this process is (rank, local rank, node)."""
+        return self._world
+
+    @property
+    def layout(self) -> CacheLayout:
+        """Which dataset indices each node caches."""
+        return self._layout
+
+    @property
+    def name(self) -> str:
+        """Name of the cache within its job."""
+        return self._name
+
+    def cached_indices(self) -> np.ndarray:
+        """Dataset indices that have a slot on this node, in slot order."""
+        return self._layout.indices(self._world.node_rank)
+
+    def __len__(self) -> int:
+        return self._layout.slots
+
+    def __getitem__(self, slot: Any) -> torch.Tensor:
+        """Raw slot access, as in 0.2.1: ``cache[s]`` is a view of slot ``s`` (not a dataset
+        index when several nodes share the dataset)."""
+        return self._array[slot]
+
+    def __setitem__(self, slot: Any, value: Any) -> None:
+        """Raw slot write, as in 0.2.1 (the aux state is not changed). Concurrent ``get_slot``
+        readers of the slots written see a miss rather than a half-written sample."""
+        if _is_int(slot):
+            s = _check_int("slot", slot, low=-len(self), high=len(self) - 1,
+                           expect=f"an int in [-{len(self)}, {len(self) - 1}]") % len(self)
+            src = self._source(value)
+            with self._locked(_LOCK_BASE + 1 + s):
+                self._write(s, src)
+            return
+        with self._locked(_LOCK_BASE + 1, max(1, len(self))):
+            seq = self._seq_np
+            seq |= 1
+            try:
+                self._array[slot] = value
+            finally:
+                seq += 1
+
+    def _index(self, idx: Any) -> int:
+        if not _is_int(idx):
+            raise TypeError(f"idx should be an int in [0, {self._n - 1}] (a dataset index), "
+                            f"but got idx={idx!r} of type {type(idx).__name__}")
+        i = int(idx)
+        if not 0 <= i < self._n:
+            raise IndexError(f"idx should be a dataset index in [0, {self._n - 1}], "
+                             f"but got idx={i}")
+        return i
+
+    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
+                 copy: bool = True) -> torch.Tensor | None:
+        """The cached sample of dataset index ``idx``, or None if it is not cached.
+
+        Args:
+            idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
+            allow_oob_idx: when False, an index without a slot on this node raises
+                IndexError instead of returning None. Default: True.
+            allow_empty_slot: when False, an index whose slot is empty (or being written)
+                raises RuntimeError instead of returning None. Default: True.
+            copy: when True, return a new tensor that the caller owns. When False, return a
+                view of the shared slot (no copy). Default: True.
+
+        .. warning::
+            With ``copy=False`` the returned tensor is backed by a read-only mapping: an
+            in-place operation on it kills the process with SIGSEGV instead of corrupting
+            the cache, and a later overwrite or ``clear()`` changes what it shows. Use it only
+            where the sample is copied anyway (e.g. collated) before any transform.
+
+        Raises:
+            IndexError: ``idx`` outside the dataset, or without a slot and not allow_oob_idx.
+            TypeError: ``idx`` is not an integer (bool and float included).
+            RuntimeError: the slot is empty and not allow_empty_slot.
+        """
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            slot = idx if self._slot_map is None else self._slot_map[idx]
+            for _ in range(3):
+                seq = self._seq_mv[slot]
+                if seq & 1:
+                    break
+                if copy:
+                    out = torch.from_numpy(self._np_slots[slot].copy())
+                    if self._view_as is not None:
+                        out = out.view(self._view_as)
+                else:
+                    out = self._ro_slots[slot]
+                if self._seq_mv[slot] == seq:  # no writer or clear() ran meanwhile
+                    self._ctr[_HITS] += 1
+                    return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
+        if self._aux_mv[idx] == OOB:
+            if not allow_oob_idx:
+                raise IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
+                                 f"{self._n} samples) and allow_oob_idx=False")
+            self._ctr[_OOB_MISSES] += 1
+        elif not allow_empty_slot:
+            raise RuntimeError(f"the slot of idx={idx} is empty (or being written) and "
+                               "allow_empty_slot=False")
+        self._ctr[_MISSES] += 1
+        return None
+
+    def _source(self, value: Any) -> np.ndarray:
+        """Check a value to store and return it as a numpy array, without touching the cache.
+        Accepted: a tensor or array of shape data_dims whose dtype is the cache's or casts to
+        it without loss (e.g. uint8 into float32); tensors on other devices are copied."""
+        if isinstance(value, np.ndarray):
+            try:
+                value = torch.from_numpy(value)
+            except TypeError:
+                raise TypeError(f"value should be a tensor of dtype {self._dtype}, but got a "
+                                f"numpy array of dtype {value.dtype}") from None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"value should be a torch.Tensor of shape {self._dims} and dtype "
+                            f"{self._dtype}, but got value of type {type(value).__name__}")
+        if tuple(value.shape) != self._dims:
+            raise ValueError(f"value should have shape {self._dims} (the cache's data_dims), "
+                             f"but got value.shape={tuple(value.shape)}")
+        if value.dtype != self._dtype:
+            if self._dtype not in _LOSSLESS.get(value.dtype, ()):
+                raise TypeError(f"value should have dtype {self._dtype} (or one that casts to "
+                                f"it without loss), but got value.dtype={value.dtype}")
+        value = value.detach().to("cpu", self._dtype).resolve_conj().resolve_neg()
+        if self._view_as is not None:
+            value = value.view(torch.uint16)
+        return value.numpy()
+
+    def _write(self, slot: int, src: np.ndarray, idx: int | None = None) -> None:
+        """Write one slot; the caller holds its lock. Odd sequence numbers mean "in progress"."""
+        seq = self._seq_mv[slot]
+        seq += seq & 1  # an odd number left by a writer that died: round up
+        self._seq_mv[slot] = (seq + 1) & 0xFFFFFFFF
+        if idx is not None:
+            self._aux_mv[idx] = WRITING
+        self._np_slots[slot] = src
+        if idx is not None:
+            self._aux_mv[idx] = SET
+        self._seq_mv[slot] = (seq + 2) & 0xFFFFFFFF
+
+    def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
+                 allow_overwrite: bool = False) -> None:
+        """Store ``value`` as the sample of dataset index ``idx``.
+
+        A no-op when ``idx`` has no slot on this node (unless ``allow_oob_idx=False``). The
+        value is copied; later changes to it do not reach the cache.
+
+        Args:
+            idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
+            value: tensor (or numpy array) of shape ``data_dims`` and the cache's dtype, or a
+                dtype that casts to it without loss (bool into anything, uint8 into int16 or
+                float32, float16 into float32, ...). Tensors on another device are copied.
+            allow_oob_idx: when False, an index without a slot raises IndexError. Default:
+                True.
+            allow_overwrite: when False, writing a slot that is already set raises
+                RuntimeError. Default: False.
+
+        Raises:
+            IndexError, TypeError, ValueError: bad ``idx`` or ``value``; nothing is changed.
+            RuntimeError: the slot is set and not allow_overwrite; nothing is changed.
+        """
+        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        if self._aux_mv[idx] == OOB:
+            if not allow_oob_idx:
+                raise IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
+                                 f"{self._n} samples) and allow_oob_idx=False")
+            return
+        src = self._source(value)
+        slot = idx if self._slot_map is None else self._slot_map[idx]
+        with self._locked(_LOCK_BASE + 1 + slot):
+            # A slot left WRITING by a writer that died is empty: we hold its lock now.
+            if self._aux_mv[idx] == SET and not allow_overwrite:
+                raise RuntimeError(f"the slot of idx={idx} is already set; pass "
+                                   "allow_overwrite=True to replace it")
+            self._write(slot, src, idx)
+        self._ctr[_WRITES] += 1
+
+    def clear(self) -> None:
+        """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
+        processes read (they see misses) or write (they finish first)."""
+        with self._locked(_LOCK_BASE + 1, max(1, len(self))):
+            self._seq_np |= 1
+            aux = self._aux_np
+            aux[aux != OOB] = EMPTY
+            self._np_slots.reshape(-1).view(np.uint8).fill(0)
+            self._seq_np += 1
+
+    def stats(self) -> dict[str, Any]:
+        """Counters summed over every process that used this cache on this node.
+
+        Returns:
+            A dict with ``hits``, ``misses`` (get_slot returned None), ``oob_misses`` (of
+            those, indices without a slot here), ``writes`` (set_slot calls that stored),
+            ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
+            segment), ``hit_rate`` (hits / reads, nan before the first read) and
+            ``processes`` (processes holding a row now).
+        """
+        with self._header_locked():
+            rows = self._stats_np.copy()
+        hits, misses, oob, writes = (int(x) for x in rows[:, _HITS:_WRITES + 1].sum(0))
+        reads = hits + misses
+        return {"hits": hits, "misses": misses, "oob_misses": oob, "writes": writes,
+                "filled": int(np.count_nonzero(self._aux_np == SET)), "slots": len(self),
+                "dataset_len": self._n, "bytes": self._total,
+                "hit_rate": hits / reads if reads else float("nan"),
+                "processes": int(np.count_nonzero(rows[1:, _PID]))}
+
+    def close(self) -> None:
+        """Release this process's handle on the segment. Other processes keep theirs; the
+        memory is freed by the kernel when the last one is gone. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        _LIVE_CACHES.discard(self)
+        self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "SharedCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if getattr(self, "_closed", True) else f"{len(self)} slots"
+        return (f"SharedCache(name={self._name!r}, dataset_len={self._layout.dataset_len}, "
+                f"data_dims={self._dims}, dtype={self._dtype}, {state}, "
+                f"node={self._world.node_rank})")
+
+
+def _finalize_segment(fd: int, path: str | None, ino: int, dev: int) -> None:
+    """Close our descriptor; the creator also drops a public name nobody attached to."""
+    if path is not None:
+        _unlink_if_same(path, ino, dev)
+    _close_fd(fd)
+
+
+def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
+    """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
+    layout, world, dims, dtype, name, path = state
+    fd = dupfd.detach()
+    cache = SharedCache.__new__(SharedCache)
+    cache._layout, cache._world, cache._dims, cache._dtype = layout, world, dims, dtype
+    cache._name, cache._path, cache._fd = name, path, fd
+    cache._finalizer = None
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        head = _read_header(mm)
+        cache._check_header(head, size)
+        cache._map(fd, mm, head)
+    except BaseException:
+        os.close(fd)
+        raise
+    cache._finalizer = weakref.finalize(cache, _finalize_segment, fd, None, 0, 0)
+    return cache
+
+
+# ----------------------------------------------------------------------------------------------
+# Public helpers and the command line
+# ----------------------------------------------------------------------------------------------
+
+
+def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
+    """Total size of /dev/shm in whole GiB, as in 0.2.1 (``df -h /dev/shm`` shows the same).
+
+    Resize it with ``mount -o remount,size=64G /dev/shm``, or ``docker run --shm-size=64g``.
+    """
+    st = os.statvfs(shm_dir)
+    return int(st.f_blocks * st.f_frsize / BYTES_PER_GIB)
+
+
+def _mapped_segments(shm_dir: str) -> dict[tuple[str, int], dict]:
+    """Segments mapped by any process we can see, named or already unlinked, from /proc."""
+    found: dict[tuple[str, int], dict] = {}
+    prefix = os.path.join(os.path.realpath(shm_dir), SEGMENT_PREFIX + "_")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                lines = [ln for ln in f if prefix in ln]
+        except OSError:
+            continue
+        for ln in lines:
+            fields = ln.split(maxsplit=5)
+            if len(fields) < 6:
+                continue
+            path = fields[5].strip()
+            deleted = path.endswith(" (deleted)")
+            path = path.removesuffix(" (deleted)")
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            seg = found.setdefault((path, int(fields[4])), {
+                "path": path, "bytes": 0, "pids": set(), "named": not deleted})
+            seg["bytes"] = max(seg["bytes"], hi - lo)
+            seg["pids"].add(int(entry))
+    return found
+
+
+def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
+    """Every stocaching segment on this machine: the named ones in ``shm_dir`` and those whose
+    name is already gone but that processes still map.
+
+    Returns:
+        Dicts with ``path``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as
+        /proc shows), ``state`` ("live", "starting" or "stale") and ``named``.
+    """
+    segs = {}
+    for (path, _ino), seg in _mapped_segments(shm_dir).items():
+        info = _parse_segment_name(os.path.basename(path)) or {}
+        segs[path if seg["named"] else f"{path}#{_ino}"] = {
+            "path": path, "uid": info.get("uid", -1), "bytes": seg["bytes"],
+            "pids": sorted(seg["pids"]), "state": "live", "named": seg["named"]}
+    for fname in sorted(os.listdir(shm_dir)):
+        info = _parse_segment_name(fname)
+        if info is None:
+            continue
+        path = os.path.join(shm_dir, fname)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        seg = segs.setdefault(path, {"path": path, "uid": st.st_uid, "bytes": st.st_size,
+                                     "pids": [], "named": True})
+        seg["bytes"] = st.st_size
+        if not seg["pids"]:
+            seg["state"] = "stale" if _is_stale_file(path) else (
+                "starting" if info["starting"] else "live")
+        elif info["starting"]:
+            seg["state"] = "starting"
+    return list(segs.values())
+
+
+def _is_stale_file(path: str, *, remove: bool = False) -> bool:
+    """True when no live process holds the segment at ``path``; optionally remove it then.
+    Files of other users, links and files younger than two seconds are never stale."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or \
+                time.time() - st.st_mtime < 2.0:
+            return False
+        if not _try_stale(fd):
+            return False
+        if remove:
+            _unlink_if_same(path, st.st_ino, st.st_dev)
+        return True
+    finally:
+        os.close(fd)
+
+
+def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False) -> list[str]:
+    """Remove this user's segments in ``shm_dir`` that no live process holds (left by a job
+    killed during start-up). Live segments are never touched.
+
+    Returns:
+        The paths removed (or that would be, with ``dry_run=True``).
+    """
+    removed = []
+    mine = f"{SEGMENT_PREFIX}_{os.getuid()}_"
+    for fname in sorted(os.listdir(shm_dir)):
+        if fname.startswith(mine):
+            path = os.path.join(shm_dir, fname)
+            if _is_stale_file(path, remove=not dry_run):
+                removed.append(path)
+                logger.info("stocaching: removed stale segment %s", path)
+    return removed
+
+
+def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.uint8,
+         size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR) -> dict:
+    """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
+
+    Returns:
+        A dict with ``slots``, ``fraction`` (of the dataset), ``size_limit_gib`` used,
+        ``dataset_gib`` (what the whole dataset would need) and ``shm_free_gib``.
+    """
+    dataset_len = _check_int("dataset_len", dataset_len, low=1)
+    dims = _check_dims(data_dims)
+    dtype = _check_dtype(dtype)
+    slot_bytes = math.prod(dims) * dtype.itemsize
+    st = os.statvfs(shm_dir)
+    free_gib = st.f_bavail * st.f_frsize / BYTES_PER_GIB
+    overhead_gib = (_HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 + mmap.PAGESIZE) / BYTES_PER_GIB
+    limit = size_limit_gib if size_limit_gib is not None else max(0.0, free_gib - overhead_gib)
+    if size_limit_gib is not None and (isinstance(limit, bool) or not limit > 0):
+        raise ValueError(f"size_limit_gib should be a positive number, "
+                         f"but got size_limit_gib={size_limit_gib!r}")
+    slots = _slots_for_budget(limit, dataset_len, slot_bytes) if limit > 0 else 0
+    return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
+            "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
+            "shm_free_gib": free_gib}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m stocaching [info|plan|clean]``: see the shared memory, size a cache, clean up."""
+    parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
+    parser.add_argument("--shm-dir", default=os.environ.get("STOCACHING_SHM_DIR",
+                                                            DEFAULT_SHM_DIR))
+    sub = parser.add_subparsers(dest="cmd")
+    sub.add_parser("info", help="/dev/shm, RAM and live caches (the default)")
+    p = sub.add_parser("plan", help="how many samples of a shape fit")
+    p.add_argument("--dataset-len", type=int, required=True)
+    p.add_argument("--dims", required=True, help="sample shape, e.g. 3,256,256")
+    p.add_argument("--dtype", default="uint8")
+    p.add_argument("--size-gib", type=float, default=None,
+                   help="budget (default: what /dev/shm has free)")
+    c = sub.add_parser("clean", help="remove your segments whose processes are all gone")
+    c.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    out = sys.stdout.write
+    if args.cmd == "plan":
+        dtype = getattr(torch, args.dtype, None)
+        try:
+            dims = tuple(int(d) for d in args.dims.replace("x", ",").split(","))
+            r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir)
+        except (TypeError, ValueError) as e:
+            parser.error(str(e))
+        out(f"{r['slots']} of {args.dataset_len} samples of {dims} {args.dtype} fit in "
+            f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
+            f"the whole dataset needs {r['dataset_gib']:.2f} GiB; {args.shm_dir} has "
+            f"{r['shm_free_gib']:.2f} GiB free\n")
+    elif args.cmd == "clean":
+        removed = clean_segments(args.shm_dir, dry_run=args.dry_run)
+        verb = "would remove" if args.dry_run else "removed"
+        out("".join(f"{verb} {p}\n" for p in removed) or "nothing to clean\n")
+    else:
+        st = os.statvfs(args.shm_dir)
+        vm = psutil.virtual_memory()
+        out(f"{args.shm_dir}: {_fmt_bytes(st.f_blocks * st.f_frsize)} total, "
+            f"{_fmt_bytes(st.f_bavail * st.f_frsize)} free\n"
+            f"RAM: {_fmt_bytes(vm.total)} total, {_fmt_bytes(vm.available)} available\n")
+        segs = list_segments(args.shm_dir)
+        out(f"stocaching segments: {len(segs)}\n")
+        for s in segs:
+            name = s["path"] if s["named"] else s["path"] + " (unlinked)"
+            out(f"  {s['state']:8s} uid={s['uid']} {_fmt_bytes(s['bytes']):>10s} "
+                f"pids={','.join(map(str, s['pids'])) or '-'} {name}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
