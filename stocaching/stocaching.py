@@ -671,6 +671,10 @@ class SharedCache:
         item = dtype.itemsize
         slot_bytes = math.prod(dims) * item
         slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes)
+        if slots == 0:
+            warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
+                          f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}; "
+                          "every get_slot will miss", RuntimeWarning, stacklevel=2)
         self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
         self._world = world
         self._dims, self._dtype = dims, dtype

@@ -1,0 +1,380 @@
+"""SharedCache in one process: the 0.2.1 API and sizing, every dtype, copies, stats, bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import stocaching
+from stocaching import CacheConfigError, SharedCache
+
+REF_DIR = os.environ.get("STOCACHING_REF_DIR", os.path.join(os.path.dirname(__file__), "..",
+                                                            ".ci", "ref"))
+KIB = 1 / 1024**2  # size_limit_gib of one KiB
+
+
+def _ref():
+    """stocaching 0.2.1 from PyPI, installed by .ci/run with pip --target into .ci/ref."""
+    init = os.path.join(REF_DIR, "stocaching", "__init__.py")
+    if not os.path.exists(init):
+        pytest.skip("stocaching 0.2.1 is not installed in .ci/ref (run .ci/run, or "
+                    "pip install --no-deps --target .ci/ref stocaching==0.2.1)")
+    spec = importlib.util.spec_from_file_location("stocaching_021", init)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make(shm_dir, size=64 * KIB, n=100, dims=(3, 4, 4), dtype=torch.uint8, **kw):
+    return SharedCache(size, n, dims, dtype, shm_dir=shm_dir, **kw)
+
+
+def sample(dims, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, dims, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(dims, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(dims, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -1000), min(info.max, 1000)
+    return torch.randint(lo, hi, dims, generator=g, dtype=torch.int64).to(dtype)
+
+
+# -- compatibility with 0.2.1 --------------------------------------------------------------------
+
+SIZES = [  # (size_limit_gib, dataset_len, dims, dtype)
+    (1, 1000, (3, 32, 32), torch.uint8),           # everything fits
+    (0.001, 1000, (3, 32, 32), torch.uint8),       # a float budget, part fits
+    (8 * KIB, 5000, (4,), torch.float32),          # the aux array eats most of the budget
+    (0.0005, 333, (7, 5), torch.int64),
+]
+
+
+@pytest.mark.parametrize("size,n,dims,dtype", SIZES)
+def test_len_and_layout_match_021(shm_dir, size, n, dims, dtype, capsys):
+    ref = _ref()
+    r = ref.SharedCache(size, n, dims, dtype)
+    c = SharedCache(size, n, dims, dtype, shm_dir=shm_dir)
+    assert len(c) == len(r)
+    assert tuple(c.array.shape) == tuple(r.array.shape)
+    assert c.array.dtype == r.array.dtype
+    assert torch.equal(c.aux_array, r.aux_array)
+    assert c.aux_array.dtype == torch.uint8 and c.aux_array.shape == (n,)
+
+
+def _call(obj, meth, *args, **kw):
+    try:
+        out = getattr(obj, meth)(*args, **kw)
+    except Exception as e:  # the exception type is the result we compare
+        return type(e)
+    return None if out is None else out.clone()
+
+
+def test_same_results_as_021(shm_dir):
+    """One script of calls, run on both; identical results and exceptions."""
+    ref = _ref()
+    n, dims = 50, (2, 3)
+    size = (30 * 6 + n) / 1024**3  # 30 slots
+    r, c = ref.SharedCache(size, n, dims), SharedCache(size, n, dims, shm_dir=shm_dir)
+    assert len(c) == len(r) == 30
+    x = sample(dims, torch.uint8, 1)
+    script = [
+        ("get_slot", (3,), {}), ("set_slot", (3, x), {}), ("get_slot", (3,), {}),
+        ("set_slot", (3, x), {}), ("set_slot", (3, x + 1), {"allow_overwrite": True}),
+        ("get_slot", (3,), {}), ("get_slot", (40,), {}), ("set_slot", (40, x), {}),
+        ("get_slot", (40,), {"allow_oob_idx": False}),
+        ("set_slot", (40, x), {"allow_oob_idx": False}),
+        ("get_slot", (4,), {"allow_empty_slot": False}), ("get_slot", (50,), {}),
+        ("get_slot", (-1,), {}), ("set_slot", (50, x), {}), ("get_slot", (np.int64(3),), {}),
+        ("get_slot", (torch.tensor(3),), {}), ("clear", (), {}), ("get_slot", (3,), {}),
+    ]
+    for meth, args, kw in script:
+        a, b = _call(r, meth, *args, **kw), _call(c, meth, *args, **kw)
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and torch.equal(a, b), (meth, args, kw)
+        else:
+            assert a == b, (meth, args, kw, a, b)
+        assert torch.equal(r.aux_array, c.aux_array), (meth, args, kw)
+    assert torch.equal(r.array, c.array)  # clear() zeroes, as in 0.2.1
+
+
+def test_budget_below_the_aux_array_gives_no_slots_and_a_warning(shm_dir):
+    """0.2.1 crashes here (negative array length); we make an empty cache and say why."""
+    with pytest.warns(RuntimeWarning, match="no slots"):
+        c = SharedCache(2 * KIB, 5000, (4,), torch.float32, shm_dir=shm_dir)
+    assert len(c) == 0 and c.get_slot(0) is None and c.aux_array.eq(2).all()
+    c.set_slot(0, torch.zeros(4))  # a no-op, as for any index without a slot
+
+
+def test_get_shm_size_matches_df():
+    st = os.statvfs("/dev/shm")
+    assert stocaching.get_shm_size() == int(st.f_blocks * st.f_frsize / 1024**3)
+
+
+# -- values ------------------------------------------------------------------------------------
+
+ALL_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint16,
+              torch.uint32, torch.uint64, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_round_trips(shm_dir, dtype):
+    c = make(shm_dir, size=1, n=20, dims=(2, 5), dtype=dtype)
+    values = {i: sample((2, 5), dtype, i) for i in range(0, 20, 3)}
+    for i, v in values.items():
+        c.set_slot(i, v)
+    for i in range(20):
+        got = c.get_slot(i)
+        if i in values:
+            assert got.dtype == dtype and torch.equal(got, values[i])
+            assert torch.equal(c.get_slot(i, copy=False), values[i])
+        else:
+            assert got is None
+    assert c.array.dtype == dtype
+    assert c.stats()["filled"] == len(values)
+
+
+def test_returned_tensor_is_a_copy(shm_dir):
+    c = make(shm_dir)
+    x = sample((3, 4, 4), torch.uint8, 0)
+    c.set_slot(7, x)
+    y = c.get_slot(7)
+    y.add_(1)          # an in-place augmentation on the returned tensor
+    y.zero_()
+    assert torch.equal(c.get_slot(7), x)
+    x.fill_(9)         # and the stored value does not alias the caller's tensor
+    assert not torch.equal(c.get_slot(7), x)
+
+
+def test_view_is_read_only_and_writing_it_crashes(shm_dir):
+    """copy=False returns a read-only mapping: an in-place write kills the process with SIGSEGV
+    instead of changing the cache silently. Shown in a child process."""
+    code = f"""
+import torch, stocaching
+c = stocaching.SharedCache(1e-4, 10, (4,), shm_dir={shm_dir!r})
+c.set_slot(1, torch.arange(4, dtype=torch.uint8))
+v = c.get_slot(1, copy=False)
+assert v.tolist() == [0, 1, 2, 3]
+print("ok", flush=True)
+v.add_(1)
+print("survived", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["ok"]
+    assert r.returncode == -11, r.stderr
+
+
+@pytest.mark.parametrize("src,dst", [(torch.uint8, torch.float32), (torch.bool, torch.uint8),
+                                     (torch.float16, torch.float32), (torch.int8, torch.int16)])
+def test_lossless_casts_are_accepted(shm_dir, src, dst):
+    c = make(shm_dir, dtype=dst)
+    x = sample((3, 4, 4), src, 3)
+    c.set_slot(0, x)
+    assert torch.equal(c.get_slot(0), x.to(dst))
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.uint8), (torch.int64, torch.float32),
+                                     (torch.int32, torch.int16), (torch.float64, torch.float32)])
+def test_lossy_casts_are_rejected(shm_dir, src, dst):
+    c = make(shm_dir, dtype=dst)
+    with pytest.raises(TypeError, match=r"value should have dtype .* but got value.dtype="):
+        c.set_slot(0, sample((3, 4, 4), src, 3))
+    assert c.get_slot(0) is None
+
+
+def test_numpy_values_are_accepted(shm_dir):
+    c = make(shm_dir)
+    x = np.arange(48, dtype=np.uint8).reshape(3, 4, 4)
+    c.set_slot(1, x)
+    assert c.get_slot(1).numpy().tolist() == x.tolist()
+
+
+@pytest.mark.parametrize("idx", [5, np.int64(5), np.uint8(5), np.int32(5), torch.tensor(5),
+                                 torch.tensor(5, dtype=torch.int16)], ids=repr)
+def test_integer_scalars_are_indices(shm_dir, idx):
+    c = make(shm_dir)
+    x = sample((3, 4, 4), torch.uint8, 5)
+    c.set_slot(idx, x)
+    assert torch.equal(c.get_slot(idx), x)
+    assert torch.equal(c.get_slot(5), x)
+
+
+def test_raw_item_access_is_021_compatible(shm_dir):
+    c = make(shm_dir)
+    x = sample((3, 4, 4), torch.uint8, 8)
+    c[2] = x                          # writes slot 2, leaves its state alone (as 0.2.1)
+    assert torch.equal(c[2], x) and c.aux_array[2] == 0
+    assert c.get_slot(2) is None
+    c[3:5] = x                        # slices work as on a tensor
+    assert torch.equal(c.array[4], x)
+    assert len(c) == c.array.shape[0]
+
+
+# -- stats and clear ---------------------------------------------------------------------------
+
+def test_stats_count_hits_misses_writes(shm_dir):
+    c = make(shm_dir, size=(10 * 48 + 100) / 1024**3)
+    assert len(c) == 10
+    x = sample((3, 4, 4), torch.uint8, 0)
+    for i in range(5):
+        assert c.get_slot(i) is None
+        c.set_slot(i, x)
+        assert c.get_slot(i) is not None
+    c.get_slot(50)                     # out of bounds
+    c.set_slot(50, x)                  # a no-op: not a write
+    s = c.stats()
+    assert (s["hits"], s["misses"], s["oob_misses"], s["writes"], s["filled"]) == (5, 6, 1, 5, 5)
+    assert (s["slots"], s["dataset_len"]) == (10, 100)
+    assert s["hit_rate"] == pytest.approx(5 / 11)
+    assert s["bytes"] >= 10 * 48 + 100
+    c.clear()
+    s = c.stats()
+    assert s["filled"] == 0 and s["hits"] == 5
+    assert c.get_slot(1) is None
+
+
+def test_no_reads_means_nan_hit_rate(shm_dir):
+    assert np.isnan(make(shm_dir).stats()["hit_rate"])
+
+
+# -- several caches, names ---------------------------------------------------------------------
+
+def test_two_caches_in_one_job_do_not_collide(shm_dir):
+    a = make(shm_dir, name="train")
+    b = make(shm_dir, name="val")
+    a.set_slot(0, torch.zeros(3, 4, 4, dtype=torch.uint8))
+    assert b.get_slot(0) is None
+    d1, d2 = make(shm_dir), make(shm_dir)  # default names differ too
+    assert d1.name != d2.name
+
+
+def test_close_is_idempotent_and_closed_cache_says_so(shm_dir):
+    c = make(shm_dir)
+    c.set_slot(0, torch.zeros(3, 4, 4, dtype=torch.uint8))
+    with c:
+        pass
+    c.close()
+    with pytest.raises(ValueError, match="closed"):
+        c.get_slot(0)
+    with pytest.raises(ValueError, match="closed"):
+        c.set_slot(1, torch.zeros(3, 4, 4, dtype=torch.uint8))
+
+
+def test_ram_warning(shm_dir, monkeypatch):
+    monkeypatch.setattr(stocaching.stocaching, "RAM_MARGIN_BYTES", 1 << 60)
+    with pytest.warns(ResourceWarning, match="RAM is available"):
+        make(shm_dir)
+
+
+def test_allocation_summary_is_logged_once_by_the_leader(shm_dir, caplog):
+    with caplog.at_level("INFO", logger="stocaching"):
+        make(shm_dir, size=(10 * 48 + 100) / 1024**3, name="logged")
+    msgs = [r.getMessage() for r in caplog.records if "holds" in r.getMessage()]
+    assert len(msgs) == 1 and "10 of 100 samples (10.0%)" in msgs[0]
+
+
+def test_nothing_is_printed(shm_dir, capfd):
+    c = make(shm_dir)
+    c.set_slot(0, torch.zeros(3, 4, 4, dtype=torch.uint8))
+    c.get_slot(0), c.stats(), c.clear()
+    assert capfd.readouterr() == ("", "")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+BAD_CTOR = [
+    (dict(size_limit_gib=0), ValueError, r"size_limit_gib should be a positive finite .*=0"),
+    (dict(size_limit_gib=-1.5), ValueError, r"size_limit_gib=-1.5"),
+    (dict(size_limit_gib=float("nan")), ValueError, r"size_limit_gib=nan"),
+    (dict(size_limit_gib=float("inf")), ValueError, r"size_limit_gib=inf"),
+    (dict(size_limit_gib="1"), TypeError, r"size_limit_gib='1'"),
+    (dict(size_limit_gib=True), TypeError, r"size_limit_gib=True"),
+    (dict(dataset_len=0), ValueError, r"dataset_len should be a positive int, but got dataset_len=0"),
+    (dict(dataset_len=-3), ValueError, r"dataset_len=-3"),
+    (dict(dataset_len=True), TypeError, r"dataset_len=True"),
+    (dict(dataset_len=10.0), TypeError, r"dataset_len=10.0"),
+    (dict(data_dims=()), ValueError, r"data_dims should be a non-empty tuple .* data_dims=\(\)"),
+    (dict(data_dims=(3, 0, 32)), ValueError, r"data_dims=\(3, 0, 32\)"),
+    (dict(data_dims=(3, -1)), ValueError, r"data_dims=\(3, -1\)"),
+    (dict(data_dims=(3, 2.0)), TypeError, r"data_dims=\(3, 2.0\)"),
+    (dict(data_dims=(3, True)), TypeError, r"data_dims=\(3, True\)"),
+    (dict(data_dims=32), TypeError, r"data_dims=32"),
+    (dict(dtype=torch.float8_e4m3fn), ValueError, r"dtype should be one of .* dtype=torch.float8"),
+    (dict(dtype=np.uint8), TypeError, r"dtype should be one of"),
+    (dict(name="a/b"), ValueError, r"name should be .* name='a/b'"),
+    (dict(job_key=""), ValueError, r"job_key should be"),
+    (dict(timeout=0), ValueError, r"timeout should be a positive .* timeout=0"),
+    (dict(layout_seed=-1), ValueError, r"layout_seed"),
+    (dict(shm_dir="/nonexistent/dir"), ValueError, r"shm_dir should be an existing directory"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD_CTOR, ids=lambda v: repr(v)[:40])
+def test_bad_constructor_arguments(shm_dir, kw, exc, match):
+    args = dict(size_limit_gib=KIB, dataset_len=10, data_dims=(3, 4), shm_dir=shm_dir)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        SharedCache(**args)
+    from conftest import leftovers
+    assert leftovers(shm_dir) == []
+
+
+def _snapshot(c):
+    s = c.stats()
+    return c.array.clone(), c.aux_array.clone(), {k: v for k, v in s.items() if k != "hit_rate"}
+
+
+BAD_CALLS = [
+    ("get_slot", (1.0,), {}, TypeError, r"idx should be an int .* idx=1.0"),
+    ("get_slot", (True,), {}, TypeError, r"idx=True"),
+    ("get_slot", (100,), {}, IndexError, r"idx should be a dataset index in \[0, 99\], but got idx=100"),
+    ("get_slot", (-1,), {}, IndexError, r"idx=-1"),
+    ("get_slot", ("3",), {}, TypeError, r"idx='3'"),
+    ("get_slot", (torch.tensor([1, 2]),), {}, TypeError, r"idx=tensor"),
+    ("get_slot", (60,), {"allow_oob_idx": False}, IndexError, r"idx=60 has no slot"),
+    ("get_slot", (4,), {"allow_empty_slot": False}, RuntimeError, r"slot of idx=4 is empty"),
+    ("set_slot", (1.5, "x"), {}, TypeError, r"idx=1.5"),
+    ("set_slot", (100, "x"), {}, IndexError, r"idx=100"),
+    ("set_slot", (60, "x"), {"allow_oob_idx": False}, IndexError, r"idx=60 has no slot"),
+    ("set_slot", (4, torch.zeros(3, 4)), {}, ValueError, r"shape \(3, 4, 4\) .* value.shape=\(3, 4\)"),
+    ("set_slot", (4, torch.zeros(3, 4, 4)), {}, TypeError, r"dtype torch.uint8 .* value.dtype=torch.float32"),
+    ("set_slot", (4, [[1]]), {}, TypeError, r"value of type list"),
+    ("set_slot", (3, "x"), {}, RuntimeError, r"slot of idx=3 is already set"),
+]
+
+
+@pytest.mark.parametrize("meth,args,kw,exc,match", BAD_CALLS, ids=lambda v: repr(v)[:30])
+def test_bad_calls_raise_and_change_nothing(shm_dir, meth, args, kw, exc, match):
+    c = make(shm_dir, size=(50 * 48 + 100) / 1024**3)
+    x = sample((3, 4, 4), torch.uint8, 0)
+    c.set_slot(3, x)
+    c.get_slot(3)
+    if args[-1] == "x":
+        args = (*args[:-1], x + 1)
+    before = _snapshot(c)
+    with pytest.raises(exc, match=match):
+        getattr(c, meth)(*args, **kw)
+    after = _snapshot(c)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert before[2] == after[2]
+
+
+def test_other_device_is_copied(shm_dir):
+    """A value on another device is copied to the CPU. This machine has no GPU, so the test uses
+    torch's 'meta' device only to show that the check does not reject non-CPU tensors by device;
+    the copy itself needs a real device and is skipped where none exists."""
+    if not torch.cuda.is_available():
+        pytest.skip("no second device (GPU) on this machine to copy from")
+    c = make(shm_dir)
+    x = sample((3, 4, 4), torch.uint8, 1)
+    c.set_slot(0, x.cuda())
+    assert torch.equal(c.get_slot(0), x)
