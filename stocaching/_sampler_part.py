@@ -27,71 +27,127 @@ logger = logging.getLogger("stocaching")
 # ----------------------------------------------------------------------------------------------
 
 
-def _take(key: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Mask of the entries of ``key`` that fit: in order, the first ``cap[k]`` entries whose key
-    is k. Decrements ``cap`` in place by what was taken."""
-    srt = np.argsort(key, kind="stable")
-    k = key[srt]
-    pos = np.arange(k.size)
-    first = np.maximum.accumulate(np.where(np.r_[True, k[1:] != k[:-1]], pos, 0))
-    ok = np.empty(k.size, dtype=bool)
-    ok[srt] = pos - first < cap[k]
-    cap -= np.bincount(key[ok], minlength=cap.size)
-    return ok
+def _owner_kinds(owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Group dataset indices by the set of nodes caching them (their "kind").
+
+    Args:
+        owners: bool matrix ``(num_nodes, dataset_len)``, as from ``CacheLayout.owners()``.
+
+    Returns:
+        ``kind`` (int64, ``dataset_len``) and ``masks`` (bool, ``(num_kinds, num_nodes)``):
+        ``owners[:, i] == masks[kind[i]]``. A ``CacheLayout`` has at most ``2 * num_nodes + 1``
+        kinds.
+    """
+    owners = np.asarray(owners, dtype=bool)
+    kind = np.zeros(owners.shape[1], dtype=np.int64)
+    masks = np.zeros((1, 0), dtype=bool)
+    for row in owners:  # split every kind by one more node, then renumber the kinds seen
+        code = kind * 2 + row
+        seen = np.bincount(code, minlength=2 * len(masks)) > 0
+        kind = (np.cumsum(seen) - 1)[code]
+        old = np.flatnonzero(seen)
+        masks = np.c_[masks[old // 2], old % 2 == 1]
+    return kind, masks
+
+
+def _max_flow(count: np.ndarray, masks: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Place as many samples of each batch as possible on a node that caches them.
+
+    A maximum flow per batch, all batches at once: a greedy start (least flexible kinds first),
+    then one shortest augmenting path per batch and round until none is left.
+
+    Args:
+        count: ``(num_batches, num_kinds)``, samples of each kind in each batch.
+        masks: ``(num_kinds, num_nodes)``, the nodes caching each kind.
+        cap: ``(num_batches,)``, samples each node takes from each batch.
+
+    Returns:
+        ``flow`` ``(num_batches, num_kinds, num_nodes)``: samples of kind t of batch j that
+        go to node k, only where ``masks[t, k]``.
+    """
+    n = masks.shape[1]
+    flow = np.zeros(count.shape + (n,), dtype=np.int64)
+    left = np.where(masks.any(axis=1), count, 0)  # cached somewhere, not placed yet
+    room = np.repeat(cap[:, None], n, axis=1)
+    for t in np.argsort(masks.sum(axis=1), kind="stable"):
+        for k in np.flatnonzero(masks[t]):
+            x = np.minimum(left[:, t], room[:, k])
+            flow[:, t, k] += x
+            left[:, t] -= x
+            room[:, k] -= x
+    todo = np.arange(len(count))
+    while True:
+        todo = todo[(left[todo] > 0).any(axis=1) & (room[todo] > 0).any(axis=1)]
+        if not todo.size:
+            return flow
+        f, lf, r = flow[todo], left[todo], room[todo]
+        # Breadth-first over nodes. The source reaches the nodes caching an unplaced sample;
+        # node a reaches node b when a holds a sample b also caches (moving it frees a slot).
+        fm = masks.astype(np.float32)
+        adj = (f > 0).transpose(0, 2, 1).astype(np.float32) @ fm > 0
+        reached = frontier = lf.astype(np.float32) @ fm > 0
+        parent = np.full(r.shape, -1)  # -1: reached from the source
+        sink = np.full(len(todo), -1)
+        while frontier.any():
+            at = frontier & (r > 0) & (sink < 0)[:, None]
+            found = at.any(axis=1)
+            sink[found] = at[found].argmax(axis=1)
+            step = frontier[:, :, None] & adj & ~reached[:, None, :] & (sink < 0)[:, None, None]
+            frontier = step.any(axis=1)
+            parent = np.where(frontier, step.argmax(axis=1), parent)
+            reached = reached | frontier
+        # Walk each path back from its sink, then push its bottleneck along it.
+        todo, j = todo[sink >= 0], np.flatnonzero(sink >= 0)
+        b, delta = sink[j], r[j, sink[j]]
+        path, live = [], np.arange(len(j))
+        while live.size:
+            jj, bb = j[live], b[live]
+            a = parent[jj, bb]
+            src = a < 0
+            held = np.where(src[:, None], lf[jj], f[jj, :, a])
+            t = ((held > 0) & masks[:, bb].T).argmax(axis=1)
+            delta[live] = np.minimum(delta[live], held[np.arange(len(live)), t])
+            path.append((live, t, a, bb))
+            b[live] = a
+            live = live[~src]
+        for live, t, a, bb in path:
+            jj, d, src = j[live], delta[live], a < 0
+            f[jj, t, bb] += d
+            f[jj[~src], t[~src], a[~src]] -= d[~src]
+            lf[jj[src], t[src]] -= d[src]
+        r[j, sink[j]] -= delta
+        flow[todo], left[todo], room[todo] = f[j], lf[j], r[j]
 
 
 class _Owners:
-    """Which node caches each dataset index, compressed from a ``(num_nodes, dataset_len)`` bool
-    matrix: ``owner[i]`` is the node caching index i, -1 if none, and ``-2 - j`` if several do,
-    ``shared_rows[j]`` telling which."""
+    """Who caches what, and the split of each global batch over the nodes."""
 
     def __init__(self, owners: np.ndarray) -> None:
-        owners = np.asarray(owners, dtype=bool)
-        self.num_nodes = owners.shape[0]
-        count = owners.sum(axis=0)
-        shared = np.flatnonzero(count > 1)
-        self.owner = np.where(count == 1, owners.argmax(axis=0), -1)
-        self.owner[shared] = -2 - np.arange(shared.size)
-        self.shared_rows = owners[:, shared].T.copy()
+        self.kind, self.masks = _owner_kinds(owners)
 
-    def assign(self, order: np.ndarray, group: int, rng: np.random.Generator
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def assign(self, order: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         """Node of each position of ``order``, and whether that node caches it.
 
-        ``order`` is cut into global batches of ``group`` positions (the last may be shorter);
-        ``group`` and ``order.size`` are multiples of ``num_nodes``, and each node gets exactly
-        ``1 / num_nodes`` of every batch. Greedy, least flexible first: indices cached by one
-        node go there, first come first served; then indices cached by d = 2, 3, ... nodes,
-        each to the owner with the most room left (ties at random); then misses fill the rest.
+        ``order`` is cut into global batches of ``group`` positions (the last may be shorter;
+        both are multiples of the number of nodes). Each node gets ``1 / num_nodes`` of every
+        batch, as many cached samples as possible (a maximum flow): within a batch, the
+        samples of one kind go to their nodes in order, the unplaced ones fill the rest.
         """
-        n = self.num_nodes
+        n, nk = self.masks.shape[1], len(self.masks)
         batch = np.arange(order.size) // group
-        cap = np.full((-(-order.size // group), n), group // n, dtype=np.int64)
-        cap[-1] = (order.size - (len(cap) - 1) * group) // n
-        cap = cap.ravel()
-        node = np.full(order.size, -1, dtype=np.int64)
-        owner = self.owner[order]
-
-        pos = np.flatnonzero(owner >= 0)
-        pos = pos[_take(batch[pos] * n + owner[pos], cap)]
-        node[pos] = owner[pos]
-
-        pos = np.flatnonzero(owner <= -2)
-        rows = self.shared_rows[-2 - owner[pos]]
-        degree = rows.sum(axis=1)
-        for d in np.unique(degree):
-            p, m = pos[degree == d], rows[degree == d]
-            while p.size:
-                room = np.where(m, cap.reshape(-1, n)[batch[p]], 0)
-                best = np.argmax(room + rng.random(room.shape) * m, axis=1)
-                alive = room[np.arange(p.size), best] > 0
-                p, m, best = p[alive], m[alive], best[alive]
-                ok = _take(batch[p] * n + best, cap)
-                node[p[ok]] = best[ok]
-                p, m = p[~ok], m[~ok]
-
+        nb = int(batch[-1]) + 1
+        cap = np.full(nb, group // n)
+        cap[-1] = (order.size - (nb - 1) * group) // n
+        key = batch * nk + self.kind[order]
+        count = np.bincount(key, minlength=nb * nk).reshape(nb, nk)
+        flow = _max_flow(count, self.masks, cap)
+        split = np.c_[flow.reshape(-1, n), count.ravel() - flow.sum(axis=2).ravel()]
+        node = np.empty(order.size, dtype=np.int64)
+        node[np.argsort(key, kind="stable")] = np.repeat(
+            np.tile(np.r_[np.arange(n), -1], nb * nk), split.ravel())
         hit = node >= 0
-        node[~hit] = np.repeat(np.tile(np.arange(n), len(cap) // n), cap)
+        room = cap[:, None] - flow.sum(axis=1)
+        node[~hit] = np.repeat(np.tile(np.arange(n), nb), room.ravel())
         return node, hit
 
 
@@ -102,10 +158,11 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
     (same ``seed + epoch`` generator, so the same global order), and cut into global batches of
     ``batch_size * num_replicas`` indices. Global batch j is the same multiset as under
     ``DistributedSampler`` with ``DataLoader(batch_size=batch_size)``; what changes is which
-    rank gets which of its samples: each node gets ``batch_size * local_world_size`` of them,
-    as many as possible from its own cache, shuffled and dealt ``batch_size`` to each of its
-    ranks. Every rank yields ``len(self)`` indices per epoch; all ranks together yield every
-    dataset index exactly once, plus the padding.
+    rank gets which of its samples. Each node gets ``batch_size * local_world_size`` of them,
+    chosen so that as many samples of the batch as possible are read by a node that caches
+    them (an exact maximum flow, computed identically on every rank), shuffled and dealt
+    ``batch_size`` to each of its ranks. Every rank yields ``len(self)`` indices per epoch;
+    all ranks together yield every dataset index exactly once, plus the padding.
 
     Padding (``drop_last=False``): the shuffled order is repeated from its start up to
     ``num_replicas * ceil(dataset_len / num_replicas)`` indices. With ``drop_last=True`` it is
@@ -124,8 +181,8 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
 
     .. warning::
         Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: without it
-        every epoch repeats the same order (a warning is issued when an epoch is iterated
-        twice).
+        every epoch repeats the same order (with ``shuffle=True``, iterating an epoch twice
+        issues a warning).
 
     Args:
         cache_or_dataset_or_layout: a ``SharedCache``, a ``Dataset`` with a ``.cache``
@@ -137,8 +194,8 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             that is ``torchrun``'s or SLURM's variables, else 1).
         rank: this rank, in ``[0, num_replicas)``. Default: from the same source as
             ``num_replicas``, else 0.
-        shuffle: shuffle the global order; if False it is index order (the assignment to nodes
-            and the deal to local ranks are still seeded). Default: True.
+        shuffle: shuffle the global order; if False it is index order (the deal of a node's
+            samples to its local ranks is still seeded). Default: True.
         seed: seed of the order, in ``[0, 2**63)``; identical on every rank. Default: 0.
         drop_last: truncate instead of pad, as in ``DistributedSampler``. Default: False.
         local_world_size: ranks per node. Default: the cache's ``world.local_world_size``, for a
@@ -168,7 +225,7 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         self.local_world_size = _check_int("local_world_size", local_world_size, low=1)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
 
-        num_nodes, n = self.layout.num_nodes, self.layout.dataset_len
+        num_nodes, length = self.layout.num_nodes, self.layout.dataset_len
         if self.num_replicas != num_nodes * self.local_world_size:
             raise ValueError(
                 f"num_replicas should be num_nodes * local_world_size = {num_nodes} * "
@@ -181,8 +238,8 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
                           f"local_world_size), but its cache was built on node "
                           f"{world.node_rank}: it would be sent samples cached elsewhere",
                           stacklevel=2)
-        self.num_samples = n // self.num_replicas if self.drop_last \
-            else math.ceil(n / self.num_replicas)
+        self.num_samples = length // self.num_replicas if self.drop_last \
+            else math.ceil(length / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
         self.epoch = 0
         self._owners = _Owners(self.layout.owners())
@@ -255,8 +312,7 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             order = np.arange(self.layout.dataset_len, dtype=np.int64)
         order = np.resize(order, self.total_size)  # repeats from the start, or truncates
 
-        rng = np.random.default_rng([self.seed, epoch])
-        node, hit = self._owners.assign(order, self.batch_size * self.num_replicas, rng)
+        node, hit = self._owners.assign(order, self.batch_size * self.num_replicas)
         here = node == self.node_rank
         mine = order[here]
         # Node blocks are batch_size * local_world_size long (the last one shorter): shuffle
@@ -264,6 +320,7 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         block = self.batch_size * self.local_world_size
         full = mine.size // block * block
         lr = self.rank % self.local_world_size
+        rng = np.random.default_rng([self.seed, epoch])
         out = np.concatenate([
             rng.permuted(b, axis=1).reshape(len(b), self.local_world_size, -1)[:, lr].ravel()
             for b in (mine[:full].reshape(-1, block), mine[full:].reshape(1, -1)) if b.size])

@@ -790,7 +790,8 @@ class SharedCache:
         per_slot = math.prod(self._dims) * self._dtype.itemsize
         fits = max(0, (free - (total - lay.slots * per_slot)) // per_slot)
         fit_gib = (fits * per_slot + lay.dataset_len) / BYTES_PER_GIB
-        need_gib = math.ceil(total / BYTES_PER_GIB) + 1
+        vfs = os.statvfs(shm_dir)
+        need_gib = math.ceil(((vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + total) / BYTES_PER_GIB)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
             f"({lay.slots} slots of {_fmt_bytes(per_slot)}). Give it more room (docker run "
@@ -1317,9 +1318,9 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
     return int(st.f_blocks * st.f_frsize / BYTES_PER_GIB)
 
 
-def _mapped_segments(shm_dir: str) -> dict[tuple[str, int], dict]:
-    """Segments mapped by any process we can see, named or already unlinked, from /proc."""
-    found: dict[tuple[str, int], dict] = {}
+def _mapped_segments(shm_dir: str) -> dict[int, dict]:
+    """Segments in ``shm_dir`` mapped by any process we can see, by inode, from /proc."""
+    found: dict[int, dict] = {}
     prefix = os.path.join(os.path.realpath(shm_dir), SEGMENT_PREFIX + "_")
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -1333,49 +1334,47 @@ def _mapped_segments(shm_dir: str) -> dict[tuple[str, int], dict]:
             fields = ln.split(maxsplit=5)
             if len(fields) < 6:
                 continue
-            path = fields[5].strip()
-            deleted = path.endswith(" (deleted)")
-            path = path.removesuffix(" (deleted)")
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            seg = found.setdefault((path, int(fields[4])), {
-                "path": path, "bytes": 0, "pids": set(), "named": not deleted})
+            seg = found.setdefault(int(fields[4]), {
+                "path": fields[5].strip().removesuffix(" (deleted)"), "bytes": 0, "pids": set()})
             seg["bytes"] = max(seg["bytes"], hi - lo)
             seg["pids"].add(int(entry))
     return found
 
 
 def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
-    """Every stocaching segment on this machine: the named ones in ``shm_dir`` and those whose
-    name is already gone but that processes still map.
+    """Every stocaching segment in ``shm_dir``: those with a name there and those whose name
+    is already gone but that processes still map.
 
     Returns:
-        Dicts with ``path``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as
-        /proc shows), ``state`` ("live", "starting" or "stale") and ``named``.
+        Dicts with ``path`` (for an unlinked segment, the name it was created under),
+        ``named``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as /proc shows)
+        and ``state``: "live" (in use), "starting" (being created) or "stale" (nobody holds
+        it: ``clean_segments`` removes it).
     """
-    segs = {}
-    for (path, _ino), seg in _mapped_segments(shm_dir).items():
-        info = _parse_segment_name(os.path.basename(path)) or {}
-        segs[path if seg["named"] else f"{path}#{_ino}"] = {
-            "path": path, "uid": info.get("uid", -1), "bytes": seg["bytes"],
-            "pids": sorted(seg["pids"]), "state": "live", "named": seg["named"]}
+    mapped = _mapped_segments(shm_dir)
+    out = []
     for fname in sorted(os.listdir(shm_dir)):
         info = _parse_segment_name(fname)
-        if info is None:
-            continue
         path = os.path.join(shm_dir, fname)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        seg = segs.setdefault(path, {"path": path, "uid": st.st_uid, "bytes": st.st_size,
-                                     "pids": [], "named": True})
-        seg["bytes"] = st.st_size
-        if not seg["pids"]:
-            seg["state"] = "stale" if _is_stale_file(path) else (
-                "starting" if info["starting"] else "live")
-        elif info["starting"]:
-            seg["state"] = "starting"
-    return list(segs.values())
+        if info is None or not stat.S_ISREG(st.st_mode):
+            continue
+        m = mapped.pop(st.st_ino, None)
+        pids = sorted(m["pids"]) if m else []
+        state = "starting" if info["starting"] else "live"
+        if not pids and _is_stale_file(path):
+            state = "stale"
+        out.append({"path": path, "named": True, "uid": st.st_uid, "bytes": st.st_size,
+                    "pids": pids, "state": state})
+    for m in mapped.values():
+        info = _parse_segment_name(os.path.basename(m["path"])) or {}
+        out.append({"path": m["path"], "named": False, "uid": info.get("uid", -1),
+                    "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live"})
+    return out
 
 
 def _is_stale_file(path: str, *, remove: bool = False) -> bool:
