@@ -612,8 +612,8 @@ class SharedCache:
     that the kernel releases if the writer dies; a slot whose writer died mid-write reads as
     empty and can be written again. The per-process counters behind ``stats`` may lose an
     increment when several threads of one process read at once. The reader's check relies on
-    the CPU keeping stores in order (x86-64); on weakly ordered CPUs (ARM) an overwrite racing a
-    read is not guaranteed to be detected.
+    the CPU keeping loads and stores in order (x86-64); on weakly ordered CPUs (ARM64) a read
+    racing a write of the same slot is not guaranteed to be caught (untested there).
 
     Args:
         size_limit_gib: budget in GiB (int or float) for the slots and the aux array.
