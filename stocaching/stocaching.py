@@ -1119,21 +1119,36 @@ class SharedCache:
         """
         if type(idx) is not int or idx < 0 or idx >= self._n:
             idx = self._index(idx)
-        if self._aux_mv[idx] == SET:
+        if self._aux_mv[idx] == SET:  # the hit path: no lock, no system call
             slot = idx if self._slot_map is None else self._slot_map[idx]
-            for _ in range(3):
-                seq = self._seq_mv[slot]
-                if seq & 1:
-                    break
-                if copy:
-                    out = torch.from_numpy(self._np_slots[slot].copy())
-                    if self._view_as is not None:
-                        out = out.view(self._view_as)
-                else:
-                    out = self._ro_slots[slot]
-                if self._seq_mv[slot] == seq:  # no writer or clear() ran meanwhile
+            seqs = self._seq_mv
+            seq = seqs[slot]
+            if not seq & 1:  # odd: a writer is at work
+                out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
+                    else self._ro_slots[slot]
+                if seqs[slot] == seq:  # no write or clear() ran during the copy
                     self._ctr[_HITS] += 1
-                    return out
+                    return out if self._view_as is None or not copy else out.view(self._view_as)
+            return self._retry(idx, allow_oob_idx, allow_empty_slot, copy)
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _retry(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool,
+               copy: bool) -> torch.Tensor | None:
+        """A read that met a writer: try twice more after a pause, then report a miss. (The
+        first attempt is inlined in get_slot to keep the hit path short; keep them in step.)"""
+        for _ in range(2):
+            time.sleep(0)
+            if self._aux_mv[idx] != SET:
+                break
+            slot = idx if self._slot_map is None else self._slot_map[idx]
+            seq = self._seq_mv[slot]
+            if seq & 1:
+                continue
+            out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
+                else self._ro_slots[slot]
+            if self._seq_mv[slot] == seq:
+                self._ctr[_HITS] += 1
+                return out if self._view_as is None or not copy else out.view(self._view_as)
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
 
     def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
