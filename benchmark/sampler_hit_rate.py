@@ -1,0 +1,127 @@
+"""Per-node cache hit rate of DistributedSampler vs CacheAwareSampler, simulated without processes.
+
+Every rank of an ``n``-node job is built in this one process (index arithmetic only, no data):
+
+- ``DistributedSampler`` (torch's, ``num_replicas = n * L``) with stocaching 0.2.1's layout, where
+  every node caches the same first ``f * dataset_len`` indices: each node hits about ``f``;
+- ``CacheAwareSampler`` with ``CacheLayout``: node k caches a random ``f`` of the dataset;
+- the ideal ``E[min(B, X)] / B``, ``X ~ Binomial(n * B, f)``, ``B = batch_size * L``: a node
+  cannot read more of a global batch from its cache than its share ``B`` or than the samples of
+  the batch it caches. (It is exact for disjoint caches up to sampling without replacement, and
+  an upper bound when ``n * f > 1`` makes the caches overlap.)
+
+Run from the repository root::
+
+    python -m benchmark.sampler_hit_rate
+    python -m benchmark.sampler_hit_rate --batch-size 32 --local-world-size 4 --csv hit_rate.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+from torch.utils.data import DistributedSampler
+
+from stocaching import CacheAwareSampler, CacheLayout
+
+NODES = (1, 2, 4, 8, 16)
+FRACTIONS = (0.0625, 0.125, 0.25, 0.5)
+COLUMNS = ("nodes", "cache_fraction", "nodes_x_fraction", "distributed_sampler",
+           "cache_aware_sampler", "cache_aware_worst_node", "ideal", "cache_aware_over_ideal")
+
+
+def ideal_hit_rate(num_nodes: int, fraction: float, node_batch: int) -> float:
+    """E[min(B, X)] / B for X ~ Binomial(num_nodes * B, fraction), B = ``node_batch``, from the
+    binomial pmf (computed in log space: the binomial coefficients overflow floats)."""
+    m = num_nodes * node_batch
+    if fraction <= 0.0 or fraction >= 1.0:
+        return min(max(fraction, 0.0), 1.0)
+    log_f, log_1f, log_m = math.log(fraction), math.log1p(-fraction), math.lgamma(m + 1)
+    return sum(min(node_batch, x) * math.exp(log_m - math.lgamma(x + 1) - math.lgamma(m - x + 1)
+                                             + x * log_f + (m - x) * log_1f)
+               for x in range(m + 1)) / node_batch
+
+
+def per_node_rate(indices: Sequence[np.ndarray], cached: np.ndarray, local_world_size: int
+                  ) -> np.ndarray:
+    """Hit rate of each node: ``indices[r]`` are what rank r read, ``cached[k, i]`` whether
+    node k caches index i."""
+    hits = np.array([cached[r // local_world_size, idx].mean() for r, idx in enumerate(indices)])
+    return hits.reshape(-1, local_world_size).mean(axis=1)
+
+
+def simulate(num_nodes: int, fraction: float, dataset_len: int, batch_size: int,
+             local_world_size: int, epochs: int, seed: int) -> dict[str, float]:
+    """One row of the table: per-node hit rates over ``epochs`` epochs."""
+    world = num_nodes * local_world_size
+    slots = round(fraction * dataset_len)
+    layout = CacheLayout(dataset_len, slots, num_nodes, seed=seed)
+    cached = layout.owners()
+    first_slots = np.zeros((num_nodes, dataset_len), dtype=bool)  # the 0.2.1 layout
+    first_slots[:, :slots] = True
+    ours = [CacheAwareSampler(layout, batch_size, world, r, seed=seed,
+                              local_world_size=local_world_size) for r in range(world)]
+    theirs = [DistributedSampler(range(dataset_len), num_replicas=world, rank=r, seed=seed)
+              for r in range(world)]
+    ours_rate, theirs_rate = np.zeros(num_nodes), np.zeros(num_nodes)
+    for epoch in range(epochs):
+        for s in ours + theirs:
+            s.set_epoch(epoch)
+        ours_rate += per_node_rate([np.fromiter(s, np.int64) for s in ours], cached,
+                                   local_world_size) / epochs
+        theirs_rate += per_node_rate([np.fromiter(s, np.int64) for s in theirs], first_slots,
+                                     local_world_size) / epochs
+    ideal = ideal_hit_rate(num_nodes, slots / dataset_len, batch_size * local_world_size)
+    return {"nodes": num_nodes, "cache_fraction": fraction,
+            "nodes_x_fraction": num_nodes * fraction,
+            "distributed_sampler": theirs_rate.mean(), "cache_aware_sampler": ours_rate.mean(),
+            "cache_aware_worst_node": ours_rate.min(), "ideal": ideal,
+            "cache_aware_over_ideal": ours_rate.mean() / ideal if ideal else float("nan")}
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
+    """Print the hit-rate table; return its rows."""
+    p = argparse.ArgumentParser(prog="python -m benchmark.sampler_hit_rate",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset-len", type=int, default=2**17, help="default: %(default)s")
+    p.add_argument("--batch-size", type=int, default=64, help="per rank; default: %(default)s")
+    p.add_argument("--local-world-size", type=int, default=1,
+                   help="ranks per node; default: %(default)s")
+    p.add_argument("--epochs", type=int, default=2, help="default: %(default)s")
+    p.add_argument("--nodes", type=int, nargs="+", default=list(NODES),
+                   help="default: %(default)s")
+    p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS),
+                   help="cache fraction f of each node; default: %(default)s")
+    p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    p.add_argument("--csv", metavar="PATH", help="also write the table to PATH")
+    args = p.parse_args(argv)
+
+    t0 = time.perf_counter()
+    rows = [simulate(n, f, args.dataset_len, args.batch_size, args.local_world_size,
+                     args.epochs, args.seed) for n in args.nodes for f in args.fractions]
+    print(f"per-node hit rate; dataset_len={args.dataset_len}, batch_size={args.batch_size} "
+          f"per rank, {args.local_world_size} rank(s) per node, {args.epochs} epoch(s), "
+          f"seed={args.seed}")
+    print(f"{'nodes':>5} {'f':>7} {'n*f':>5} {'Distributed':>12} {'CacheAware':>11} "
+          f"{'worst node':>11} {'ideal':>7} {'CA/ideal':>9}")
+    for r in rows:
+        print(f"{r['nodes']:>5} {r['cache_fraction']:>7.4f} {r['nodes_x_fraction']:>5.2f} "
+              f"{r['distributed_sampler']:>12.3f} {r['cache_aware_sampler']:>11.3f} "
+              f"{r['cache_aware_worst_node']:>11.3f} {r['ideal']:>7.3f} "
+              f"{r['cache_aware_over_ideal']:>9.3f}")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
