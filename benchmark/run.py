@@ -1,0 +1,613 @@
+"""Running configurations: build each loader, train the small CNN, measure every epoch.
+
+A *configuration* is one way of feeding the data: ``no cache`` (``JpegDataset`` with
+``cache=None``), ``cache N%`` (the same Dataset with a ``SharedCache`` holding N% of the decoded
+samples) or ``in-RAM`` (every decoded sample in one shared tensor, built before timing). A *setup*
+is the loader around it (workers, batch size, start method, sampler, emulated read latency...);
+``run`` measures one setup, ``sweep`` a grid of them. Each configuration starts from the same
+seed (same model initialisation, same sample order), and its cache is closed, and its memory
+handed back, before the next one starts.
+
+Threads: the training process runs ``torch.set_num_threads(--threads)``; the default is one
+thread per core left after the DataLoader workers, at least one
+(``max(1, cores // local ranks - workers)``). Workers run one thread each (the DataLoader sets
+that), so on the 2-core reference machine with 2 workers the trainer gets 1 thread: more threads
+would spin against the decoding workers and make the no-cache runs slower and noisier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import platform
+import resource
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import data as D
+from . import report
+from .model import SmallCNN
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+# ----------------------------------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The loader around a configuration: one group of rows."""
+
+    workers: int
+    batch_size: int
+    start_method: str
+    persistent_workers: bool
+    sampler: str
+    get_slot: str
+    read_latency_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One configuration: ``kind`` is ``none``, ``cache`` or ``ram``; a cache is sized by
+    ``fraction`` of the dataset or by ``gib``."""
+
+    kind: str
+    fraction: float | None = None
+    gib: float | None = None
+
+    @property
+    def requested(self) -> str:
+        if self.kind != "cache":
+            return self.kind
+        return f"{self.fraction:g}" if self.fraction is not None else f"{self.gib:g}GiB"
+
+
+@dataclasses.dataclass
+class Options:
+    """What stays fixed within a run or sweep."""
+
+    data_dir: Path | None
+    num_images: int
+    image_size: int
+    decoded_size: int
+    jpeg_quality: int
+    num_classes: int
+    epochs: int
+    threads: int | None
+    lr: float
+    seed: int
+    warm_page_cache: bool
+    gen_processes: int | None
+    repeats: int = 1
+
+
+def specs_from(fractions: Sequence[float] | None, gibs: Sequence[float] | None,
+               in_ram: bool) -> list[Spec]:
+    """The configurations of a run: ``no cache`` first (always: it is the baseline), then the
+    caches by increasing size, then ``in-RAM`` unless disabled."""
+    out = [Spec("none")]
+    if gibs:
+        out += [Spec("cache", gib=g) for g in sorted(set(gibs)) if g > 0]
+    else:
+        out += [Spec("cache", fraction=f) for f in sorted(set(fractions or ())) if f > 0]
+    if in_ram:
+        out.append(Spec("ram"))
+    return out
+
+
+def default_threads(workers: int, local_world_size: int) -> int:
+    cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size) - workers)
+
+
+def gib_for_slots(slots: int, dataset_len: int, slot_bytes: int) -> float:
+    """``size_limit_gib`` that gives ``slots`` slots under the documented sizing rule (the budget
+    covers the slots plus one byte per sample, as in stocaching 0.2.1); half a byte of slack
+    against float rounding."""
+    return (slots * slot_bytes + dataset_len + 0.5) / GIB
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed helpers (a world of one without torchrun)
+# ----------------------------------------------------------------------------------------------
+
+
+class Dist:
+    """Rank bookkeeping; collectives are no-ops in a world of one."""
+
+    def __init__(self) -> None:
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
+        self.enabled = self.world_size > 1
+        if self.enabled and not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def shm_used_bytes(path: str | None = None) -> int | None:
+    """Bytes in use on the filesystem that holds the caches (statvfs of ``$STOCACHING_SHM_DIR``,
+    else /dev/shm), or None where there is none."""
+    path = path or os.environ.get("STOCACHING_SHM_DIR") or "/dev/shm"
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+# ----------------------------------------------------------------------------------------------
+# One configuration
+# ----------------------------------------------------------------------------------------------
+
+
+def _import_cache_classes(sampler: str) -> tuple[Any, Any]:
+    import stocaching
+
+    shared_cache = stocaching.SharedCache
+    aware = None
+    if sampler == "cache-aware":
+        aware = getattr(stocaching, "CacheAwareSampler", None)
+        if aware is None:
+            raise SystemExit(
+                f"--sampler cache-aware needs stocaching.CacheAwareSampler, but the stocaching "
+                f"imported from {stocaching.__file__} (version "
+                f"{getattr(stocaching, '__version__', '?')}) has none; use --sampler random")
+    return shared_cache, aware
+
+
+def _make_sampler(setup: Setup, ds: torch.utils.data.Dataset, cache: Any, dw: Dist,
+                  seed: int, aware_cls: Any) -> tuple[Any, str]:
+    """The sampler and its name. ``cache-aware`` applies only where there is a cache; the
+    no-cache and in-RAM baselines use the random sampler (and say so in their rows)."""
+    if setup.sampler == "cache-aware" and cache is not None:
+        s = aware_cls(cache, setup.batch_size, num_replicas=dw.world_size, rank=dw.rank,
+                      shuffle=True, seed=seed, drop_last=False)
+        return s, "cache-aware"
+    if dw.world_size > 1:
+        return torch.utils.data.DistributedSampler(ds, num_replicas=dw.world_size, rank=dw.rank,
+                                                   shuffle=True, seed=seed), "random"
+    return torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(seed)), \
+        "random"
+
+
+def _label(spec: Spec, slots: int | None, n: int) -> str:
+    if spec.kind == "none":
+        return "no cache"
+    if spec.kind == "ram":
+        return "in-RAM"
+    if spec.fraction is not None:
+        return f"cache {100 * spec.fraction:g}%"
+    return f"cache {spec.gib:g}GiB"
+
+
+def run_config(opts: Options, setup: Setup, spec: Spec, index: int, token: str, root: Path,
+               dw: Dist, say: Callable[[str], None]) -> tuple[list[dict[str, Any]],
+                                                               dict[str, Any]]:
+    """Train ``opts.epochs`` epochs with one configuration; return its rows (one per epoch, the
+    same on every rank) and a description (construction time, /dev/shm use...)."""
+    n, d = opts.num_images, opts.decoded_size
+    dims = (3, d, d)
+    slot_bytes = 3 * d * d
+    shared_cache, aware_cls = _import_cache_classes(setup.sampler) if spec.kind == "cache" \
+        else (None, None)
+    info: dict[str, Any] = {"kind": spec.kind, "requested": spec.requested}
+    cache = None
+    data = None
+    slots: int | None = None
+    gib: float | None = None
+    shm_construct = None
+    if spec.kind == "cache":
+        if spec.fraction is not None:
+            target = min(n, round(spec.fraction * n))
+            gib = gib_for_slots(target, n, slot_bytes)
+            info["target_slots"] = target
+        else:
+            gib = float(spec.gib)
+        name = f"bench-{token}-{index}"
+        dw.barrier()
+        before = shm_used_bytes()
+        t0 = time.perf_counter()
+        cache = shared_cache(gib, n, dims, torch.uint8, name=name)
+        info["construct_s"] = time.perf_counter() - t0
+        dw.barrier()
+        after = shm_used_bytes()
+        slots = len(cache)
+        shm_construct = None if before is None or after is None else after - before
+        st = cache.stats()
+        info.update(name=name, size_limit_gib=gib, slots=slots, shm_before_bytes=before,
+                    shm_construct_bytes=shm_construct, cache_bytes=st.get("bytes"))
+        if "target_slots" in info and slots != info["target_slots"]:
+            info["slots_note"] = (f"size_limit_gib={gib!r} gave {slots} slots; the documented "
+                                  f"sizing rule gives {info['target_slots']}")
+            say(f"  NOTE: {info['slots_note']}")
+        ds: torch.utils.data.Dataset = D.JpegDataset(
+            root, n, d, opts.num_classes, cache=cache, read_latency_ms=setup.read_latency_ms,
+            copy=setup.get_slot == "copy")
+        cached_pct = 100.0 * slots / n
+    elif spec.kind == "ram":
+        t0 = time.perf_counter()
+        data = torch.zeros((n, *dims), dtype=torch.uint8)
+        D.build_in_ram(root, n, d, workers=setup.workers, start_method=setup.start_method,
+                       indices=range(dw.rank, n, dw.world_size), out=data)
+        if dw.enabled:  # every rank decoded a disjoint share: the sum is the whole dataset
+            dist.all_reduce(data)
+        data.share_memory_()
+        info["build_s"] = time.perf_counter() - t0
+        info["bytes"] = data.numel()
+        ds = D.InRamDataset(data, opts.num_classes)
+        cached_pct = 100.0
+    else:
+        ds = D.JpegDataset(root, n, d, opts.num_classes, cache=None,
+                           read_latency_ms=setup.read_latency_ms)
+        cached_pct = 0.0
+    label = _label(spec, slots, n)
+    info["config"] = label
+
+    torch.manual_seed(opts.seed)
+    sampler, sampler_name = _make_sampler(setup, ds, cache, dw, opts.seed, aware_cls)
+    kw: dict[str, Any] = {}
+    if setup.workers > 0:
+        kw.update(multiprocessing_context=setup.start_method,
+                  persistent_workers=setup.persistent_workers)
+    loader = torch.utils.data.DataLoader(ds, batch_size=setup.batch_size, sampler=sampler,
+                                         num_workers=setup.workers, drop_last=False, **kw)
+    model: nn.Module = SmallCNN(opts.num_classes)
+    if dw.enabled:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    rows = []
+    for epoch in range(1, opts.epochs + 1):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch - 1)
+        s0 = cache.stats() if cache is not None else None  # nothing runs between epochs
+        dw.barrier()
+        elapsed, wait, seen, hits, loss, cpu = _train_epoch(loader, model, opt, loss_fn)
+        dw.barrier()
+        delta = None
+        if cache is not None:
+            s1 = cache.stats()
+            delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "writes")}
+            delta["filled"] = s1.get("filled")
+        mine = {"rank": dw.rank, "local_rank": dw.local_rank, "time": elapsed, "wait": wait,
+                "samples": seen, "hits": hits, "loss": loss, "cpu": cpu, "stats": delta}
+        per_rank = dw.all_gather(mine)
+        row = _row(opts, setup, spec, label, sampler_name, gib, slots, cached_pct, epoch,
+                   per_rank, shm_construct, info.get("cache_bytes"), dw)
+        rows.append(row)
+        hr = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
+        say(f"  {label:>12} epoch {epoch}/{opts.epochs}: {row['epoch_time_s']:6.2f} s, "
+            f"{row['samples_per_s']:8,.0f} samples/s, hit rate {hr}, "
+            f"stall {100 * row['stall_fraction']:3.0f}%, loss {row['loss']:.3f}")
+        info.setdefault("per_rank", []).append(per_rank)
+
+    # Release everything before the next configuration: workers (they map the cache) first.
+    del loader, sampler, ds
+    gc.collect()
+    if cache is not None:
+        info["shm_after_epochs_bytes"] = shm_used_bytes()
+        cache.close()
+        del cache
+        gc.collect()
+        dw.barrier()
+        after_close = shm_used_bytes()
+        if info.get("shm_before_bytes") is not None and after_close is not None:
+            info["shm_not_released_bytes"] = after_close - info["shm_before_bytes"]
+    if data is not None:
+        del data
+        gc.collect()
+    return rows, info
+
+
+def _cpu_snapshot() -> tuple[float, dict[int, float]]:
+    """CPU seconds (user + system) of this process and of its waited-for children, and of each
+    live child (persistent workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    live = {}
+    for ch in psutil.Process().children(recursive=True):
+        try:
+            t = ch.cpu_times()
+        except psutil.Error:
+            continue
+        live[ch.pid] = t.user + t.system
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, live
+
+
+def _cpu_between(a: tuple[float, dict[int, float]], b: tuple[float, dict[int, float]]) -> float:
+    return b[0] - a[0] + sum(v - a[1].get(pid, 0.0) for pid, v in b[1].items())
+
+
+def _train_epoch(loader: torch.utils.data.DataLoader, model: nn.Module,
+                 opt: torch.optim.Optimizer, loss_fn: nn.Module) -> tuple[float, float, int, int,
+                                                                          float]:
+    """One epoch. Returns (seconds, seconds waiting in ``next(loader)``, samples, samples that
+    came from the cache, mean loss, CPU seconds). The epoch starts at ``iter(loader)`` (worker
+    start-up included, as a training loop pays it) and ends after the last step; the batches
+    die with this frame, so the shared memory they use is released when it returns.
+
+    CPU seconds are those of this process and its DataLoader workers (not counted: forkserver
+    workers, which are children of the fork server). Unlike wall time they barely change when
+    other programs compete for the cores, so they show a configuration's own cost."""
+    wait = 0.0
+    seen = hits = batches = 0
+    loss_sum = 0.0
+    cpu0 = _cpu_snapshot()
+    t0 = time.perf_counter()
+    it = iter(loader)
+    while True:
+        tw = time.perf_counter()
+        try:
+            x, y, hit = next(it)
+        except StopIteration:
+            break
+        wait += time.perf_counter() - tw
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        seen += y.shape[0]
+        hits += int(hit.sum())
+        batches += 1
+        loss_sum += loss.item()
+    elapsed = time.perf_counter() - t0
+    return elapsed, wait, seen, hits, loss_sum / max(1, batches), \
+        _cpu_between(cpu0, _cpu_snapshot())
+
+
+def warm_up(opts: Options, setup: Setup, root: Path, dw: Dist) -> float:
+    """A few untimed steps of the no-cache pipeline with this setup's loader, so that one-time
+    costs (first worker start, first allocations of the model) land on no configuration."""
+    t0 = time.perf_counter()
+    n = min(opts.num_images, 4 * setup.batch_size)
+    ds = D.JpegDataset(root, opts.num_images, opts.decoded_size, opts.num_classes)
+    kw: dict[str, Any] = {}
+    if setup.workers > 0:
+        kw["multiprocessing_context"] = setup.start_method
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, range(dw.rank, n,
+                                                                            dw.world_size)),
+                                         batch_size=setup.batch_size,
+                                         num_workers=setup.workers, **kw)
+    model = SmallCNN(opts.num_classes)
+    opt = torch.optim.SGD(model.parameters(), lr=opts.lr)
+    _train_epoch(loader, model, opt, nn.CrossEntropyLoss())
+    dw.barrier()
+    return time.perf_counter() - t0
+
+
+def _row(opts: Options, setup: Setup, spec: Spec, label: str, sampler_name: str,
+         gib: float | None, slots: int | None, cached_pct: float, epoch: int,
+         per_rank: list[dict[str, Any]], shm_construct: int | None, cache_bytes: int | None,
+         dw: Dist) -> dict[str, Any]:
+    t = max(r["time"] for r in per_rank)
+    # Samples/s of the whole job; the stall fraction is the mean over ranks.
+    samples = sum(r["samples"] for r in per_rank)
+    row: dict[str, Any] = {
+        "config": label, "kind": spec.kind, "requested": spec.requested,
+        "cache_gib": gib, "slots": slots, "cached_pct": cached_pct, "epoch": epoch,
+        "epoch_time_s": t, "samples": samples, "samples_per_s": samples / t if t > 0 else None,
+        "data_wait_s": statistics.mean(r["wait"] for r in per_rank),
+        "stall_fraction": statistics.mean(r["wait"] / r["time"] for r in per_rank if r["time"]),
+        "loss": statistics.mean(r["loss"] for r in per_rank),
+        "cpu_s": sum(r["cpu"] for r in per_rank),
+        "hit_rate": None, "hits": None, "misses": None, "writes": None, "bench_hits": None,
+        "rank_hit_rates": None, "shm_construct_bytes": shm_construct, "cache_bytes": cache_bytes,
+        "workers": setup.workers, "batch_size": setup.batch_size,
+        "start_method": setup.start_method if setup.workers > 0 else "none",
+        "persistent_workers": setup.persistent_workers and setup.workers > 0,
+        "sampler": setup.sampler, "sampler_used": sampler_name, "get_slot": setup.get_slot,
+        "read_latency_ms": setup.read_latency_ms,
+        "world_size": dw.world_size, "threads": torch.get_num_threads(),
+        "num_images": opts.num_images, "image_size": opts.image_size,
+        "decoded_size": opts.decoded_size,
+    }
+    if spec.kind == "cache":
+        # cache.stats() counts every process attached to the node's cache: sum one view per node.
+        leaders = [r["stats"] for r in per_rank if r["local_rank"] == 0 and r["stats"]]
+        hits = sum(s["hits"] for s in leaders)
+        misses = sum(s["misses"] for s in leaders)
+        row.update(hits=hits, misses=misses, writes=sum(s["writes"] for s in leaders),
+                   hit_rate=hits / (hits + misses) if hits + misses else None,
+                   bench_hits=sum(r["hits"] for r in per_rank),
+                   rank_hit_rates=[r["hits"] / r["samples"] if r["samples"] else None
+                                   for r in per_rank])
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# A run or a sweep
+# ----------------------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    import PIL
+
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "torch": torch.__version__, "numpy": np.__version__, "pillow": PIL.__version__,
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import stocaching
+
+        env["stocaching"] = getattr(stocaching, "__version__", "?")
+        env["stocaching_file"] = stocaching.__file__
+    except Exception as e:  # reported, not fatal: the no-cache and in-RAM runs need no cache
+        env["stocaching"] = f"import failed: {e!r}"
+    return env
+
+
+def run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
+             threads_override: int | None, say: Callable[[str], None],
+             on_group: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+    """Run every configuration of ``specs`` under every setup. On rank 0 returns the results
+    (``rows``, ``configs``, ``checks``, ...); the other ranks return the same rows."""
+    dw = Dist()
+    threads = torch.get_num_threads()
+    try:
+        return _run_grid(opts, setups, specs, threads_override, say if dw.is_main else _quiet,
+                         on_group if dw.is_main else None, dw)
+    finally:
+        torch.set_num_threads(threads)
+        dw.close()
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
+              threads_override: int | None, say: Callable[[str], None],
+              on_group: Callable[[list[dict[str, Any]]], None] | None,
+              dw: Dist) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]  # before we add any load of our own
+    if any(s.kind == "cache" for s in specs):
+        for st in setups:
+            _import_cache_classes(st.sampler)  # fail before any work when something is missing
+    root = opts.data_dir or D.default_data_dir(opts.num_images, opts.image_size,
+                                               opts.jpeg_quality, opts.seed, opts.num_classes)
+    gen_s = 0.0
+    if dw.local_rank == 0:
+        _, gen_s = D.ensure_dataset(root, opts.num_images, opts.image_size,
+                                    quality=opts.jpeg_quality, seed=opts.seed,
+                                    num_classes=opts.num_classes, processes=opts.gen_processes,
+                                    progress=dw.is_main)
+    dw.barrier()
+    say(f"dataset: {opts.num_images} JPEGs of {opts.image_size}x{opts.image_size} in {root}"
+        + (f" (generated in {gen_s:.1f} s)" if gen_s else " (reused)"))
+    if opts.warm_page_cache:
+        ws, nbytes = D.warm_page_cache(root, opts.num_images)
+        say(f"page cache warmed: read {nbytes / MIB:.0f} MiB in {ws:.1f} s")
+    token = dw.broadcast(secrets.token_hex(4))
+    all_rows: list[dict[str, Any]] = []
+    all_info: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for g, setup in enumerate(setups):
+        threads = threads_override or default_threads(setup.workers, dw.local_world_size)
+        torch.set_num_threads(threads)
+        lat = (f"; EMULATED read latency {setup.read_latency_ms:g} ms per miss"
+               if setup.read_latency_ms else "")
+        say(f"setup {g + 1}/{len(setups)}: workers={setup.workers} batch={setup.batch_size} "
+            f"start={setup.start_method} persistent={setup.persistent_workers} "
+            f"sampler={setup.sampler} get_slot={setup.get_slot} ranks={dw.world_size} "
+            f"trainer threads={threads}{lat}")
+        warm_up(opts, setup, Path(root), dw)
+        group_rows = []
+        for rep in range(opts.repeats):
+            # Odd repeats run the configurations in reverse order, so a drift in the machine's
+            # speed does not always favour the same configurations.
+            order = list(enumerate(specs))
+            if rep % 2:
+                order.reverse()
+                say(f" repeat {rep + 1}/{opts.repeats} (configurations in reverse order)")
+            elif opts.repeats > 1:
+                say(f" repeat {rep + 1}/{opts.repeats}")
+            for k, spec in order:
+                index = (g * opts.repeats + rep) * len(specs) + k
+                rows, info = run_config(opts, setup, spec, index, token, Path(root), dw, say)
+                for r in rows:
+                    r["repeat"] = rep + 1
+                info["setup"] = dataclasses.asdict(setup)
+                info["repeat"] = rep + 1
+                group_rows += rows
+                all_info.append(info)
+        all_rows += group_rows
+        if on_group is not None:
+            on_group(group_rows)
+    checks = [{"setup": report.group_title(g), **c} for g in report.groups(all_rows)
+              for c in report.check_targets(g)]
+    return {"rows": all_rows, "configs": all_info, "checks": checks, "data_dir": str(root),
+            "generate_s": gen_s, "elapsed_s": time.perf_counter() - t_start,
+            "world_size": dw.world_size, "is_main": dw.is_main, "environment": environment(),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0]}
+
+
+def describe_shm(results: dict[str, Any]) -> str:
+    """/dev/shm use per cache configuration (measured on rank 0's node)."""
+    lines = []
+    several = len({tuple(sorted(i["setup"].items())) for i in results["configs"]}) > 1
+    for info in results["configs"]:
+        if info["kind"] != "cache":
+            continue
+        st = info["setup"]
+        where = (f"[workers={st['workers']}, batch={st['batch_size']}, {st['start_method']}, "
+                 f"{st['sampler']}, latency {st['read_latency_ms']:g} ms, repeat "
+                 f"{info.get('repeat', 1)}] " if several else "")
+        c, b, na = (info.get("shm_construct_bytes"), info.get("cache_bytes"),
+                    info.get("shm_not_released_bytes"))
+        after = info.get("shm_after_epochs_bytes")
+        before = info.get("shm_before_bytes")
+        filled = None if after is None or before is None else after - before
+
+        def mib(v: Any) -> str:
+            return "?" if v is None else f"{v / MIB:.1f} MiB"
+
+        lines.append(f"  {where}{info['config']:>12}: {info.get('slots')} slots, "
+                     f"stats()['bytes'] {mib(b)}, /dev/shm used +{mib(c)} after construction, "
+                     f"+{mib(filled)} after the epochs, {mib(na)} left after close(); "
+                     f"construction {info.get('construct_s', math.nan):.2f} s")
+    return "\n".join(lines)
+
+
+def stats_consistency(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where cache.stats()'s hit count disagrees with the hits the Dataset saw."""
+    out = []
+    for r in rows:
+        if r["kind"] == "cache" and r.get("hits") is not None and r["hits"] != r["bench_hits"]:
+            out.append(f"{r['config']} epoch {r['epoch']}: cache.stats() counted {r['hits']} "
+                       f"hits, the Dataset got {r['bench_hits']} samples from the cache")
+        if r["kind"] == "cache" and r.get("hits") is not None and \
+                r["hits"] + r["misses"] != r["samples"]:
+            out.append(f"{r['config']} epoch {r['epoch']}: cache.stats() counted "
+                       f"{r['hits']} hits + {r['misses']} misses = {r['hits'] + r['misses']} "
+                       f"reads, the loop consumed {r['samples']} samples")
+    return out
+
+
+def timestamp_dir(base: str | Path = "benchmark-results") -> Path:
+    return Path(base) / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -1,0 +1,246 @@
+"""The benchmark package (``python -m benchmark``) on tiny sizes: the pipeline runs end to end,
+the files are written, ``analyze`` redoes the plots from a CSV, the two-phase transform has the
+documented shapes and dtypes, and the target checks compute what they say."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from benchmark import data as D
+from benchmark import plot, report
+from benchmark.__main__ import main, parse
+
+N, SRC, DEC = 32, 64, 32  # 32 JPEGs of 64x64, cached at 32x32
+
+
+@pytest.fixture
+def jpeg_dir(tmp_path):
+    root, _ = D.ensure_dataset(tmp_path / "jpegs", N, SRC, seed=0, num_classes=10,
+                               progress=False)
+    return root
+
+
+def test_generation_is_deterministic_and_reused(tmp_path, jpeg_dir):
+    assert sorted(os.listdir(jpeg_dir)) == sorted([f"{i:07d}.jpg" for i in range(N)]
+                                                  + [D.MANIFEST])
+    _, seconds = D.ensure_dataset(jpeg_dir, N, SRC, seed=0, num_classes=10, progress=False)
+    assert seconds == 0.0  # reused, not regenerated
+    other, _ = D.ensure_dataset(tmp_path / "again", N, SRC, seed=0, num_classes=10,
+                                progress=False)
+    for i in (0, 7, N - 1):
+        with open(D.image_path(jpeg_dir, i), "rb") as a, open(D.image_path(other, i), "rb") as b:
+            assert a.read() == b.read()
+    with pytest.raises(ValueError, match=r"--data-dir .* generated with"):
+        D.ensure_dataset(jpeg_dir, N, SRC + 1, seed=0, num_classes=10, progress=False)
+
+
+@pytest.mark.parametrize("size", [DEC, 48])
+def test_two_phase_transform_shapes_and_dtypes(jpeg_dir, size):
+    with open(D.image_path(jpeg_dir, 3), "rb") as f:
+        x = D.decode(f.read(), size)  # phase one: what the cache stores
+    assert x.dtype == torch.uint8 and x.shape == (3, size, size) and x.is_contiguous()
+    before = x.clone()
+    torch.manual_seed(0)
+    y = D.Augment()(x)  # phase two: after the cache, on every read
+    assert y.dtype == torch.float32 and y.shape == (3, size, size)
+    assert torch.equal(x, before)  # never writes to its input (safe on a read-only view)
+    assert torch.isfinite(y).all()
+    plain = D.Augment(pad=0, flip=False)(x)
+    mean = torch.tensor(D.MEAN).view(3, 1, 1)
+    std = torch.tensor(D.STD).view(3, 1, 1)
+    torch.testing.assert_close(plain, (x.float() / 255 - mean) / std)
+
+
+def test_dataset_returns_image_label_hit(jpeg_dir):
+    ds = D.JpegDataset(jpeg_dir, N, DEC, 10)
+    x, y, hit = ds[13]
+    assert x.shape == (3, DEC, DEC) and x.dtype == torch.float32
+    assert y == 3 and hit is False
+    ram = D.build_in_ram(jpeg_dir, N, DEC, workers=0, start_method=None)
+    assert ram.shape == (N, 3, DEC, DEC) and ram.dtype == torch.uint8
+    with open(D.image_path(jpeg_dir, 13), "rb") as f:
+        assert torch.equal(ram[13], D.decode(f.read(), DEC))
+
+
+def test_default_subcommand_is_run():
+    a = parse([])
+    assert a.command == "run" and a.cache_fraction == [0.0, 0.5, 1.0] and a.epochs == 3
+    assert a.read_latency_ms == 0.0 and a.sampler == "random" and a.in_ram
+    assert parse(["--epochs", "1", "--workers", "0"]).command == "run"
+    s = parse(["sweep", "--workers", "1", "2", "--read-latency-ms", "0", "5"])
+    assert s.command == "sweep" and s.workers == [1, 2] and s.read_latency_ms == [0.0, 5.0]
+    with pytest.raises(SystemExit):
+        parse(["--cache-fraction", "1.5"])
+
+
+def _run(tmp_path, jpeg_dir, *extra):
+    # One trainer thread: with more, torch's idle threads spin against everything else on a
+    # busy CI machine and a 0.05 s epoch can take seconds.
+    out = tmp_path / "out"
+    rc = main(["--data-dir", str(jpeg_dir), "--num-images", str(N), "--image-size", str(SRC),
+               "--decoded-size", str(DEC), "--batch-size", "8", "--cache-fraction", "0", "1",
+               "--threads", "1", "--out", str(out), *extra])
+    assert rc == 0
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_run_end_to_end(tmp_path, jpeg_dir, shm_dir, capsys, workers):
+    threads = torch.get_num_threads()
+    out = _run(tmp_path, jpeg_dir, "--epochs", "2", "--workers", str(workers))
+    assert torch.get_num_threads() == threads  # restored for whoever runs next in-process
+    text = capsys.readouterr().out
+    for f in ("results.csv", "results.json", "epoch_time_vs_cached.png"):
+        assert (out / f).stat().st_size > 0, f
+    with open(out / "epoch_time_vs_cached.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    rows = report.read_csv(out / "results.csv")
+    assert [(r["config"], r["epoch"]) for r in rows] == [
+        ("no cache", 1), ("no cache", 2), ("cache 100%", 1), ("cache 100%", 2),
+        ("in-RAM", 1), ("in-RAM", 2)]
+    assert all(r["samples"] == N and r["epoch_time_s"] > 0 and 0 <= r["stall_fraction"] <= 1
+               for r in rows)
+    full = [r for r in rows if r["kind"] == "cache"]
+    assert full[0]["slots"] == N and full[0]["cached_pct"] == 100.0
+    assert full[0]["hit_rate"] == 0.0 and full[0]["writes"] == N  # epoch 1 fills the cache
+    assert full[1]["hit_rate"] == 1.0 and full[1]["bench_hits"] == N  # epoch 2 only hits
+    assert full[1]["rank_hit_rates"] == [1.0]
+    assert all(r["hit_rate"] is None for r in rows if r["kind"] != "cache")
+
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["rows"][3]["hit_rate"] == 1.0 and saved["stats_mismatches"] == []
+    assert {c["name"] for c in saved["checks"]} == {"linearity", "throughput", "fill overhead"}
+    assert "cache 100%" in text and "in-RAM" in text and "target checks" in text
+    assert "EMULATED" not in text  # latency 0: no note
+
+
+@pytest.mark.timeout(60)
+def test_read_latency_is_reported(tmp_path, jpeg_dir, shm_dir, capsys):
+    out = _run(tmp_path, jpeg_dir, "--epochs", "1", "--workers", "0", "--read-latency-ms", "1",
+               "--no-in-ram", "--no-plot")
+    text = capsys.readouterr().out
+    assert "EMULATED storage latency" in text and "1 ms" in text
+    rows = report.read_csv(out / "results.csv")
+    assert {r["read_latency_ms"] for r in rows} == {1.0}
+    assert rows[0]["epoch_time_s"] >= N * 1e-3  # every one of the N reads slept 1 ms
+    assert json.loads((out / "results.json").read_text())["note"].startswith("NOTE: EMULATED")
+
+
+def _fake_rows(workers: int, t0: float, t1: float, t_ram: float) -> list[dict]:
+    rows = []
+    for kind, cfg, pct, base in [("none", "no cache", 0.0, t0), ("cache", "cache 50%", 50.0, None),
+                                 ("cache", "cache 100%", 100.0, t1), ("ram", "in-RAM", 100.0,
+                                                                      t_ram)]:
+        for e in (1, 2, 3):
+            if cfg == "cache 50%":
+                t = t0 if e == 1 else (t0 + t1) / 2
+            elif cfg == "cache 100%" and e > 1:
+                t = t1
+            elif cfg == "cache 100%":
+                t = t0 * 1.02
+            else:
+                t = base
+            rows.append({"config": cfg, "kind": kind, "cached_pct": pct, "epoch": e,
+                         "epoch_time_s": t, "samples": 1000, "samples_per_s": 1000 / t,
+                         "stall_fraction": 0.5, "hit_rate": None if kind != "cache" else 0.5,
+                         "slots": None if kind != "cache" else int(pct * 10), "workers": workers,
+                         "batch_size": 64, "start_method": "fork", "sampler": "random",
+                         "read_latency_ms": 0.0, "world_size": 1, "num_images": 1000,
+                         "image_size": 512, "decoded_size": 128})
+    return rows
+
+
+def test_target_checks_on_known_rows():
+    checks = report.check_targets(_fake_rows(2, t0=10.0, t1=2.0, t_ram=1.9))
+    by = {(c["name"], c.get("epoch")): c for c in checks}
+    assert by[("linearity", 2)]["status"] == "PASS" and abs(by[("linearity", 2)]["measured"]) \
+        < 1e-9
+    assert by[("throughput", None)]["status"] == "PASS"  # 2.0 s vs 1.9 s: 95%
+    assert by[("fill overhead", None)]["status"] == "PASS"  # +2%
+    assert report.check_targets(_fake_rows(2, 10.0, 2.0, 1.0))[-2]["status"] == "MISS"  # 50%
+    only_none = [r for r in _fake_rows(2, 10.0, 2.0, 1.9) if r["kind"] == "none"]
+    assert {c["status"] for c in report.check_targets(only_none)} == {"n/a"}
+
+
+def test_analyze_reproduces_plots_from_csv(tmp_path, capsys):
+    one = tmp_path / "one.csv"
+    report.write_csv(_fake_rows(2, 10.0, 2.0, 1.9), one)
+    paths, text = plot.analyze(one, tmp_path / "a")
+    assert [p.name for p in paths] == ["epoch_time_vs_cached.png"] and paths[0].stat().st_size
+    assert "cache 50%" in text and "[PASS]" in text
+    sweep = tmp_path / "sweep.csv"
+    report.write_csv(_fake_rows(1, 12.0, 2.0, 1.9) + _fake_rows(2, 10.0, 2.0, 1.9), sweep)
+    assert main(["analyze", str(sweep), "--out", str(tmp_path / "b")]) == 0
+    names = sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert names == ["epoch_time_vs_cached__w1-b64-fork-random-lat0ms.png",
+                     "epoch_time_vs_cached__w2-b64-fork-random-lat0ms.png",
+                     "throughput_vs_cached.png"]
+    assert "workers=1" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not a benchmark CSV"):
+        bad = tmp_path / "bad.csv"
+        bad.write_text("a,b\n1,2\n")
+        plot.analyze(bad)
+
+
+@pytest.mark.timeout(60)
+def test_analyze_redoes_a_runs_plot(tmp_path, jpeg_dir, shm_dir):
+    out = _run(tmp_path, jpeg_dir, "--epochs", "1", "--workers", "0", "--no-plot")
+    assert not (out / "epoch_time_vs_cached.png").exists()
+    assert main(["analyze", str(out / "results.csv")]) == 0
+    assert (out / "epoch_time_vs_cached.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(90)
+def test_run_spawn_persistent_views_release_the_cache(tmp_path, jpeg_dir, shm_dir):
+    out = _run(tmp_path, jpeg_dir, "--epochs", "2", "--workers", "1", "--start-method", "spawn",
+               "--persistent-workers", "--get-slot", "view", "--no-in-ram", "--no-plot")
+    rows = report.read_csv(out / "results.csv")
+    full = [r for r in rows if r["kind"] == "cache"]
+    assert [r["hit_rate"] for r in full] == [0.0, 1.0]  # spawned workers share one cache
+    assert all(r["start_method"] == "spawn" and r["persistent_workers"] for r in rows)
+    assert os.listdir(shm_dir) == []  # every configuration's cache was released
+
+
+@pytest.mark.timeout(60)
+def test_cache_aware_sampler_or_a_clear_error(tmp_path, jpeg_dir, shm_dir):
+    import stocaching
+
+    args = ("--epochs", "2", "--workers", "0", "--sampler", "cache-aware", "--no-plot")
+    if not hasattr(stocaching, "CacheAwareSampler"):
+        with pytest.raises(SystemExit, match=r"--sampler cache-aware needs "
+                                             r"stocaching.CacheAwareSampler"):
+            _run(tmp_path, jpeg_dir, *args)
+        assert not (tmp_path / "out" / "results.csv").exists()  # failed before any work
+        return
+    rows = report.read_csv(_run(tmp_path, jpeg_dir, *args) / "results.csv")
+    assert {r["sampler"] for r in rows} == {"cache-aware"}  # one setup: one group
+    assert {r["sampler_used"] for r in rows if r["kind"] == "cache"} == {"cache-aware"}
+    assert {r["sampler_used"] for r in rows if r["kind"] != "cache"} == {"random"}
+    assert [r["hit_rate"] for r in rows if r["kind"] == "cache"] == [0.0, 1.0]
+
+
+def test_repeats_are_aggregated_by_median():
+    a, b, c = (_fake_rows(2, t0, 2.0, 1.9) for t0 in (10.0, 30.0, 11.0))
+    rows = [dict(r, repeat=k + 1) for k, rs in enumerate((a, b, c)) for r in rs]
+    agg = report.aggregate(rows)
+    assert len(agg) == len(a) and {r["repeats"] for r in agg} == {3}
+    none1 = next(r for r in agg if r["config"] == "no cache" and r["epoch"] == 1)
+    assert none1["epoch_time_s"] == 11.0  # the median, not the mean (17.0)
+    assert "medians of 3 repeats" in report.format_table(rows)
+
+
+@pytest.mark.timeout(60)
+def test_run_with_repeats(tmp_path, jpeg_dir, shm_dir, capsys):
+    out = _run(tmp_path, jpeg_dir, "--epochs", "2", "--workers", "0", "--repeats", "2",
+               "--no-in-ram", "--no-plot")
+    rows = report.read_csv(out / "results.csv")
+    assert [(r["config"], r["repeat"]) for r in rows][::2] == [
+        ("no cache", 1), ("cache 100%", 1), ("cache 100%", 2), ("no cache", 2)]
+    assert [r["hit_rate"] for r in rows if r["kind"] == "cache"] == [0.0, 1.0, 0.0, 1.0]
+    assert "medians of 2 repeats" in capsys.readouterr().out
