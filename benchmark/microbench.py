@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import itertools
 import os
 import sys
 import time
@@ -53,6 +54,13 @@ def bench_calls(dims: tuple[int, ...], ref, n: int = 2000) -> list[tuple[str, fl
         rows.append(("get_slot hit (copy)", _per_call(lambda: c.get_slot(5), number)))
         rows.append(("get_slot hit (copy=False view)",
                      _per_call(lambda: c.get_slot(5, copy=False), number)))
+        # The same slot again and again stays in the CPU cache; a training epoch reads each
+        # slot once, from RAM. Cycle over the filled slots to see that cost too.
+        cyc = itertools.cycle(range(n // 2))
+        rows.append(("bare clone(), cycling over slots",
+                     _per_call(lambda: arr[next(cyc)].clone(), number)))
+        rows.append(("get_slot hit (copy), cycling", _per_call(lambda: c.get_slot(next(cyc)),
+                                                               number)))
         rows.append(("get_slot miss (empty)", _per_call(lambda: c.get_slot(n - 1), number)))
         it = iter(range(n // 2, n))
         rows.append(("set_slot (fresh slot)", _per_call(lambda: c.set_slot(next(it), x), 500, 1)))
@@ -66,6 +74,8 @@ def bench_calls(dims: tuple[int, ...], ref, n: int = 2000) -> list[tuple[str, fl
             r = ref.SharedCache(gib, n, dims)
         r.set_slot(5, x)
         rows.append(("0.2.1 get_slot hit (view)", _per_call(lambda: r.get_slot(5), number)))
+        rows.append(("0.2.1 hit + clone() (a safe copy)",
+                     _per_call(lambda: r.get_slot(5).clone(), number)))
         rows.append(("0.2.1 get_slot miss (empty)", _per_call(lambda: r.get_slot(n - 1), number)))
         it = iter(range(n // 2, n))
         rows.append(("0.2.1 set_slot (fresh slot)",

@@ -198,7 +198,10 @@ def _check_dtype(dtype: Any) -> torch.dtype:
 
 
 def _check_name(param: str, value: Any) -> str:
-    if not isinstance(value, str) or not value or len(value) > 64 or \
+    if not isinstance(value, str):
+        raise TypeError(f"{param} should be a str of 1 to 64 letters, digits, '-' and '.', "
+                        f"but got {param}={value!r} (type {type(value).__name__})")
+    if not value or len(value) > 64 or \
             not all(c.isalnum() or c in "-." for c in value):
         raise ValueError(f"{param} should be 1 to 64 characters of letters, digits, '-' and "
                          f"'.', but got {param}={value!r}")
@@ -530,7 +533,16 @@ def _try_stale(fd: int) -> bool:
 
 def _open_existing(path: str) -> int:
     """Open a segment without following a symlink and check that it is ours and private."""
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:  # the same refusal for the leader (publish) and the others (attach)
+        if e.errno == errno.ELOOP:
+            raise PermissionError(f"{path} is a symbolic link; stocaching does not follow "
+                                  "links. Remove it") from None
+        if e.errno == errno.EISDIR:
+            raise PermissionError(f"{path} is not a regular file; stocaching will not use it. "
+                                  "Remove it or choose another name=") from None
+        raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -668,14 +680,15 @@ class SharedCache:
         layout_seed = _check_int("layout_seed", layout_seed, low=0, high=2**63 - 1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not timeout > 0:
-            raise ValueError(f"timeout should be a positive number of seconds, "
-                             f"but got timeout={timeout!r}")
+            raise (ValueError if isinstance(timeout, (int, float)) and
+                   not isinstance(timeout, bool) else TypeError)(
+                f"timeout should be a positive number of seconds, but got timeout={timeout!r}")
         name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
         job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
         shm_dir = shm_dir if shm_dir is not None else \
             os.environ.get("STOCACHING_SHM_DIR", DEFAULT_SHM_DIR)
         if not isinstance(shm_dir, (str, os.PathLike)) or not os.path.isdir(shm_dir):
-            raise ValueError(f"shm_dir should be an existing directory on a tmpfs, "
+            raise (ValueError if isinstance(shm_dir, (str, os.PathLike)) else TypeError)(f"shm_dir should be an existing directory on a tmpfs, "
                              f"but got shm_dir={shm_dir!r}")
 
         item = dtype.itemsize
@@ -842,11 +855,6 @@ class SharedCache:
                 fd = _open_existing(self._path)
             except FileNotFoundError:
                 fd = -1
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise PermissionError(f"{self._path} is a symbolic link; stocaching does "
-                                          "not follow links. Remove it") from None
-                raise
             if fd >= 0:
                 if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
                     os.close(fd)
@@ -1017,6 +1025,10 @@ class SharedCache:
 
     # -- the public API -------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this SharedCache is closed")
+
     @property
     def array(self) -> torch.Tensor:
         """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory.
@@ -1025,12 +1037,14 @@ class SharedCache:
             This is a raw view: writing into it bypasses the slot states and the protection of
             concurrent readers. Use ``set_slot``.
         """
+        self._check_open()
         return self._array
 
     @property
     def aux_array(self) -> torch.Tensor:
         """State of every dataset index, a uint8 tensor of shape ``(dataset_len,)`` in shared
         memory: 0 empty, 1 set, 2 out of bounds (no slot on this node), 3 being written."""
+        self._check_open()
         return torch.from_numpy(self._aux_np)
 
     @property
@@ -1078,9 +1092,12 @@ class SharedCache:
     def __setitem__(self, slot: Any, value: Any) -> None:
         """Raw slot write, as in 0.2.1 (the aux state is not changed). Concurrent ``get_slot``
         readers of the slots written see a miss rather than a half-written sample."""
+        self._check_open()
         if _is_int(slot):
-            s = _check_int("slot", slot, low=-len(self), high=len(self) - 1,
-                           expect=f"an int in [-{len(self)}, {len(self) - 1}]") % len(self)
+            if not -len(self) <= int(slot) < len(self):  # as cache[slot] and 0.2.1 do
+                raise IndexError(f"slot should be an int in [-{len(self)}, {len(self) - 1}], "
+                                 f"but got slot={int(slot)}")
+            s = int(slot) % len(self)
             src = self._source(value)
             with self._locked(_LOCK_BASE + 1 + s):
                 self._write(s, src)
@@ -1133,7 +1150,10 @@ class SharedCache:
             slot = idx if self._slot_map is None else self._slot_map[idx]
             seqs = self._seq_mv
             seq = seqs[slot]
-            if not seq & 1:  # odd: a writer is at work
+            # Odd: a writer is at work. The state is checked again under this sequence number:
+            # a clear() (or a write) that ended between the check above and the read of seq
+            # left an even number and an emptied slot, which would otherwise pass as a hit.
+            if not seq & 1 and self._aux_mv[idx] == SET:
                 out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
                     else self._ro_slots[slot]
                 if seqs[slot] == seq:  # no write or clear() ran during the copy
@@ -1154,6 +1174,8 @@ class SharedCache:
             seq = self._seq_mv[slot]
             if seq & 1:
                 continue
+            if self._aux_mv[idx] != SET:  # emptied before seq was read: see get_slot
+                break
             out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
                 else self._ro_slots[slot]
             if self._seq_mv[slot] == seq:
@@ -1240,8 +1262,9 @@ class SharedCache:
         src = self._source(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
         with self._locked(_LOCK_BASE + 1 + slot):
-            # A slot left WRITING by a writer that died is empty: we hold its lock now.
-            if self._aux_mv[idx] == SET and not allow_overwrite:
+            # A slot left WRITING, or SET with an odd sequence number, by a writer that died
+            # (or was interrupted) is empty: we hold its lock now, so nobody is writing it.
+            if self._aux_mv[idx] == SET and not allow_overwrite and not self._seq_mv[slot] & 1:
                 raise RuntimeError(f"the slot of idx={idx} is already set; pass "
                                    "allow_overwrite=True to replace it")
             self._write(slot, src, idx)
@@ -1250,6 +1273,7 @@ class SharedCache:
     def clear(self) -> None:
         """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
         processes read (they see misses) or write (they finish first)."""
+        self._check_open()
         with self._locked(_LOCK_BASE + 1, max(1, len(self))):
             self._seq_np |= 1
             aux = self._aux_np
@@ -1267,6 +1291,7 @@ class SharedCache:
             segment), ``hit_rate`` (hits / reads, nan before the first read) and
             ``processes`` (processes holding a row now).
         """
+        self._check_open()
         with self._header_locked():
             rows = self._stats_np.copy()
         hits, misses, oob, writes = (int(x) for x in rows[:, _HITS:_WRITES + 1].sum(0))
@@ -1284,7 +1309,15 @@ class SharedCache:
             return
         self._closed = True
         _LIVE_CACHES.discard(self)
+        # Drop every view of the segment, then unmap it now rather than when the object is
+        # collected (a Dataset keeps its closed cache). A tensor the caller still holds
+        # (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes.
         self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
+        self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
+        self._array = self._ro_slots = _CLOSED  # type: ignore
+        for mm in (self._mm, self._ro_mm):
+            with contextlib.suppress(BufferError):
+                mm.close()
         if self._finalizer is not None:
             self._finalizer()
 

@@ -378,3 +378,15 @@ def test_other_device_is_copied(shm_dir):
     x = sample((3, 4, 4), torch.uint8, 1)
     c.set_slot(0, x.cuda())
     assert torch.equal(c.get_slot(0), x)
+
+
+def test_every_call_on_a_closed_cache_says_it_is_closed(shm_dir):
+    c = make(shm_dir)
+    c.close()
+    x = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    for call in (lambda: c.array, lambda: c.aux_array, lambda: c[0], lambda: c.stats(),
+                 lambda: c.clear(), lambda: c.get_slot(0), lambda: c.set_slot(0, x)):
+        with pytest.raises(ValueError, match="this SharedCache is closed"):
+            call()
+    with pytest.raises(ValueError, match="closed"):
+        c.__setitem__(0, x)

@@ -1,0 +1,351 @@
+"""Capacity (a tmpfs too small, or exactly big enough) and hostile neighbours (other users'
+files, links and directories under a segment's name; other jobs; stale and live segments).
+
+Every test runs on its own freshly mounted 64 MiB tmpfs. "Another user" is uid 65534
+(nobody): its files are made by a real process running as that user (``sh`` started with
+``user=65534``), not by chown.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from _reliability import (REPO, age, assert_no_leak, children, job_env, named,  # noqa: F401
+                          tmpfs, used_bytes)
+from stocaching import (CacheCapacityError, CacheConfigError, SharedCache, World,
+                        clean_segments, list_segments)
+from stocaching.stocaching import _segment_name
+
+NOBODY = 65534
+W0 = World(rank=0, world_size=2, local_rank=0, local_world_size=2)
+W1 = World(rank=1, world_size=2, local_rank=1, local_world_size=2)
+SLOT = (256, 1024)  # 256 KiB uint8 samples
+SLOT_BYTES = 256 * 1024
+N = 1000
+
+
+def _free(d: str) -> int:
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize
+
+
+def _segment_bytes(n: int, slots: int, slot_bytes: int) -> int:
+    """Segment size as the SharedCache docstring states it: a 4 KiB header, a 64 KiB stats
+    table, one aux byte per sample and 4 bytes per slot (each rounded to 8), padded to a page,
+    then the slots."""
+    meta = 4096 + 65536 + -(-n // 8) * 8 + -(-4 * slots // 8) * 8
+    return -(-meta // mmap.PAGESIZE) * mmap.PAGESIZE + max(1, slots * slot_bytes)
+
+
+def _budget_gib(n: int, slots: int, slot_bytes: int) -> float:
+    """A size_limit_gib that gives exactly ``slots`` slots (the 0.2.1 rule)."""
+    return (slots * slot_bytes + n + 0.5) / 1024**3
+
+
+def _as_nobody(cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", cmd], user=NOBODY, group=NOBODY, extra_groups=[],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) capacity
+# ----------------------------------------------------------------------------------------------
+
+FILL_SCRIPT = r'''
+import errno, os, sys
+import torch
+from stocaching import SharedCache
+d, budget, n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+c = SharedCache(budget, n, (256, 1024), name="fits", shm_dir=d)
+st = os.statvfs(d)
+print("BUILT", len(c), c.stats()["bytes"], st.f_bavail * st.f_frsize, flush=True)
+with open(os.path.join(d, "hog"), "wb", buffering=0) as hog:  # a neighbour takes the rest
+    try:
+        while True:
+            hog.write(b"x" * 65536)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+for i in range(len(c)):
+    c.set_slot(i, torch.full((256, 1024), i % 251 + 1, dtype=torch.uint8))
+bad = sum(int(c.get_slot(i)[-1, -1]) != i % 251 + 1 for i in range(len(c)))
+print("FILLED", c.stats()["filled"], bad, flush=True)
+'''
+
+SPARSE_SCRIPT = r'''
+import mmap, os, sys
+import numpy as np
+path, size = sys.argv[1], int(sys.argv[2])
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, size)  # no reservation: pages are found (or not) on first touch
+np.frombuffer(mmap.mmap(fd, size), np.uint8)[:] = 1
+print("FILLED", flush=True)
+'''
+
+
+def _largest_fit(free: int) -> int:
+    slots = free // SLOT_BYTES
+    while _segment_bytes(N, slots, SLOT_BYTES) > free:
+        slots -= 1
+    return slots
+
+
+@pytest.mark.timeout(60)
+def test_cache_that_does_not_fit_fails_at_construction_and_leaves_nothing(tmpfs):
+    free = _free(tmpfs)
+    slots = _largest_fit(free) + 1
+    need = _segment_bytes(N, slots, SLOT_BYTES)
+    assert need > free
+    with pytest.raises(CacheCapacityError) as info:
+        SharedCache(_budget_gib(N, slots, SLOT_BYTES), N, SLOT, name="big", shm_dir=tmpfs)
+    e = info.value
+    assert (e.path, e.needed, e.free) == (tmpfs, need, free)
+    msg = str(e)
+    assert tmpfs in msg and f"{free / 2**20:.1f} MiB free" in msg, msg
+    assert f"needs {need / 2**20:.1f} MiB" in msg and f"{slots} slots of 256.0 KiB" in msg, msg
+    assert "size_limit_gib" in msg and "--shm-size" in msg, msg
+    again = pickle.loads(pickle.dumps(e))  # crosses DataLoader worker boundaries intact
+    assert (type(again), str(again), again.path, again.needed, again.free) == \
+        (CacheCapacityError, msg, e.path, e.needed, e.free)
+    assert os.listdir(tmpfs) == [] and used_bytes(tmpfs) == 0
+
+
+@pytest.mark.timeout(60)
+def test_reservation_failing_after_the_free_space_check_leaves_nothing(tmpfs, monkeypatch):
+    """Another process takes the space between the free-space check and the reservation.
+    That race cannot be timed from outside, so statvfs is faked to report room that the
+    tmpfs does not have: the real posix_fallocate then fails with ENOSPC."""
+    real = os.statvfs
+
+    def roomy(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks * 4, st.f_bfree * 4,
+                                  st.f_bavail * 4, *st[5:]))
+
+    slots = _largest_fit(_free(tmpfs)) + 8
+    monkeypatch.setattr(os, "statvfs", roomy)
+    with pytest.raises(CacheCapacityError) as info:
+        SharedCache(_budget_gib(N, slots, SLOT_BYTES), N, SLOT, name="race", shm_dir=tmpfs)
+    monkeypatch.undo()
+    assert info.value.needed == _segment_bytes(N, slots, SLOT_BYTES)
+    assert os.listdir(tmpfs) == [] and used_bytes(tmpfs) == 0
+
+
+@pytest.mark.timeout(90)
+def test_cache_that_just_fits_fills_completely_without_sigbus(tmpfs, tmp_path):
+    free = _free(tmpfs)
+    slots = _largest_fit(free)
+    need = _segment_bytes(N, slots, SLOT_BYTES)
+    assert free - need < SLOT_BYTES  # as close to the free space as the slot size allows
+    script = tmp_path / "fill.py"
+    script.write_text(FILL_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(script), tmpfs,
+                        repr(_budget_gib(N, slots, SLOT_BYTES)), str(N)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    # A SIGBUS (a page of the segment that the tmpfs cannot supply) would be rc == -7.
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    built = r.stdout.split("BUILT ")[1].split()
+    assert [int(x) for x in built[:2]] == [slots, need]  # the size the docstring promises
+    assert int(built[2]) < SLOT_BYTES  # the cache took (nearly) all of the tmpfs
+    assert r.stdout.split("FILLED ")[1].split() == [str(slots), "0"]
+    os.unlink(os.path.join(tmpfs, "hog"))
+    assert_no_leak(tmpfs)
+
+    # The control: the same harness sees the SIGBUS of a file that was not reserved.
+    sparse = tmp_path / "sparse.py"
+    sparse.write_text(SPARSE_SCRIPT)
+    r = subprocess.run([sys.executable, str(sparse), os.path.join(tmpfs, "sparse"),
+                        str(free + (1 << 20))], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGBUS, (r.returncode, r.stdout, r.stderr[-500:])
+    os.unlink(os.path.join(tmpfs, "sparse"))
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) hostile neighbours
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_segment_is_private_to_its_creator(tmpfs):
+    path = os.path.join(tmpfs, _segment_name("modes", 0, "m"))
+    old = os.umask(0)  # the mode must not depend on the umask
+    try:
+        lead = SharedCache(1, 8, (16,), name="m", job_key="modes", world=W0, shm_dir=tmpfs)
+    finally:
+        os.umask(old)
+    # Published, rank 1 not attached yet: the name is visible to everyone.
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.getuid() and st.st_gid == os.getgid()
+    denied = _as_nobody(f"cat '{path}' > /dev/null; echo x >> '{path}'")
+    assert denied.stderr.count("Permission denied") == 2, denied.stderr
+    # The control: the same user reads a world-readable file next to it (the path is reachable).
+    open(os.path.join(tmpfs, "public"), "w").write("ok")
+    os.chmod(os.path.join(tmpfs, "public"), 0o644)
+    assert _as_nobody(f"cat '{tmpfs}/public'").stdout == "ok"
+    os.unlink(os.path.join(tmpfs, "public"))
+
+    follow = SharedCache(1, 8, (16,), name="m", job_key="modes", world=W1, shm_dir=tmpfs)
+    assert not os.path.lexists(path)  # everybody attached: the name is gone
+    # What each process still holds is the same private file, now without a name.
+    fds = [f for f, target in _fd_targets() if target.startswith(tmpfs + "/")]
+    assert len(fds) >= 2
+    for f in fds:
+        assert os.readlink(f"/proc/self/fd/{f}").endswith(" (deleted)")
+        st = os.stat(f"/proc/self/fd/{f}")
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    follow.close()
+    lead.close()
+    del lead, follow, f  # close() keeps the mapping while the object lives (test_endurance.py)
+    assert_no_leak(tmpfs)
+
+
+def _fd_targets() -> list[tuple[str, str]]:
+    out = []
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            out.append((f, os.readlink(f"/proc/self/fd/{f}")))
+        except FileNotFoundError:  # the descriptor listdir itself used
+            pass
+    return out
+
+
+def _snapshot(path: str) -> tuple:
+    st = os.lstat(path)
+    body = os.readlink(path) if stat.S_ISLNK(st.st_mode) else (
+        open(path, "rb").read() if stat.S_ISREG(st.st_mode) else None)
+    return st.st_ino, st.st_uid, st.st_mode, st.st_size, st.st_mtime_ns, body
+
+
+def _planted_params():
+    for kind in ("file", "symlink", "directory"):
+        for role in ("leader", "nonleader"):
+            yield pytest.param(kind, role, id=f"{kind}-{role}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind,role", list(_planted_params()))
+def test_planted_name_of_another_user_is_neither_followed_nor_trusted(kind, role, tmpfs):
+    path = os.path.join(tmpfs, _segment_name("victimjob", 0, "train"))
+    victim = os.path.join(tmpfs, "victim")  # a file of ours that a link could aim at
+    with open(victim, "w") as f:
+        f.write("precious")
+    os.chmod(victim, 0o644)
+    plant = {"file": f"printf 'hostile' > '{path}' && chmod 600 '{path}'",
+             "symlink": f"ln -s '{victim}' '{path}'",
+             "directory": f"mkdir '{path}'"}[kind]
+    r = _as_nobody(plant)
+    assert r.returncode == 0, r.stderr
+    assert os.lstat(path).st_uid == NOBODY
+    before, victim_before = _snapshot(path), _snapshot(victim)
+
+    t0 = time.monotonic()
+    with pytest.raises(PermissionError) as info:
+        SharedCache(1, 8, (16,), name="train", job_key="victimjob", shm_dir=tmpfs, timeout=5,
+                    world=W0 if role == "leader" else W1)
+    assert time.monotonic() - t0 < 2  # refused at once, not after waiting for the leader
+    assert path in str(info.value)
+    assert _snapshot(path) == before and _snapshot(victim) == victim_before
+    assert named(tmpfs) == [os.path.basename(path)]  # the leader's temporary file is gone
+    # Not ours, so never "stale" either, however old.
+    age([path])
+    aged = _snapshot(path)
+    assert clean_segments(tmpfs) == [] and _snapshot(path) == aged
+    assert all(s["state"] != "stale" for s in list_segments(tmpfs) if s["path"] == path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("role", ["leader", "nonleader"])
+def test_own_file_that_is_not_private_is_not_trusted(role, tmpfs):
+    path = os.path.join(tmpfs, _segment_name("loose", 0, "train"))
+    with open(path, "wb") as f:
+        f.write(b"\0" * 8192)
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match="mode -rw-r--r--"):
+        SharedCache(1, 8, (16,), name="train", job_key="loose", shm_dir=tmpfs, timeout=5,
+                    world=W0 if role == "leader" else W1)
+    assert open(path, "rb").read() == b"\0" * 8192
+    assert named(tmpfs) == [os.path.basename(path)]
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_of_one_user_coexist_and_a_live_name_is_not_taken(tmpfs):
+    a0 = SharedCache(1, 8, (16,), name="train", job_key="jobA", world=W0, shm_dir=tmpfs)
+    b0 = SharedCache(1, 8, (16,), name="train", job_key="jobB", world=W0, shm_dir=tmpfs)
+    # A third leader with job A's key and name must not replace job A's live segment.
+    with pytest.raises(CacheConfigError, match="a live cache is already named"):
+        SharedCache(1, 8, (16,), name="train", job_key="jobA", world=W0, shm_dir=tmpfs)
+    a0.set_slot(3, torch.full((16,), 1, dtype=torch.uint8))
+    b0.set_slot(3, torch.full((16,), 2, dtype=torch.uint8))
+    a1 = SharedCache(1, 8, (16,), name="train", job_key="jobA", world=W1, shm_dir=tmpfs)
+    b1 = SharedCache(1, 8, (16,), name="train", job_key="jobB", world=W1, shm_dir=tmpfs)
+    assert a1.get_slot(3).tolist() == [1] * 16 and b1.get_slot(3).tolist() == [2] * 16
+    assert a1.stats()["writes"] == 1 and b1.stats()["writes"] == 1
+    for c in (a0, a1, b0, b1):
+        c.close()
+    del a0, a1, b0, b1, c  # close() keeps the mapping while the object lives (test_endurance.py)
+    assert_no_leak(tmpfs)
+
+
+@pytest.mark.timeout(60)
+def test_stale_segments_are_reclaimed_and_live_ones_never_touched(tmpfs, children):
+    live = children("live", job_env(tmpfs, "livejob", rank=0))  # its rank 1 comes later
+    dead = children("dead", job_env(tmpfs, "deadjob", rank=0))
+    for c in (live, dead):
+        c.send("create")
+    for c in (live, dead):
+        c.expect("ATTACHED")
+    dead.signal(signal.SIGKILL)  # killed during start-up: its published name stays
+    assert dead.wait(15) == -signal.SIGKILL
+    live_path = os.path.join(tmpfs, _segment_name("livejob", 0, "f"))
+    dead_path = os.path.join(tmpfs, _segment_name("deadjob", 0, "f"))
+    plain_path = os.path.join(tmpfs, _segment_name("plainjob", 0, "f"))
+    fd = os.open(plain_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # nobody holds it
+    os.write(fd, b"left over")
+    os.close(fd)
+    assert named(tmpfs) == sorted(os.path.basename(p) for p in (dead_path, live_path,
+                                                                  plain_path))
+
+    # Younger than 2 s a file may be a leader's work in progress: left alone.
+    assert clean_segments(tmpfs, dry_run=True) == []
+    age([live_path, dead_path, plain_path])
+    states = {s["path"]: s for s in list_segments(tmpfs)}
+    assert states[dead_path]["state"] == "stale" and states[plain_path]["state"] == "stale"
+    assert states[live_path]["state"] == "live" and states[live_path]["pids"] == [live.pid]
+    assert sorted(clean_segments(tmpfs, dry_run=True)) == sorted([dead_path, plain_path])
+    assert os.path.lexists(dead_path) and os.path.lexists(plain_path)  # a dry run is dry
+    assert sorted(clean_segments(tmpfs)) == sorted([dead_path, plain_path])
+    assert named(tmpfs) == [os.path.basename(live_path)]
+
+    # The next construction (of any cache of this user there) reclaims them as well.
+    again = os.path.join(tmpfs, _segment_name("plainjob2", 0, "f"))
+    os.close(os.open(again, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    age([again])
+    with SharedCache(1, 8, (16,), name="other", job_key="otherjob", shm_dir=tmpfs):
+        pass
+    assert named(tmpfs) == [os.path.basename(live_path)]
+
+    # The live one was not touched: its rank 1 attaches now and reads what rank 0 wrote.
+    live.send("write")
+    wrote = int(live.expect("WROTE").split()[1])
+    rank1 = children("live1", job_env(tmpfs, "livejob", rank=1))
+    rank1.send("create")
+    rank1.expect("ATTACHED")
+    assert not os.path.lexists(live_path)
+    rank1.send("check")
+    hits, misses, bad = (int(x) for x in rank1.expect("CHECK").split()[1:4])
+    assert (hits, bad) == (wrote, 0)
+    for c in (live, rank1):
+        c.send("exit")
+        assert c.wait(15) == 0
+    assert_no_leak(tmpfs)
