@@ -133,17 +133,10 @@ def _check(marks: list[dict], stats: dict, epochs: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_fork_workers_recreated_every_epoch_leak_nothing(tmpfs):
-    marks, stats = _run("fork", 20, tmpfs)
-    _check(marks, stats, 20)
-    assert_no_leak(tmpfs)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_spawn_workers_recreated_every_epoch_leak_nothing(tmpfs):
-    marks, stats = _run("spawn", 5, tmpfs)
-    _check(marks, stats, 5)
+@pytest.mark.parametrize("method,epochs", [("fork", 20), ("spawn", 5)])
+def test_workers_recreated_every_epoch_leak_nothing(method, epochs, tmpfs):
+    marks, stats = _run(method, epochs, tmpfs)
+    _check(marks, stats, epochs)
     assert_no_leak(tmpfs)
 
 

@@ -69,6 +69,17 @@ def _leaves_a_file(role: str, phase: str, sig: str) -> bool:
         (role == "main" and phase == "startup")
 
 
+def _stop_inside(proc, phase):
+    """Bring a child to the middle of a write (its last slot) or of a read loop."""
+    if phase == "write":
+        proc.send(f"writehang {N - 1}")
+        proc.expect("INSIDE")
+    else:
+        proc.send("readloop")
+        proc.expect("READING")
+        time.sleep(0.1)
+
+
 def _run_ranks(role, phase, sig, shm, key, go, start):
     port = new_port()
     lead = start("rank0", job_env(shm, key, rank=0, port=port, FT_GO=go))
@@ -103,13 +114,7 @@ def _run_ranks(role, phase, sig, shm, key, go, start):
             c.send("write")
         for c in (lead, other):
             c.expect("WROTE")
-        if phase == "write":
-            target.send(f"writehang {N - 1}")
-            target.expect("INSIDE")
-        else:
-            target.send("readloop")
-            target.expect("READING")
-            time.sleep(0.1)
+        _stop_inside(target, phase)
         target.signal(SIGNALS[sig])
     assert target.wait(15) == -SIGNALS[sig], target.stderr()
 
@@ -173,13 +178,7 @@ def _run_main(phase, sig, shm, key, go, start):
         main.expect("ATTACHED")
         main.send("write")
         main.expect("WROTE")
-        if phase == "write":
-            main.send(f"writehang {N - 1}")
-            main.expect("INSIDE")
-        else:
-            main.send("readloop")
-            main.expect("READING")
-            time.sleep(0.1)
+        _stop_inside(main, phase)
     main.signal(SIGNALS[sig])
     assert main.wait(15) == -SIGNALS[sig], main.stderr()
 
