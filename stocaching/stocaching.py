@@ -172,6 +172,16 @@ def _check_int(name: str, value: Any, *, low: int | None = None, high: int | Non
     return v
 
 
+def _check_positive(name: str, value: Any, unit: str) -> float:
+    """Return a positive finite int or float, or raise naming ``name`` and the value."""
+    expect = f"{name} should be a positive finite number of {unit}, but got {name}={value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(expect)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(expect)
+    return value
+
+
 def _check_dims(data_dims: Any) -> tuple[int, ...]:
     expect = "a non-empty tuple of positive ints"
     if isinstance(data_dims, torch.Size):
@@ -221,6 +231,12 @@ def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int) 
     if slot_bytes * dataset_len + dataset_len <= limit:
         return dataset_len
     return max(0, min(dataset_len, int((limit - dataset_len) / slot_bytes)))
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged user can still allocate on the filesystem of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _process_start(pid: int) -> int:
@@ -483,6 +499,11 @@ _PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES = range(6)
 _LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, _LOCK_BASE + 1 + s slot s
 
 
+def _slot_map_dtype(layout: CacheLayout) -> np.dtype:
+    """dtype of the multi-node slot map (dataset index -> slot, -1 for none)."""
+    return np.dtype(np.int32 if layout.slots < 2**31 else np.int64)
+
+
 def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
     """A key shared by the local ranks of one job and by no other job of this user here."""
     env = os.environ if env is None else env
@@ -665,12 +686,7 @@ class SharedCache:
                  job_key: str | None = None, world: World | None = None,
                  shm_dir: str | None = None, layout_seed: int = 0,
                  timeout: float = 300.0) -> None:
-        if isinstance(size_limit_gib, bool) or not isinstance(size_limit_gib, (int, float)) \
-                or not math.isfinite(size_limit_gib) or size_limit_gib <= 0:
-            raise (TypeError if not isinstance(size_limit_gib, (int, float)) or
-                   isinstance(size_limit_gib, bool) else ValueError)(
-                "size_limit_gib should be a positive finite number of GiB, "
-                f"but got size_limit_gib={size_limit_gib!r}")
+        size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = _check_int("dataset_len", dataset_len, low=1)
         dims = _check_dims(data_dims)
         dtype = _check_dtype(dtype)
@@ -678,21 +694,16 @@ class SharedCache:
         if not isinstance(world, World):
             raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
         layout_seed = _check_int("layout_seed", layout_seed, low=0, high=2**63 - 1)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-                not timeout > 0:
-            raise (ValueError if isinstance(timeout, (int, float)) and
-                   not isinstance(timeout, bool) else TypeError)(
-                f"timeout should be a positive number of seconds, but got timeout={timeout!r}")
+        timeout = _check_positive("timeout", timeout, "seconds")
         name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
         job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
         shm_dir = shm_dir if shm_dir is not None else \
             os.environ.get("STOCACHING_SHM_DIR", DEFAULT_SHM_DIR)
         if not isinstance(shm_dir, (str, os.PathLike)) or not os.path.isdir(shm_dir):
-            raise (ValueError if isinstance(shm_dir, (str, os.PathLike)) else TypeError)(f"shm_dir should be an existing directory on a tmpfs, "
-                             f"but got shm_dir={shm_dir!r}")
+            raise (ValueError if isinstance(shm_dir, (str, os.PathLike)) else TypeError)(
+                f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
 
-        item = dtype.itemsize
-        slot_bytes = math.prod(dims) * item
+        slot_bytes = math.prod(dims) * dtype.itemsize
         slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes)
         if slots == 0:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
@@ -707,7 +718,7 @@ class SharedCache:
         self._fd = -1
         self._finalizer: weakref.finalize | None = None
         if world.is_local_leader:
-            self._create(size_limit_gib)
+            self._create()
         else:
             self._attach_by_name(float(timeout))
 
@@ -719,7 +730,7 @@ class SharedCache:
         aux_off = stats_off + _STATS_ROWS * _STATS_COLS * 8
         seq_off = aux_off + (lay.dataset_len + 7) // 8 * 8
         map_off = seq_off + (lay.slots * 4 + 7) // 8 * 8
-        map_item = 0 if lay.num_nodes == 1 else (4 if lay.slots < 2**31 else 8)
+        map_item = _slot_map_dtype(lay).itemsize if lay.num_nodes > 1 else 0
         data_off = map_off + lay.dataset_len * map_item
         data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         slot_bytes = math.prod(self._dims) * self._dtype.itemsize
@@ -738,13 +749,12 @@ class SharedCache:
         h.update(self._plan_offsets())
         return h
 
-    def _create(self, size_limit_gib: float) -> None:
+    def _create(self) -> None:
         head = self._expected_header()
         total = head["total_bytes"]
         shm_dir = os.path.dirname(self._path)
         clean_segments(shm_dir)  # segments of this user whose processes are all gone
-        vfs = os.statvfs(shm_dir)
-        free = vfs.f_bavail * vfs.f_frsize
+        free = _free_bytes(shm_dir)
         if total > free:
             raise self._capacity_error(shm_dir, total, free)
         vm = psutil.virtual_memory()
@@ -767,8 +777,7 @@ class SharedCache:
                 os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS mid-epoch
             except OSError as e:
                 if e.errno == errno.ENOSPC:
-                    free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize
-                    raise self._capacity_error(shm_dir, total, free) from None
+                    raise self._capacity_error(shm_dir, total, _free_bytes(shm_dir)) from None
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, total)
@@ -786,7 +795,7 @@ class SharedCache:
                 held = self._layout.indices(self._world.node_rank)
                 aux[held] = EMPTY
                 if self._slot_map is not None:
-                    smap = np.frombuffer(mm, f"i{self._slot_map.itemsize}",
+                    smap = np.frombuffer(mm, _slot_map_dtype(self._layout),
                                          self._layout.dataset_len, head["map_off"])
                     smap[:] = -1
                     smap[held] = np.arange(len(held))
@@ -806,7 +815,7 @@ class SharedCache:
             "%s in %s, %s free there afterwards", self._name, lay.slots, lay.dataset_len,
             100.0 * lay.slots / lay.dataset_len, tuple(self._dims),
             str(self._dtype).replace("torch.", ""), self._world.node_rank, _fmt_bytes(total),
-            shm_dir, _fmt_bytes(os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize))
+            shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay = self._layout
@@ -935,9 +944,9 @@ class SharedCache:
         self._stats_np = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
                                        head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
         if head["map_off"]:
-            item = 4 if lay.slots < 2**31 else 8
-            self._slot_map = view[head["map_off"]: head["map_off"] + item * lay.dataset_len] \
-                .cast("i" if item == 4 else "q")
+            dt = _slot_map_dtype(lay)
+            self._slot_map = view[head["map_off"]: head["map_off"] + dt.itemsize *
+                                  lay.dataset_len].cast(dt.char)
         else:
             self._slot_map = None
         self._np_slots = np.frombuffer(mm, np_dtype, lay.slots * math.prod(self._dims),
@@ -1881,13 +1890,11 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
     dims = _check_dims(data_dims)
     dtype = _check_dtype(dtype)
     slot_bytes = math.prod(dims) * dtype.itemsize
-    st = os.statvfs(shm_dir)
-    free_gib = st.f_bavail * st.f_frsize / BYTES_PER_GIB
+    free_gib = _free_bytes(shm_dir) / BYTES_PER_GIB
     overhead_gib = (_HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 + mmap.PAGESIZE) / BYTES_PER_GIB
     limit = size_limit_gib if size_limit_gib is not None else max(0.0, free_gib - overhead_gib)
-    if size_limit_gib is not None and (isinstance(limit, bool) or not limit > 0):
-        raise ValueError(f"size_limit_gib should be a positive number, "
-                         f"but got size_limit_gib={size_limit_gib!r}")
+    if size_limit_gib is not None:
+        _check_positive("size_limit_gib", size_limit_gib, "GiB")
     slots = _slots_for_budget(limit, dataset_len, slot_bytes) if limit > 0 else 0
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
@@ -1930,7 +1937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         st = os.statvfs(args.shm_dir)
         vm = psutil.virtual_memory()
         out(f"{args.shm_dir}: {_fmt_bytes(st.f_blocks * st.f_frsize)} total, "
-            f"{_fmt_bytes(st.f_bavail * st.f_frsize)} free\n"
+            f"{_fmt_bytes(_free_bytes(args.shm_dir))} free\n"
             f"RAM: {_fmt_bytes(vm.total)} total, {_fmt_bytes(vm.available)} available\n")
         segs = list_segments(args.shm_dir)
         out(f"stocaching segments: {len(segs)}\n")
