@@ -50,7 +50,6 @@ __version__ = "0.3.0"
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -499,6 +498,20 @@ _PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES = range(6)
 _LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, _LOCK_BASE + 1 + s slot s
 
 
+def _segment_offsets(lay: CacheLayout, slot_bytes: int) -> dict:
+    """Where each part of a segment starts, and its total size (see the layout above)."""
+    stats_off = _HEADER_BYTES
+    aux_off = stats_off + _STATS_ROWS * _STATS_COLS * 8
+    seq_off = aux_off + (lay.dataset_len + 7) // 8 * 8
+    map_off = seq_off + (lay.slots * 4 + 7) // 8 * 8
+    map_item = _slot_map_dtype(lay).itemsize if lay.num_nodes > 1 else 0
+    data_off = map_off + lay.dataset_len * map_item
+    data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    return {"stats_off": stats_off, "aux_off": aux_off, "seq_off": seq_off,
+            "map_off": map_off if map_item else 0, "data_off": data_off,
+            "total_bytes": data_off + max(1, lay.slots * slot_bytes)}
+
+
 def _slot_map_dtype(layout: CacheLayout) -> np.dtype:
     """dtype of the multi-node slot map (dataset index -> slot, -1 for none)."""
     return np.dtype(np.int32 if layout.slots < 2**31 else np.int64)
@@ -616,6 +629,17 @@ _FORK_HOOK_REGISTERED = False
 _NAME_COUNTER = itertools.count()
 
 
+def _held_here(path: str) -> bool:
+    """True when a live cache of this process maps the file at ``path``. Such a file must not
+    be opened and closed again here: closing any descriptor of a file drops every POSIX record
+    lock this process holds on it, slot locks of other threads included."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return any(c._file_id == (st.st_dev, st.st_ino) for c in list(_LIVE_CACHES))
+
+
 def _after_fork_in_child() -> None:
     for cache in list(_LIVE_CACHES):
         cache._after_fork()
@@ -724,20 +748,6 @@ class SharedCache:
 
     # -- construction ---------------------------------------------------------------------
 
-    def _plan_offsets(self) -> dict:
-        lay = self._layout
-        stats_off = _HEADER_BYTES
-        aux_off = stats_off + _STATS_ROWS * _STATS_COLS * 8
-        seq_off = aux_off + (lay.dataset_len + 7) // 8 * 8
-        map_off = seq_off + (lay.slots * 4 + 7) // 8 * 8
-        map_item = _slot_map_dtype(lay).itemsize if lay.num_nodes > 1 else 0
-        data_off = map_off + lay.dataset_len * map_item
-        data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        slot_bytes = math.prod(self._dims) * self._dtype.itemsize
-        return {"stats_off": stats_off, "aux_off": aux_off, "seq_off": seq_off,
-                "map_off": map_off if map_item else 0, "data_off": data_off,
-                "total_bytes": data_off + max(1, lay.slots * slot_bytes)}
-
     def _expected_header(self) -> dict:
         lay = self._layout
         h = {"version": _LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
@@ -746,7 +756,7 @@ class SharedCache:
              "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS}
         for i in range(_MAX_DIMS):
             h[f"dim{i}"] = self._dims[i] if i < len(self._dims) else 0
-        h.update(self._plan_offsets())
+        h.update(_segment_offsets(lay, math.prod(self._dims) * self._dtype.itemsize))
         return h
 
     def _create(self) -> None:
@@ -804,11 +814,13 @@ class SharedCache:
                 self._publish(tmp, fd)
         except BaseException:
             _unlink_if_same(tmp, st.st_ino, st.st_dev)
+            if getattr(self, "_mm", None) is not None:
+                self._unmap()  # the traceback keeps self alive: free the memory now
             _close_fd(fd)
             raise
         _unlink_if_same(tmp, st.st_ino, st.st_dev)
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, self._path,
-                                           st.st_ino, st.st_dev)
+                                           st.st_ino, st.st_dev, os.getpid())
         lay = self._layout
         logger.info(
             "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s %s on node %d: "
@@ -838,12 +850,20 @@ class SharedCache:
                 return
             except FileExistsError:
                 pass
+            if _held_here(self._path):  # a live cache of this very process: do not open it
+                raise CacheConfigError(f"a live cache is already named {self._path} (in this "
+                                       "process); pass a distinct name=", "name",
+                                       self._name, self._path)
             try:
                 other = _open_existing(self._path)
             except FileNotFoundError:
                 continue
             try:
-                if not _try_stale(other):
+                stale = _try_stale(other)
+                if not stale:  # an attacher probing for staleness holds it for an instant
+                    time.sleep(0.05)
+                    stale = _try_stale(other)
+                if not stale:
                     raise CacheConfigError(
                         f"a live cache is already named {self._path}: another job or cache of "
                         "this job uses the same job_key and name. Pass a distinct name= (e.g. "
@@ -933,6 +953,8 @@ class SharedCache:
         global _FORK_HOOK_REGISTERED
         lay = self._layout
         self._fd, self._mm = fd, mm
+        st = os.fstat(fd)
+        self._file_id = (st.st_dev, st.st_ino)
         self._total = head["total_bytes"]
         self._n = lay.dataset_len
         np_dtype = _DTYPES[self._dtype][1]
@@ -1099,20 +1121,21 @@ class SharedCache:
         return self._array[slot]
 
     def __setitem__(self, slot: Any, value: Any) -> None:
-        """Raw slot write, as in 0.2.1 (the aux state is not changed). Concurrent ``get_slot``
-        readers of the slots written see a miss rather than a half-written sample."""
+        """Raw slot write, as in 0.2.1: torch's assignment rules (broadcasting, casting), and
+        the aux state is not changed. Concurrent ``get_slot`` readers of the slots written see
+        a miss rather than a half-written sample."""
         self._check_open()
+        n = len(self)
         if _is_int(slot):
-            if not -len(self) <= int(slot) < len(self):  # as cache[slot] and 0.2.1 do
-                raise IndexError(f"slot should be an int in [-{len(self)}, {len(self) - 1}], "
+            if not -n <= int(slot) < n:  # as cache[slot] and 0.2.1 do
+                raise IndexError(f"slot should be an int in [-{n}, {n - 1}], "
                                  f"but got slot={int(slot)}")
-            s = int(slot) % len(self)
-            src = self._source(value)
-            with self._locked(_LOCK_BASE + 1 + s):
-                self._write(s, src)
-            return
-        with self._locked(_LOCK_BASE + 1, max(1, len(self))):
-            seq = self._seq_np
+            slot = int(slot) % n
+            first, count = slot, 1
+        else:
+            first, count = 0, n
+        with self._locked(_LOCK_BASE + 1 + first, max(1, count)):
+            seq = self._seq_np[first: first + count]
             seq |= 1
             try:
                 self._array[slot] = value
@@ -1209,7 +1232,9 @@ class SharedCache:
         Accepted: a tensor or array of shape data_dims whose dtype is the cache's or casts to
         it without loss (e.g. uint8 into float32); tensors on other devices are copied."""
         if isinstance(value, np.ndarray):
-            try:
+            try:  # negative strides (img[:, :, ::-1]) and foreign byte order need a copy
+                if any(st < 0 for st in value.strides) or not value.dtype.isnative:
+                    value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
                 value = torch.from_numpy(value)
             except TypeError:
                 raise TypeError(f"value should be a tensor of dtype {self._dtype}, but got a "
@@ -1229,20 +1254,18 @@ class SharedCache:
             value = value.view(torch.uint16)
         return value.numpy()
 
-    def _write(self, slot: int, src: np.ndarray, idx: int | None = None) -> None:
+    def _write(self, slot: int, src: np.ndarray, idx: int) -> None:
         """Write one slot; the caller holds its lock. Odd sequence numbers mean "in progress"."""
         seq = self._seq_mv[slot]
         seq += seq & 1  # an odd number left by a writer that died: round up
         self._seq_mv[slot] = (seq + 1) & 0xFFFFFFFF
-        if idx is not None:
-            self._aux_mv[idx] = WRITING
+        self._aux_mv[idx] = WRITING
         self._np_slots[slot] = src
-        if idx is not None:
-            self._aux_mv[idx] = SET
+        self._aux_mv[idx] = SET
         self._seq_mv[slot] = (seq + 2) & 0xFFFFFFFF
 
     def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
-                 allow_overwrite: bool = False) -> None:
+                 allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
         """Store ``value`` as the sample of dataset index ``idx``.
 
         A no-op when ``idx`` has no slot on this node (unless ``allow_oob_idx=False``). The
@@ -1257,10 +1280,15 @@ class SharedCache:
                 True.
             allow_overwrite: when False, writing a slot that is already set raises
                 RuntimeError. Default: False.
+            exist_ok: when True, a slot that is already set is left as it is, without an
+                error. Use it where two processes may load the same index at once (sampling
+                with replacement, several datasets over one cache): the second one's
+                ``set_slot`` would otherwise raise. Default: False (0.2.1's behaviour).
 
         Raises:
             IndexError, TypeError, ValueError: bad ``idx`` or ``value``; nothing is changed.
-            RuntimeError: the slot is set and not allow_overwrite; nothing is changed.
+            RuntimeError: the slot is set, and neither allow_overwrite nor exist_ok; nothing
+                is changed.
         """
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
         if self._aux_mv[idx] == OOB:
@@ -1274,8 +1302,11 @@ class SharedCache:
             # A slot left WRITING, or SET with an odd sequence number, by a writer that died
             # (or was interrupted) is empty: we hold its lock now, so nobody is writing it.
             if self._aux_mv[idx] == SET and not allow_overwrite and not self._seq_mv[slot] & 1:
+                if exist_ok:
+                    return
                 raise RuntimeError(f"the slot of idx={idx} is already set; pass "
-                                   "allow_overwrite=True to replace it")
+                                   "allow_overwrite=True to replace it, or exist_ok=True to "
+                                   "keep it (e.g. when two processes load it at once)")
             self._write(slot, src, idx)
         self._ctr[_WRITES] += 1
 
@@ -1298,7 +1329,7 @@ class SharedCache:
             those, indices without a slot here), ``writes`` (set_slot calls that stored),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
             segment), ``hit_rate`` (hits / reads, nan before the first read) and
-            ``processes`` (processes holding a row now).
+            ``processes`` (live processes that have used it).
         """
         self._check_open()
         with self._header_locked():
@@ -1309,26 +1340,31 @@ class SharedCache:
                 "filled": int(np.count_nonzero(self._aux_np == SET)), "slots": len(self),
                 "dataset_len": self._n, "bytes": self._total,
                 "hit_rate": hits / reads if reads else float("nan"),
-                "processes": int(np.count_nonzero(rows[1:, _PID]))}
+                "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
+                                 if p)}
 
     def close(self) -> None:
         """Release this process's handle on the segment. Other processes keep theirs; the
         memory is freed by the kernel when the last one is gone. Idempotent."""
         if getattr(self, "_closed", True):
             return
+        self._unmap()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _unmap(self) -> None:
+        """Drop every view of the segment and unmap it now rather than when the object is
+        collected (a Dataset keeps its closed cache). A tensor the caller still holds
+        (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
         self._closed = True
         _LIVE_CACHES.discard(self)
-        # Drop every view of the segment, then unmap it now rather than when the object is
-        # collected (a Dataset keeps its closed cache). A tensor the caller still holds
-        # (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes.
         self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
         self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
         self._array = self._ro_slots = _CLOSED  # type: ignore
-        for mm in (self._mm, self._ro_mm):
-            with contextlib.suppress(BufferError):
-                mm.close()
-        if self._finalizer is not None:
-            self._finalizer()
+        for mm in (self._mm, getattr(self, "_ro_mm", None)):
+            if mm is not None:
+                with contextlib.suppress(BufferError):
+                    mm.close()
 
     def __enter__(self) -> "SharedCache":
         return self
@@ -1343,9 +1379,10 @@ class SharedCache:
                 f"node={self._world.node_rank})")
 
 
-def _finalize_segment(fd: int, path: str | None, ino: int, dev: int) -> None:
-    """Close our descriptor; the creator also drops a public name nobody attached to."""
-    if path is not None:
+def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0) -> None:
+    """Close our descriptor; the creating process (not its forks, which inherit this
+    finalizer) also drops a public name that not every local rank attached to."""
+    if path is not None and os.getpid() == owner:
         _unlink_if_same(path, ino, dev)
     _close_fd(fd)
 
@@ -1841,7 +1878,10 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
 
 def _is_stale_file(path: str, *, remove: bool = False) -> bool:
     """True when no live process holds the segment at ``path``; optionally remove it then.
-    Files of other users, links and files younger than two seconds are never stale."""
+    Files of other users, links, files younger than two seconds and files of this process's
+    own caches are never stale."""
+    if _held_here(path):
+        return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
@@ -1890,15 +1930,20 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
     dims = _check_dims(data_dims)
     dtype = _check_dtype(dtype)
     slot_bytes = math.prod(dims) * dtype.itemsize
-    free_gib = _free_bytes(shm_dir) / BYTES_PER_GIB
-    overhead_gib = (_HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 + mmap.PAGESIZE) / BYTES_PER_GIB
-    limit = size_limit_gib if size_limit_gib is not None else max(0.0, free_gib - overhead_gib)
+    free = _free_bytes(shm_dir)
     if size_limit_gib is not None:
-        _check_positive("size_limit_gib", size_limit_gib, "GiB")
-    slots = _slots_for_budget(limit, dataset_len, slot_bytes) if limit > 0 else 0
+        limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
+        slots = _slots_for_budget(limit, dataset_len, slot_bytes)
+    else:  # the largest cache whose whole segment (metadata included) fits in what is free
+        empty = _segment_offsets(CacheLayout(dataset_len, 0), slot_bytes)["data_off"]
+        slots = max(0, min(dataset_len, (free - empty) // (slot_bytes + 4)))
+        while slots and _segment_offsets(CacheLayout(dataset_len, slots),
+                                         slot_bytes)["total_bytes"] > free:
+            slots -= 1
+        limit = (slots * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
-            "shm_free_gib": free_gib}
+            "shm_free_gib": free / BYTES_PER_GIB}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -390,3 +390,62 @@ def test_every_call_on_a_closed_cache_says_it_is_closed(shm_dir):
             call()
     with pytest.raises(ValueError, match="closed"):
         c.__setitem__(0, x)
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+def test_raw_item_write_follows_torch_rules_as_in_021(shm_dir):
+    """cache[s] = v broadcasts and casts like a tensor assignment, as 0.2.1's did."""
+    ref = _ref()
+    r = ref.SharedCache(1, 4, (2, 3))
+    c = SharedCache(1, 4, (2, 3), shm_dir=shm_dir)
+    for key, value in [(0, 7), (1, torch.arange(3)), (2, torch.full((2, 3), 2.7)),
+                       (-1, np.int64(5)), (slice(0, 2), 9)]:
+        r[key] = value
+        c[key] = value
+        assert torch.equal(r.array, c.array), key
+    assert c.aux_array.eq(0).all()
+    with pytest.raises(IndexError, match=r"slot should be an int in \[-4, 3\], but got slot=4"):
+        c[4] = 1
+
+
+@pytest.mark.parametrize("make_value", [
+    lambda: np.arange(48, dtype=np.uint8).reshape(3, 4, 4)[:, :, ::-1],   # cv2's BGR->RGB flip
+    lambda: np.arange(48, dtype=">u2").reshape(3, 4, 4).astype(">u2"),    # big-endian
+], ids=["negative-strides", "big-endian"])
+def test_numpy_arrays_torch_cannot_wrap_are_copied(shm_dir, make_value):
+    value = make_value()
+    c = make(shm_dir, dtype=torch.int32)
+    c.set_slot(2, value)
+    assert c.get_slot(2).tolist() == value.astype(np.int32).tolist()
+
+
+def test_exist_ok_keeps_the_stored_value(shm_dir):
+    c = make(shm_dir)
+    x = sample((3, 4, 4), torch.uint8, 0)
+    c.set_slot(5, x)
+    c.set_slot(5, x + 1, exist_ok=True)  # a second loader of the same index: no error
+    assert torch.equal(c.get_slot(5), x) and c.stats()["writes"] == 1
+    with pytest.raises(RuntimeError, match="exist_ok=True to keep it"):
+        c.set_slot(5, x + 1)
+
+
+def test_plan_without_a_budget_fits_the_filesystem(small_tmpfs):
+    for dims, n in [((3, 256, 256), 5000), ((3, 64, 64), 100_000), ((7,), 100)]:
+        r = stocaching.plan(n, dims, shm_dir=small_tmpfs)
+        c = SharedCache(r["size_limit_gib"], n, dims, shm_dir=small_tmpfs)
+        assert len(c) == r["slots"] > 0
+        c.close()
+
+
+def test_stats_count_live_processes_only(shm_dir):
+    import multiprocessing as mp
+    c = make(shm_dir)
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=c.get_slot, args=(1,)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    s = c.stats()
+    assert s["processes"] == 1 and s["misses"] == 3  # the children counted, then died

@@ -196,3 +196,64 @@ def test_cache_that_just_fits_fills_without_sigbus(small_tmpfs):
     slots, filled, free_after = map(int, r.stdout.split())
     assert 4000 < slots < 10000 and filled == slots
     assert free_after < 256 * 1024  # the cache took (nearly) the whole tmpfs
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_never_removes_the_leaders_name(shm_dir):
+    """Only the process that created the segment drops its public name; a fork that closes
+    its inherited cache (or exits) must not, or the other local ranks could never attach."""
+    world = stocaching.World(rank=0, world_size=2, local_world_size=2)
+    c = SharedCache(1e-3, 64, (16,), shm_dir=shm_dir, name="forked", world=world,
+                    job_key="fk")
+    assert len(leftovers(shm_dir)) == 1
+    pid = os.fork()
+    if pid == 0:  # the child closes its copy and exits through the normal clean-up
+        c.close()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert len(leftovers(shm_dir)) == 1
+    rank1 = stocaching.World(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    other = SharedCache(1e-3, 64, (16,), shm_dir=shm_dir, name="forked", world=rank1,
+                        job_key="fk", timeout=5)
+    assert leftovers(shm_dir) == []  # every local rank attached: the name is gone
+    other.close()
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_publish_frees_the_memory(shm_dir):
+    world = stocaching.World(rank=0, world_size=2, local_world_size=2)
+    a = SharedCache(1e-3, 64, (16,), shm_dir=shm_dir, name="dup", world=world, job_key="fp")
+    used = os.statvfs(shm_dir).f_bfree
+    with pytest.raises(stocaching.CacheConfigError, match="a live cache is already named") as e:
+        SharedCache(0.01, 1000, (1024,), shm_dir=shm_dir, name="dup", world=world,
+                    job_key="fp")
+    assert os.statvfs(shm_dir).f_bfree == used  # while the exception is still held
+    del e
+    a.close()
+
+
+@pytest.mark.timeout(60)
+def test_cleaning_does_not_drop_this_process_slot_locks(tmp_path, shm_dir):
+    """POSIX record locks are dropped when a process closes *any* descriptor of the file; a
+    cleaner opening our own named segment would release the slot lock another thread holds."""
+    world = stocaching.World(rank=0, world_size=2, local_world_size=2)
+    c = SharedCache(1e-3, 64, (16,), shm_dir=shm_dir, name="locks", world=world, job_key="lk")
+    (name,) = leftovers(shm_dir)
+    path = os.path.join(shm_dir, name)
+    os.utime(path, (time.time() - 10, time.time() - 10))
+    probe = textwrap.dedent(f"""
+        import fcntl, os, sys
+        fd = os.open({path!r}, os.O_RDWR)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, (1 << 50) + 1 + 3)
+            print("free")
+        except OSError:
+            print("held")
+    """)
+    with c._locked((1 << 50) + 1 + 3):  # as set_slot holds slot 3's lock
+        stocaching.clean_segments(shm_dir)
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=30)
+    assert r.stdout.strip() == "held"
+    c.close()
