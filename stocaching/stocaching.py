@@ -1006,6 +1006,18 @@ class SharedCache:
             finally:
                 _unlock(self._fd, offset, length)
 
+    @contextlib.contextmanager
+    def _writing(self, first: int, count: int) -> Iterator[None]:
+        """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
+        caller writes them: concurrent readers of those slots see misses."""
+        with self._locked(_LOCK_BASE + 1 + first, max(1, count)):
+            seq = self._seq_np[first: first + count]
+            seq |= 1
+            try:
+                yield
+            finally:
+                seq += 1
+
     def _header_locked(self) -> contextlib.AbstractContextManager:
         return self._locked(_LOCK_BASE)
 
@@ -1134,13 +1146,12 @@ class SharedCache:
             first, count = slot, 1
         else:
             first, count = 0, n
-        with self._locked(_LOCK_BASE + 1 + first, max(1, count)):
-            seq = self._seq_np[first: first + count]
-            seq |= 1
-            try:
-                self._array[slot] = value
-            finally:
-                seq += 1
+        with self._writing(first, count):
+            self._array[slot] = value
+
+    def _oob_error(self, idx: int) -> IndexError:
+        return IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
+                          f"{self._n} samples) and allow_oob_idx=False")
 
     def _index(self, idx: Any) -> int:
         if not _is_int(idx):
@@ -1218,8 +1229,7 @@ class SharedCache:
     def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
         if self._aux_mv[idx] == OOB:
             if not allow_oob_idx:
-                raise IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
-                                 f"{self._n} samples) and allow_oob_idx=False")
+                raise self._oob_error(idx)
             self._ctr[_OOB_MISSES] += 1
         elif not allow_empty_slot:
             raise RuntimeError(f"the slot of idx={idx} is empty (or being written) and "
@@ -1293,8 +1303,7 @@ class SharedCache:
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
         if self._aux_mv[idx] == OOB:
             if not allow_oob_idx:
-                raise IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
-                                 f"{self._n} samples) and allow_oob_idx=False")
+                raise self._oob_error(idx)
             return
         src = self._source(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
@@ -1314,12 +1323,10 @@ class SharedCache:
         """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
         processes read (they see misses) or write (they finish first)."""
         self._check_open()
-        with self._locked(_LOCK_BASE + 1, max(1, len(self))):
-            self._seq_np |= 1
+        with self._writing(0, len(self)):
             aux = self._aux_np
             aux[aux != OOB] = EMPTY
             self._np_slots.reshape(-1).view(np.uint8).fill(0)
-            self._seq_np += 1
 
     def stats(self) -> dict[str, Any]:
         """Counters summed over every process that used this cache on this node.
