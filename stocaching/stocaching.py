@@ -904,23 +904,30 @@ class SharedCache:
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
         try:
-            st = os.fstat(fd)
-            if st.st_size < _HEADER_BYTES:
-                raise CacheConfigError(f"{self._path} is too small to be a cache segment",
-                                       "total_bytes", _HEADER_BYTES, st.st_size)
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            head = _read_header(mm)
-            self._check_header(head, st.st_size)
-            self._map(fd, mm, head)
+            head = self._map_existing(fd)
             with self._header_locked():
                 attached = self._header_get("attached") + 1
                 self._header_set("attached", attached)
-            if attached >= head["local_world_size"]:
-                _unlink_if_same(self._path, st.st_ino, st.st_dev)  # all here: drop the name
+            if attached >= head["local_world_size"]:  # all here: drop the name
+                dev, ino = self._file_id
+                _unlink_if_same(self._path, ino, dev)
         except BaseException:
             os.close(fd)
             raise
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+
+    def _map_existing(self, fd: int) -> dict:
+        """Map a segment someone else made (by name, or an inherited descriptor), check its
+        header against this cache's configuration, and build the views. Returns the header."""
+        size = os.fstat(fd).st_size
+        if size < _HEADER_BYTES:
+            raise CacheConfigError(f"{self._path} is too small to be a cache segment",
+                                   "total_bytes", _HEADER_BYTES, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        head = _read_header(mm)
+        self._check_header(head, size)
+        self._map(fd, mm, head)
+        return head
 
     def _check_header(self, head: dict, size: int) -> None:
         want = self._expected_header()
@@ -1403,11 +1410,7 @@ def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
     cache._name, cache._path, cache._fd = name, path, fd
     cache._finalizer = None
     try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        head = _read_header(mm)
-        cache._check_header(head, size)
-        cache._map(fd, mm, head)
+        cache._map_existing(fd)
     except BaseException:
         os.close(fd)
         raise
