@@ -224,6 +224,7 @@ class Child:
             try:
                 line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
+                self.dump_stacks()
                 raise AssertionError(f"{self.label}: no {prefix!r} within {timeout} s; stdout "
                                      f"{self.lines}; stderr:\n{self.stderr()}") from None
             if line is None:
@@ -235,6 +236,14 @@ class Child:
             if line.startswith(prefix):
                 return line
 
+    def dump_stacks(self) -> None:
+        """Ask a stuck child for the Python stack of every thread (to its stderr, via
+        faulthandler), so that a hang reports where it hangs."""
+        if self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+
     def send(self, command: str) -> None:
         self.p.stdin.write(command + "\n")
         self.p.stdin.flush()
@@ -244,6 +253,7 @@ class Child:
         try:
             return self.p.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill_group()
             raise AssertionError(f"{self.label} hung: still running {timeout} s later; stdout "
                                  f"{self.lines}; stderr:\n{self.stderr()}") from None
@@ -301,6 +311,7 @@ def children(tmp_path):
 #   exit                  close and exit 0
 # A stop prints "<MARKER> <pid>" and waits for the file $FT_GO (or forever).
 JOB_SCRIPT = r'''
+import faulthandler
 import functools
 import os
 import signal
@@ -323,6 +334,7 @@ LWS = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 # Ctrl-C behaves as in a terminal even when the test runner was started with SIGINT ignored
 # (a shell does that to a command run with '&'), a disposition children would inherit.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks on a hang
 
 
 def say(*a):
