@@ -112,8 +112,8 @@ _DTYPES: dict[torch.dtype, tuple[int, Any]] = {
 }
 _DTYPE_BY_CODE = {code: dt for dt, (code, _) in _DTYPES.items()}
 
-# Casts that set_slot accepts because every value of the source dtype is exactly representable
-# in the cache's dtype. Anything else must already have the cache's dtype.
+# Casts that set_slot accepts without looking at the values, because every value of the source
+# dtype is exactly representable in the cache's dtype. Others: see SharedCache._source.
 _LOSSLESS: dict[torch.dtype, frozenset[torch.dtype]] = {
     torch.bool: frozenset(_DTYPES),
     torch.uint8: frozenset({torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
@@ -1246,8 +1246,10 @@ class SharedCache:
 
     def _source(self, value: Any) -> np.ndarray:
         """Check a value to store and return it as a numpy array, without touching the cache.
-        Accepted: a tensor or array of shape data_dims whose dtype is the cache's or casts to
-        it without loss (e.g. uint8 into float32); tensors on other devices are copied."""
+        Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
+        without loss (uint8 into float32), is a wider float (rounded, as torch does) or has
+        values that the cache's dtype holds exactly (int64 0..255 into uint8). Tensors on other
+        devices are copied."""
         if isinstance(value, np.ndarray):
             try:  # negative strides (img[:, :, ::-1]) and foreign byte order need a copy
                 if any(st < 0 for st in value.strides) or not value.dtype.isnative:
@@ -1262,11 +1264,29 @@ class SharedCache:
         if tuple(value.shape) != self._dims:
             raise ValueError(f"value should have shape {self._dims} (the cache's data_dims), "
                              f"but got value.shape={tuple(value.shape)}")
-        if value.dtype != self._dtype:
-            if self._dtype not in _LOSSLESS.get(value.dtype, ()):
-                raise TypeError(f"value should have dtype {self._dtype} (or one that casts to "
-                                f"it without loss), but got value.dtype={value.dtype}")
-        value = value.detach().to("cpu", self._dtype).resolve_conj().resolve_neg()
+        src = value.dtype
+        value = value.detach().to("cpu").resolve_conj().resolve_neg()
+        if src != self._dtype:
+            if src.is_complex and not self._dtype.is_complex and value.imag.count_nonzero():
+                raise ValueError(
+                    f"value should have dtype {self._dtype}, or values that it holds exactly, "
+                    f"but got value.dtype={src} with imaginary parts that are not 0")
+            out = (value.real if src.is_complex and not self._dtype.is_complex
+                   else value).to(self._dtype)
+            # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float32
+            # to a float16 cache (intended rounding) or int64 masks to a uint8 cache (values
+            # that fit). Both keep working; a cast that would change a value (0.7 into uint8,
+            # 300 into uint8) is refused instead of stored wrong.
+            dst = self._dtype
+            if dst not in _LOSSLESS.get(src, ()) and not (
+                    (src.is_floating_point and dst.is_floating_point)
+                    or (src.is_complex and dst.is_complex)):
+                if not torch.equal(out.to(src), value):  # (a complex value is real here)
+                    raise ValueError(
+                        f"value should have dtype {self._dtype}, or values that it holds "
+                        f"exactly, but got value.dtype={src} with values that change in "
+                        f"{self._dtype}")
+            value = out
         if self._view_as is not None:
             value = value.view(torch.uint16)
         return value.numpy()
@@ -1285,14 +1305,19 @@ class SharedCache:
                  allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
         """Store ``value`` as the sample of dataset index ``idx``.
 
-        A no-op when ``idx`` has no slot on this node (unless ``allow_oob_idx=False``). The
-        value is copied; later changes to it do not reach the cache.
+        A no-op when ``idx`` has no slot on this node (unless ``allow_oob_idx=False``), after
+        the value is checked as for any other index. The value is copied; later changes to it
+        do not reach the cache.
 
         Args:
             idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
-            value: tensor (or numpy array) of shape ``data_dims`` and the cache's dtype, or a
-                dtype that casts to it without loss (bool into anything, uint8 into int16 or
-                float32, float16 into float32, ...). Tensors on another device are copied.
+            value: tensor (or numpy array) of shape ``data_dims`` (no broadcasting). Its dtype
+                is the cache's, or casts to it without loss (uint8 into float32, ...), or is a
+                wider float of which the cache keeps the rounded value (float32 into float16),
+                or holds values that the cache's dtype represents exactly (int64 masks of
+                0..255 into uint8; checked, as 0.2.1 code may rely on it). A value that would
+                change (0.7 or 300 into uint8) is refused. Tensors on another device are
+                copied.
             allow_oob_idx: when False, an index without a slot raises IndexError. Default:
                 True.
             allow_overwrite: when False, writing a slot that is already set raises
@@ -1308,11 +1333,13 @@ class SharedCache:
                 is changed.
         """
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
-        if self._aux_mv[idx] == OOB:
-            if not allow_oob_idx:
-                raise self._oob_error(idx)
-            return
+        if self._aux_mv[idx] == OOB and not allow_oob_idx:
+            raise self._oob_error(idx)
+        # Checked even where there is no slot, so that a bad value fails on every node and for
+        # every index, not only where a slot happens to be (0.2.1 let it pass there).
         src = self._source(value)
+        if self._aux_mv[idx] == OOB:
+            return
         slot = idx if self._slot_map is None else self._slot_map[idx]
         with self._locked(_LOCK_BASE + 1 + slot):
             # A slot left WRITING, or SET with an odd sequence number, by a writer that died

@@ -4,7 +4,9 @@ clear / stats, with valid and invalid arguments, against a plain in-memory model
 The model is a torch tensor of the slots, a list of slot states and four counters, with the
 rules written here from the docstrings and the house style (not from the code): which index
 types are integers (int, numpy integers, 0-dim integer tensors; never bool or float), which
-value dtypes cast without loss (from the ranges and mantissa widths of the dtypes), the order
+value dtypes cast without loss (from the ranges and mantissa widths of the dtypes), which
+narrower casts round (float into float) and which are checked value by value (compared as
+Python numbers), the order
 of the checks (index, then "has no slot here", then the value, then "already set"), and what
 each call counts in ``stats()``. After every step the cache and the model must agree on
 ``aux_array``, every byte of ``array``, and ``stats()``; a call must return what the model
@@ -72,6 +74,19 @@ def lossless(src: torch.dtype, dst: torch.dtype) -> bool:
     return s[1] <= d[1] and s[2] <= d[2]
 
 
+def rounds(src: torch.dtype, dst: torch.dtype) -> bool:
+    """A float (or complex) stored into a narrower one of its kind: rounded, as torch does."""
+    return (src.is_floating_point and dst.is_floating_point) or \
+        (src.is_complex and dst.is_complex)
+
+
+def same_numbers(a, b) -> bool:
+    """Nested lists of Python numbers equal element by element (nan equals nothing)."""
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_numbers(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def is_index(x) -> bool:
     if isinstance(x, (bool, np.bool_)):
         return False
@@ -125,10 +140,8 @@ class Model:
 
     def set_slot(self, idx, value, allow_oob, allow_overwrite):
         i = self.index(idx)
-        if self.aux[i] == OOB:
-            if not allow_oob:
-                raise IndexError
-            return None  # no slot here: nothing is looked at, nothing happens
+        if self.aux[i] == OOB and not allow_oob:
+            raise IndexError
         if isinstance(value, np.ndarray):
             if value.dtype == object:
                 raise TypeError
@@ -137,8 +150,15 @@ class Model:
             raise TypeError
         if tuple(value.shape) != self.dims:
             raise ValueError
-        if not lossless(value.dtype, self.dtype):
-            raise TypeError
+        if not lossless(value.dtype, self.dtype) and not rounds(value.dtype, self.dtype):
+            # a narrowing cast: only values that come out unchanged
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # complex to real: checked right below
+                stored = value.detach().to(self.dtype).tolist()
+            if not same_numbers(value.detach().tolist(), stored):
+                raise ValueError
+        if self.aux[i] == OOB:
+            return None  # no slot here: the value was checked, nothing happens
         if self.aux[i] == SET and not allow_overwrite:
             raise RuntimeError
         self.array[i] = value.detach().to(self.dtype)
@@ -193,7 +213,7 @@ def indices(draw, n: int):
 def values(draw, dims: tuple, dtype: torch.dtype):
     seed = draw(st.integers(0, 2**31 - 1))
     kind = draw(st.sampled_from(["same"] * 10 + [
-        "numpy", "other_dtype", "other_dtype", "strided", "grad", "shape_plus", "shape_minus",
+        "numpy", "other_dtype", "other_dtype", "fits", "fits", "strided", "grad", "shape_plus", "shape_minus",
         "scalar", "list", "none", "object"]))
     if kind == "same":
         return random_tensor(dtype, dims, seed)
@@ -203,6 +223,10 @@ def values(draw, dims: tuple, dtype: torch.dtype):
             .astype(np_dtype)
     if kind == "other_dtype":
         return random_tensor(draw(st.sampled_from(ALL_DTYPES)), dims, seed)
+    if kind == "fits":  # another dtype, values 0..2 or 0..100: fit in some dtypes, not others
+        top = draw(st.sampled_from([2, 101]))
+        return torch.randint(0, top, dims, generator=torch.Generator().manual_seed(seed)) \
+            .to(draw(st.sampled_from(ALL_DTYPES)))
     if kind == "strided":  # right shape, not contiguous
         big = random_tensor(dtype, (*dims[:-1], dims[-1] * 2), seed)
         return big[..., ::2]
