@@ -90,6 +90,8 @@ _MAX_DIMS = 8
 #: Free RAM (available, per psutil) that a new cache should leave, below which we warn.
 RAM_MARGIN_BYTES = 2 * BYTES_PER_GIB
 RAM_MARGIN_FRACTION = 0.05
+# Filesystems whose files live in memory; a cache elsewhere gets a warning.
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 # torch dtype -> (code stored in the segment header, numpy dtype of the same size and layout).
 # bfloat16 has no numpy twin: it is stored as uint16 and viewed back as bfloat16.
@@ -236,6 +238,22 @@ def _free_bytes(path: str) -> int:
     """Bytes an unprivileged user can still allocate on the filesystem of ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def _fs_type(path: str) -> str | None:
+    """Type of the filesystem that holds ``path`` ("tmpfs", "ext4", ...), None if unknown."""
+    path = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        parts = psutil.disk_partitions(all=True)
+    except (OSError, RuntimeError):
+        return None
+    for p in parts:
+        mnt = p.mountpoint
+        inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):  # the last of equal mounts is the visible one
+            best, fstype = mnt, p.fstype
+    return fstype
 
 
 def _process_start(pid: int) -> int:
@@ -693,8 +711,8 @@ class SharedCache:
         job_key: key shared by the local ranks of one job. Default: ``$STOCACHING_JOB_KEY``, or
             derived from the launcher (the parent pid and torchrun/SLURM variables).
         world: who this process is. Default: ``World.from_env()``.
-        shm_dir: directory of a tmpfs to put the segment in. Default: ``$STOCACHING_SHM_DIR``
-            or ``/dev/shm``.
+        shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
+            Default: ``$STOCACHING_SHM_DIR`` or ``/dev/shm``.
         layout_seed: seed of the multi-node layout (all nodes must agree). Default: 0.
         timeout: seconds a non-leader waits for the leader's segment. Default: 300.
 
@@ -767,6 +785,11 @@ class SharedCache:
         free = _free_bytes(shm_dir)
         if total > free:
             raise self._capacity_error(shm_dir, total, free)
+        fstype = _fs_type(shm_dir)
+        if fstype is not None and fstype not in _MEMORY_FILESYSTEMS:
+            warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
+                          "the cache is a file there, and may be as slow as the data it "
+                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=3)
         vm = psutil.virtual_memory()
         margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
         if vm.available - total < margin:

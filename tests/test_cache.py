@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -298,6 +299,20 @@ def test_ram_warning(shm_dir, monkeypatch):
     monkeypatch.setattr(stocaching.stocaching, "RAM_MARGIN_BYTES", 1 << 60)
     with pytest.warns(ResourceWarning, match="RAM is available"):
         make(shm_dir)
+
+
+def test_a_cache_outside_memory_warns(shm_dir, tmp_path):
+    """0.2.1 fell back to a disk directory silently; a shm_dir on a disk filesystem works but
+    says so. (Needs tmp_path on a disk filesystem, as on this machine's ext4 /tmp.)"""
+    fstype = stocaching.stocaching._fs_type(str(tmp_path))
+    if fstype in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is a {fstype} here; no disk directory to try")
+    with pytest.warns(RuntimeWarning, match=rf"shm_dir='{tmp_path}' is on a {fstype} "
+                                            "filesystem, not in memory"):
+        make(str(tmp_path)).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # /dev/shm: no warning
+        make(shm_dir).close()
 
 
 def test_allocation_summary_is_logged_once_by_the_leader(shm_dir, caplog):
