@@ -256,6 +256,10 @@ def _fs_type(path: str) -> str | None:
     return fstype
 
 
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _process_start(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a pid from its reuse."""
     try:
@@ -1304,7 +1308,7 @@ class SharedCache:
             if dst not in _LOSSLESS.get(src, ()) and not (
                     (src.is_floating_point and dst.is_floating_point)
                     or (src.is_complex and dst.is_complex)):
-                if not torch.equal(out.to(src), value):  # (a complex value is real here)
+                if not self._exact(value, out):
                     raise ValueError(
                         f"value should have dtype {self._dtype}, or values that it holds "
                         f"exactly, but got value.dtype={src} with values that change in "
@@ -1313,6 +1317,17 @@ class SharedCache:
         if self._view_as is not None:
             value = value.view(torch.uint16)
         return value.numpy()
+
+    @staticmethod
+    def _exact(value: torch.Tensor, out: torch.Tensor) -> bool:
+        """``out`` (``value`` cast to a narrower dtype) holds every value of ``value``."""
+        if _is_integer(value.dtype) and _is_integer(out.dtype):
+            # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
+            if value.numel() == 0:
+                return True
+            a, info = value.numpy(), np.iinfo(_DTYPES[out.dtype][1])
+            return int(a.min()) >= info.min and int(a.max()) <= info.max
+        return torch.equal(out.to(value.dtype), value)  # (a complex value is real here)
 
     def _write(self, slot: int, src: np.ndarray, idx: int) -> None:
         """Write one slot; the caller holds its lock. Odd sequence numbers mean "in progress"."""
@@ -1336,7 +1351,8 @@ class SharedCache:
             idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
             value: tensor (or numpy array) of shape ``data_dims`` (no broadcasting). Its dtype
                 is the cache's, or casts to it without loss (uint8 into float32, ...), or is a
-                wider float of which the cache keeps the rounded value (float32 into float16),
+                wider float of which the cache keeps the rounded value (float32 into float16;
+                beyond float16's range that is inf, as in torch),
                 or holds values that the cache's dtype represents exactly (int64 masks of
                 0..255 into uint8; checked, as 0.2.1 code may rely on it). A value that would
                 change (0.7 or 300 into uint8) is refused. Tensors on another device are

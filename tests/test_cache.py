@@ -202,6 +202,10 @@ def test_narrowing_casts_that_0_2_1_code_relies_on_are_accepted(shm_dir):
     (torch.uint8, torch.full((3, 4, 4), 0.5), "0.5 truncates"),
     (torch.uint8, torch.full((3, 4, 4), 300, dtype=torch.int64), "300 wraps"),
     (torch.uint8, torch.full((3, 4, 4), -1, dtype=torch.int16), "-1 wraps"),
+    # found by the fuzz test: these wrap and wrap back, so a cast back cannot see them
+    (torch.uint8, torch.full((3, 4, 4), -84, dtype=torch.int8), "-84 wraps to 172"),
+    (torch.int8, torch.full((3, 4, 4), 200, dtype=torch.uint8), "200 wraps to -56"),
+    (torch.uint16, torch.full((3, 4, 4), -1, dtype=torch.int8), "-1 wraps to 65535"),
     (torch.int16, torch.full((3, 4, 4), 2**20, dtype=torch.int32), "2**20 wraps"),
     (torch.float32, torch.full((3, 4, 4), 2**24 + 1, dtype=torch.int64), "2**24+1 rounds"),
     (torch.int32, torch.full((3, 4, 4), float("nan")), "nan has no int"),
