@@ -14,6 +14,7 @@ Run from the repository root::
 
     python -m benchmark.sampler_hit_rate
     python -m benchmark.sampler_hit_rate --batch-size 32 --local-world-size 4 --csv hit_rate.csv
+    python -m benchmark.sampler_hit_rate --cost 10000000   # what the sampler costs, not hits
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import csv
 import math
 import time
+import tracemalloc
 from typing import Sequence
 
 import numpy as np
@@ -84,6 +86,34 @@ def simulate(num_nodes: int, fraction: float, dataset_len: int, batch_size: int,
             "cache_aware_over_ideal": ours_rate.mean() / ideal if ideal else float("nan")}
 
 
+def cost(dataset_len: int, nodes: Sequence[int], batch_size: int) -> None:
+    """Print what rank 0's sampler costs with ``n`` nodes each caching ``1 / n`` of the data:
+    construction (time, peak and kept memory from tracemalloc), building one epoch, and
+    iterating it."""
+    print(f"sampler cost; dataset_len={dataset_len}, f=1/nodes, batch_size={batch_size}, "
+          "rank 0, one rank per node")
+    print(f"{'nodes':>5} {'construct s':>12} {'peak MiB':>9} {'kept MiB':>9} {'epoch s':>8} "
+          f"{'ns/index':>9}")
+    for n in nodes:
+        lay = CacheLayout(dataset_len, dataset_len // n, n, seed=0)
+        tracemalloc.start()
+        t = time.perf_counter()
+        s = CacheAwareSampler(lay, batch_size=batch_size, num_replicas=n, rank=0)
+        built = time.perf_counter() - t
+        kept, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        t = time.perf_counter()
+        s.epoch_indices(1)
+        epoch = time.perf_counter() - t
+        s.set_epoch(2)
+        it = iter(s)  # builds epoch 2 here, then only yields
+        t = time.perf_counter()
+        k = sum(1 for _ in it)
+        per = (time.perf_counter() - t) / k * 1e9
+        print(f"{n:>5} {built:>12.2f} {peak / 2**20:>9.0f} {kept / 2**20:>9.0f} {epoch:>8.2f} "
+              f"{per:>9.1f}")
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
     """Print the hit-rate table; return its rows."""
     p = argparse.ArgumentParser(prog="python -m benchmark.sampler_hit_rate",
@@ -93,13 +123,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
     p.add_argument("--local-world-size", type=int, default=1,
                    help="ranks per node; default: %(default)s")
     p.add_argument("--epochs", type=int, default=2, help="default: %(default)s")
-    p.add_argument("--nodes", type=int, nargs="+", default=list(NODES),
-                   help="default: %(default)s")
+    p.add_argument("--nodes", type=int, nargs="+",
+                   help=f"default: {' '.join(map(str, NODES))} (with --cost: 1 8 64)")
     p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS),
                    help="cache fraction f of each node; default: %(default)s")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--csv", metavar="PATH", help="also write the table to PATH")
+    p.add_argument("--cost", type=int, metavar="DATASET_LEN",
+                   help="instead of hit rates, measure the sampler's time and memory with this "
+                        "many indices for --nodes (default 1 8 64) and f = 1/nodes")
     args = p.parse_args(argv)
+    if args.cost:
+        cost(args.cost, args.nodes or [1, 8, 64], args.batch_size)
+        return []
+    args.nodes = args.nodes or list(NODES)
 
     t0 = time.perf_counter()
     rows = [simulate(n, f, args.dataset_len, args.batch_size, args.local_world_size,

@@ -423,14 +423,21 @@ class CacheLayout:
     def owners(self) -> np.ndarray:
         """Boolean matrix ``(num_nodes, dataset_len)``: ``owners()[k, i]`` is True when node k
         caches index i."""
-        out = np.zeros((self.num_nodes, self.dataset_len), dtype=bool)
+        return np.stack(list(self._owner_rows()))
+
+    def _owner_rows(self) -> Iterator[np.ndarray]:
+        """The rows of ``owners()`` one at a time: the sampler never holds the whole matrix
+        (64 nodes x 10 M indices would be 640 MB)."""
         if self.num_nodes == 1:
-            out[0, : self.slots] = True
-            return out
+            row = np.zeros(self.dataset_len, dtype=bool)
+            row[: self.slots] = True
+            yield row
+            return
         perm = self._perm()
         for k in range(self.num_nodes):
-            out[k, perm[self._positions(k)]] = True
-        return out
+            row = np.zeros(self.dataset_len, dtype=bool)
+            row[perm[self._positions(k)]] = True
+            yield row
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1493,22 +1500,25 @@ def _owner_kinds(owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Group dataset indices by the set of nodes caching them (their "kind").
 
     Args:
-        owners: bool matrix ``(num_nodes, dataset_len)``, as from ``CacheLayout.owners()``.
+        owners: bool matrix ``(num_nodes, dataset_len)``, as from ``CacheLayout.owners()``,
+            or its rows one by one.
 
     Returns:
         ``kind`` (int64, ``dataset_len``) and ``masks`` (bool, ``(num_kinds, num_nodes)``):
         ``owners[:, i] == masks[kind[i]]``. A ``CacheLayout`` has at most ``2 * num_nodes + 1``
         kinds.
     """
-    owners = np.asarray(owners, dtype=bool)
-    kind = np.zeros(owners.shape[1], dtype=np.int64)
+    kind: np.ndarray | None = None
     masks = np.zeros((1, 0), dtype=bool)
     for row in owners:  # split every kind by one more node, then renumber the kinds seen
-        code = kind * 2 + row
+        row = np.asarray(row, dtype=bool)
+        code = row.astype(np.int64) if kind is None else kind * 2 + row
         seen = np.bincount(code, minlength=2 * len(masks)) > 0
         kind = (np.cumsum(seen) - 1)[code]
         old = np.flatnonzero(seen)
         masks = np.c_[masks[old // 2], old % 2 == 1]
+    if kind is None:
+        raise ValueError("owners should have at least one row (node), but got none")
     return kind, masks
 
 
@@ -1612,7 +1622,7 @@ def _augment(flow: np.ndarray, left: np.ndarray, room: np.ndarray, masks: np.nda
 class _Owners:
     """Who caches what, and the split of each global batch over the nodes."""
 
-    def __init__(self, owners: np.ndarray) -> None:
+    def __init__(self, owners: Any) -> None:
         self.kind, self.masks = _owner_kinds(owners)
 
     def assign(self, order: np.ndarray, group: int, rng: np.random.Generator
@@ -1733,7 +1743,8 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             else math.ceil(length / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
         self.epoch = 0
-        self._owners = _Owners(self.layout.owners())
+        rows = getattr(self.layout, "_owner_rows", None)
+        self._owners = _Owners(rows() if rows is not None else self.layout.owners())
         self._resume = 0  # indices of self.epoch to skip at the next __iter__
         self._it: Iterator[int] | None = None  # the latest iterator, and what it covers:
         self._it_epoch = self._it_start = self._it_len = 0

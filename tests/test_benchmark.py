@@ -244,3 +244,18 @@ def test_run_with_repeats(tmp_path, jpeg_dir, shm_dir, capsys):
         ("no cache", 1), ("cache 100%", 1), ("cache 100%", 2), ("no cache", 2)]
     assert [r["hit_rate"] for r in rows if r["kind"] == "cache"] == [0.0, 1.0, 0.0, 1.0]
     assert "medians of 2 repeats" in capsys.readouterr().out
+
+
+def test_sampler_hit_rate_script(tmp_path, capsys):
+    from benchmark import sampler_hit_rate as H
+    rows = H.main(["--dataset-len", "4096", "--batch-size", "16", "--nodes", "1", "4",
+                   "--fractions", "0.25", "--csv", str(tmp_path / "h.csv")])
+    by = {r["nodes"]: r for r in rows}
+    assert by[1]["cache_aware_sampler"] == pytest.approx(0.25, abs=0.02)
+    assert by[4]["distributed_sampler"] == pytest.approx(0.25, abs=0.05)
+    assert by[4]["cache_aware_sampler"] > 0.9 * by[4]["ideal"] > 0.5
+    assert (tmp_path / "h.csv").read_text().count("\n") == 3
+    assert H.main(["--cost", "3000", "--nodes", "1", "3"]) == []
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].split()[0] == "1" and lines[-1].split()[0] == "3"
+    assert all(float(x) >= 0 for x in lines[-1].split()[1:])
