@@ -328,6 +328,13 @@ N = int(os.environ.get("FT_N", "32"))
 D = int(os.environ.get("FT_D", "1024"))
 GO = os.environ.get("FT_GO", "")
 GATE = os.environ.get("FT_GATE", "")
+# Created by the main process once iter(DataLoader) has returned. Workers wait for it before
+# they announce a stop, so that the test's signal never reaches the main process while it is
+# still inside torch's DataLoader set-up: torch's SIGCHLD handler raises from wherever the
+# main thread is, and raised inside multiprocessing.Queue.put (a threading.Condition entered,
+# not yet exited) it leaves that queue's lock held, and the iterator's own shutdown then
+# deadlocks on it. That is torch's hazard, not the cache's; this test is about the cache.
+ITER_READY = os.environ.get("FT_ITER_READY", "")
 TIMEOUT = float(os.environ.get("FT_TIMEOUT", "2"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 LWS = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -345,7 +352,15 @@ def pattern(i):
     return ((torch.arange(D) * 13 + i * 7 + 1) % 251).to(torch.uint8)
 
 
-def hold(marker):
+def wait_iter_ready():
+    deadline = time.monotonic() + 60
+    while ITER_READY and not os.path.exists(ITER_READY) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def hold(marker, after_iter=False):
+    if after_iter:
+        wait_iter_ready()
     say(marker, os.getpid())
     while not (GO and os.path.exists(GO)):
         time.sleep(0.01)
@@ -372,8 +387,8 @@ def arm_attach():
 class MidCopy:
     """Stands in for cache._np_slots in the writer: stops with half of the bytes copied."""
 
-    def __init__(self, real, marker):
-        self.real, self.marker = real, marker
+    def __init__(self, real, marker, after_iter=False):
+        self.real, self.marker, self.after_iter = real, marker, after_iter
 
     def __getitem__(self, k):
         return self.real[k]
@@ -381,7 +396,7 @@ class MidCopy:
     def __setitem__(self, k, v):
         h = D // 2
         self.real[k][:h] = v[:h]
-        hold(self.marker)
+        hold(self.marker, self.after_iter)
         self.real[k][h:] = v[h:]
 
 
@@ -429,7 +444,7 @@ def _gate():
         except FileExistsError:
             pass
         else:
-            hold("WATTACHING")
+            hold("WATTACHING", after_iter=True)
     return None
 
 
@@ -446,8 +461,9 @@ class DS(Dataset):
         info = get_worker_info()
         if info is not None and info.id == 0 and i == 0:
             if self.phase == "write":
-                self.cache._np_slots = MidCopy(self.cache._np_slots, "WINSIDE")
+                self.cache._np_slots = MidCopy(self.cache._np_slots, "WINSIDE", True)
             elif self.phase == "read":
+                wait_iter_ready()
                 say("WREADING", os.getpid())
                 while True:
                     if scan(self.cache)[2]:
@@ -461,14 +477,19 @@ class DS(Dataset):
 
 def init_worker(phase, worker_id):
     if phase == "startup" and worker_id == 0:
-        hold("WSTARTING")
+        hold("WSTARTING", after_iter=True)
 
 
 def epoch(cache, ctx="fork", phase="none", timeout=0):
     dl = DataLoader(DS(cache, phase), batch_size=4, num_workers=2, multiprocessing_context=ctx,
                     worker_init_fn=functools.partial(init_worker, phase), timeout=timeout)
+    if ITER_READY and os.path.exists(ITER_READY):
+        os.unlink(ITER_READY)
+    it = iter(dl)  # starts the workers and queues their first batches
+    if ITER_READY:
+        open(ITER_READY, "w").close()
     seen = bad = 0
-    for b, batch in enumerate(dl):
+    for b, batch in enumerate(it):
         for j, x in enumerate(batch):
             seen += 1
             bad += not torch.equal(x, pattern(4 * b + j))

@@ -140,7 +140,7 @@ def _run_ranks(role, phase, sig, shm, key, go, start):
 
 
 def _run_worker(phase, sig, shm, key, gate, start):
-    main = start("main", job_env(shm, key, FT_GATE=gate))
+    main = start("main", job_env(shm, key, FT_GATE=gate, FT_ITER_READY=gate.with_name("ready")))
     main.send("create")
     main.expect("ATTACHED")
     main.send(f"loader {'spawn' if phase == 'attach' else 'fork'} {phase}")
