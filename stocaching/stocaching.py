@@ -423,7 +423,10 @@ class CacheLayout:
     def owners(self) -> np.ndarray:
         """Boolean matrix ``(num_nodes, dataset_len)``: ``owners()[k, i]`` is True when node k
         caches index i."""
-        return np.stack(list(self._owner_rows()))
+        out = np.empty((self.num_nodes, self.dataset_len), dtype=bool)
+        for k, row in enumerate(self._owner_rows()):
+            out[k] = row
+        return out
 
     def _owner_rows(self) -> Iterator[np.ndarray]:
         """The rows of ``owners()`` one at a time: the sampler never holds the whole matrix
@@ -434,6 +437,8 @@ class CacheLayout:
             yield row
             return
         perm = self._perm()
+        if self.dataset_len < 2**31:
+            perm = perm.astype(np.int32)
         for k in range(self.num_nodes):
             row = np.zeros(self.dataset_len, dtype=bool)
             row[perm[self._positions(k)]] = True
@@ -797,13 +802,14 @@ class SharedCache:
         if total > free:
             raise self._capacity_error(shm_dir, total, free)
         fstype = _fs_type(shm_dir)
-        if fstype is not None and fstype not in _MEMORY_FILESYSTEMS:
+        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS
+        if on_disk:
             warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
                           "the cache is a file there, and may be as slow as the data it "
                           "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=3)
         vm = psutil.virtual_memory()
         margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
-        if vm.available - total < margin:
+        if not on_disk and vm.available - total < margin:
             warnings.warn(
                 f"the cache needs {_fmt_bytes(total)} of shared memory but only "
                 f"{_fmt_bytes(vm.available)} of RAM is available; less than "
@@ -1278,63 +1284,89 @@ class SharedCache:
         self._ctr[_MISSES] += 1
         return None
 
-    def _source(self, value: Any) -> np.ndarray:
-        """Check a value to store and return it as a numpy array, without touching the cache.
+    def _source(self, value: Any, store: bool = True) -> np.ndarray | None:
+        """Check a value to store and return it as a numpy array, without touching the cache
+        (``store=False``: check only, return None, copy nothing that need not be).
+
         Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
-        without loss (uint8 into float32), is a wider float (rounded, as torch does) or has
-        values that the cache's dtype holds exactly (int64 0..255 into uint8). Tensors on other
-        devices are copied."""
+        without loss (uint8 into float32), is a float or complex rounded into a narrower one
+        (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
+        uint8). Tensors on other devices are copied."""
+        dst = self._dtype
         if isinstance(value, np.ndarray):
+            if value.dtype == np.uint16 and dst is torch.bfloat16:
+                raise TypeError("value should be a torch.bfloat16 tensor or float values, but "
+                                "got a numpy uint16 array, which would be taken as numbers, not "
+                                "as bfloat16 bits (numpy has no bfloat16; pass "
+                                "torch.from_numpy(a).view(torch.bfloat16) for bits)")
             try:  # negative strides (img[:, :, ::-1]) and foreign byte order need a copy
                 if any(st < 0 for st in value.strides) or not value.dtype.isnative:
                     value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
                 value = torch.from_numpy(value)
             except TypeError:
-                raise TypeError(f"value should be a tensor of dtype {self._dtype}, but got a "
+                raise TypeError(f"value should be a tensor of dtype {dst}, but got a "
                                 f"numpy array of dtype {value.dtype}") from None
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"value should be a torch.Tensor of shape {self._dims} and dtype "
-                            f"{self._dtype}, but got value of type {type(value).__name__}")
+                            f"{dst}, but got value of type {type(value).__name__}")
         if tuple(value.shape) != self._dims:
             raise ValueError(f"value should have shape {self._dims} (the cache's data_dims), "
                              f"but got value.shape={tuple(value.shape)}")
         src = value.dtype
-        value = value.detach().to("cpu").resolve_conj().resolve_neg()
-        if src != self._dtype:
-            if src.is_complex and not self._dtype.is_complex and value.imag.count_nonzero():
-                raise ValueError(
-                    f"value should have dtype {self._dtype}, or values that it holds exactly, "
-                    f"but got value.dtype={src} with imaginary parts that are not 0")
-            out = (value.real if src.is_complex and not self._dtype.is_complex
-                   else value).to(self._dtype)
-            # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float32
-            # to a float16 cache (intended rounding) or int64 masks to a uint8 cache (values
-            # that fit). Both keep working; a cast that would change a value (0.7 into uint8,
-            # 300 into uint8) is refused instead of stored wrong.
-            dst = self._dtype
-            if dst not in _LOSSLESS.get(src, ()) and not (
-                    (src.is_floating_point and dst.is_floating_point)
-                    or (src.is_complex and dst.is_complex)):
-                if not self._exact(value, out):
+        if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
+            raise TypeError(f"value should be a dense tensor with data and a dtype the cache "
+                            f"can store ({dst} or one that casts to it), but got "
+                            f"value.dtype={src}, layout={value.layout}, device={value.device}")
+        if src == dst or dst in _LOSSLESS.get(src, ()):
+            if not store:
+                return None
+            value = value.detach().to("cpu").resolve_conj().resolve_neg()
+            value = value if src == dst else value.to(dst)
+        else:
+            value = value.detach().to("cpu").resolve_conj().resolve_neg()
+            inexact = (src.is_floating_point or src.is_complex) and \
+                (dst.is_floating_point or dst.is_complex)
+            if src.is_complex and not dst.is_complex:
+                if value.imag.count_nonzero():
                     raise ValueError(
-                        f"value should have dtype {self._dtype}, or values that it holds "
-                        f"exactly, but got value.dtype={src} with values that change in "
-                        f"{self._dtype}")
+                        f"value should have dtype {dst}, or values that it holds exactly, but "
+                        f"got value.dtype={src} with imaginary parts that are not 0")
+                value = value.real
+            out = value.to(dst)
+            # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float64
+            # arrays to a float32 cache (intended rounding) or int64 masks to a uint8 cache
+            # (values that fit). Both keep working; a cast that would change a value (0.7 into
+            # uint8, 300 into uint8) is refused instead of stored wrong.
+            if not inexact:
+                bad = self._first_changed(value, out)
+                if bad is not None:
+                    raise ValueError(
+                        f"value should have dtype {dst}, or values that it holds exactly, but "
+                        f"got value.dtype={src} with values that change in {dst}, e.g. "
+                        f"value[{', '.join(map(str, bad))}]={value[bad].item()!r}")
+            if not store:
+                return None
             value = out
         if self._view_as is not None:
             value = value.view(torch.uint16)
         return value.numpy()
 
     @staticmethod
-    def _exact(value: torch.Tensor, out: torch.Tensor) -> bool:
-        """``out`` (``value`` cast to a narrower dtype) holds every value of ``value``."""
+    def _first_changed(value: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
+        """Index of the first element of ``value`` that ``out`` (``value`` cast to another
+        dtype) does not hold exactly, or None."""
+        a = value.numpy()
         if _is_integer(value.dtype) and _is_integer(out.dtype):
             # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
-            if value.numel() == 0:
-                return True
-            a, info = value.numpy(), np.iinfo(_DTYPES[out.dtype][1])
-            return int(a.min()) >= info.min and int(a.max()) <= info.max
-        return torch.equal(out.to(value.dtype), value)  # (a complex value is real here)
+            info = np.iinfo(_DTYPES[out.dtype][1])
+            if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
+                return None
+            changed = (a < info.min) | (a > info.max) if a.dtype.kind == "i" else a > info.max
+        else:
+            changed = ~(out.to(value.dtype) == value).numpy()
+            if not changed.any():
+                return None
+        return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]), a.shape))
 
     def _write(self, slot: int, src: np.ndarray, idx: int) -> None:
         """Write one slot; the caller holds its lock. Odd sequence numbers mean "in progress"."""
@@ -1379,13 +1411,14 @@ class SharedCache:
                 is changed.
         """
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
-        if self._aux_mv[idx] == OOB and not allow_oob_idx:
-            raise self._oob_error(idx)
-        # Checked even where there is no slot, so that a bad value fails on every node and for
-        # every index, not only where a slot happens to be (0.2.1 let it pass there).
-        src = self._source(value)
         if self._aux_mv[idx] == OOB:
+            if not allow_oob_idx:
+                raise self._oob_error(idx)
+            # Checked even where there is no slot, so that a bad value fails on every node and
+            # for every index, not only where a slot happens to be (0.2.1 let it pass there).
+            self._source(value, store=False)
             return
+        src = self._source(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
         with self._locked(_LOCK_BASE + 1 + slot):
             # A slot left WRITING, or SET with an odd sequence number, by a writer that died
@@ -1504,17 +1537,25 @@ def _owner_kinds(owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             or its rows one by one.
 
     Returns:
-        ``kind`` (int64, ``dataset_len``) and ``masks`` (bool, ``(num_kinds, num_nodes)``):
-        ``owners[:, i] == masks[kind[i]]``. A ``CacheLayout`` has at most ``2 * num_nodes + 1``
+        ``kind`` (``dataset_len`` ints: int32, or int64 from 2**30 indices) and ``masks``
+        (bool, ``(num_kinds, num_nodes)``): ``owners[:, i] == masks[kind[i]]``. A ``CacheLayout`` has at most ``2 * num_nodes + 1``
         kinds.
     """
     kind: np.ndarray | None = None
     masks = np.zeros((1, 0), dtype=bool)
     for row in owners:  # split every kind by one more node, then renumber the kinds seen
         row = np.asarray(row, dtype=bool)
-        code = row.astype(np.int64) if kind is None else kind * 2 + row
-        seen = np.bincount(code, minlength=2 * len(masks)) > 0
-        kind = (np.cumsum(seen) - 1)[code]
+        if kind is None:
+            # kinds < 2 * dataset_len, so twice a kind fits int32 below 2**30 indices
+            kind = row.astype(np.int32 if len(row) < 2**30 else np.int64)
+        else:
+            if row.shape != kind.shape:
+                raise ValueError(f"owners should have rows of dataset_len={len(kind)} entries, "
+                                 f"but got a row of shape {row.shape}")
+            kind *= 2
+            kind += row
+        seen = np.bincount(kind, minlength=2 * len(masks)) > 0
+        np.take((np.cumsum(seen) - 1).astype(kind.dtype), kind, out=kind)
         old = np.flatnonzero(seen)
         masks = np.c_[masks[old // 2], old % 2 == 1]
     if kind is None:

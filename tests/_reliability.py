@@ -235,13 +235,16 @@ class Child:
             self.lines.append(line)
             if line.startswith(prefix):
                 return line
+            if line.startswith("NOREADY"):
+                raise AssertionError(f"{self.label}: a worker waited 30 s for iter(loader) to "
+                                     f"return; stdout {self.lines}")
 
     def dump_stacks(self) -> None:
         """Ask a stuck child for the Python stack of every thread (to its stderr, via
         faulthandler), so that a hang reports where it hangs."""
-        if self.p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGUSR1)
+        if self.p.poll() is None:  # the child and its DataLoader workers (its session)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGUSR1)
             time.sleep(0.5)
 
     def send(self, command: str) -> None:
@@ -353,8 +356,11 @@ def pattern(i):
 
 
 def wait_iter_ready():
-    deadline = time.monotonic() + 60
-    while ITER_READY and not os.path.exists(ITER_READY) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while ITER_READY and not os.path.exists(ITER_READY):
+        if time.monotonic() > deadline:
+            say("NOREADY", os.getpid())  # the test fails on this line, not on a timeout
+            os._exit(7)
         time.sleep(0.01)
 
 

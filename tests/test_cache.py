@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -184,18 +185,60 @@ def test_lossless_casts_are_accepted(shm_dir, src, dst):
 
 
 def test_narrowing_casts_that_0_2_1_code_relies_on_are_accepted(shm_dir):
-    """0.2.1 assigned with torch's casting rules, so its users may rely on a float16 cache
-    rounding float32 values, or on int64 masks of small values going into a uint8 cache."""
-    c = make(shm_dir, dtype=torch.float16)
-    x = torch.randn(3, 4, 4, dtype=torch.float64)
+    """0.2.1 assigned with torch's casting rules, so its users may rely on a float32 cache
+    rounding float64 numpy arrays, or on int64 masks of small values going into a uint8
+    cache."""
+    c = make(shm_dir, dtype=torch.float32)
+    x = np.random.default_rng(0).standard_normal((3, 4, 4))  # float64, numpy's default
     c.set_slot(0, x)
-    assert torch.equal(c.get_slot(0), x.to(torch.float16))
+    assert torch.equal(c.get_slot(0), torch.from_numpy(x).float())
     c = make(shm_dir, dtype=torch.uint8, name="masks")
     m = torch.randint(0, 256, (3, 4, 4), dtype=torch.int64)
     c.set_slot(0, m)
     assert torch.equal(c.get_slot(0).long(), m)
     c.set_slot(1, m.float())  # integral floats 0..255 are exact in uint8 too
     assert torch.equal(c.get_slot(1).long(), m)
+
+
+@pytest.mark.parametrize("dst,value", [
+    (torch.float16, torch.randn(3, 4, 4, dtype=torch.float64)),
+    (torch.complex64, torch.randn(3, 4, 4, dtype=torch.float64)),
+    (torch.float32, torch.complex(torch.randn(3, 4, 4, dtype=torch.float64),
+                                  torch.zeros(3, 4, 4, dtype=torch.float64))),
+    (torch.float32, torch.full((3, 4, 4), float("nan"), dtype=torch.float64)),
+    (torch.bfloat16, torch.full((3, 4, 4), 1e6)),
+])
+def test_floats_round_into_narrower_floats(shm_dir, dst, value):
+    """Float and complex into float or complex: rounded as torch rounds (NaN stays NaN)."""
+    c = make(shm_dir, dtype=dst)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "discards the imaginary part" warning either
+        c.set_slot(0, value)
+    want = (value.real if value.is_complex() and not dst.is_complex else value).to(dst)
+    assert torch.equal(c.get_slot(0).isnan(), want.isnan())
+    assert torch.equal(c.get_slot(0).nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("dst,value,match", [
+    (torch.float32, lambda: torch.zeros(3, 4, 4, dtype=torch.complex32),
+     r"value.dtype=torch.complex32"),
+    (torch.uint8, lambda: torch.zeros(3, 4, 4, dtype=torch.uint8).to_sparse(),
+     r"layout=torch.sparse_coo"),
+    (torch.uint8, lambda: torch.zeros(3, 4, 4, dtype=torch.uint8, device="meta"),
+     r"device=meta"),
+    (torch.bfloat16, lambda: np.full((3, 4, 4), 0x3F80, dtype=np.uint16),
+     r"numpy uint16 array"),
+])
+def test_values_the_cache_cannot_take_are_type_errors(shm_dir, dst, value, match):
+    c = make(shm_dir, size=(50 * 48 * dst.itemsize + 100) / 1024**3, dtype=dst)  # 50 slots
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+        value = value()
+    assert c.aux_array[99] == 2  # OOB
+    for idx in (0, 99):  # with a slot, and without one
+        with pytest.raises(TypeError, match=match):
+            c.set_slot(idx, value)
+    assert c.get_slot(0) is None and c.stats()["writes"] == 0
 
 
 @pytest.mark.parametrize("dst,value,bad", [
@@ -211,6 +254,7 @@ def test_narrowing_casts_that_0_2_1_code_relies_on_are_accepted(shm_dir):
     (torch.int32, torch.full((3, 4, 4), float("nan")), "nan has no int"),
     (torch.bool, torch.full((3, 4, 4), 2, dtype=torch.uint8), "2 is not a bool"),
     (torch.float32, torch.full((3, 4, 4), 1 + 1j, dtype=torch.complex64), "imaginary part lost"),
+    (torch.int16, torch.full((3, 4, 4), 1 + 1j, dtype=torch.complex64), "imaginary part lost"),
 ])
 def test_casts_that_change_a_value_are_refused(shm_dir, dst, value, bad):
     c = make(shm_dir, dtype=dst)
@@ -219,6 +263,17 @@ def test_casts_that_change_a_value_are_refused(shm_dir, dst, value, bad):
                                          rf"holds exactly, but got value.dtype={value.dtype}"):
         c.set_slot(0, value)
     assert c.get_slot(0) is None and c.stats()["writes"] == 0, bad
+
+
+def test_a_refused_cast_names_the_first_value_that_would_change(shm_dir):
+    c = make(shm_dir, dtype=torch.uint8)
+    x = torch.zeros(3, 4, 4, dtype=torch.int64)
+    x[1, 2, 3], x[2, 0, 0] = 300, -5
+    with pytest.raises(ValueError, match=r"e\.g\. value\[1, 2, 3\]=300$"):
+        c.set_slot(0, x)
+    with pytest.raises(ValueError, match=r"e\.g\. value\[0, 1, 2\]=0\.5$"):
+        c.set_slot(0, torch.zeros(3, 4, 4).index_put_((torch.tensor(0), torch.tensor(1),
+                                                        torch.tensor(2)), torch.tensor(0.5)))
 
 
 def test_numpy_values_are_accepted(shm_dir):
@@ -309,14 +364,16 @@ def test_a_cache_outside_memory_warns(shm_dir, tmp_path):
     """0.2.1 fell back to a disk directory silently; a shm_dir on a disk filesystem works but
     says so. (Needs tmp_path on a disk filesystem, as on this machine's ext4 /tmp.)"""
     fstype = stocaching.stocaching._fs_type(str(tmp_path))
-    if fstype in ("tmpfs", "ramfs"):
-        pytest.skip(f"{tmp_path} is a {fstype} here; no disk directory to try")
-    with pytest.warns(RuntimeWarning, match=rf"shm_dir='{tmp_path}' is on a {fstype} "
-                                            "filesystem, not in memory"):
+    if fstype is None or fstype in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on {fstype or 'an unknown filesystem'} here; no disk "
+                    "directory to try")
+    with pytest.warns(RuntimeWarning, match=re.escape(f"shm_dir='{tmp_path}' is on a {fstype} "
+                                                      "filesystem, not in memory")):
         make(str(tmp_path)).close()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # /dev/shm: no warning
-        make(shm_dir).close()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make(shm_dir).close()  # /dev/shm: no such warning
+    assert not [w for w in seen if "not in memory" in str(w.message)]
 
 
 def test_allocation_summary_is_logged_once_by_the_leader(shm_dir, caplog):

@@ -5,8 +5,8 @@ The model is a torch tensor of the slots, a list of slot states and four counter
 rules written here from the docstrings and the house style (not from the code): which index
 types are integers (int, numpy integers, 0-dim integer tensors; never bool or float), which
 value dtypes cast without loss (from the ranges and mantissa widths of the dtypes), which
-narrower casts round (float into float) and which are checked value by value (compared as
-Python numbers), the order
+casts round (float or complex into float or complex, into a real dtype only without imaginary
+parts) and which are checked value by value (compared as Python numbers), the order
 of the checks (index, then "has no slot here", then the value, then "already set"), and what
 each call counts in ``stats()``. After every step the cache and the model must agree on
 ``aux_array``, every byte of ``array``, and ``stats()``; a call must return what the model
@@ -75,9 +75,9 @@ def lossless(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def rounds(src: torch.dtype, dst: torch.dtype) -> bool:
-    """A float (or complex) stored into a narrower one of its kind: rounded, as torch does."""
-    return (src.is_floating_point and dst.is_floating_point) or \
-        (src.is_complex and dst.is_complex)
+    """A float or complex stored into another float or complex: rounded, as torch does (into
+    a real dtype only when every imaginary part is 0)."""
+    return _INFO[src][0] in "fc" and _INFO[dst][0] in "fc"
 
 
 def same_numbers(a, b) -> bool:
@@ -143,12 +143,17 @@ class Model:
         if self.aux[i] == OOB and not allow_oob:
             raise IndexError
         if isinstance(value, np.ndarray):
-            if value.dtype == object:
-                raise TypeError
+            if value.dtype == object or (value.dtype == np.uint16 and
+                                         self.dtype == torch.bfloat16):
+                raise TypeError  # numpy uint16 could be bfloat16 bits: ambiguous
             value = torch.from_numpy(value)
         if not isinstance(value, torch.Tensor):
             raise TypeError
         if tuple(value.shape) != self.dims:
+            raise ValueError
+        if rounds(value.dtype, self.dtype) and _INFO[self.dtype][0] != "c" and \
+                any(z.imag != 0 for z in value.detach().flatten().tolist()
+                    if isinstance(z, complex)):
             raise ValueError
         if not lossless(value.dtype, self.dtype) and not rounds(value.dtype, self.dtype):
             # a narrowing cast: only values that come out unchanged
