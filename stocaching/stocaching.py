@@ -1361,7 +1361,8 @@ class SharedCache:
             info = np.iinfo(_DTYPES[out.dtype][1])
             if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
                 return None
-            changed = (a < info.min) | (a > info.max) if a.dtype.kind == "i" else a > info.max
+            have = np.iinfo(a.dtype)  # bounds within a's own range: safe for any numpy
+            changed = (a < max(info.min, have.min)) | (a > min(info.max, have.max))
         else:
             changed = ~(out.to(value.dtype) == value).numpy()
             if not changed.any():
@@ -1389,13 +1390,13 @@ class SharedCache:
         Args:
             idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
             value: tensor (or numpy array) of shape ``data_dims`` (no broadcasting). Its dtype
-                is the cache's, or casts to it without loss (uint8 into float32, ...), or is a
-                wider float of which the cache keeps the rounded value (float32 into float16;
-                beyond float16's range that is inf, as in torch),
-                or holds values that the cache's dtype represents exactly (int64 masks of
-                0..255 into uint8; checked, as 0.2.1 code may rely on it). A value that would
-                change (0.7 or 300 into uint8) is refused. Tensors on another device are
-                copied.
+                is the cache's; or casts to it without loss (uint8 into float32, ...); or is a
+                float or complex of which the cache keeps the rounded value (float64 into
+                float32, as torch rounds: past float16's range that is inf; into a real dtype
+                only if every imaginary part is 0); or holds values that the cache's dtype
+                represents exactly (int64 masks of 0..255 into uint8; checked, as 0.2.1 code
+                may rely on it). A value that would change (0.7 or 300 into uint8) is refused
+                with ValueError. Tensors on another device are copied.
             allow_oob_idx: when False, an index without a slot raises IndexError. Default:
                 True.
             allow_overwrite: when False, writing a slot that is already set raises
@@ -1538,8 +1539,8 @@ def _owner_kinds(owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Returns:
         ``kind`` (``dataset_len`` ints: int32, or int64 from 2**30 indices) and ``masks``
-        (bool, ``(num_kinds, num_nodes)``): ``owners[:, i] == masks[kind[i]]``. A ``CacheLayout`` has at most ``2 * num_nodes + 1``
-        kinds.
+        (bool, ``(num_kinds, num_nodes)``): ``owners[:, i] == masks[kind[i]]``. A
+        ``CacheLayout`` has at most ``2 * num_nodes + 1`` kinds.
     """
     kind: np.ndarray | None = None
     masks = np.zeros((1, 0), dtype=bool)

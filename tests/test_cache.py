@@ -553,3 +553,14 @@ def test_stats_count_live_processes_only(shm_dir):
         p.join(30)
     s = c.stats()
     assert s["processes"] == 1 and s["misses"] == 3  # the children counted, then died
+
+
+def test_wide_unsigned_values_are_checked_against_the_range(shm_dir):
+    """uint64 values past int64's range, from numpy (torch cannot build them from an int)."""
+    c = make(shm_dir, dtype=torch.int64)
+    x = np.zeros((3, 4, 4), dtype=np.uint64)
+    c.set_slot(0, x + 5)
+    x[2, 3, 3] = 2**63
+    with pytest.raises(ValueError, match=r"e\.g\. value\[2, 3, 3\]=9223372036854775808$"):
+        c.set_slot(1, x)
+    assert c.get_slot(1) is None and torch.equal(c.get_slot(0), torch.full((3, 4, 4), 5))
