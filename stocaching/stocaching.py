@@ -143,6 +143,10 @@ logger = logging.getLogger("stocaching")
 # ----------------------------------------------------------------------------------------------
 
 
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _is_int(x: Any) -> bool:
     """True for Python, numpy and 0-dim integer torch scalars; False for bool."""
     if isinstance(x, (bool, np.bool_)):
@@ -150,8 +154,7 @@ def _is_int(x: Any) -> bool:
     if isinstance(x, (int, np.integer)):
         return True
     if isinstance(x, torch.Tensor):
-        return x.ndim == 0 and not x.is_floating_point() and not x.is_complex() \
-            and x.dtype is not torch.bool
+        return x.ndim == 0 and _is_integer_dtype(x.dtype)
     return False
 
 
@@ -254,10 +257,6 @@ def _fs_type(path: str) -> str | None:
         if inside and len(mnt) >= len(best):  # the last of equal mounts is the visible one
             best, fstype = mnt, p.fstype
     return fstype
-
-
-def _is_integer(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _process_start(pid: int) -> int:
@@ -790,8 +789,12 @@ class SharedCache:
              "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS}
         for i in range(_MAX_DIMS):
             h[f"dim{i}"] = self._dims[i] if i < len(self._dims) else 0
-        h.update(_segment_offsets(lay, math.prod(self._dims) * self._dtype.itemsize))
+        h.update(_segment_offsets(lay, self._slot_bytes))
         return h
+
+    @property
+    def _slot_bytes(self) -> int:
+        return math.prod(self._dims) * self._dtype.itemsize
 
     def _create(self) -> None:
         head = self._expected_header()
@@ -871,7 +874,7 @@ class SharedCache:
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay = self._layout
-        per_slot = math.prod(self._dims) * self._dtype.itemsize
+        per_slot = self._slot_bytes
         fits = max(0, (free - (total - lay.slots * per_slot)) // per_slot)
         fit_gib = (fits * per_slot + lay.dataset_len) / BYTES_PER_GIB
         vfs = os.statvfs(shm_dir)
@@ -974,21 +977,17 @@ class SharedCache:
         names = {"dataset_len": "dataset_len", "dtype_code": "dtype", "ndim": "data_dims",
                  "slots": "slot count (from size_limit_gib)", "num_nodes": "num_nodes",
                  "node_rank": "node_rank", "layout_seed": "layout_seed", "version": "version"}
-        for field, label in names.items():
-            if head[field] != want[field]:
-                exp, got = want[field], head[field]
-                if field == "dtype_code":
+        found = [(label, want[field], head[field]) for field, label in names.items()]
+        found.append(("data_dims", self._dims,  # after ndim, so a damaged ndim is named first
+                      tuple(head[f"dim{i}"] for i in range(min(head["ndim"], _MAX_DIMS)))))
+        for label, exp, got in found:
+            if got != exp:
+                if label == "dtype":
                     exp, got = self._dtype, _DTYPE_BY_CODE.get(got, got)
                 raise CacheConfigError(
                     f"the cache {self._path} made by local rank 0 has {label}={got}, but this "
                     f"process asked for {label}={exp}; construct the cache with the same "
                     "arguments on every local rank", label, exp, got)
-        dims = tuple(head[f"dim{i}"] for i in range(head["ndim"]))
-        if dims != self._dims:
-            raise CacheConfigError(
-                f"the cache {self._path} made by local rank 0 has data_dims={dims}, but this "
-                f"process asked for data_dims={self._dims}; construct the cache with the same "
-                "arguments on every local rank", "data_dims", self._dims, dims)
         if not head["ready"] or head["total_bytes"] > size or \
                 any(head[k] != want[k] for k in ("stats_off", "aux_off", "seq_off",
                                                  "map_off", "data_off", "total_bytes")):
@@ -1018,18 +1017,19 @@ class SharedCache:
                                   lay.dataset_len].cast(dt.char)
         else:
             self._slot_map = None
-        self._np_slots = np.frombuffer(mm, np_dtype, lay.slots * math.prod(self._dims),
-                                       head["data_off"]).reshape(lay.slots, *self._dims)
+        def slots_of(buf: mmap.mmap) -> np.ndarray:
+            return np.frombuffer(buf, np_dtype, lay.slots * math.prod(self._dims),
+                                 head["data_off"]).reshape(lay.slots, *self._dims)
+
+        self._np_slots = slots_of(mm)
         self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
         self._array = self._to_torch(self._np_slots)
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
-        ro = np.frombuffer(self._ro_mm, np_dtype, lay.slots * math.prod(self._dims),
-                           head["data_off"]).reshape(lay.slots, *self._dims)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._ro_slots = self._to_torch(ro)
+            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
         self._tlock = threading.Lock()
         self._closed = False
         self._claim_stats_row()
@@ -1356,7 +1356,7 @@ class SharedCache:
         """Index of the first element of ``value`` that ``out`` (``value`` cast to another
         dtype) does not hold exactly, or None."""
         a = value.numpy()
-        if _is_integer(value.dtype) and _is_integer(out.dtype):
+        if _is_integer_dtype(value.dtype) and _is_integer_dtype(out.dtype):
             # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
             info = np.iinfo(_DTYPES[out.dtype][1])
             if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
@@ -2037,9 +2037,9 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False) -> 
         The paths removed (or that would be, with ``dry_run=True``).
     """
     removed = []
-    mine = f"{SEGMENT_PREFIX}_{os.getuid()}_"
     for fname in sorted(os.listdir(shm_dir)):
-        if fname.startswith(mine):
+        info = _parse_segment_name(fname)
+        if info is not None and info["uid"] == os.getuid():
             path = os.path.join(shm_dir, fname)
             if _is_stale_file(path, remove=not dry_run):
                 removed.append(path)
