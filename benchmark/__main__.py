@@ -188,8 +188,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
               for w, b, sm, s, lat in itertools.product(
                   as_list(args.workers), as_list(args.batch_size), as_list(args.start_method),
                   as_list(args.sampler), as_list(args.read_latency_ms))]
-    specs = R.specs_from(args.cache_fraction if args.cache_gib is None else None,
-                         args.cache_gib, args.in_ram)
+    specs = R.specs_from(args.cache_fraction, args.cache_gib, args.in_ram)
     opts = R.Options(data_dir=args.data_dir, num_images=args.num_images,
                      image_size=args.image_size, decoded_size=args.decoded_size,
                      jpeg_quality=args.jpeg_quality, num_classes=args.num_classes,
@@ -218,8 +217,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     res = R.run_grid(opts, setups, specs, args.threads, _say, on_group)
     if not res["is_main"]:
         return 0
-    rows = res["rows"]
-    report.write_csv(rows, out / f"{stem}.csv")
+    rows = res["rows"]  # already in the CSV: on_group wrote it after every group
     _say("/dev/shm (rank 0's node; statvfs deltas around construction, cache.stats()['bytes']):")
     _say(R.describe_shm(res) or "  (no cache configuration)")
     bad = R.stats_consistency(rows)

@@ -214,7 +214,7 @@ def _make_sampler(setup: Setup, ds: torch.utils.data.Dataset, cache: Any, dw: Di
         "random"
 
 
-def _label(spec: Spec, slots: int | None, n: int) -> str:
+def _label(spec: Spec) -> str:
     if spec.kind == "none":
         return "no cache"
     if spec.kind == "ram":
@@ -284,7 +284,7 @@ def run_config(opts: Options, setup: Setup, spec: Spec, index: int, token: str, 
         ds = D.JpegDataset(root, n, d, opts.num_classes, cache=None,
                            read_latency_ms=setup.read_latency_ms)
         cached_pct = 0.0
-    label = _label(spec, slots, n)
+    label = _label(spec)
     info["config"] = label
 
     torch.manual_seed(opts.seed)

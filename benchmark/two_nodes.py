@@ -69,8 +69,8 @@ def _worker(args: argparse.Namespace) -> None:
         everyone = sorted(i for part in gathered for i in part)
         rows.append({"epoch": epoch, "node": world.node_rank, "rank": world.rank,
                      "node_hit_rate": hits / reads if reads else float("nan"),
-                     "slots": after["slots"], "covers_all": everyone[: args.dataset_len]
-                     == list(range(args.dataset_len)) if not sampler_drops(sampler) else True})
+                     "slots": after["slots"],
+                     "covers_all": everyone[: args.dataset_len] == list(range(args.dataset_len))})
     out = [None] * world.world_size
     dist.all_gather_object(out, rows)
     if world.rank == 0:
@@ -78,10 +78,6 @@ def _worker(args: argparse.Namespace) -> None:
             json.dump([r for part in out for r in part], f)
     cache.close()
     dist.destroy_process_group()
-
-
-def sampler_drops(sampler) -> bool:
-    return bool(getattr(sampler, "drop_last", False))
 
 
 def _free_port() -> int:

@@ -272,11 +272,7 @@ class Child:
             self.p.wait(5)
 
     def close(self) -> None:
-        if self.p.poll() is None:
-            self.kill_group()
-        else:  # its workers may outlive it for a moment
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
+        self.kill_group()  # also when it has exited: its workers may outlive it for a moment
         for s in (self.p.stdin, self.p.stdout):
             with contextlib.suppress(Exception):
                 s.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,7 +13,8 @@ import pytest
 import torch
 
 import stocaching
-from stocaching import CacheConfigError, SharedCache
+from benchmark.microbench import _load_ref
+from stocaching import SharedCache
 
 REF_DIR = os.environ.get("STOCACHING_REF_DIR", os.path.join(os.path.dirname(__file__), "..",
                                                             ".ci", "ref"))
@@ -27,10 +27,7 @@ def _ref():
     if not os.path.exists(init):
         pytest.skip("stocaching 0.2.1 is not installed in .ci/ref (run .ci/run, or "
                     "pip install --no-deps --target .ci/ref stocaching==0.2.1)")
-    spec = importlib.util.spec_from_file_location("stocaching_021", init)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_ref(REF_DIR)
 
 
 def make(shm_dir, size=64 * KIB, n=100, dims=(3, 4, 4), dtype=torch.uint8, **kw):

@@ -12,7 +12,6 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 import stocaching
 from conftest import leftovers, mappers

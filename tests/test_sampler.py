@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
+from benchmark.sampler_hit_rate import ideal_hit_rate
 from stocaching import CacheAwareSampler, CacheLayout, World
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
@@ -78,12 +79,6 @@ def assert_best_split(per_rank, owners, batch_size, local_world_size):
     for j, start in enumerate(range(0, per_rank.shape[1], batch_size)):
         batch = per_rank[:, start:start + batch_size]
         assert hits[j] == optimum_hits(owners, batch.ravel(), batch.shape[1] * local_world_size)
-
-
-def ideal_hit_rate(num_nodes, f, b):
-    """E[min(b, X)] / b for X ~ Binomial(num_nodes * b, f): a node's share of a global batch."""
-    m = num_nodes * b
-    return sum(min(b, x) * math.comb(m, x) * f**x * (1 - f)**(m - x) for x in range(m + 1)) / b
 
 
 # ------------------------------------------------------------------------------------------------
