@@ -1,7 +1,14 @@
 """stocaching: a shared-memory cache of decoded samples for PyTorch datasets.
 
-The whole runtime is the single module ``stocaching/stocaching.py``; this package re-exports it.
+The core is the single module ``stocaching/stocaching.py`` (copy it alone into a project if you
+like); the opt-in parts are sibling modules that import only its public names. This package
+re-exports all of them.
 """
 
 from .stocaching import *  # noqa: F401,F403
-from .stocaching import __all__, __version__  # noqa: F401
+from .stocaching import __all__ as _core_all
+from .stocaching import __version__  # noqa: F401
+from .samplers import *  # noqa: F401,F403
+from .samplers import __all__ as _samplers_all
+
+__all__ = [*_core_all, *_samplers_all]

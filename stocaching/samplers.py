@@ -1,0 +1,472 @@
+"""Samplers that read a cache's layout: ``CacheAwareSampler`` for several nodes.
+
+An opt-in part of stocaching. It imports only the public names of the core module
+(``stocaching.py``), so copying the two files side by side into a project also works.
+
+Example::
+
+    from stocaching import CacheAwareSampler
+
+    sampler = CacheAwareSampler(dataset, batch_size=64)  # where DistributedSampler would go
+    loader = torch.utils.data.DataLoader(dataset, batch_size=64, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            ...
+"""
+
+from __future__ import annotations
+
+__all__ = ["CacheAwareSampler"]
+
+import logging
+import math
+import time
+import warnings
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+try:  # inside the package
+    from .stocaching import CacheLayout, SharedCache, World, check_int
+except ImportError:  # copied beside stocaching.py
+    from stocaching import CacheLayout, SharedCache, World, check_int  # type: ignore[no-redef]
+
+logger = logging.getLogger("stocaching")
+
+class CacheAwareSampler(torch.utils.data.Sampler[int]):
+    """Drop-in for ``DistributedSampler`` that sends each rank the samples cached on its node.
+
+    The epoch is one global shuffle, padded or truncated exactly as ``DistributedSampler`` does
+    (same ``seed + epoch`` generator, so the same global order), and cut into global batches of
+    ``batch_size * num_replicas`` indices. Global batch j is the same multiset as under
+    ``DistributedSampler`` with ``DataLoader(batch_size=batch_size)``; what changes is which
+    rank gets which of its samples. Each node gets ``batch_size * local_world_size`` of them,
+    chosen so that as many samples of the batch as possible are read by a node that caches
+    them (an exact maximum flow, computed identically on every rank), shuffled and dealt
+    ``batch_size`` to each of its ranks. Every rank yields ``len(self)`` indices per epoch;
+    all ranks together yield every dataset index exactly once, plus the padding.
+
+    Padding (``drop_last=False``): the shuffled order is repeated from its start up to
+    ``num_replicas * ceil(dataset_len / num_replicas)`` indices. With ``drop_last=True`` it is
+    cut to ``num_replicas * floor(dataset_len / num_replicas)``. Either way the last global
+    batch may be short: every rank then gets ``len(self) % batch_size`` indices of it, so a
+    ``DataLoader(drop_last=True)`` drops that same global batch on every rank.
+
+    Ranks ``[k * local_world_size, (k + 1) * local_world_size)`` form node k (torchrun's
+    numbering), so ``num_replicas`` must be a multiple of the layout's ``num_nodes``.
+
+    Without a cache (a dataset whose ``.cache`` is None, e.g. caching switched off) it yields
+    exactly what ``DistributedSampler`` yields, after a one-time warning. A
+    ``torch.utils.data.Subset`` of a cached dataset works: the sampler yields positions in the
+    subset and routes each by the dataset index behind it.
+
+    Resume: ``state_dict()`` records the epoch and how many indices of it this rank's latest
+    iterator has yielded (the ``DataLoader`` pulls them as it builds batches). With
+    ``num_workers > 0`` the loader prefetches, so pass what the model actually consumed:
+    ``state_dict(consumed=steps * batch_size)``. After ``load_state_dict`` the next iterator
+    yields the rest of that epoch; every rank may load rank 0's state.
+
+    .. warning::
+        Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: without it
+        every epoch repeats the same order (with ``shuffle=True``, iterating an epoch twice
+        issues a warning).
+
+    Args:
+        dataset: a ``Dataset`` whose ``.cache`` is a ``SharedCache`` (or None), a ``Subset`` of
+            one, a ``SharedCache``, or a bare ``CacheLayout`` (for simulations).
+        num_replicas: number of ranks. Default: ``torch.distributed``'s world size if it is
+            initialised, else the cache's ``world`` (for a ``CacheLayout``: ``World.from_env()``,
+            that is the launcher's variables, else 1).
+        rank: this rank, in ``[0, num_replicas)``. Default: from the same source as
+            ``num_replicas``, else 0.
+        shuffle: shuffle the global order; if False it is index order (the deal of a node's
+            samples to its local ranks is still seeded). Default: True.
+        seed: seed of the order, in ``[0, 2**63)``; identical on every rank. Default: 0.
+        drop_last: truncate instead of pad, as in ``DistributedSampler``. Default: False.
+        batch_size: indices per batch on each rank (the ``DataLoader``'s ``batch_size``);
+            keyword-only and required, since it fixes the global batches.
+        local_world_size: ranks per node. Default: ``num_replicas // num_nodes``.
+    """
+
+    def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
+                 batch_size: int, local_world_size: int | None = None) -> None:
+        self.layout, world, self._positions, length = self._resolve(dataset)
+        if num_replicas is None or rank is None:
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized():
+                ws, r = dist.get_world_size(), dist.get_rank()
+            else:
+                here = world if world is not None else World.from_env()
+                ws, r = here.world_size, here.rank
+            num_replicas = ws if num_replicas is None else num_replicas
+            rank = r if rank is None else rank
+        self.batch_size = check_int("batch_size", batch_size, low=1)
+        self.num_replicas = check_int("num_replicas", num_replicas, low=1)
+        self.rank = check_int("rank", rank, low=0, high=self.num_replicas - 1)
+        self.seed = check_int("seed", seed, low=0, high=2**63 - 1)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        num_nodes = self.layout.num_nodes if self.layout is not None else 1
+        if local_world_size is None:
+            if self.num_replicas % num_nodes:
+                raise ValueError(
+                    f"num_replicas should be a multiple of the cache layout's num_nodes="
+                    f"{num_nodes} (the same ranks on every node), but got "
+                    f"num_replicas={self.num_replicas}")
+            local_world_size = self.num_replicas // num_nodes
+        self.local_world_size = check_int("local_world_size", local_world_size, low=1)
+        if self.num_replicas != num_nodes * self.local_world_size:
+            raise ValueError(
+                f"num_replicas should be num_nodes * local_world_size = {num_nodes} * "
+                f"{self.local_world_size} = {num_nodes * self.local_world_size} (the cache layout "
+                f"has num_nodes={num_nodes}), but got num_replicas={self.num_replicas}")
+        self.node_rank = self.rank // self.local_world_size
+        if world is not None and world.node_rank != self.node_rank:
+            warnings.warn(f"rank={self.rank} is on node {self.node_rank} (rank // "
+                          f"local_world_size), but its cache was built on node "
+                          f"{world.node_rank}: it would be sent samples cached elsewhere",
+                          stacklevel=2)
+        self.num_samples = length // self.num_replicas if self.drop_last \
+            else math.ceil(length / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self.dataset_len = length
+        self.epoch = 0
+        self._router = None
+        if self.layout is not None:
+            rows = self.layout.owner_rows()
+            if self._positions is not None:
+                rows = (row[self._positions] for row in rows)
+            self._router = _BatchRouter(rows)
+        self._resume = 0  # indices of self.epoch to skip at the next __iter__
+        self._it: Iterator[int] | None = None  # the latest iterator, and what it covers:
+        self._it_epoch = self._it_start = self._it_len = 0
+
+    @staticmethod
+    def _resolve(source: Any) -> tuple[CacheLayout | None, World | None, np.ndarray | None, int]:
+        """The layout, the cache's world, the dataset index of each sampler position (None:
+        the same) and the number of positions, for any source the constructor accepts."""
+        if isinstance(source, CacheLayout):
+            return source, None, None, source.dataset_len
+        if isinstance(getattr(source, "layout", None), CacheLayout):  # a SharedCache
+            return source.layout, getattr(source, "world", None), None, source.layout.dataset_len
+        if not hasattr(source, "__len__"):
+            raise TypeError(f"dataset should be a Dataset with a .cache attribute (a SharedCache "
+                            f"or None), a Subset of one, a SharedCache or a CacheLayout, but got "
+                            f"{type(source).__name__}")
+        length, positions = len(source), None
+        while isinstance(source, torch.utils.data.Subset):
+            idx = np.asarray(source.indices, dtype=np.int64)
+            positions = idx if positions is None else idx[positions]
+            source = source.dataset
+        cache = getattr(source, "cache", None)
+        if cache is None:
+            warnings.warn(f"{type(source).__name__} has no cache (no .cache, or None): "
+                          "CacheAwareSampler yields what DistributedSampler would", stacklevel=3)
+            return None, None, None, length
+        if not isinstance(getattr(cache, "layout", None), CacheLayout):
+            raise TypeError(f"dataset.cache should be a SharedCache or None, but got "
+                            f"{type(cache).__name__}")
+        layout = cache.layout
+        if positions is None and length != layout.dataset_len:
+            raise ValueError(f"len(dataset) should be its cache's dataset_len="
+                             f"{layout.dataset_len}, but got len(dataset)={length}")
+        return layout, getattr(cache, "world", None), positions, length
+
+    def __len__(self) -> int:
+        """Indices per rank per epoch (the whole epoch, also right after a resume)."""
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch``; call it on every rank before each epoch.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        epoch = check_int("epoch", epoch, low=0)
+        if epoch != self.epoch:
+            if 0 < self._resume < self.num_samples:
+                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for epoch "
+                              f"{self.epoch} ({self._resume} of {self.num_samples} indices "
+                              f"consumed)", stacklevel=2)
+            self._resume = 0
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's indices for the current epoch, from the loaded position if any."""
+        if self.shuffle and self._it is not None and self._it_epoch == self.epoch:
+            warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
+                          f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
+        start, self._resume = self._resume, 0
+        indices = self.epoch_indices(self.epoch)[start:].tolist()
+        self._it = iter(indices)
+        self._it_epoch, self._it_start, self._it_len = self.epoch, start, len(indices)
+        return self._it
+
+    def epoch_indices(self, epoch: int) -> np.ndarray:
+        """This rank's indices for ``epoch`` (int64, ``len(self)`` of them), without changing
+        the sampler's state.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        epoch = check_int("epoch", epoch, low=0)
+        if self.total_size == 0:
+            return np.zeros(0, dtype=np.int64)
+        t0 = time.perf_counter()
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_len, generator=g).numpy()
+        else:
+            order = np.arange(self.dataset_len, dtype=np.int64)
+        order = np.resize(order, self.total_size)  # repeats from the start, or truncates
+        if self._router is None:  # no cache: DistributedSampler's split
+            return order[self.rank::self.num_replicas]
+
+        rng = np.random.default_rng([self.seed, epoch])
+        node, hit = self._router.assign(order, self.batch_size * self.num_replicas, rng)
+        here = node == self.node_rank
+        mine = order[here]
+        # Node blocks are batch_size * local_world_size long (the last one shorter): shuffle
+        # each and deal it out in slices of its length / local_world_size.
+        block = self.batch_size * self.local_world_size
+        full = mine.size // block * block
+        lr = self.rank % self.local_world_size
+        out = np.concatenate([
+            rng.permuted(b, axis=1).reshape(len(b), self.local_world_size, -1)[:, lr].ravel()
+            for b in (mine[:full].reshape(-1, block), mine[full:].reshape(1, -1)) if b.size])
+        logger.debug("epoch %d, rank %d: %d indices, %.1f%% cached on node %d, built in %.3f s",
+                     epoch, self.rank, out.size, 100 * hit[here].mean(), self.node_rank,
+                     time.perf_counter() - t0)
+        return out
+
+    def _consumed(self) -> int:
+        if self._it is None or self._it_epoch != self.epoch:
+            return self._resume
+        # A list iterator's length hint is exactly the number of items it has left.
+        return self._it_start + self._it_len - self._it.__length_hint__()  # type: ignore
+
+    def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
+        """The position in the current epoch, with everything that fixes the order.
+
+        Args:
+            consumed: indices of this epoch this rank has used. Default: the number the
+                latest iterator has yielded (plus the resumed position it started from).
+        """
+        consumed = self._consumed() if consumed is None else \
+            check_int("consumed", consumed, low=0, high=self.num_samples)
+        layout = self.layout
+        return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "dataset_len": self.dataset_len, "num_replicas": self.num_replicas,
+                "batch_size": self.batch_size, "rank": self.rank,
+                "local_world_size": self.local_world_size,
+                "num_nodes": layout.num_nodes if layout is not None else 1,
+                "slots": layout.slots if layout is not None else 0,
+                "layout_seed": layout.seed if layout is not None else 0}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``: the next iterator yields the rest of its epoch.
+
+        The fields that fix the global batches (seed, shuffle, drop_last, dataset_len,
+        num_replicas, batch_size) must match. The node layout (local_world_size, num_nodes,
+        slots, layout_seed) may differ when ``consumed`` is at a batch boundary: then only the
+        split of the remaining global batches over ranks changes. ``rank`` is not checked.
+
+        Args:
+            state: a dict from ``state_dict()``.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
+                            f"got {type(state).__name__}")
+        mine = self.state_dict()
+        missing = sorted(set(mine) - set(state))
+        if missing:
+            raise ValueError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
+                             f"it lacks {missing}")
+        consumed = check_int("state['consumed']", state["consumed"], low=0,
+                              high=self.num_samples)
+        at_boundary = consumed % self.batch_size == 0 or consumed == self.num_samples
+        layout_fields = () if at_boundary else ("local_world_size", "num_nodes", "slots",
+                                                "layout_seed")
+        for field in ("seed", "shuffle", "drop_last", "dataset_len", "num_replicas",
+                      "batch_size", *layout_fields):
+            if state[field] != mine[field]:
+                raise ValueError(f"state['{field}'] should be this sampler's {field}="
+                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}; "
+                                 f"the rest of the epoch would differ")
+        self.epoch = check_int("state['epoch']", state["epoch"], low=0)
+        self._resume, self._it = consumed, None
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The router: which node reads each sample of a global batch
+# ----------------------------------------------------------------------------------------------
+
+
+def _group_by_owner_set(owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Group dataset indices by the set of nodes caching them (their "kind").
+
+    Args:
+        owners: bool matrix ``(num_nodes, dataset_len)``, as from ``CacheLayout.owners()``,
+            or its rows one by one.
+
+    Returns:
+        ``kind`` (``dataset_len`` ints: int32, or int64 from 2**30 indices) and ``masks``
+        (bool, ``(num_kinds, num_nodes)``): ``owners[:, i] == masks[kind[i]]``. A
+        ``CacheLayout`` has at most ``2 * num_nodes + 1`` kinds.
+    """
+    kind: np.ndarray | None = None
+    masks = np.zeros((1, 0), dtype=bool)
+    for row in owners:  # split every kind by one more node, then renumber the kinds seen
+        row = np.asarray(row, dtype=bool)
+        if kind is None:
+            # kinds < 2 * dataset_len, so twice a kind fits int32 below 2**30 indices
+            kind = row.astype(np.int32 if len(row) < 2**30 else np.int64)
+        else:
+            if row.shape != kind.shape:
+                raise ValueError(f"owners should have rows of dataset_len={len(kind)} entries, "
+                                 f"but got a row of shape {row.shape}")
+            kind *= 2
+            kind += row
+        seen = np.bincount(kind, minlength=2 * len(masks)) > 0
+        np.take((np.cumsum(seen) - 1).astype(kind.dtype), kind, out=kind)
+        old = np.flatnonzero(seen)
+        masks = np.c_[masks[old // 2], old % 2 == 1]
+    if kind is None:
+        raise ValueError("owners should have at least one row (node), but got none")
+    return kind, masks
+
+
+def _even_split(amount: np.ndarray, room: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Split ``amount[j]`` (at most ``room[j].sum()``) over the columns of ``room[j]`` as evenly
+    as the rooms allow (water filling); the odd units go to columns at random."""
+    d = room.shape[1]
+    rs = np.sort(room, axis=1)
+    below = np.cumsum(rs, axis=1) - rs
+    full = (below + (d - np.arange(d)) * rs <= amount[:, None]).sum(axis=1)  # columns filled
+    filled = np.c_[below, below[:, -1] + rs[:, -1]][np.arange(len(room)), full]
+    level = np.where(full < d, (amount - filled) // np.maximum(d - full, 1), rs[:, -1])
+    x = np.minimum(room, level[:, None])
+    key = np.where(room > x, rng.random(room.shape), 2.0)
+    return x + (key.argsort(axis=1).argsort(axis=1) < (amount - x.sum(axis=1))[:, None])
+
+
+def _max_flow(count: np.ndarray, masks: np.ndarray, cap: np.ndarray,
+              rng: np.random.Generator) -> np.ndarray:
+    """Place as many samples of each batch as possible on a node that caches them.
+
+    A maximum flow per batch, all batches at once: a greedy start (least flexible kinds first,
+    each split evenly over its nodes), then one shortest augmenting path per batch and round,
+    ending on the reachable node with the most room, until none is left. The even split and
+    that choice of ends spread the misses evenly over the nodes.
+
+    Args:
+        count: ``(num_batches, num_kinds)``, samples of each kind in each batch.
+        masks: ``(num_kinds, num_nodes)``, the nodes caching each kind.
+        cap: ``(num_batches,)``, samples each node takes from each batch.
+        rng: breaks ties.
+
+    Returns:
+        ``flow`` ``(num_batches, num_kinds, num_nodes)``: samples of kind t of batch j that
+        go to node k, only where ``masks[t, k]``.
+    """
+    n = masks.shape[1]
+    flow = np.zeros(count.shape + (n,), dtype=np.int64)
+    left = np.where(masks.any(axis=1), count, 0)  # cached somewhere, not placed yet
+    room = np.repeat(cap[:, None], n, axis=1)
+    degree = masks.sum(axis=1)
+    for t in np.argsort(degree, kind="stable")[np.count_nonzero(degree == 0):]:
+        own = np.flatnonzero(masks[t])
+        x = _even_split(np.minimum(left[:, t], room[:, own].sum(axis=1)), room[:, own], rng)
+        flow[:, t, own] = x
+        left[:, t] -= x.sum(axis=1)
+        room[:, own] -= x
+    todo = np.arange(len(count))
+    while True:
+        todo = todo[(left[todo] > 0).any(axis=1) & (room[todo] > 0).any(axis=1)]
+        if not todo.size:
+            return flow
+        f, lf, r = flow[todo], left[todo], room[todo]
+        done = _push_augmenting_paths(f, lf, r, masks, rng)
+        todo = todo[done]
+        flow[todo], left[todo], room[todo] = f[done], lf[done], r[done]
+
+
+def _push_augmenting_paths(flow: np.ndarray, left: np.ndarray, room: np.ndarray, masks: np.ndarray,
+             rng: np.random.Generator) -> np.ndarray:
+    """One round of ``_max_flow``: push flow along a shortest augmenting path in every batch
+    that has one (updating the arrays in place); return which batches had one."""
+    fm = masks.astype(np.float32)
+    # Breadth-first over nodes. The source reaches the nodes caching an unplaced sample; node a
+    # reaches node b when a holds a sample b also caches (moving it there frees a slot on a).
+    adj = (flow > 0).transpose(0, 2, 1).astype(np.float32) @ fm > 0
+    reached = frontier = left.astype(np.float32) @ fm > 0
+    parent = np.full(room.shape, -1)  # -1: reached from the source
+    sink = np.full(len(room), -1)
+    while frontier.any():
+        at = frontier & (room > 0) & (sink < 0)[:, None]
+        found = at.any(axis=1)
+        sink[found] = np.where(at, room + rng.random(room.shape), -1)[found].argmax(axis=1)
+        step = frontier[:, :, None] & adj & ~reached[:, None, :] & (sink < 0)[:, None, None]
+        frontier = step.any(axis=1)
+        parent = np.where(frontier, step.argmax(axis=1), parent)
+        reached = reached | frontier
+    # Walk each path back from its sink, then push its bottleneck along it.
+    j = np.flatnonzero(sink >= 0)
+    b, delta = sink[j], room[j, sink[j]]
+    path, live = [], np.arange(len(j))
+    while live.size:
+        jj, bb = j[live], b[live]
+        a = parent[jj, bb]
+        src = a < 0
+        held = np.where(src[:, None], left[jj], flow[jj, :, a])
+        t = ((held > 0) & masks[:, bb].T).argmax(axis=1)
+        delta[live] = np.minimum(delta[live], held[np.arange(len(live)), t])
+        path.append((live, t, a, bb))
+        b[live] = a
+        live = live[~src]
+    for live, t, a, bb in path:
+        jj, d, src = j[live], delta[live], a < 0
+        flow[jj, t, bb] += d
+        flow[jj[~src], t[~src], a[~src]] -= d[~src]
+        left[jj[src], t[src]] -= d[src]
+    room[j, sink[j]] -= delta
+    return sink >= 0
+
+
+class _BatchRouter:
+    """Who caches what, and the split of each global batch over the nodes."""
+
+    def __init__(self, owners: Any) -> None:
+        self.kind, self.masks = _group_by_owner_set(owners)
+
+    def assign(self, order: np.ndarray, group: int, rng: np.random.Generator
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Node of each position of ``order``, and whether that node caches it.
+
+        ``order`` is cut into global batches of ``group`` positions (the last may be shorter;
+        both are multiples of the number of nodes). Each node gets ``1 / num_nodes`` of every
+        batch, as many cached samples as possible (a maximum flow): within a batch, the
+        samples of one kind go to their nodes in order, the unplaced ones fill the rest.
+        """
+        n, nk = self.masks.shape[1], len(self.masks)
+        batch = np.arange(order.size) // group
+        nb = int(batch[-1]) + 1
+        cap = np.full(nb, group // n)
+        cap[-1] = (order.size - (nb - 1) * group) // n
+        key = batch * nk + self.kind[order]
+        count = np.bincount(key, minlength=nb * nk).reshape(nb, nk)
+        flow = _max_flow(count, self.masks, cap, rng)
+        split = np.c_[flow.reshape(-1, n), count.ravel() - flow.sum(axis=2).ravel()]
+        node = np.empty(order.size, dtype=np.int64)
+        node[np.argsort(key, kind="stable")] = np.repeat(
+            np.tile(np.r_[np.arange(n), -1], nb * nk), split.ravel())
+        hit = node >= 0
+        room = cap[:, None] - flow.sum(axis=1)
+        node[~hit] = np.repeat(np.tile(np.arange(n), nb), room.ravel())
+        return node, hit
+
