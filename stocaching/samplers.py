@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import CacheLayout, SharedCache, World, check_int
+    from .stocaching import CacheLayout, World, check_int
 except ImportError:  # copied beside stocaching.py
-    from stocaching import CacheLayout, SharedCache, World, check_int  # type: ignore[no-redef]
+    from stocaching import CacheLayout, World, check_int  # type: ignore[no-redef]
 
 logger = logging.getLogger("stocaching")
 

@@ -114,7 +114,7 @@ _DTYPES: dict[torch.dtype, tuple[int, Any]] = {
 _DTYPE_BY_CODE = {code: dt for dt, (code, _) in _DTYPES.items()}
 
 # Casts that set_slot accepts without looking at the values, because every value of the source
-# dtype is exactly representable in the cache's dtype. Others: see SharedCache._source.
+# dtype is exactly representable in the cache's dtype. Others: see SharedCache._check_value.
 _LOSSLESS: dict[torch.dtype, frozenset[torch.dtype]] = {
     torch.bool: frozenset(_DTYPES),
     torch.uint8: frozenset({torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
@@ -136,6 +136,7 @@ _LOSSLESS: dict[torch.dtype, frozenset[torch.dtype]] = {
 }
 
 logger = logging.getLogger("stocaching")
+
 
 # ----------------------------------------------------------------------------------------------
 # Private helpers: argument checks
@@ -226,58 +227,6 @@ def _fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
-
-
-def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int) -> int:
-    """0.2.1's sizing rule: the budget covers the slots plus one aux byte per sample."""
-    limit = size_limit_gib * BYTES_PER_GIB
-    if slot_bytes * dataset_len + dataset_len <= limit:
-        return dataset_len
-    return max(0, min(dataset_len, int((limit - dataset_len) / slot_bytes)))
-
-
-def _free_bytes(path: str) -> int:
-    """Bytes an unprivileged user can still allocate on the filesystem of ``path``."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def _fs_type(path: str) -> str | None:
-    """Type of the filesystem that holds ``path`` ("tmpfs", "ext4", ...), None if unknown."""
-    path = os.path.realpath(path)
-    best, fstype = "", None
-    try:
-        parts = psutil.disk_partitions(all=True)
-    except (OSError, RuntimeError):
-        return None
-    for p in parts:
-        mnt = p.mountpoint
-        inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= len(best):  # the last of equal mounts is the visible one
-            best, fstype = mnt, p.fstype
-    return fstype
-
-
-def _process_start(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a pid from its reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _alive(pid: int, start: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return start == 0 or _process_start(pid) in (0, start)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,8 +449,10 @@ class CacheTimeoutError(TimeoutError):
 
 
 # ----------------------------------------------------------------------------------------------
-# The segment: names, layout of its header, locks
+# Sizing: the segment's layout, how many slots a budget buys, and the inverse
 # ----------------------------------------------------------------------------------------------
+
+
 #
 # One file in /dev/shm holds everything:
 #   [header, 4 KiB][stats table][aux: 1 byte per dataset index][seq: uint32 per slot]
@@ -527,7 +478,11 @@ _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
 _STATS_ROWS = 1024
 _STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, 2 spare
 _PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES = range(6)
-_LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, _LOCK_BASE + 1 + s slot s
+_LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, then one byte per slot
+
+
+def _slot_lock_offset(slot: int) -> int:
+    return _LOCK_BASE + 1 + slot
 
 
 def _segment_offsets(lay: CacheLayout, slot_bytes: int) -> dict:
@@ -547,6 +502,73 @@ def _segment_offsets(lay: CacheLayout, slot_bytes: int) -> dict:
 def _slot_map_dtype(layout: CacheLayout) -> np.dtype:
     """dtype of the multi-node slot map (dataset index -> slot, -1 for none)."""
     return np.dtype(np.int32 if layout.slots < 2**31 else np.int64)
+
+
+def _slot_bytes(dims: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(dims) * dtype.itemsize
+
+
+def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int) -> int:
+    """0.2.1's sizing rule: the budget covers the slots plus one aux byte per sample."""
+    limit = size_limit_gib * BYTES_PER_GIB
+    if slot_bytes * dataset_len + dataset_len <= limit:
+        return dataset_len
+    return max(0, min(dataset_len, int((limit - dataset_len) / slot_bytes)))
+
+
+def _budget_for_slots(slots: int, dataset_len: int, slot_bytes: int) -> float:
+    """The inverse of ``_slots_for_budget``: the size_limit_gib that buys exactly ``slots``
+    slots (half a byte over, so that rounding cannot lose one)."""
+    return (slots * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
+
+
+def _slots_fitting(free: int, dataset_len: int, slot_bytes: int, num_nodes: int = 1) -> int:
+    """The most slots whose whole segment (metadata included) takes at most ``free`` bytes."""
+    def total(slots: int) -> int:
+        layout = CacheLayout(dataset_len, slots, num_nodes)
+        return _segment_offsets(layout, slot_bytes)["total_bytes"]
+
+    empty = total(0) - 1  # a segment without slots still maps one byte of data
+    slots = max(0, min(dataset_len, (free - empty) // (slot_bytes + 4)))
+    while slots and total(slots) > free:  # page rounding: a few steps at most
+        slots -= 1
+    return slots
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged user can still allocate on the filesystem of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _fs_type(path: str) -> str | None:
+    """Type of the filesystem that holds ``path`` ("tmpfs", "ext4", ...), None if unknown."""
+    path = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        parts = psutil.disk_partitions(all=True)
+    except (OSError, RuntimeError):
+        return None
+    for p in parts:
+        mnt = p.mountpoint
+        inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best):  # the last of equal mounts is the visible one
+            best, fstype = mnt, p.fstype
+    return fstype
+
+
+def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
+    """Total size of /dev/shm in whole GiB, as in 0.2.1 (``df -h /dev/shm`` shows the same).
+
+    Resize it with ``mount -o remount,size=64G /dev/shm``, or ``docker run --shm-size=64g``.
+    """
+    st = os.statvfs(shm_dir)
+    return int(st.f_blocks * st.f_frsize / BYTES_PER_GIB)
+
+
+# ----------------------------------------------------------------------------------------------
+# Segment files: names, opening, locks, liveness, listing and cleaning up
+# ----------------------------------------------------------------------------------------------
 
 
 def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
@@ -576,25 +598,6 @@ def _parse_segment_name(fname: str) -> dict | None:
         return None
     return {"uid": int(parts[0]), "job_key": parts[1], "node": parts[2],
             "name": parts[3].split(".", 1)[0], "starting": fname.endswith(".init")}
-
-
-def _lock(fd: int, offset: int, length: int = 1, exclusive: bool = True) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, length, offset)
-
-
-def _unlock(fd: int, offset: int, length: int = 1) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_UN, length, offset)
-
-
-def _try_stale(fd: int) -> bool:
-    """True when no live process holds the segment (we then hold an exclusive flock on it)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise
 
 
 def _open_existing(path: str) -> int:
@@ -646,6 +649,47 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
+def _lock(fd: int, offset: int, length: int = 1, exclusive: bool = True) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, length, offset)
+
+
+def _unlock(fd: int, offset: int, length: int = 1) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_UN, length, offset)
+
+
+def _try_stale(fd: int) -> bool:
+    """True when no live process holds the segment (we then hold an exclusive flock on it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _process_start(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a pid from its reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return start == 0 or _process_start(pid) in (0, start)
+
+
 class _Closed:
     """Stands in for the shared buffers of a closed cache: any access says so."""
 
@@ -675,6 +719,107 @@ def _held_here(path: str) -> bool:
 def _after_fork_in_child() -> None:
     for cache in list(_LIVE_CACHES):
         cache._after_fork()
+
+
+def _is_stale_file(path: str, *, remove: bool = False) -> bool:
+    """True when no live process holds the segment at ``path``; optionally remove it then.
+    Files of other users, links, files younger than two seconds and files of this process's
+    own caches are never stale."""
+    if _held_here(path):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or \
+                time.time() - st.st_mtime < 2.0:
+            return False
+        if not _try_stale(fd):
+            return False
+        if remove:
+            _unlink_if_same(path, st.st_ino, st.st_dev)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _mapped_segments(shm_dir: str) -> dict[int, dict]:
+    """Segments in ``shm_dir`` mapped by any process we can see, by inode, from /proc."""
+    found: dict[int, dict] = {}
+    prefix = os.path.join(os.path.realpath(shm_dir), SEGMENT_PREFIX + "_")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                lines = [ln for ln in f if prefix in ln]
+        except OSError:
+            continue
+        for ln in lines:
+            fields = ln.split(maxsplit=5)
+            if len(fields) < 6:
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            seg = found.setdefault(int(fields[4]), {
+                "path": fields[5].strip().removesuffix(" (deleted)"), "bytes": 0, "pids": set()})
+            seg["bytes"] = max(seg["bytes"], hi - lo)
+            seg["pids"].add(int(entry))
+    return found
+
+
+def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
+    """Every stocaching segment in ``shm_dir``: those with a name there and those whose name
+    is already gone but that processes still map.
+
+    Returns:
+        Dicts with ``path`` (for an unlinked segment, the name it was created under),
+        ``named``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as /proc shows)
+        and ``state``: "live" (in use), "starting" (being created) or "stale" (nobody holds
+        it: ``clean_segments`` removes it).
+    """
+    mapped = _mapped_segments(shm_dir)
+    out = []
+    for fname in sorted(os.listdir(shm_dir)):
+        info = _parse_segment_name(fname)
+        path = os.path.join(shm_dir, fname)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if info is None or not stat.S_ISREG(st.st_mode):
+            continue
+        m = mapped.pop(st.st_ino, None)
+        pids = sorted(m["pids"]) if m else []
+        state = "starting" if info["starting"] else "live"
+        if not pids and _is_stale_file(path):
+            state = "stale"
+        out.append({"path": path, "named": True, "uid": st.st_uid, "bytes": st.st_size,
+                    "pids": pids, "state": state})
+    for m in mapped.values():
+        info = _parse_segment_name(os.path.basename(m["path"])) or {}
+        out.append({"path": m["path"], "named": False, "uid": info.get("uid", -1),
+                    "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live"})
+    return out
+
+
+def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False) -> list[str]:
+    """Remove this user's segments in ``shm_dir`` that no live process holds (left by a job
+    killed during start-up). Live segments are never touched.
+
+    Returns:
+        The paths removed (or that would be, with ``dry_run=True``).
+    """
+    removed = []
+    for fname in sorted(os.listdir(shm_dir)):
+        info = _parse_segment_name(fname)
+        if info is not None and info["uid"] == os.getuid():
+            path = os.path.join(shm_dir, fname)
+            if _is_stale_file(path, remove=not dry_run):
+                removed.append(path)
+                logger.info("stocaching: removed stale segment %s", path)
+    return removed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -759,7 +904,7 @@ class SharedCache:
             raise (ValueError if isinstance(shm_dir, (str, os.PathLike)) else TypeError)(
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
 
-        slot_bytes = math.prod(dims) * dtype.itemsize
+        slot_bytes = _slot_bytes(dims, dtype)
         slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes)
         if slots == 0:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
@@ -793,65 +938,18 @@ class SharedCache:
 
     @property
     def _slot_bytes(self) -> int:
-        return math.prod(self._dims) * self._dtype.itemsize
+        return _slot_bytes(self._dims, self._dtype)
 
     def _create(self) -> None:
         head = self._expected_header()
-        total = head["total_bytes"]
         shm_dir = os.path.dirname(self._path)
-        clean_segments(shm_dir)  # segments of this user whose processes are all gone
-        free = _free_bytes(shm_dir)
-        if total > free:
-            raise self._capacity_error(shm_dir, total, free)
-        fstype = _fs_type(shm_dir)
-        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS
-        if on_disk:
-            warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
-                          "the cache is a file there, and may be as slow as the data it "
-                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=3)
-        vm = psutil.virtual_memory()
-        margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
-        if not on_disk and vm.available - total < margin:
-            warnings.warn(
-                f"the cache needs {_fmt_bytes(total)} of shared memory but only "
-                f"{_fmt_bytes(vm.available)} of RAM is available; less than "
-                f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
-                "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
-                ResourceWarning, stacklevel=3)
-
+        self._preflight(shm_dir, head["total_bytes"])
         tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         st = os.fstat(fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS mid-epoch
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise self._capacity_error(shm_dir, total, _free_bytes(shm_dir)) from None
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, total)
-                warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
-                              f"{e.strerror}); a full filesystem may raise SIGBUS later",
-                              RuntimeWarning, stacklevel=3)
-            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
-                        local_world_size=self._world.local_world_size, attached=1, ready=0)
-            _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
-            self._map(fd, mm, head)
-            if self._slot_map is not None or self._layout.slots < self._layout.dataset_len:
-                aux = self._aux_np
-                aux[:] = OOB
-                held = self._layout.indices(self._world.node_rank)
-                aux[held] = EMPTY
-                if self._slot_map is not None:
-                    smap = np.frombuffer(mm, _slot_map_dtype(self._layout),
-                                         self._layout.dataset_len, head["map_off"])
-                    smap[:] = -1
-                    smap[held] = np.arange(len(held))
-            struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
+            self._init_segment(fd, head)
             if self._world.local_world_size > 1:
                 self._publish(tmp, fd)
         except BaseException:
@@ -868,14 +966,69 @@ class SharedCache:
             "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s %s on node %d: "
             "%s in %s, %s free there afterwards", self._name, lay.slots, lay.dataset_len,
             100.0 * lay.slots / lay.dataset_len, tuple(self._dims),
-            str(self._dtype).replace("torch.", ""), self._world.node_rank, _fmt_bytes(total),
-            shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
+            str(self._dtype).replace("torch.", ""), self._world.node_rank,
+            _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
+
+    def _preflight(self, shm_dir: str, total: int) -> None:
+        """Before anything is made: drop stale segments, refuse what cannot fit, warn about
+        a directory on disk or a machine left short of RAM."""
+        clean_segments(shm_dir)  # segments of this user whose processes are all gone
+        free = _free_bytes(shm_dir)
+        if total > free:
+            raise self._capacity_error(shm_dir, total, free)
+        fstype = _fs_type(shm_dir)
+        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS
+        if on_disk:
+            warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
+                          "the cache is a file there, and may be as slow as the data it "
+                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=4)
+        vm = psutil.virtual_memory()
+        margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
+        if not on_disk and vm.available - total < margin:
+            warnings.warn(
+                f"the cache needs {_fmt_bytes(total)} of shared memory but only "
+                f"{_fmt_bytes(vm.available)} of RAM is available; less than "
+                f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
+                "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
+                ResourceWarning, stacklevel=4)
+
+    def _init_segment(self, fd: int, head: dict) -> None:
+        """Reserve the memory of a new segment, write its header, map it and mark which
+        indices have a slot here; the segment is ready (but not yet public) afterwards."""
+        shm_dir, total = os.path.dirname(self._path), head["total_bytes"]
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS mid-epoch
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._capacity_error(shm_dir, total, _free_bytes(shm_dir)) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, total)
+            warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
+                          f"{e.strerror}); a full filesystem may raise SIGBUS later",
+                          RuntimeWarning, stacklevel=4)
+        mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
+                    local_world_size=self._world.local_world_size, attached=1, ready=0)
+        _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
+        self._map(fd, mm, head)
+        lay = self._layout
+        if self._slot_map is not None or lay.slots < lay.dataset_len:
+            aux = self._aux_np
+            aux[:] = OOB
+            held = lay.indices(self._world.node_rank)
+            aux[held] = EMPTY
+            if self._slot_map is not None:
+                smap = np.frombuffer(mm, _slot_map_dtype(lay), lay.dataset_len, head["map_off"])
+                smap[:] = -1
+                smap[held] = np.arange(len(held))
+        struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
-        lay = self._layout
-        per_slot = self._slot_bytes
-        fits = max(0, (free - (total - lay.slots * per_slot)) // per_slot)
-        fit_gib = (fits * per_slot + lay.dataset_len) / BYTES_PER_GIB
+        lay, per_slot = self._layout, self._slot_bytes
+        fits = _slots_fitting(free, lay.dataset_len, per_slot, lay.num_nodes)
+        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot)
         vfs = os.statvfs(shm_dir)
         need_gib = math.ceil(((vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + total) / BYTES_PER_GIB)
         return CacheCapacityError(
@@ -1022,6 +1175,10 @@ class SharedCache:
 
         self._np_slots = slots_of(mm)
         self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
+        # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
+        # tensor may carry a conjugate bit that numpy cannot see)
+        self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
+            else self._dtype
         self._array = self._to_torch(self._np_slots)
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
@@ -1056,7 +1213,7 @@ class SharedCache:
     def _writing(self, first: int, count: int) -> Iterator[None]:
         """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
         caller writes them: concurrent readers of those slots see misses."""
-        with self._locked(_LOCK_BASE + 1 + first, max(1, count)):
+        with self._locked(_slot_lock_offset(first), max(1, count)):
             seq = self._seq_np[first: first + count]
             seq |= 1
             try:
@@ -1236,41 +1393,37 @@ class SharedCache:
         if type(idx) is not int or idx < 0 or idx >= self._n:
             idx = self._index(idx)
         if self._aux_mv[idx] == SET:  # the hit path: no lock, no system call
-            slot = idx if self._slot_map is None else self._slot_map[idx]
-            seqs = self._seq_mv
-            seq = seqs[slot]
-            # Odd: a writer is at work. The state is checked again under this sequence number:
-            # a clear() (or a write) that ended between the check above and the read of seq
-            # left an even number and an emptied slot, which would otherwise pass as a hit.
-            if not seq & 1 and self._aux_mv[idx] == SET:
-                out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
-                    else self._ro_slots[slot]
-                if seqs[slot] == seq:  # no write or clear() ran during the copy
-                    self._ctr[_HITS] += 1
-                    return out if self._view_as is None or not copy else out.view(self._view_as)
-            return self._retry(idx, allow_oob_idx, allow_empty_slot, copy)
+            out = self._read(idx, copy)
+            if out is not None:
+                return out
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
 
-    def _retry(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool,
-               copy: bool) -> torch.Tensor | None:
-        """A read that met a writer: try twice more after a pause, then report a miss. (The
-        first attempt is inlined in get_slot to keep the hit path short; keep them in step.)"""
-        for _ in range(2):
+    def _slot_of(self, idx: int) -> int:
+        """The slot of a dataset index that has one on this node."""
+        return idx if self._slot_map is None else self._slot_map[idx]
+
+    def _read(self, idx: int, copy: bool) -> torch.Tensor | None:
+        """The seqlock read of a slot whose state was SET: a consistent copy (or view), or None.
+
+        The sequence number is odd while a writer is at work; the state is checked again under
+        an even one, since a clear() (or a write) that ended between the caller's check and the
+        read of seq leaves an even number and an emptied slot, which would pass as a hit; and
+        an unchanged number after the copy means that no write or clear() ran during it. A read
+        that meets a writer yields the CPU and tries twice more, then reports a miss."""
+        slot = idx if self._slot_map is None else self._slot_map[idx]
+        seqs, aux = self._seq_mv, self._aux_mv
+        for attempt in range(3):
+            seq = seqs[slot]
+            if not seq & 1 and aux[idx] == SET:
+                out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
+                    else self._ro_slots[slot]
+                if seqs[slot] == seq:
+                    self._ctr[_HITS] += 1
+                    return out if self._view_as is None or not copy else out.view(self._view_as)
             time.sleep(0)
-            if self._aux_mv[idx] != SET:
-                break
-            slot = idx if self._slot_map is None else self._slot_map[idx]
-            seq = self._seq_mv[slot]
-            if seq & 1:
-                continue
-            if self._aux_mv[idx] != SET:  # emptied before seq was read: see get_slot
-                break
-            out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
-                else self._ro_slots[slot]
-            if self._seq_mv[slot] == seq:
-                self._ctr[_HITS] += 1
-                return out if self._view_as is None or not copy else out.view(self._view_as)
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+            if aux[idx] != SET:
+                return None
+        return None
 
     def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
         if self._aux_mv[idx] == OOB:
@@ -1283,14 +1436,14 @@ class SharedCache:
         self._ctr[_MISSES] += 1
         return None
 
-    def _source(self, value: Any, store: bool = True) -> np.ndarray | None:
-        """Check a value to store and return it as a numpy array, without touching the cache
-        (``store=False``: check only, return None, copy nothing that need not be).
+    def _check_value(self, value: Any) -> torch.Tensor:
+        """Raise unless ``value`` may be stored; return it as a tensor (a numpy array wrapped,
+        not copied). Nothing is stored and nothing of the cache changes.
 
         Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
         without loss (uint8 into float32), is a float or complex rounded into a narrower one
         (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
-        uint8). Tensors on other devices are copied."""
+        uint8). Tensors on other devices are accepted (and copied when stored)."""
         dst = self._dtype
         if isinstance(value, np.ndarray):
             if value.dtype == np.uint16 and dst is torch.bfloat16:
@@ -1317,56 +1470,60 @@ class SharedCache:
                             f"can store ({dst} or one that casts to it), but got "
                             f"value.dtype={src}, layout={value.layout}, device={value.device}")
         if src == dst or dst in _LOSSLESS.get(src, ()):
-            if not store:
-                return None
-            value = value.detach().to("cpu").resolve_conj().resolve_neg()
-            value = value if src == dst else value.to(dst)
-        else:
-            value = value.detach().to("cpu").resolve_conj().resolve_neg()
-            inexact = (src.is_floating_point or src.is_complex) and \
-                (dst.is_floating_point or dst.is_complex)
-            if src.is_complex and not dst.is_complex:
-                if value.imag.count_nonzero():
-                    raise ValueError(
-                        f"value should have dtype {dst}, or values that it holds exactly, but "
-                        f"got value.dtype={src} with imaginary parts that are not 0")
-                value = value.real
-            out = value.to(dst)
-            # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float64
-            # arrays to a float32 cache (intended rounding) or int64 masks to a uint8 cache
-            # (values that fit). Both keep working; a cast that would change a value (0.7 into
-            # uint8, 300 into uint8) is refused instead of stored wrong.
-            if not inexact:
-                bad = self._first_changed(value, out)
-                if bad is not None:
-                    raise ValueError(
-                        f"value should have dtype {dst}, or values that it holds exactly, but "
-                        f"got value.dtype={src} with values that change in {dst}, e.g. "
-                        f"value[{', '.join(map(str, bad))}]={value[bad].item()!r}")
-            if not store:
-                return None
-            value = out
-        if self._view_as is not None:
-            value = value.view(torch.uint16)
-        return value.numpy()
+            return value
+        if (src.is_floating_point or src.is_complex) and \
+                (dst.is_floating_point or dst.is_complex) and (dst.is_complex or not src.is_complex):
+            return value  # rounding into a narrower float or complex, as torch does
+        # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float64
+        # arrays to a float32 cache (intended rounding) or int64 masks to a uint8 cache
+        # (values that fit). Both keep working; a cast that would change a value (0.7 into
+        # uint8, 300 into uint8, 1+2j into float32) is refused instead of stored wrong.
+        cpu = value.detach().to("cpu").resolve_conj().resolve_neg()
+        if src.is_complex and not dst.is_complex:
+            if cpu.imag.count_nonzero():
+                raise ValueError(
+                    f"value should have dtype {dst}, or values that it holds exactly, but "
+                    f"got value.dtype={src} with imaginary parts that are not 0")
+            if dst.is_floating_point:
+                return value
+            cpu = cpu.real
+        bad = self._first_changed(cpu, dst)
+        if bad is not None:
+            raise ValueError(
+                f"value should have dtype {dst}, or values that it holds exactly, but "
+                f"got value.dtype={src} with values that change in {dst}, e.g. "
+                f"value[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
+        return value
 
     @staticmethod
-    def _first_changed(value: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
-        """Index of the first element of ``value`` that ``out`` (``value`` cast to another
-        dtype) does not hold exactly, or None."""
-        a = value.numpy()
-        if _is_integer_dtype(value.dtype) and _is_integer_dtype(out.dtype):
+    def _first_changed(value: torch.Tensor, dst: torch.dtype) -> tuple[int, ...] | None:
+        """Index of the first element of the CPU tensor ``value`` that ``dst`` does not hold
+        exactly, or None."""
+        if _is_integer_dtype(value.dtype) and _is_integer_dtype(dst):
             # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
-            info = np.iinfo(_DTYPES[out.dtype][1])
+            a, info = value.numpy(), np.iinfo(_DTYPES[dst][1])
             if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
                 return None
             have = np.iinfo(a.dtype)  # bounds within a's own range: safe for any numpy
             changed = (a < max(info.min, have.min)) | (a > min(info.max, have.max))
-        else:
-            changed = ~(out.to(value.dtype) == value).numpy()
+        else:  # through torch: numpy has no bfloat16
+            changed = (value.to(dst).to(value.dtype) != value).numpy()
             if not changed.any():
                 return None
-        return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]), a.shape))
+        return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]),
+                                                      tuple(value.shape)))
+
+    def _slot_array(self, value: torch.Tensor) -> np.ndarray:
+        """A value that passed ``_check_value`` as the array to copy into a slot: on the CPU,
+        in the cache's dtype (the rounding or exact cast that the check allowed)."""
+        value = value.detach().to("cpu").resolve_conj().resolve_neg()
+        if value.is_complex() and not self._dtype.is_complex:
+            value = value.real  # its imaginary parts were checked to be 0
+        if value.dtype != self._dtype:
+            value = value.to(self._dtype)
+        if self._view_as is not None:
+            value = value.view(torch.uint16)
+        return value.numpy()
 
     def _write(self, slot: int, src: np.ndarray, idx: int) -> None:
         """Write one slot; the caller holds its lock. Odd sequence numbers mean "in progress"."""
@@ -1416,21 +1573,41 @@ class SharedCache:
                 raise self._oob_error(idx)
             # Checked even where there is no slot, so that a bad value fails on every node and
             # for every index, not only where a slot happens to be (0.2.1 let it pass there).
-            self._source(value, store=False)
+            self._check_value(value)
             return
-        src = self._source(value)
+        if type(value) is torch.Tensor and value.dtype is self._fast_dtype and \
+                value.shape == self._dims and value.is_cpu and not value.requires_grad:
+            src = value.numpy()  # the fast lane: nothing to check or convert
+        else:
+            src = self._slot_array(self._check_value(value))
         slot = idx if self._slot_map is None else self._slot_map[idx]
-        with self._locked(_LOCK_BASE + 1 + slot):
-            # A slot left WRITING, or SET with an odd sequence number, by a writer that died
-            # (or was interrupted) is empty: we hold its lock now, so nobody is writing it.
-            if self._aux_mv[idx] == SET and not allow_overwrite and not self._seq_mv[slot] & 1:
-                if exist_ok:
-                    return
-                raise RuntimeError(f"the slot of idx={idx} is already set; pass "
-                                   "allow_overwrite=True to replace it, or exist_ok=True to "
-                                   "keep it (e.g. when two processes load it at once)")
-            self._write(slot, src, idx)
+        lock = _slot_lock_offset(slot)
+        # The lock is taken by hand rather than with self._locked: a generator-based context
+        # manager costs about 1 us, a fifth of this call.
+        with self._tlock:  # POSIX record locks do not exclude threads of one process
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, lock)
+            try:
+                # A slot left WRITING, or SET with an odd sequence number, by a writer that
+                # died (or was interrupted) is empty: we hold its lock, so nobody writes it.
+                if self._aux_mv[idx] == SET and not allow_overwrite and \
+                        not self._seq_mv[slot] & 1:
+                    if exist_ok or self._holds(slot, src):
+                        return
+                    raise RuntimeError(
+                        f"the slot of idx={idx} is already set to a different value; pass "
+                        "allow_overwrite=True to replace it, or exist_ok=True to keep it. "
+                        "(Two loads of one index that give different values usually mean "
+                        "that random augmentation runs before the cache: cache the decoded "
+                        "sample and augment after get_slot.)")
+                self._write(slot, src, idx)
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
         self._ctr[_WRITES] += 1
+
+    def _holds(self, slot: int, src: np.ndarray) -> bool:
+        """True when ``slot`` holds exactly the bytes of ``src`` (NaNs included)."""
+        have = self._np_slots[slot].reshape(-1).view(np.uint8)
+        return bool(np.array_equal(have, np.ascontiguousarray(src).reshape(-1).view(np.uint8)))
 
     def clear(self) -> None:
         """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
@@ -1525,118 +1702,8 @@ def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
 
 
 # ----------------------------------------------------------------------------------------------
-# Public helpers and the command line
+# Planning a cache, and the command line
 # ----------------------------------------------------------------------------------------------
-
-
-def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
-    """Total size of /dev/shm in whole GiB, as in 0.2.1 (``df -h /dev/shm`` shows the same).
-
-    Resize it with ``mount -o remount,size=64G /dev/shm``, or ``docker run --shm-size=64g``.
-    """
-    st = os.statvfs(shm_dir)
-    return int(st.f_blocks * st.f_frsize / BYTES_PER_GIB)
-
-
-def _mapped_segments(shm_dir: str) -> dict[int, dict]:
-    """Segments in ``shm_dir`` mapped by any process we can see, by inode, from /proc."""
-    found: dict[int, dict] = {}
-    prefix = os.path.join(os.path.realpath(shm_dir), SEGMENT_PREFIX + "_")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as f:
-                lines = [ln for ln in f if prefix in ln]
-        except OSError:
-            continue
-        for ln in lines:
-            fields = ln.split(maxsplit=5)
-            if len(fields) < 6:
-                continue
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            seg = found.setdefault(int(fields[4]), {
-                "path": fields[5].strip().removesuffix(" (deleted)"), "bytes": 0, "pids": set()})
-            seg["bytes"] = max(seg["bytes"], hi - lo)
-            seg["pids"].add(int(entry))
-    return found
-
-
-def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
-    """Every stocaching segment in ``shm_dir``: those with a name there and those whose name
-    is already gone but that processes still map.
-
-    Returns:
-        Dicts with ``path`` (for an unlinked segment, the name it was created under),
-        ``named``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as /proc shows)
-        and ``state``: "live" (in use), "starting" (being created) or "stale" (nobody holds
-        it: ``clean_segments`` removes it).
-    """
-    mapped = _mapped_segments(shm_dir)
-    out = []
-    for fname in sorted(os.listdir(shm_dir)):
-        info = _parse_segment_name(fname)
-        path = os.path.join(shm_dir, fname)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if info is None or not stat.S_ISREG(st.st_mode):
-            continue
-        m = mapped.pop(st.st_ino, None)
-        pids = sorted(m["pids"]) if m else []
-        state = "starting" if info["starting"] else "live"
-        if not pids and _is_stale_file(path):
-            state = "stale"
-        out.append({"path": path, "named": True, "uid": st.st_uid, "bytes": st.st_size,
-                    "pids": pids, "state": state})
-    for m in mapped.values():
-        info = _parse_segment_name(os.path.basename(m["path"])) or {}
-        out.append({"path": m["path"], "named": False, "uid": info.get("uid", -1),
-                    "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live"})
-    return out
-
-
-def _is_stale_file(path: str, *, remove: bool = False) -> bool:
-    """True when no live process holds the segment at ``path``; optionally remove it then.
-    Files of other users, links, files younger than two seconds and files of this process's
-    own caches are never stale."""
-    if _held_here(path):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or \
-                time.time() - st.st_mtime < 2.0:
-            return False
-        if not _try_stale(fd):
-            return False
-        if remove:
-            _unlink_if_same(path, st.st_ino, st.st_dev)
-        return True
-    finally:
-        os.close(fd)
-
-
-def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False) -> list[str]:
-    """Remove this user's segments in ``shm_dir`` that no live process holds (left by a job
-    killed during start-up). Live segments are never touched.
-
-    Returns:
-        The paths removed (or that would be, with ``dry_run=True``).
-    """
-    removed = []
-    for fname in sorted(os.listdir(shm_dir)):
-        info = _parse_segment_name(fname)
-        if info is not None and info["uid"] == os.getuid():
-            path = os.path.join(shm_dir, fname)
-            if _is_stale_file(path, remove=not dry_run):
-                removed.append(path)
-                logger.info("stocaching: removed stale segment %s", path)
-    return removed
 
 
 def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.uint8,
@@ -1650,18 +1717,14 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
     dataset_len = check_int("dataset_len", dataset_len, low=1)
     dims = _check_dims(data_dims)
     dtype = _check_dtype(dtype)
-    slot_bytes = math.prod(dims) * dtype.itemsize
+    slot_bytes = _slot_bytes(dims, dtype)
     free = _free_bytes(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         slots = _slots_for_budget(limit, dataset_len, slot_bytes)
     else:  # the largest cache whose whole segment (metadata included) fits in what is free
-        empty = _segment_offsets(CacheLayout(dataset_len, 0), slot_bytes)["data_off"]
-        slots = max(0, min(dataset_len, (free - empty) // (slot_bytes + 4)))
-        while slots and _segment_offsets(CacheLayout(dataset_len, slots),
-                                         slot_bytes)["total_bytes"] > free:
-            slots -= 1
-        limit = (slots * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
+        slots = _slots_fitting(free, dataset_len, slot_bytes)
+        limit = _budget_for_slots(slots, dataset_len, slot_bytes)
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
             "shm_free_gib": free / BYTES_PER_GIB}
