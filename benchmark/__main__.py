@@ -174,6 +174,8 @@ def _latency_note(lats: Sequence[float]) -> str | None:
 
 
 def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from stocaching import World
+
     from . import plot, report
     from . import run as R
 
@@ -195,7 +197,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                      epochs=args.epochs, threads=args.threads, lr=args.lr, seed=args.seed,
                      warm_page_cache=args.warm_page_cache, gen_processes=args.gen_processes,
                      repeats=args.repeats)
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    is_main = World.from_env().rank == 0
     out = args.out or R.timestamp_dir()
     stem = "sweep" if sweep else "results"
     note = _latency_note([s.read_latency_ms for s in setups])
@@ -228,10 +230,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     elif any(r["kind"] == "cache" for r in rows):
         _say("cache.stats() agrees with the Dataset's own hit count in every epoch.")
     cores = os.cpu_count() or 1
+    busy = res["loadavg_before"] > 0.5 * cores
     _say(f"1-minute load average when the benchmark started: {res['loadavg_before']:.2f} "
-         f"({cores} cores)" + ("; other processes were using the CPU, so expect noisy wall times (compare the CPU "
-                               "seconds, or use --repeats 3)"
-                               if res["loadavg_before"] > 0.5 * cores else ""))
+         f"({cores} cores)" + ("; other processes were using the CPU, so expect noisy wall "
+                               "times (compare the CPU seconds, or use --repeats 3)"
+                               if busy else ""))
     if note:
         _say(note)
     plots = plot.make_plots(rows, out) if args.plot else []

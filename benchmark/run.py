@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import stocaching
+
 from . import data as D
 from . import report
 from .model import SmallCNN
@@ -77,6 +79,17 @@ class Spec:
         if self.kind != "cache":
             return self.kind
         return f"{self.fraction:g}" if self.fraction is not None else f"{self.gib:g}GiB"
+
+    @property
+    def label(self) -> str:
+        """The configuration's name in tables and plots: ``no cache``, ``cache 50%``..."""
+        if self.kind == "none":
+            return "no cache"
+        if self.kind == "ram":
+            return "in-RAM"
+        if self.fraction is not None:
+            return f"cache {100 * self.fraction:g}%"
+        return f"cache {self.gib:g}GiB"
 
 
 @dataclasses.dataclass
@@ -130,20 +143,20 @@ def gib_for_slots(slots: int, dataset_len: int, slot_bytes: int) -> float:
 
 
 class Dist:
-    """Rank bookkeeping; collectives are no-ops in a world of one."""
+    """Who this process is (``stocaching.World.from_env()``: torchrun's or SLURM's variables) and
+    the collectives the benchmark needs, which are no-ops in a world of one."""
 
     def __init__(self) -> None:
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
-        self.enabled = self.world_size > 1
+        self.world = stocaching.World.from_env()
+        self.enabled = self.world.world_size > 1
         if self.enabled and not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
+            dist.init_process_group("gloo", rank=self.world.rank,
+                                    world_size=self.world.world_size,
+                                    timeout=datetime.timedelta(minutes=60))
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.world.rank == 0
 
     def barrier(self) -> None:
         if self.enabled:
@@ -152,7 +165,7 @@ class Dist:
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.enabled:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        out: list[Any] = [None] * self.world.world_size
         dist.all_gather_object(out, obj)
         return out
 
@@ -180,48 +193,236 @@ def shm_used_bytes(path: str | None = None) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# One configuration
+# One configuration: build its data, train the epochs, give its memory back
 # ----------------------------------------------------------------------------------------------
 
 
-def _import_cache_classes(sampler: str) -> tuple[Any, Any]:
-    import stocaching
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """What every row of one configuration (one row per epoch) says about the configuration."""
 
-    shared_cache = stocaching.SharedCache
-    aware = None
-    if sampler == "cache-aware":
-        aware = getattr(stocaching, "CacheAwareSampler", None)
-        if aware is None:
-            raise SystemExit(
-                f"--sampler cache-aware needs stocaching.CacheAwareSampler, but the stocaching "
-                f"imported from {stocaching.__file__} (version "
-                f"{getattr(stocaching, '__version__', '?')}) has none; use --sampler random")
-    return shared_cache, aware
+    spec: Spec
+    cached_pct: float
+    cache_gib: float | None = None
+    slots: int | None = None
+    shm_construct_bytes: int | None = None
+    cache_bytes: int | None = None
+    sampler_used: str = "random"
 
 
-def _make_sampler(setup: Setup, ds: torch.utils.data.Dataset, cache: Any, dw: Dist,
-                  seed: int, aware_cls: Any) -> tuple[Any, str]:
+@dataclasses.dataclass
+class ConfigData:
+    """One configuration, built: the Dataset, its sampler and loader, and what holds the memory
+    that :func:`release` gives back (``cache``, a ``SharedCache``, or ``in_ram``, the decoded
+    dataset). ``info`` describes the configuration in results.json."""
+
+    columns: Columns
+    info: dict[str, Any]
+    dataset: torch.utils.data.Dataset | None
+    cache: Any = None
+    in_ram: torch.Tensor | None = None
+    sampler: Any = None
+    loader: torch.utils.data.DataLoader | None = None
+
+
+def _cache_aware_class() -> Any:
+    """``stocaching.CacheAwareSampler``, or a clear exit where the imported stocaching has none."""
+    aware = getattr(stocaching, "CacheAwareSampler", None)
+    if aware is None:
+        raise SystemExit(
+            f"--sampler cache-aware needs stocaching.CacheAwareSampler, but the stocaching "
+            f"imported from {stocaching.__file__} (version "
+            f"{getattr(stocaching, '__version__', '?')}) has none; use --sampler random")
+    return aware
+
+
+def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, dw: Dist,
+                say: Callable[[str], None], info: dict[str, Any]) -> ConfigData:
+    """The files read through a new ``SharedCache`` of ``spec``'s size, measured as it is built."""
+    n, d = opts.num_images, opts.decoded_size
+    if spec.fraction is not None:
+        target = min(n, round(spec.fraction * n))
+        gib = gib_for_slots(target, n, 3 * d * d)
+        info["target_slots"] = target
+    else:
+        gib = float(spec.gib)
+    dw.barrier()
+    before = shm_used_bytes()
+    t0 = time.perf_counter()
+    cache = stocaching.SharedCache(gib, n, (3, d, d), torch.uint8, name=name)
+    info["construct_s"] = time.perf_counter() - t0
+    dw.barrier()
+    after = shm_used_bytes()
+    slots = len(cache)
+    shm_construct = None if before is None or after is None else after - before
+    info.update(name=name, size_limit_gib=gib, slots=slots, shm_before_bytes=before,
+                shm_construct_bytes=shm_construct, cache_bytes=cache.stats().get("bytes"))
+    if "target_slots" in info and slots != info["target_slots"]:
+        info["slots_note"] = (f"size_limit_gib={gib!r} gave {slots} slots; the documented "
+                              f"sizing rule gives {info['target_slots']}")
+        say(f"  NOTE: {info['slots_note']}")
+    ds = D.JpegDataset(root, n, d, opts.num_classes, cache=cache,
+                       read_latency_ms=setup.read_latency_ms, copy=setup.get_slot == "copy")
+    columns = Columns(spec, 100.0 * slots / n, cache_gib=gib, slots=slots,
+                      shm_construct_bytes=shm_construct, cache_bytes=info["cache_bytes"])
+    return ConfigData(columns, info, ds, cache=cache)
+
+
+def _in_ram_data(opts: Options, setup: Setup, spec: Spec, root: Path, dw: Dist,
+                 info: dict[str, Any]) -> ConfigData:
+    """Every decoded sample in one shared tensor, built before timing."""
+    n, d = opts.num_images, opts.decoded_size
+    t0 = time.perf_counter()
+    data = torch.zeros((n, 3, d, d), dtype=torch.uint8)
+    D.build_in_ram(root, n, d, workers=setup.workers, start_method=setup.start_method,
+                   indices=range(dw.world.rank, n, dw.world.world_size), out=data)
+    if dw.enabled:  # every rank decoded a disjoint share: the sum is the whole dataset
+        dist.all_reduce(data)
+    data.share_memory_()
+    info["build_s"] = time.perf_counter() - t0
+    info["bytes"] = data.numel()
+    return ConfigData(Columns(spec, 100.0), info, D.InRamDataset(data, opts.num_classes),
+                      in_ram=data)
+
+
+def _make_sampler(setup: Setup, ds: torch.utils.data.Dataset, cache: Any,
+                  world: stocaching.World, seed: int) -> tuple[Any, str]:
     """The sampler and its name. ``cache-aware`` applies only where there is a cache; the
     no-cache and in-RAM baselines use the random sampler (and say so in their rows)."""
     if setup.sampler == "cache-aware" and cache is not None:
-        s = aware_cls(cache, setup.batch_size, num_replicas=dw.world_size, rank=dw.rank,
-                      shuffle=True, seed=seed, drop_last=False)
-        return s, "cache-aware"
-    if dw.world_size > 1:
-        return torch.utils.data.DistributedSampler(ds, num_replicas=dw.world_size, rank=dw.rank,
-                                                   shuffle=True, seed=seed), "random"
+        aware = _cache_aware_class()
+        return aware(cache, batch_size=setup.batch_size, num_replicas=world.world_size,
+                     rank=world.rank, shuffle=True, seed=seed, drop_last=False), "cache-aware"
+    if world.world_size > 1:
+        return torch.utils.data.DistributedSampler(ds, num_replicas=world.world_size,
+                                                   rank=world.rank, shuffle=True,
+                                                   seed=seed), "random"
     return torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(seed)), \
         "random"
 
 
-def _label(spec: Spec) -> str:
-    if spec.kind == "none":
-        return "no cache"
-    if spec.kind == "ram":
-        return "in-RAM"
-    if spec.fraction is not None:
-        return f"cache {100 * spec.fraction:g}%"
-    return f"cache {spec.gib:g}GiB"
+def build_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, dw: Dist,
+               say: Callable[[str], None]) -> ConfigData:
+    """Build one configuration: its Dataset (through a new cache named ``name``, over the
+    in-RAM tensor, or straight from the files), then the sampler and the DataLoader."""
+    info: dict[str, Any] = {"kind": spec.kind, "requested": spec.requested}
+    if spec.kind == "cache":
+        data = _cache_data(opts, setup, spec, name, root, dw, say, info)
+    elif spec.kind == "ram":
+        data = _in_ram_data(opts, setup, spec, root, dw, info)
+    else:
+        ds = D.JpegDataset(root, opts.num_images, opts.decoded_size, opts.num_classes,
+                           cache=None, read_latency_ms=setup.read_latency_ms)
+        data = ConfigData(Columns(spec, 0.0), info, ds)
+    info["config"] = spec.label
+    torch.manual_seed(opts.seed)  # the same initial model and augmentations in every config
+    data.sampler, sampler_used = _make_sampler(setup, data.dataset, data.cache, dw.world,
+                                               opts.seed)
+    data.columns = dataclasses.replace(data.columns, sampler_used=sampler_used)
+    kw: dict[str, Any] = {}
+    if setup.workers > 0:
+        kw.update(multiprocessing_context=setup.start_method,
+                  persistent_workers=setup.persistent_workers)
+    data.loader = torch.utils.data.DataLoader(data.dataset, batch_size=setup.batch_size,
+                                              sampler=data.sampler, num_workers=setup.workers,
+                                              drop_last=False, **kw)
+    return data
+
+
+def train_epochs(opts: Options, setup: Setup, data: ConfigData, dw: Dist,
+                 say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Train a new model ``opts.epochs`` epochs on ``data``; return one row per epoch (the same
+    on every rank) and add every rank's measurements to ``data.info["per_rank"]``."""
+    model: nn.Module = SmallCNN(opts.num_classes)
+    if dw.enabled:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    cache, sampler, label = data.cache, data.sampler, data.columns.spec.label
+    rows = []
+    for epoch in range(1, opts.epochs + 1):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch - 1)
+        s0 = cache.stats() if cache is not None else None  # nothing runs between epochs
+        dw.barrier()
+        elapsed, wait, seen, hits, loss, cpu = _train_epoch(data.loader, model, opt, loss_fn)
+        dw.barrier()
+        delta = None
+        if cache is not None:
+            s1 = cache.stats()
+            delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "writes")}
+            delta["filled"] = s1.get("filled")
+        mine = {"rank": dw.world.rank, "local_rank": dw.world.local_rank, "time": elapsed,
+                "wait": wait, "samples": seen, "hits": hits, "loss": loss, "cpu": cpu,
+                "stats": delta}
+        per_rank = dw.all_gather(mine)
+        row = _row(opts, setup, data.columns, epoch, per_rank, dw.world.world_size)
+        rows.append(row)
+        hr = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
+        say(f"  {label:>12} epoch {epoch}/{opts.epochs}: {row['epoch_time_s']:6.2f} s, "
+            f"{row['samples_per_s']:8,.0f} samples/s, hit rate {hr}, "
+            f"stall {100 * row['stall_fraction']:3.0f}%, loss {row['loss']:.3f}")
+        data.info.setdefault("per_rank", []).append(per_rank)
+    return rows
+
+
+def _row(opts: Options, setup: Setup, columns: Columns, epoch: int,
+         per_rank: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    t = max(r["time"] for r in per_rank)
+    # Samples/s of the whole job; the stall fraction is the mean over ranks.
+    samples = sum(r["samples"] for r in per_rank)
+    row: dict[str, Any] = {
+        "config": columns.spec.label, "kind": columns.spec.kind,
+        "requested": columns.spec.requested, "cache_gib": columns.cache_gib,
+        "slots": columns.slots, "cached_pct": columns.cached_pct, "epoch": epoch,
+        "epoch_time_s": t, "samples": samples, "samples_per_s": samples / t if t > 0 else None,
+        "data_wait_s": statistics.mean(r["wait"] for r in per_rank),
+        "stall_fraction": statistics.mean(r["wait"] / r["time"] for r in per_rank if r["time"]),
+        "loss": statistics.mean(r["loss"] for r in per_rank),
+        "cpu_s": sum(r["cpu"] for r in per_rank),
+        "hit_rate": None, "hits": None, "misses": None, "writes": None, "bench_hits": None,
+        "rank_hit_rates": None, "shm_construct_bytes": columns.shm_construct_bytes,
+        "cache_bytes": columns.cache_bytes,
+        "workers": setup.workers, "batch_size": setup.batch_size,
+        "start_method": setup.start_method if setup.workers > 0 else "none",
+        "persistent_workers": setup.persistent_workers and setup.workers > 0,
+        "sampler": setup.sampler, "sampler_used": columns.sampler_used, "get_slot": setup.get_slot,
+        "read_latency_ms": setup.read_latency_ms,
+        "world_size": world_size, "threads": torch.get_num_threads(),
+        "num_images": opts.num_images, "image_size": opts.image_size,
+        "decoded_size": opts.decoded_size,
+    }
+    if columns.spec.kind == "cache":
+        # cache.stats() counts every process attached to the node's cache: sum one view per node.
+        leaders = [r["stats"] for r in per_rank if r["local_rank"] == 0 and r["stats"]]
+        hits = sum(s["hits"] for s in leaders)
+        misses = sum(s["misses"] for s in leaders)
+        row.update(hits=hits, misses=misses, writes=sum(s["writes"] for s in leaders),
+                   hit_rate=hits / (hits + misses) if hits + misses else None,
+                   bench_hits=sum(r["hits"] for r in per_rank),
+                   rank_hit_rates=[r["hits"] / r["samples"] if r["samples"] else None
+                                   for r in per_rank])
+    return row
+
+
+def release(data: ConfigData, dw: Dist) -> None:
+    """Give a configuration's memory back before the next one starts: the workers (they map
+    the cache) first, then the cache or the in-RAM tensor. Records /dev/shm use in ``info``."""
+    data.loader = data.sampler = data.dataset = None
+    gc.collect()
+    info = data.info
+    if data.cache is not None:
+        info["shm_after_epochs_bytes"] = shm_used_bytes()
+        data.cache.close()
+        data.cache = None
+        gc.collect()
+        dw.barrier()
+        after_close = shm_used_bytes()
+        if info.get("shm_before_bytes") is not None and after_close is not None:
+            info["shm_not_released_bytes"] = after_close - info["shm_before_bytes"]
+    if data.in_ram is not None:
+        data.in_ram = None
+        gc.collect()
 
 
 def run_config(opts: Options, setup: Setup, spec: Spec, index: int, token: str, root: Path,
@@ -229,119 +430,10 @@ def run_config(opts: Options, setup: Setup, spec: Spec, index: int, token: str, 
                                                                dict[str, Any]]:
     """Train ``opts.epochs`` epochs with one configuration; return its rows (one per epoch, the
     same on every rank) and a description (construction time, /dev/shm use...)."""
-    n, d = opts.num_images, opts.decoded_size
-    dims = (3, d, d)
-    slot_bytes = 3 * d * d
-    shared_cache, aware_cls = _import_cache_classes(setup.sampler) if spec.kind == "cache" \
-        else (None, None)
-    info: dict[str, Any] = {"kind": spec.kind, "requested": spec.requested}
-    cache = None
-    data = None
-    slots: int | None = None
-    gib: float | None = None
-    shm_construct = None
-    if spec.kind == "cache":
-        if spec.fraction is not None:
-            target = min(n, round(spec.fraction * n))
-            gib = gib_for_slots(target, n, slot_bytes)
-            info["target_slots"] = target
-        else:
-            gib = float(spec.gib)
-        name = f"bench-{token}-{index}"
-        dw.barrier()
-        before = shm_used_bytes()
-        t0 = time.perf_counter()
-        cache = shared_cache(gib, n, dims, torch.uint8, name=name)
-        info["construct_s"] = time.perf_counter() - t0
-        dw.barrier()
-        after = shm_used_bytes()
-        slots = len(cache)
-        shm_construct = None if before is None or after is None else after - before
-        st = cache.stats()
-        info.update(name=name, size_limit_gib=gib, slots=slots, shm_before_bytes=before,
-                    shm_construct_bytes=shm_construct, cache_bytes=st.get("bytes"))
-        if "target_slots" in info and slots != info["target_slots"]:
-            info["slots_note"] = (f"size_limit_gib={gib!r} gave {slots} slots; the documented "
-                                  f"sizing rule gives {info['target_slots']}")
-            say(f"  NOTE: {info['slots_note']}")
-        ds: torch.utils.data.Dataset = D.JpegDataset(
-            root, n, d, opts.num_classes, cache=cache, read_latency_ms=setup.read_latency_ms,
-            copy=setup.get_slot == "copy")
-        cached_pct = 100.0 * slots / n
-    elif spec.kind == "ram":
-        t0 = time.perf_counter()
-        data = torch.zeros((n, *dims), dtype=torch.uint8)
-        D.build_in_ram(root, n, d, workers=setup.workers, start_method=setup.start_method,
-                       indices=range(dw.rank, n, dw.world_size), out=data)
-        if dw.enabled:  # every rank decoded a disjoint share: the sum is the whole dataset
-            dist.all_reduce(data)
-        data.share_memory_()
-        info["build_s"] = time.perf_counter() - t0
-        info["bytes"] = data.numel()
-        ds = D.InRamDataset(data, opts.num_classes)
-        cached_pct = 100.0
-    else:
-        ds = D.JpegDataset(root, n, d, opts.num_classes, cache=None,
-                           read_latency_ms=setup.read_latency_ms)
-        cached_pct = 0.0
-    label = _label(spec)
-    info["config"] = label
-
-    torch.manual_seed(opts.seed)
-    sampler, sampler_name = _make_sampler(setup, ds, cache, dw, opts.seed, aware_cls)
-    kw: dict[str, Any] = {}
-    if setup.workers > 0:
-        kw.update(multiprocessing_context=setup.start_method,
-                  persistent_workers=setup.persistent_workers)
-    loader = torch.utils.data.DataLoader(ds, batch_size=setup.batch_size, sampler=sampler,
-                                         num_workers=setup.workers, drop_last=False, **kw)
-    model: nn.Module = SmallCNN(opts.num_classes)
-    if dw.enabled:
-        model = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-
-    rows = []
-    for epoch in range(1, opts.epochs + 1):
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch - 1)
-        s0 = cache.stats() if cache is not None else None  # nothing runs between epochs
-        dw.barrier()
-        elapsed, wait, seen, hits, loss, cpu = _train_epoch(loader, model, opt, loss_fn)
-        dw.barrier()
-        delta = None
-        if cache is not None:
-            s1 = cache.stats()
-            delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "writes")}
-            delta["filled"] = s1.get("filled")
-        mine = {"rank": dw.rank, "local_rank": dw.local_rank, "time": elapsed, "wait": wait,
-                "samples": seen, "hits": hits, "loss": loss, "cpu": cpu, "stats": delta}
-        per_rank = dw.all_gather(mine)
-        row = _row(opts, setup, spec, label, sampler_name, gib, slots, cached_pct, epoch,
-                   per_rank, shm_construct, info.get("cache_bytes"), dw)
-        rows.append(row)
-        hr = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.3f}"
-        say(f"  {label:>12} epoch {epoch}/{opts.epochs}: {row['epoch_time_s']:6.2f} s, "
-            f"{row['samples_per_s']:8,.0f} samples/s, hit rate {hr}, "
-            f"stall {100 * row['stall_fraction']:3.0f}%, loss {row['loss']:.3f}")
-        info.setdefault("per_rank", []).append(per_rank)
-
-    # Release everything before the next configuration: workers (they map the cache) first.
-    del loader, sampler, ds
-    gc.collect()
-    if cache is not None:
-        info["shm_after_epochs_bytes"] = shm_used_bytes()
-        cache.close()
-        del cache
-        gc.collect()
-        dw.barrier()
-        after_close = shm_used_bytes()
-        if info.get("shm_before_bytes") is not None and after_close is not None:
-            info["shm_not_released_bytes"] = after_close - info["shm_before_bytes"]
-    if data is not None:
-        del data
-        gc.collect()
-    return rows, info
+    data = build_data(opts, setup, spec, f"bench-{token}-{index}", root, dw, say)
+    rows = train_epochs(opts, setup, data, dw, say)
+    release(data, dw)
+    return rows, data.info
 
 
 def _cpu_snapshot() -> tuple[float, dict[int, float]]:
@@ -364,8 +456,8 @@ def _cpu_between(a: tuple[float, dict[int, float]], b: tuple[float, dict[int, fl
 
 
 def _train_epoch(loader: torch.utils.data.DataLoader, model: nn.Module,
-                 opt: torch.optim.Optimizer, loss_fn: nn.Module) -> tuple[float, float, int, int,
-                                                                          float]:
+                 opt: torch.optim.Optimizer, loss_fn: nn.Module
+                 ) -> tuple[float, float, int, int, float, float]:
     """One epoch. Returns (seconds, seconds waiting in ``next(loader)``, samples, samples that
     came from the cache, mean loss, CPU seconds). The epoch starts at ``iter(loader)`` (worker
     start-up included, as a training loop pays it) and ends after the last step; the batches
@@ -409,8 +501,8 @@ def warm_up(opts: Options, setup: Setup, root: Path, dw: Dist) -> float:
     kw: dict[str, Any] = {}
     if setup.workers > 0:
         kw["multiprocessing_context"] = setup.start_method
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, range(dw.rank, n,
-                                                                            dw.world_size)),
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, range(dw.world.rank, n,
+                                                                            dw.world.world_size)),
                                          batch_size=setup.batch_size,
                                          num_workers=setup.workers, **kw)
     model = SmallCNN(opts.num_classes)
@@ -418,45 +510,6 @@ def warm_up(opts: Options, setup: Setup, root: Path, dw: Dist) -> float:
     _train_epoch(loader, model, opt, nn.CrossEntropyLoss())
     dw.barrier()
     return time.perf_counter() - t0
-
-
-def _row(opts: Options, setup: Setup, spec: Spec, label: str, sampler_name: str,
-         gib: float | None, slots: int | None, cached_pct: float, epoch: int,
-         per_rank: list[dict[str, Any]], shm_construct: int | None, cache_bytes: int | None,
-         dw: Dist) -> dict[str, Any]:
-    t = max(r["time"] for r in per_rank)
-    # Samples/s of the whole job; the stall fraction is the mean over ranks.
-    samples = sum(r["samples"] for r in per_rank)
-    row: dict[str, Any] = {
-        "config": label, "kind": spec.kind, "requested": spec.requested,
-        "cache_gib": gib, "slots": slots, "cached_pct": cached_pct, "epoch": epoch,
-        "epoch_time_s": t, "samples": samples, "samples_per_s": samples / t if t > 0 else None,
-        "data_wait_s": statistics.mean(r["wait"] for r in per_rank),
-        "stall_fraction": statistics.mean(r["wait"] / r["time"] for r in per_rank if r["time"]),
-        "loss": statistics.mean(r["loss"] for r in per_rank),
-        "cpu_s": sum(r["cpu"] for r in per_rank),
-        "hit_rate": None, "hits": None, "misses": None, "writes": None, "bench_hits": None,
-        "rank_hit_rates": None, "shm_construct_bytes": shm_construct, "cache_bytes": cache_bytes,
-        "workers": setup.workers, "batch_size": setup.batch_size,
-        "start_method": setup.start_method if setup.workers > 0 else "none",
-        "persistent_workers": setup.persistent_workers and setup.workers > 0,
-        "sampler": setup.sampler, "sampler_used": sampler_name, "get_slot": setup.get_slot,
-        "read_latency_ms": setup.read_latency_ms,
-        "world_size": dw.world_size, "threads": torch.get_num_threads(),
-        "num_images": opts.num_images, "image_size": opts.image_size,
-        "decoded_size": opts.decoded_size,
-    }
-    if spec.kind == "cache":
-        # cache.stats() counts every process attached to the node's cache: sum one view per node.
-        leaders = [r["stats"] for r in per_rank if r["local_rank"] == 0 and r["stats"]]
-        hits = sum(s["hits"] for s in leaders)
-        misses = sum(s["misses"] for s in leaders)
-        row.update(hits=hits, misses=misses, writes=sum(s["writes"] for s in leaders),
-                   hit_rate=hits / (hits + misses) if hits + misses else None,
-                   bench_hits=sum(r["hits"] for r in per_rank),
-                   rank_hit_rates=[r["hits"] / r["samples"] if r["samples"] else None
-                                   for r in per_rank])
-    return row
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,13 +525,8 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__, "numpy": np.__version__, "pillow": PIL.__version__,
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
     }
-    try:
-        import stocaching
-
-        env["stocaching"] = getattr(stocaching, "__version__", "?")
-        env["stocaching_file"] = stocaching.__file__
-    except Exception as e:  # reported, not fatal: the no-cache and in-RAM runs need no cache
-        env["stocaching"] = f"import failed: {e!r}"
+    env["stocaching"] = getattr(stocaching, "__version__", "?")
+    env["stocaching_file"] = stocaching.__file__
     return env
 
 
@@ -506,13 +554,12 @@ def _run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
               on_group: Callable[[list[dict[str, Any]]], None] | None,
               dw: Dist) -> dict[str, Any]:
     load_before = os.getloadavg()[0]  # before we add any load of our own
-    if any(s.kind == "cache" for s in specs):
-        for st in setups:
-            _import_cache_classes(st.sampler)  # fail before any work when something is missing
+    if any(s.kind == "cache" for s in specs) and any(st.sampler == "cache-aware" for st in setups):
+        _cache_aware_class()  # fail before any work when it is missing
     root = opts.data_dir or D.default_data_dir(opts.num_images, opts.image_size,
                                                opts.jpeg_quality, opts.seed, opts.num_classes)
     gen_s = 0.0
-    if dw.local_rank == 0:
+    if dw.world.is_local_leader:
         _, gen_s = D.ensure_dataset(root, opts.num_images, opts.image_size,
                                     quality=opts.jpeg_quality, seed=opts.seed,
                                     num_classes=opts.num_classes, processes=opts.gen_processes,
@@ -528,13 +575,13 @@ def _run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
     all_info: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for g, setup in enumerate(setups):
-        threads = threads_override or default_threads(setup.workers, dw.local_world_size)
+        threads = threads_override or default_threads(setup.workers, dw.world.local_world_size)
         torch.set_num_threads(threads)
         lat = (f"; EMULATED read latency {setup.read_latency_ms:g} ms per miss"
                if setup.read_latency_ms else "")
         say(f"setup {g + 1}/{len(setups)}: workers={setup.workers} batch={setup.batch_size} "
             f"start={setup.start_method} persistent={setup.persistent_workers} "
-            f"sampler={setup.sampler} get_slot={setup.get_slot} ranks={dw.world_size} "
+            f"sampler={setup.sampler} get_slot={setup.get_slot} ranks={dw.world.world_size} "
             f"trainer threads={threads}{lat}")
         warm_up(opts, setup, Path(root), dw)
         group_rows = []
@@ -563,7 +610,7 @@ def _run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
               for c in report.check_targets(g)]
     return {"rows": all_rows, "configs": all_info, "checks": checks, "data_dir": str(root),
             "generate_s": gen_s, "elapsed_s": time.perf_counter() - t_start,
-            "world_size": dw.world_size, "is_main": dw.is_main, "environment": environment(),
+            "world_size": dw.world.world_size, "is_main": dw.is_main, "environment": environment(),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0]}
 
 

@@ -66,8 +66,9 @@ def simulate(num_nodes: int, fraction: float, dataset_len: int, batch_size: int,
     cached = layout.owners()
     first_slots = np.zeros((num_nodes, dataset_len), dtype=bool)  # the 0.2.1 layout
     first_slots[:, :slots] = True
-    ours = [CacheAwareSampler(layout, batch_size, world, r, seed=seed,
-                              local_world_size=local_world_size) for r in range(world)]
+    ours = [CacheAwareSampler(layout, batch_size=batch_size, num_replicas=world, rank=r,
+                              seed=seed, local_world_size=local_world_size)
+            for r in range(world)]
     theirs = [DistributedSampler(range(dataset_len), num_replicas=world, rank=r, seed=seed)
               for r in range(world)]
     ours_rate, theirs_rate = np.zeros(num_nodes), np.zeros(num_nodes)

@@ -49,7 +49,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     ds = DS()
     if args.sampler == "cache-aware":
-        sampler = CacheAwareSampler(cache, args.batch_size, seed=args.seed)
+        sampler = CacheAwareSampler(cache, batch_size=args.batch_size, seed=args.seed)
     else:
         sampler = DistributedSampler(ds, seed=args.seed)
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler,
