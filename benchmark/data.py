@@ -13,6 +13,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,30 @@ def dataset_params(num_images: int, image_size: int, quality: int, seed: int,
             "seed": seed, "num_classes": num_classes, "generator_version": GENERATOR_VERSION}
 
 
+class _Progress:
+    """A tqdm bar on a terminal. Elsewhere (a log file, CI) a plain line on stderr at each
+    quarter instead: tqdm's redraws would fill the log with one long line of ``\\r`` updates."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        from tqdm import tqdm
+
+        self.total, self.desc, self.done = total, desc, 0
+        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=total, desc=desc, unit="img", dynamic_ncols=True,
+                        disable=None)  # None: disabled when stderr is not a terminal
+
+    def update(self) -> None:
+        self.done += 1
+        if not self.bar.disable:
+            self.bar.update()
+        elif 4 * self.done // self.total > 4 * (self.done - 1) // self.total:
+            print(f"{self.desc}: {self.done}/{self.total} "
+                  f"({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def ensure_dataset(root: str | Path, num_images: int, image_size: int, *, quality: int = 90,
                    seed: int = 0, num_classes: int = 10, processes: int | None = None,
                    progress: bool = True) -> tuple[Path, float]:
@@ -128,11 +153,7 @@ def ensure_dataset(root: str | Path, num_images: int, image_size: int, *, qualit
     t0 = time.perf_counter()
     jobs = [(str(root), i, image_size, quality, seed, num_classes) for i in range(num_images)]
     processes = processes or min(8, os.cpu_count() or 1)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=num_images, desc=f"generating {num_images} JPEGs in {root}",
-                   unit="img", dynamic_ncols=True)
+    bar = _Progress(num_images, f"generating {num_images} JPEGs in {root}") if progress else None
     if processes > 1 and num_images > 64:
         with mp.get_context("spawn").Pool(processes) as pool:
             for _ in pool.imap_unordered(_write_one, jobs, chunksize=32):
