@@ -32,7 +32,9 @@ def _per_call(fn, number: int, repeat: int = 7) -> float:
     return float(np.median(times)) / number * 1e6
 
 
-def _load_ref(ref_dir: str):
+def load_ref(ref_dir: str):
+    """Import the stocaching installed in ``ref_dir`` (``pip install --target ref_dir
+    stocaching==0.2.1``) as the module ``stocaching_ref``, beside the stocaching under test."""
     spec = importlib.util.spec_from_file_location(
         "stocaching_ref", os.path.join(ref_dir, "stocaching", "__init__.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -86,8 +88,9 @@ def bench_calls(dims: tuple[int, ...], ref, n: int = 2000) -> list[tuple[str, fl
 def bench_construct(gib: float, ref) -> list[tuple[str, float]]:
     dims = (3, 256, 256)
     n = int(gib * 2**30 / (np.prod(dims) + 1))
-    # Touch and drop a buffer of the same size first: memory left idle on these VMs is slower
-    # to fault in the first time (see BASELINE.md).
+    # Touch and drop a buffer of the same size first: on the 2-core VMs we measure on, memory
+    # left idle for a few seconds goes back to the host, and touching it again was about 3.5x
+    # slower (measured while timing stocaching 0.2.1's construction, torch 2.13.0+cpu).
     warm = np.ones(int(gib * 2**30), dtype=np.uint8)
     del warm
     # The kernel's share: reserve the same bytes in a bare tmpfs file (what any cache must pay).
@@ -123,7 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    ref = _load_ref(args.ref_dir) if args.ref_dir else None
+    ref = load_ref(args.ref_dir) if args.ref_dir else None
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
           f"torch threads {torch.get_num_threads()}")
     for dims in [(3, 32, 32), (3, 256, 256)]:
