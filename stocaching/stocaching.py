@@ -1394,36 +1394,39 @@ class SharedCache:
             idx = self._index(idx)
         if self._aux_mv[idx] == SET:  # the hit path: no lock, no system call
             out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
             if out is not None:
                 return out
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
 
-    def _slot_of(self, idx: int) -> int:
-        """The slot of a dataset index that has one on this node."""
-        return idx if self._slot_map is None else self._slot_map[idx]
+    def _read_again(self, idx: int, copy: bool) -> torch.Tensor | None:
+        """A read that met a writer: yield the CPU and try twice more while the slot is set."""
+        for _ in range(2):
+            time.sleep(0)
+            if self._aux_mv[idx] != SET:
+                return None
+            out = self._read(idx, copy)
+            if out is not None:
+                return out
+        return None
 
     def _read(self, idx: int, copy: bool) -> torch.Tensor | None:
-        """The seqlock read of a slot whose state was SET: a consistent copy (or view), or None.
+        """The seqlock read of the slot of ``idx``: a consistent copy (or view), or None.
 
-        The sequence number is odd while a writer is at work; the state is checked again under
-        an even one, since a clear() (or a write) that ended between the caller's check and the
-        read of seq leaves an even number and an emptied slot, which would pass as a hit; and
-        an unchanged number after the copy means that no write or clear() ran during it. A read
-        that meets a writer yields the CPU and tries twice more, then reports a miss."""
+        The sequence number is odd while a writer is at work. The state is checked under an
+        even one, since a clear() (or a write) that ended between the caller's check and the
+        read of seq leaves an even number and an emptied slot, which would pass as a hit; an
+        unchanged number after the copy means that no write or clear() ran during it."""
         slot = idx if self._slot_map is None else self._slot_map[idx]
-        seqs, aux = self._seq_mv, self._aux_mv
-        for attempt in range(3):
-            seq = seqs[slot]
-            if not seq & 1 and aux[idx] == SET:
-                out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
-                    else self._ro_slots[slot]
-                if seqs[slot] == seq:
-                    self._ctr[_HITS] += 1
-                    return out if self._view_as is None or not copy else out.view(self._view_as)
-            time.sleep(0)
-            if aux[idx] != SET:
-                return None
-        return None
+        seq = self._seq_mv[slot]
+        if seq & 1 or self._aux_mv[idx] != SET:
+            return None
+        out = torch.from_numpy(self._np_slots[slot].copy()) if copy else self._ro_slots[slot]
+        if self._seq_mv[slot] != seq:
+            return None
+        self._ctr[_HITS] += 1
+        return out if self._view_as is None or not copy else out.view(self._view_as)
 
     def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
         if self._aux_mv[idx] == OOB:
