@@ -38,6 +38,14 @@ def test_generation_is_deterministic_and_reused(tmp_path, jpeg_dir):
         D.ensure_dataset(jpeg_dir, N, SRC + 1, seed=0, num_classes=10, progress=False)
 
 
+def test_progress_off_a_terminal_is_a_few_plain_lines(tmp_path, capsys):
+    D.ensure_dataset(tmp_path / "jpegs", N, SRC, seed=0, num_classes=10, processes=1)
+    err = capsys.readouterr().err  # captured: not a terminal
+    assert "\r" not in err
+    assert [line.split(" (")[0] for line in err.splitlines()] == [
+        f"generating {N} JPEGs in {tmp_path / 'jpegs'}: {k}/{N}" for k in (8, 16, 24, 32)]
+
+
 @pytest.mark.parametrize("size", [DEC, 48])
 def test_two_phase_transform_shapes_and_dtypes(jpeg_dir, size):
     with open(D.image_path(jpeg_dir, 3), "rb") as f:
