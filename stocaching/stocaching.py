@@ -33,10 +33,13 @@ exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
 from __future__ import annotations
 
 __all__ = [
+    "BYTES_PER_GIB",
+    "C_DTYPES",
     "CacheConfigError",
     "CacheLayout",
     "CacheTimeoutError",
     "SharedCache",
+    "SlotState",
     "World",
     "CacheCapacityError",
     "clean_segments",
@@ -49,7 +52,9 @@ __version__ = "0.3.0"
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
+import enum
 import errno
 import fcntl
 import hashlib
@@ -59,6 +64,7 @@ import math
 import mmap
 import os
 import secrets
+import socket
 import stat
 import struct
 import sys
@@ -81,6 +87,17 @@ BYTES_PER_MIB = 1024**2
 
 #: Values of ``SharedCache.aux_array``. 0, 1 and 2 are those of stocaching 0.2.1.
 EMPTY, SET, OOB, WRITING = 0, 1, 2, 3
+
+
+class SlotState(enum.Enum):
+    """The states of ``SharedCache.aux_array`` as an enum, as stocaching 0.2.1 names them
+    (``SlotState(int(cache.aux_array[i]))``); WRITING is new: a write is in progress."""
+
+    EMPTY = EMPTY
+    SET = SET
+    OOB = OOB  # no slot on this node: outside the cache, inside the dataset
+    WRITING = WRITING
+
 
 SEGMENT_PREFIX = "stocaching"
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -112,6 +129,16 @@ _DTYPES: dict[torch.dtype, tuple[int, Any]] = {
     torch.complex128: (15, np.complex128),
 }
 _DTYPE_BY_CODE = {code: dt for dt, (code, _) in _DTYPES.items()}
+
+#: torch dtype -> ctypes type, as stocaching 0.2.1 exports it (its supported dtypes, plus the
+#: unsigned ones). The cache stores every dtype of the table above, float16, bfloat16 and the
+#: complex ones included, which ctypes has no type for.
+C_DTYPES: dict[torch.dtype, Any] = {
+    torch.bool: ctypes.c_bool, torch.uint8: ctypes.c_uint8, torch.int8: ctypes.c_int8,
+    torch.int16: ctypes.c_int16, torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64,
+    torch.float32: ctypes.c_float, torch.float64: ctypes.c_double,
+    torch.uint16: ctypes.c_uint16, torch.uint32: ctypes.c_uint32, torch.uint64: ctypes.c_uint64,
+}
 
 # Casts that set_slot accepts without looking at the values, because every value of the source
 # dtype is exactly representable in the cache's dtype. Others: see SharedCache._check_value.
@@ -275,8 +302,9 @@ class World:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "World":
         """Read torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-        GROUP_WORLD_SIZE), else SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID,
-        SLURM_NNODES); a process with neither is a world of one."""
+        GROUP_WORLD_SIZE; Lightning's NODE_RANK), else SLURM's (SLURM_PROCID, SLURM_NTASKS,
+        SLURM_LOCALID, SLURM_NODEID, SLURM_NNODES); a process with neither is a world of one.
+        Without LOCAL_WORLD_SIZE every rank of WORLD_SIZE is taken to be on this machine."""
         env = os.environ if env is None else env
 
         def get(*names: str) -> int | None:
@@ -290,13 +318,15 @@ class World:
                                          f"but got {n}={v!r}") from None
             return None
 
-        if "LOCAL_RANK" in env or "RANK" in env:
+        if "LOCAL_RANK" in env or "RANK" in env:  # torchrun, accelerate, Lightning, by hand
             world_size = get("WORLD_SIZE") or 1
-            rank = get("RANK") or 0
             local_rank = get("LOCAL_RANK") or 0
             local_ws = get("LOCAL_WORLD_SIZE") or (world_size if "LOCAL_RANK" in env else 1)
             num_nodes = get("GROUP_WORLD_SIZE") or max(1, world_size // local_ws)
-            node_rank = get("GROUP_RANK")
+            node_rank = get("GROUP_RANK", "NODE_RANK")  # Lightning sets NODE_RANK, not RANK
+            rank = get("RANK")
+            if rank is None:
+                rank = (node_rank or 0) * local_ws + local_rank
             if node_rank is None:
                 node_rank = rank // local_ws
         elif "SLURM_PROCID" in env:
@@ -310,6 +340,56 @@ class World:
             return cls()
         return cls(rank=rank, world_size=world_size, local_rank=local_rank,
                    local_world_size=local_ws, node_rank=node_rank, num_nodes=num_nodes)
+
+    @classmethod
+    def from_process_group(cls, group: Any = None) -> "World":
+        """Ask an initialised ``torch.distributed`` process group: one ``all_gather_object``
+        of every rank's host identity (host name and boot id) groups the ranks by machine.
+        Every rank of the group must call it (a collective). Ranks are numbered node by node
+        in the order of each machine's lowest rank."""
+        dist = torch.distributed
+        ws, rank = dist.get_world_size(group), dist.get_rank(group)
+        hosts: list[Any] = [None] * ws
+        dist.all_gather_object(hosts, _host_identity(), group=group)
+        nodes = list(dict.fromkeys(hosts))
+        here = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+        return cls(rank=rank, world_size=ws, local_rank=here.index(rank),
+                   local_world_size=len(here), node_rank=nodes.index(hosts[rank]),
+                   num_nodes=len(nodes))
+
+    @classmethod
+    def discover(cls, env: Mapping[str, str] | None = None) -> "World":
+        """Who this process is, from the first source that knows (the default of
+        ``SharedCache(world=...)``):
+
+        1. an initialised ``torch.distributed`` process group whose rank and size agree with
+           complete launcher variables (torchrun, torchelastic and accelerate set
+           LOCAL_WORLD_SIZE; SLURM's srun sets SLURM_PROCID): those variables, no collective;
+        2. an initialised process group otherwise (``torch.multiprocessing.spawn`` with
+           ``init_process_group``, Lightning): ``from_process_group()``, a collective, so every
+           rank must construct its caches in the same order;
+        3. no process group: the launcher's variables (``from_env``), else a world of one.
+        """
+        env = os.environ if env is None else env
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            if ("LOCAL_WORLD_SIZE" in env and "RANK" in env) or "SLURM_PROCID" in env:
+                world = cls.from_env(env)
+                if (world.rank, world.world_size) == (dist.get_rank(), dist.get_world_size()):
+                    return world
+            return cls.from_process_group()
+        return cls.from_env(env)
+
+
+def _host_identity() -> str:
+    """What tells this machine from another: its host name and boot id (containers with
+    their own host name and /dev/shm count as machines of their own)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -690,11 +770,15 @@ def _alive(pid: int, start: int) -> bool:
     return start == 0 or _process_start(pid) in (0, start)
 
 
+_CLOSED_MESSAGE = ("this SharedCache is closed (close() was called, or its with block ended); "
+                   "keep the cache open while its Dataset is used, or construct it again")
+
+
 class _Closed:
     """Stands in for the shared buffers of a closed cache: any access says so."""
 
     def __getitem__(self, key: Any) -> Any:
-        raise ValueError("this SharedCache is closed")
+        raise ValueError(_CLOSED_MESSAGE)
 
     __setitem__ = __getitem__
 
@@ -703,6 +787,7 @@ _CLOSED = _Closed()
 _LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
 _FORK_HOOK_REGISTERED = False
 _NAME_COUNTER = itertools.count()
+_COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
 
 
 def _held_here(path: str) -> bool:
@@ -869,7 +954,8 @@ class SharedCache:
             which matches across ranks that make their caches in the same order.
         job_key: key shared by the local ranks of one job. Default: ``$STOCACHING_JOB_KEY``, or
             derived from the launcher (the parent pid and torchrun/SLURM variables).
-        world: who this process is. Default: ``World.from_env()``.
+        world: who this process is. Default: ``World.discover()`` (the launcher's variables,
+            or an initialised process group).
         shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
             Default: ``$STOCACHING_SHM_DIR`` or ``/dev/shm``.
         layout_seed: seed of the multi-node layout (all nodes must agree). Default: 0.
@@ -891,7 +977,7 @@ class SharedCache:
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         dims = _check_dims(data_dims)
         dtype = _check_dtype(dtype)
-        world = World.from_env() if world is None else world
+        world = World.discover() if world is None else world
         if not isinstance(world, World):
             raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
         layout_seed = check_int("layout_seed", layout_seed, low=0, high=2**63 - 1)
@@ -1259,21 +1345,65 @@ class SharedCache:
             except Exception:  # never break the child over statistics
                 self._ctr = memoryview(bytearray(_STATS_COLS * 8)).cast("q")
 
-    # -- pickling (spawn and forkserver DataLoader workers) ---------------------------------
+    # -- pickling and copying ---------------------------------------------------------------
+    #
+    # A cache travels to another process only as that process starts (a spawn or forkserver
+    # DataLoader worker, torch.multiprocessing.spawn), when multiprocessing hands the child a
+    # duplicate of the segment's descriptor. Anywhere else, pickle would go through
+    # multiprocessing's resource sharer: a descriptor pinned in this process until it exits,
+    # and a pickle that no other process can load. That is refused with a TypeError instead.
 
     def __reduce__(self) -> tuple:
         if self._closed:
             raise ValueError("a closed SharedCache cannot be sent to another process")
+        from multiprocessing import context
         from multiprocessing.reduction import DupFd
 
+        if context.get_spawning_popen() is None:
+            raise TypeError(
+                "a SharedCache can be pickled only while a process starts (DataLoader workers, "
+                "multiprocessing with spawn or forkserver, torch.multiprocessing.spawn), which "
+                "then shares it; pickle.dumps or torch.save elsewhere would pin its memory and "
+                "give a pickle that no other process can load. To save a Dataset that holds "
+                "one, leave the cache out in __getstate__ and construct it again in "
+                "__setstate__; copy.copy(cache) is the same cache, copy.deepcopy(cache) a "
+                "private copy")
         state = (self._layout, self._world, self._dims, self._dtype, self._name, self._path)
         return _rebuild_cache, (DupFd(self._fd), state)
+
+    def __copy__(self) -> "SharedCache":
+        """A shallow copy is the cache itself: a handle on shared memory, like a file."""
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "SharedCache":
+        """An independent cache with this one's configuration and contents, private to this
+        process (a new segment as large as this one), as a deep copy of a 0.2.1 cache gave
+        private tensors. A slot whose writer died mid-write is copied as empty."""
+        self._check_open()
+        w, lay = self._world, self._layout
+        twin = SharedCache(
+            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes), lay.dataset_len,
+            self._dims, self._dtype, name=f"copy{next(_COPY_COUNTER)}",
+            world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
+                        num_nodes=w.num_nodes),
+            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed)
+        memo[id(self)] = twin
+        with self._locked(_slot_lock_offset(0), max(1, lay.slots)):  # no writer meanwhile
+            aux = self._aux_np.copy()
+            held = np.flatnonzero(aux == SET)
+            slots = held if self._slot_map is None else \
+                np.frombuffer(self._slot_map, self._slot_map.format)[held]
+            aux[held[self._seq_np[slots] & 1 == 1]] = EMPTY  # torn by a writer that died
+            aux[aux == WRITING] = EMPTY
+            twin._np_slots[...] = self._np_slots
+            twin._aux_np[:] = aux
+        return twin
 
     # -- the public API -------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this SharedCache is closed")
+            raise ValueError(_CLOSED_MESSAGE)
 
     @property
     def array(self) -> torch.Tensor:
@@ -1465,8 +1595,13 @@ class SharedCache:
             raise TypeError(f"value should be a torch.Tensor of shape {self._dims} and dtype "
                             f"{dst}, but got value of type {type(value).__name__}")
         if tuple(value.shape) != self._dims:
-            raise ValueError(f"value should have shape {self._dims} (the cache's data_dims), "
-                             f"but got value.shape={tuple(value.shape)}")
+            extra = value.ndim - len(self._dims)
+            if extra <= 0 or tuple(value.shape[extra:]) != self._dims or \
+                    any(d != 1 for d in value.shape[:extra]):
+                raise ValueError(f"value should have shape {self._dims} (the cache's data_dims; "
+                                 f"extra leading dimensions of size 1 are dropped, as 0.2.1 "
+                                 f"did), but got value.shape={tuple(value.shape)}")
+            value = value.reshape(self._dims)  # (1, C, H, W) from a loader's unsqueeze(0)
         src = value.dtype
         if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
             raise TypeError(f"value should be a dense tensor with data and a dtype the cache "
@@ -1548,7 +1683,8 @@ class SharedCache:
 
         Args:
             idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
-            value: tensor (or numpy array) of shape ``data_dims`` (no broadcasting). Its dtype
+            value: tensor (or numpy array) of shape ``data_dims``, or with extra leading
+                dimensions of size 1 (as 0.2.1 accepted; no other broadcasting). Its dtype
                 is the cache's; or casts to it without loss (uint8 into float32, ...); or is a
                 float or complex of which the cache keeps the rounded value (float64 into
                 float32, as torch rounds: past float16's range that is inf; into a real dtype
@@ -1621,25 +1757,41 @@ class SharedCache:
             aux[aux != OOB] = EMPTY
             self._np_slots.reshape(-1).view(np.uint8).fill(0)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Counters summed over every process that used this cache on this node.
+
+        Args:
+            since: an earlier ``stats()`` of this cache: the counters (and ``hit_rate``) are
+                then those of the time between the two, e.g. of one epoch::
+
+                    before = cache.stats()
+                    train_one_epoch()
+                    print(cache.stats(since=before)["hit_rate"])
+
+                Default: None, counters since the cache was made.
 
         Returns:
             A dict with ``hits``, ``misses`` (get_slot returned None), ``oob_misses`` (of
             those, indices without a slot here), ``writes`` (set_slot calls that stored),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
-            segment), ``hit_rate`` (hits / reads, nan before the first read) and
-            ``processes`` (live processes that have used it).
+            segment), ``hit_rate`` (hits / reads, nan without reads) and ``processes`` (live
+            processes that have used it).
         """
         self._check_open()
+        counters = ("hits", "misses", "oob_misses", "writes")
+        if since is not None and (not isinstance(since, Mapping) or
+                                  not all(_is_int(since.get(k)) for k in counters)):
+            raise TypeError(f"since should be a dict from this cache's stats(), but got "
+                            f"since={since!r}")
         with self._header_locked():
             rows = self._stats_np.copy()
-        hits, misses, oob, writes = (int(x) for x in rows[:, _HITS:_WRITES + 1].sum(0))
-        reads = hits + misses
-        return {"hits": hits, "misses": misses, "oob_misses": oob, "writes": writes,
-                "filled": int(np.count_nonzero(self._aux_np == SET)), "slots": len(self),
-                "dataset_len": self._n, "bytes": self._total,
-                "hit_rate": hits / reads if reads else float("nan"),
+        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_WRITES + 1].sum(0))))
+        if since is not None:
+            counts = {k: v - int(since[k]) for k, v in counts.items()}
+        reads = counts["hits"] + counts["misses"]
+        return {**counts, "filled": int(np.count_nonzero(self._aux_np == SET)),
+                "slots": len(self), "dataset_len": self._n, "bytes": self._total,
+                "hit_rate": counts["hits"] / reads if reads else float("nan"),
                 "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
                                  if p)}
 
