@@ -63,6 +63,7 @@ import logging
 import math
 import mmap
 import os
+import re
 import secrets
 import socket
 import stat
@@ -1867,7 +1868,8 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
 
     Returns:
         A dict with ``slots``, ``fraction`` (of the dataset), ``size_limit_gib`` used,
-        ``dataset_gib`` (what the whole dataset would need) and ``shm_free_gib``.
+        ``dataset_gib`` (what the whole dataset would need), ``segment_gib`` (the whole
+        segment of this plan, metadata included), ``shm_free_gib`` and ``ram_available_gib``.
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
     dims = _check_dims(data_dims)
@@ -1880,39 +1882,62 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
     else:  # the largest cache whose whole segment (metadata included) fits in what is free
         slots = _slots_fitting(free, dataset_len, slot_bytes)
         limit = _budget_for_slots(slots, dataset_len, slot_bytes)
+    segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes)["total_bytes"]
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
-            "shm_free_gib": free / BYTES_PER_GIB}
+            "segment_gib": segment / BYTES_PER_GIB, "shm_free_gib": free / BYTES_PER_GIB,
+            "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m stocaching [info|plan|clean]``: see the shared memory, size a cache, clean up."""
     parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
     parser.add_argument("--shm-dir", default=os.environ.get("STOCACHING_SHM_DIR",
-                                                            DEFAULT_SHM_DIR))
+                                                            DEFAULT_SHM_DIR),
+                        help="the tmpfs directory of the caches (default: $STOCACHING_SHM_DIR "
+                             "or /dev/shm)")
     sub = parser.add_subparsers(dest="cmd")
     sub.add_parser("info", help="/dev/shm, RAM and live caches (the default)")
     p = sub.add_parser("plan", help="how many samples of a shape fit")
-    p.add_argument("--dataset-len", type=int, required=True)
-    p.add_argument("--dims", required=True, help="sample shape, e.g. 3,256,256")
-    p.add_argument("--dtype", default="uint8")
+    p.add_argument("--dataset-len", type=int, required=True, help="samples in the dataset")
+    p.add_argument("--dims", required=True, help="sample shape, e.g. 3,256,256 or 3x256x256")
+    p.add_argument("--dtype", default="uint8",
+                   help="sample dtype, e.g. uint8 or torch.float16 (default: uint8)")
     p.add_argument("--size-gib", type=float, default=None,
-                   help="budget (default: what /dev/shm has free)")
+                   help="budget in GiB, as size_limit_gib (default: what --shm-dir has free)")
     c = sub.add_parser("clean", help="remove your segments whose processes are all gone")
-    c.add_argument("--dry-run", action="store_true")
+    c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.shm_dir):
+        parser.error(f"--shm-dir should be an existing directory (a tmpfs such as /dev/shm), "
+                     f"but got --shm-dir={args.shm_dir}")
     out = sys.stdout.write
     if args.cmd == "plan":
-        dtype = getattr(torch, args.dtype, None)
+        dtype = getattr(torch, args.dtype.removeprefix("torch."), args.dtype)
         try:
             dims = tuple(int(d) for d in args.dims.replace("x", ",").split(","))
+        except ValueError:
+            parser.error(f"--dims should be ints separated by ',' or 'x', e.g. 3,256,256, but "
+                         f"got --dims={args.dims}")
+        try:
             r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir)
         except (TypeError, ValueError) as e:
-            parser.error(str(e))
+            msg = str(e)
+            for param, flag in (("dataset_len", "--dataset-len"), ("data_dims", "--dims"),
+                                ("size_limit_gib", "--size-gib"), ("dtype", "--dtype")):
+                msg = re.sub(rf"\b{param}\b", flag, msg)
+            parser.error(msg)
         out(f"{r['slots']} of {args.dataset_len} samples of {dims} {args.dtype} fit in "
             f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
             f"the whole dataset needs {r['dataset_gib']:.2f} GiB; {args.shm_dir} has "
-            f"{r['shm_free_gib']:.2f} GiB free\n")
+            f"{r['shm_free_gib']:.2f} GiB free, RAM {r['ram_available_gib']:.2f} GiB "
+            f"available\n")
+        if r["segment_gib"] > r["shm_free_gib"]:
+            out(f"warning: the segment ({r['segment_gib']:.2f} GiB) does not fit in what "
+                f"{args.shm_dir} has free: enlarge it or pass a smaller --size-gib\n")
+        elif r["segment_gib"] > r["ram_available_gib"]:
+            out(f"warning: the segment ({r['segment_gib']:.2f} GiB) is more than the RAM "
+                f"available now: the machine would swap\n")
     elif args.cmd == "clean":
         removed = clean_segments(args.shm_dir, dry_run=args.dry_run)
         verb = "would remove" if args.dry_run else "removed"
