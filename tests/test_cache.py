@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stocaching
-from benchmark.microbench import _load_ref
+from benchmark.microbench import load_ref
 from stocaching import SharedCache
 
 REF_DIR = os.environ.get("STOCACHING_REF_DIR", os.path.join(os.path.dirname(__file__), "..",
@@ -27,7 +27,7 @@ def _ref():
     if not os.path.exists(init):
         pytest.skip("stocaching 0.2.1 is not installed in .ci/ref (run .ci/run, or "
                     "pip install --no-deps --target .ci/ref stocaching==0.2.1)")
-    return _load_ref(REF_DIR)
+    return load_ref(REF_DIR)
 
 
 def make(shm_dir, size=64 * KIB, n=100, dims=(3, 4, 4), dtype=torch.uint8, **kw):
