@@ -1,0 +1,583 @@
+"""Keep misses off the training path: the cache-preferring shuffle-buffer order.
+
+:class:`ReadyFirstSampler` wraps any base order (``RandomSampler``, ``DistributedSampler``,
+:class:`~stocaching.CacheAwareSampler`, ...) and, within a window of ``W`` positions, emits the
+indices whose samples are ready (cached) before those that are not. Every index of the base
+order still comes exactly once per epoch, and none moves more than ``W`` positions from where
+the base order put it.
+
+Example::
+
+    from torch.utils.data import DataLoader
+    from stocaching import CacheAwareSampler
+    from stocaching.prefetch import ReadyFirstSampler
+
+    base = CacheAwareSampler(dataset.cache, batch_size=64)
+    sampler = ReadyFirstSampler(base, dataset.cache, window=256)
+    loader = DataLoader(dataset, batch_size=64, sampler=sampler, num_workers=2)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)                 # forwarded to the base sampler
+        for batch in loader:
+            ...
+
+Reordering cannot change how many misses an epoch has ((1 - f) * N with a fraction f of the
+dataset cached); it moves them later within the window, which gives a prefetcher time to load
+them. See docs/order.md.
+
+This module imports only public names of ``stocaching``, so it also works copied next to
+``stocaching.py``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ReadyFirstSampler", "ready_first_order"]
+
+import hashlib
+import inspect
+import logging
+import time
+import warnings
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+try:
+    from .stocaching import SET, SharedCache
+except ImportError:  # prefetch.py copied next to stocaching.py, outside a package
+    from stocaching import SET, SharedCache  # type: ignore[no-redef]
+
+logger = logging.getLogger("stocaching")
+
+#: The two modes of :class:`ReadyFirstSampler`.
+MODES = ("fixed", "adaptive")
+#: Steps between two readiness queries in "adaptive" mode, unless ``refresh_every`` is given
+#: (at most this, and at most the window).
+DEFAULT_REFRESH = 64
+# Indices converted to Python ints at a time while yielding.
+_YIELD_CHUNK = 4096
+
+ReadyFn = Callable[[np.ndarray], Any]
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks (local: the core's are private)
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    """True for Python and numpy integers and 0-dim integer tensors; False for bool."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (int, np.integer)):
+        return True
+    if isinstance(x, torch.Tensor):
+        return x.ndim == 0 and not (x.dtype.is_floating_point or x.dtype.is_complex
+                                    or x.dtype == torch.bool)
+    return False
+
+
+def _check_int(name: str, value: Any, *, low: int, high: int | None = None) -> int:
+    """Return ``value`` as an int, or raise naming ``name``, the expectation and the value."""
+    if high is not None:
+        what = f"an int in [{low}, {high}]"
+    else:
+        what = "a positive int" if low == 1 else f"an int >= {low}"
+    if not _is_int(value):
+        raise TypeError(f"{name} should be {what}, but got {name}={value!r} "
+                        f"(type {type(value).__name__})")
+    v = int(value)
+    if v < low or (high is not None and v > high):
+        raise ValueError(f"{name} should be {what}, but got {name}={v}")
+    return v
+
+
+def _nbytes(bits: int) -> int:
+    return (bits + 7) // 8
+
+
+# ----------------------------------------------------------------------------------------------
+# The order itself
+# ----------------------------------------------------------------------------------------------
+
+
+def _schedule(u: np.ndarray, r: np.ndarray, t0: int, window: int, nsteps: int) -> np.ndarray:
+    """Base positions emitted at output steps ``t0 .. t0 + nsteps - 1``.
+
+    The rule, at output step t: the pending position t - window, if any, is emitted (its
+    deadline); otherwise the smallest pending ready position <= t + window; otherwise the
+    smallest pending position. Pending ready and pending not-ready positions thus each leave
+    in increasing order, and the order is a merge of the two: the k-th not-ready one leaves at
+
+        s_k = min(u_k + W - t0, max(s_{k-1} + 1, T_k))       (steps relative to t0)
+
+    where T_k is the first step at which no ready position is pending after k not-ready ones
+    have left. Both ``u_k + W - t0 - k`` and ``T_k - k`` are non-decreasing, which makes
+    ``s_k - k`` the running maximum of their minimum: the whole merge is vectorised, O(n).
+
+    Args:
+        u: sorted positions not yet emitted at step t0 that are not ready, all >= t0 - window.
+        r: the same for the ready ones.
+        t0: the first step to compute.
+        window: W.
+        nsteps: steps to compute. Every position that may be admitted during them (up to
+            t0 + nsteps - 1 + window) must be in ``u`` or ``r``; positions past the last one
+            given are treated as past the end of the epoch.
+    """
+    if nsteps <= 0:
+        return np.zeros(0, dtype=np.int64)
+    nu = u.size
+    if nu == 0:
+        return r[:nsteps].astype(np.int64, copy=True)
+    edge = t0 + window  # the last position admitted at step t0
+    first = int(np.searchsorted(r, edge, side="right"))  # ready ones admitted at step t0
+    late = r[first:]
+    late = late[late < edge + nsteps] - edge  # steps 1 .. nsteps-1 that admit a ready one
+    admits_ready = np.zeros(nsteps, dtype=bool)
+    admits_ready[late] = True
+    # h(d) = d - (ready ones admitted by step d) starts at -first and rises by one at each
+    # step that admits no ready position; T_k is the first step with h(d) >= k.
+    rises = np.flatnonzero(~admits_ready[1:]) + 1
+    k = np.arange(nu, dtype=np.int64)
+    j = k + (first - 1)
+    T = np.full(nu, nsteps, dtype=np.int64)
+    inside = (j >= 0) & (j < rises.size)
+    T[inside] = rises[j[inside]]
+    T[j < 0] = 0
+    deadline = u.astype(np.int64) + (window - t0)
+    s = k + np.maximum.accumulate(np.minimum(deadline - k, T - k))
+    m = int(np.searchsorted(s, nsteps))  # not-ready ones emitted within the steps
+    take_u = np.zeros(nsteps, dtype=bool)
+    take_u[s[:m]] = True
+    out = np.empty(nsteps, dtype=np.int64)
+    out[take_u] = u[:m]
+    out[~take_u] = r[:nsteps - m]
+    return out
+
+
+def ready_first_order(ready: Any, window: int) -> np.ndarray:
+    """Base positions in the cache-preferring shuffle-buffer order, for a fixed ready mask.
+
+    The pure function behind ``ReadyFirstSampler(mode="fixed")``: output position t takes
+    base position t - ``window`` if that one is still pending, else the ready pending
+    position with the smallest base position up to t + ``window``, else the smallest pending
+    position. The result is a permutation of ``range(len(ready))`` with
+    ``abs(result[t] - t) <= window`` for every t. O(n) time and memory.
+
+    Args:
+        ready: a 1-D bool array (or sequence): ``ready[b]`` says whether the sample at base
+            position b is ready.
+        window: W, an int >= 1.
+
+    Returns:
+        An int64 array of base positions, one per output position.
+    """
+    window = _check_int("window", window, low=1)
+    mask = np.asarray(ready)
+    if mask.ndim != 1 or mask.dtype != np.bool_:
+        raise TypeError(f"ready should be a 1-D bool array, but got an array of shape "
+                        f"{mask.shape} and dtype {mask.dtype}")
+    return _schedule(np.flatnonzero(~mask), np.flatnonzero(mask), 0, window, mask.size)
+
+
+# ----------------------------------------------------------------------------------------------
+# One epoch's iteration
+# ----------------------------------------------------------------------------------------------
+
+
+class _Epoch:
+    """What one iterator knows about its epoch: the base order, the output positions it has
+    computed, what was emitted before its first step, and (fixed mode) the ready mask."""
+
+    def __init__(self, epoch: int, indices: np.ndarray, window: int, start: int,
+                 pre_bits: np.ndarray, base_state: Any, mask: np.ndarray | None) -> None:
+        self.epoch = epoch
+        self.indices = indices                 # the base order (int64)
+        self.n = indices.size
+        self.window = window
+        self.start = start                     # first output step this iterator yields
+        self.pre_lo = max(0, start - window)   # positions below were emitted before start;
+        self.pre_bits = pre_bits               # bits over [pre_lo, pre_lo + size): also
+        self.out = np.empty(self.n - start, dtype=np.int64)  # positions of steps start..
+        self.computed = start                  # steps whose position is known
+        self.done = start                      # steps yielded
+        self.base_state = base_state           # the base's state at the epoch's start
+        self.mask = mask                       # fixed: ready bits seen at the epoch's start
+        self._digest: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the base order, to refuse a resume into another order."""
+        if self._digest is None:
+            self._digest = _digest(self.indices)
+        return self._digest
+
+    def emitted_before(self, c: int, lo: int, hi: int) -> np.ndarray:
+        """Bits over positions [lo, hi): emitted at a step < c. Needs lo >= c - window and
+        start <= c <= computed."""
+        bits = np.zeros(hi - lo, dtype=bool)
+        bits[:max(0, min(hi, self.pre_lo) - lo)] = True
+        a, b = max(lo, self.pre_lo), min(hi, self.pre_lo + self.pre_bits.size)
+        if a < b:
+            bits[a - lo:b - lo] = self.pre_bits[a - self.pre_lo:b - self.pre_lo]
+        # A step t emits a position <= t + window, so only steps >= lo - window matter.
+        seg = self.out[max(0, lo - self.window - self.start):c - self.start]
+        seg = seg[(seg >= lo) & (seg < hi)]
+        bits[seg - lo] = True
+        return bits
+
+
+def _digest(indices: np.ndarray) -> str:
+    return hashlib.blake2b(indices.astype("<i8", copy=False).tobytes(),
+                           digest_size=16).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# The sampler
+# ----------------------------------------------------------------------------------------------
+
+
+class ReadyFirstSampler(torch.utils.data.Sampler[int]):
+    """The cache-preferring shuffle-buffer order: ready samples first, within a window.
+
+    Wraps a base order and reorders it within a window of ``window`` (W) positions: output
+    position t may take any index whose base position b is in ``[t - W, t + W]``. It takes
+    the one at ``b = t - W`` if that is still waiting (its deadline), otherwise the ready one
+    with the smallest b, otherwise the waiting one with the smallest b. So:
+
+    - every index of the base order comes exactly once per epoch (repeated indices, such as
+      ``DistributedSampler``'s padding, as often as in the base order);
+    - no index moves more than W positions from its base position. With per-rank batches of
+      B indices, a sample stays within ``ceil(W / B)`` batches of its batch in the base order;
+      under ``CacheAwareSampler`` or ``DistributedSampler`` each rank wraps its own base
+      sampler, so which rank gets which index is unchanged, and a sample of global batch j is
+      trained in a global step between ``j - ceil(W / B)`` and ``j + ceil(W / B)``;
+    - with every sample ready, or none, the order is the base order.
+
+    Ready means: for a ``SharedCache``, the index's slot is set on this node
+    (``aux_array == SET``); for a callable, what it returns. A prefetcher passes a callable
+    that also counts samples it has staged.
+
+    Modes:
+
+    - ``"fixed"``: the ready mask is read once, at the start of each epoch (when the iterator
+      is created), and the whole epoch's order is computed then (vectorised, O(N)). The order
+      is a pure function of (base order, W, the ready mask seen at the epoch's start), that
+      is of (seed, epoch, cache state at the epoch's start) for a seeded base. See
+      :func:`ready_first_order`.
+    - ``"adaptive"``: the order is computed ``refresh_every`` steps at a time, each time
+      after reading the ready bits of the positions that may be emitted in those steps (the
+      waiting ones of the window plus the ``refresh_every`` positions entering it, one call
+      of ``ready`` for all of them); it serves whatever is ready now.
+
+    Resume: as with ``CacheAwareSampler``, ``state_dict()`` records the epoch and how many
+    indices of it the latest iterator yielded; with ``num_workers > 0`` pass what the model
+    consumed, ``state_dict(consumed=steps * batch_size)``. After ``load_state_dict`` the next
+    iterator yields the rest of that epoch: in "fixed" mode exactly the sequence the original
+    would have yielded (the state carries the ready bits it observed, so the cache of the new
+    process does not matter), in "adaptive" mode a valid continuation (the rest of the epoch
+    exactly once, each within W of its base position) that again prefers what is ready now.
+    The state is per rank: each rank saves and loads its own.
+
+    Cost: the fixed-mode state carries 1 bit per remaining index plus ``2 W + 1`` bits
+    (at most 125 KB per million indices), the adaptive-mode state ``2 W + 1`` bits. While
+    iterating, an epoch holds the base order and the output order (16 bytes per index) plus,
+    in fixed mode, the ready mask (1 byte per index).
+
+    Not thread-safe: create and advance its iterators from one thread (the ``DataLoader``
+    does so in the main process).
+
+    .. warning::
+        Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: it is
+        forwarded to the base sampler, without which every epoch repeats the same base order.
+
+    Args:
+        base: the base order: a ``Sampler`` or any iterable of ints with a ``len``. It is
+            iterated once per epoch, when the iterator is created. ``set_epoch`` is forwarded
+            to it when it has one; its ``state_dict``/``load_state_dict`` are used when it has
+            them. Do not resume it separately: resume this sampler.
+        ready: a ``SharedCache`` (an index is ready when its slot is set on this node), or a
+            callable ``ready(indices)`` taking a read-only int64 array of dataset indices and
+            returning one bool per index.
+        window: W, how far an index may move from its base position, an int >= 1. A
+            multiple of the batch size (1 to 8 batches) is a good start: larger gives a
+            prefetcher more lead time but mixes batches more.
+        mode: "fixed" (deterministic, ready mask read at the epoch's start) or "adaptive"
+            (ready bits read as the iterator advances). Default: "fixed".
+        refresh_every: in "adaptive" mode, output steps computed per reading of the ready
+            bits, an int >= 1. Smaller reacts sooner to samples becoming ready and costs
+            more (one ``ready`` call of about ``W + refresh_every`` indices each time).
+            Default: ``min(window, 64)``.
+    """
+
+    def __init__(self, base: Any, ready: SharedCache | ReadyFn, *, window: int,
+                 mode: str = "fixed", refresh_every: int | None = None) -> None:
+        if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
+            raise TypeError(f"base should be a Sampler or an iterable of ints with a length, "
+                            f"but got base of type {type(base).__name__}")
+        if isinstance(ready, SharedCache):
+            cache, fn = ready, None
+        elif callable(ready):
+            cache, fn = None, ready
+        else:
+            raise TypeError(f"ready should be a SharedCache or a callable ready(indices) -> "
+                            f"bool array, but got ready of type {type(ready).__name__}")
+        window = _check_int("window", window, low=1)
+        if not isinstance(mode, str):
+            raise TypeError(f"mode should be 'fixed' or 'adaptive', but got mode={mode!r} "
+                            f"(type {type(mode).__name__})")
+        if mode not in MODES:
+            raise ValueError(f"mode should be 'fixed' or 'adaptive', but got mode={mode!r}")
+        refresh_every = min(window, DEFAULT_REFRESH) if refresh_every is None else \
+            _check_int("refresh_every", refresh_every, low=1)
+        self.base = base
+        self.window, self.mode, self.refresh_every = window, mode, refresh_every
+        self._cache, self._fn = cache, fn
+        self.epoch = 0
+        self._ep: _Epoch | None = None          # the latest iterator's epoch
+        self._loaded: dict | None = None        # a state to resume from at the next __iter__
+
+    # -- the public surface -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Indices per epoch: ``len(base)`` (the whole epoch, also right after a resume)."""
+        return len(self.base)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch, and forward it to the base sampler if it has ``set_epoch``.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        epoch = _check_int("epoch", epoch, low=0)
+        if epoch != self.epoch and self._loaded is not None:
+            if 0 < self._loaded["consumed"] < self._loaded["len"]:
+                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
+                              f"epoch {self.epoch} ({self._loaded['consumed']} of "
+                              f"{self._loaded['len']} indices consumed)", stacklevel=2)
+            self._loaded = None
+        set_base = getattr(self.base, "set_epoch", None)
+        if set_base is not None:
+            set_base(epoch)
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        """The current epoch's indices, from the loaded position if any."""
+        if self._loaded is None and self._ep is not None and self._ep.epoch == self.epoch \
+                and hasattr(self.base, "set_epoch"):
+            warnings.warn(f"epoch {self.epoch} is iterated again; call sampler.set_epoch(epoch) "
+                          f"before each epoch", stacklevel=2)
+        t0 = time.perf_counter()
+        base_state = self._base_state()
+        n = len(self)
+        indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, taken once
+        if indices.size != n:
+            raise ValueError(f"base should yield len(base)={n} indices per epoch, but it "
+                             f"yielded {indices.size}; if the base sampler was resumed on its "
+                             f"own, resume the ReadyFirstSampler instead")
+        if self._cache is not None and n and (indices.min() < 0 or
+                                              indices.max() >= self._cache.dataset_len):
+            raise ValueError(f"base should yield indices in [0, {self._cache.dataset_len}) "
+                             f"(the cache's dataset_len), but it yielded "
+                             f"{indices.min()}..{indices.max()}")
+        ep = self._start(indices, base_state)
+        self._ep = ep
+        if self.mode == "fixed":
+            logger.debug("epoch %d: %d indices from step %d, %.1f%% ready at the start, order "
+                         "built in %.3f s", self.epoch, n, ep.start,
+                         100 * ep.mask.mean() if n else 0.0, time.perf_counter() - t0)
+        return self._yield(ep)
+
+    def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
+        """The position in the current epoch, with what is needed to continue it.
+
+        Args:
+            consumed: indices of this epoch that were used. Default: the number the latest
+                iterator has yielded (plus the position it was resumed from). At most the
+                number whose order is known: in "fixed" mode the whole epoch, in "adaptive"
+                mode those yielded plus at most ``refresh_every`` more.
+
+        Returns:
+            A dict of plain values (ints, str, bytes, None, and the base's own state):
+            ``epoch``, ``consumed``, ``window``, ``mode``, ``len``, ``base`` (the base
+            sampler's state at the epoch's start, or None), ``order_digest`` (a fingerprint of
+            the epoch's base order), ``emitted`` (packed bits: which base positions in
+            ``[consumed - W, consumed + W]`` were already emitted) and ``ready`` (fixed mode:
+            packed ready bits seen at the epoch's start, from base position
+            ``consumed - W`` on).
+        """
+        n = len(self)
+        if consumed is not None:
+            consumed = _check_int("consumed", consumed, low=0, high=n)
+        if self._loaded is not None:
+            if consumed is None or consumed == self._loaded["consumed"]:
+                return dict(self._loaded)
+            if consumed != 0:
+                raise ValueError(f"consumed should be {self._loaded['consumed']} (the position "
+                                 f"loaded by load_state_dict; no iterator has run since) or "
+                                 f"0, but got consumed={consumed}")
+        ep = self._ep if self._ep is not None and self._ep.epoch == self.epoch else None
+        if ep is None:
+            if consumed:
+                raise ValueError(f"consumed should be 0: no iterator of epoch {self.epoch} "
+                                 f"has run, but got consumed={consumed}")
+            return self._state(0, self._base_state())
+        if consumed is None:
+            consumed = ep.done
+        if consumed == 0:
+            return self._state(0, ep.base_state)
+        if not ep.start <= consumed <= ep.computed:
+            raise ValueError(f"consumed should be in [{ep.start}, {ep.computed}] (from where "
+                             f"this epoch's iterator started to the last position whose order "
+                             f"is known), but got consumed={consumed}")
+        W = self.window
+        lo, hi = max(0, consumed - W), min(n, consumed + W + 1)
+        state = self._state(consumed, ep.base_state)
+        state["order_digest"] = ep.digest
+        state["emitted"] = np.packbits(ep.emitted_before(consumed, lo, hi)).tobytes()
+        if self.mode == "fixed":
+            state["ready"] = np.packbits(ep.mask[lo:]).tobytes()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``: the next iterator yields the rest of its epoch.
+
+        ``window``, ``mode`` and ``len`` must match; the base sampler's state is loaded into
+        the base sampler (or, without ``load_state_dict``, its epoch is set), and the next
+        iterator checks that the base order is the one the state was saved from. Nothing is
+        changed when the state is refused.
+
+        Args:
+            state: a dict from ``state_dict()`` of a sampler of the same rank.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
+                            f"got {type(state).__name__}")
+        mine = self._state(0, None)
+        missing = sorted(set(mine) - set(state))
+        if missing:
+            raise ValueError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
+                             f"it lacks {missing}")
+        for field in ("window", "mode", "len"):
+            if state[field] != mine[field]:
+                raise ValueError(f"state['{field}'] should be this sampler's {field}="
+                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}")
+        n = mine["len"]
+        epoch = _check_int("state['epoch']", state["epoch"], low=0)
+        consumed = _check_int("state['consumed']", state["consumed"], low=0, high=n)
+        loaded = dict(state)
+        loaded["epoch"], loaded["consumed"] = epoch, consumed
+        if consumed:
+            lo, hi = max(0, consumed - self.window), min(n, consumed + self.window + 1)
+            expect = {"emitted": _nbytes(hi - lo),
+                      "ready": _nbytes(n - lo) if self.mode == "fixed" else None}
+            for field, size in expect.items():
+                value = state[field]
+                if size is None:
+                    continue
+                if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+                    got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) \
+                        else repr(type(value).__name__)
+                    raise ValueError(f"state['{field}'] should be {size} bytes of packed bits "
+                                     f"for consumed={consumed}, window={self.window}, "
+                                     f"len={n}, but got {got}")
+            if not isinstance(state["order_digest"], str):
+                raise ValueError(f"state['order_digest'] should be a str, but got "
+                                 f"state['order_digest']={state['order_digest']!r}")
+        if state["base"] is not None and hasattr(self.base, "load_state_dict"):
+            self.base.load_state_dict(state["base"])  # may refuse; ours is unchanged then
+        elif hasattr(self.base, "set_epoch"):
+            self.base.set_epoch(epoch)
+        self.epoch = epoch
+        self._ep = None
+        self._loaded = loaded if consumed else None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _state(self, consumed: int, base_state: Any) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": consumed, "window": self.window,
+                "mode": self.mode, "len": len(self), "base": base_state,
+                "order_digest": None, "emitted": None, "ready": None}
+
+    def _base_state(self) -> Any:
+        """The base sampler's state now, positioned at the start of its epoch when its
+        ``state_dict`` takes ``consumed`` (as ``CacheAwareSampler``'s does)."""
+        sd = getattr(self.base, "state_dict", None)
+        if sd is None:
+            return None
+        try:
+            takes_consumed = "consumed" in inspect.signature(sd).parameters
+        except (TypeError, ValueError):
+            takes_consumed = False
+        return sd(consumed=0) if takes_consumed else sd()
+
+    def _query(self, indices: np.ndarray) -> np.ndarray:
+        """One bool per index: is its sample ready now."""
+        if self._cache is not None:
+            return self._cache.aux_array.numpy()[indices] == SET
+        view = indices.view()
+        view.flags.writeable = False
+        got = np.asarray(self._fn(view))
+        if got.shape != indices.shape:
+            raise ValueError(f"ready(indices) should return one bool per index, shape "
+                             f"{indices.shape}, but got shape {got.shape}")
+        if got.dtype != np.bool_:
+            if not np.issubdtype(got.dtype, np.integer):
+                raise TypeError(f"ready(indices) should return bools, but got dtype "
+                                f"{got.dtype}")
+            got = got != 0
+        return got
+
+    def _start(self, indices: np.ndarray, base_state: Any) -> _Epoch:
+        """The epoch of a new iterator: fresh, or resumed from ``self._loaded``."""
+        n, W = indices.size, self.window
+        loaded, start = self._loaded, 0
+        pre_bits = np.zeros(0, dtype=bool)
+        if loaded is not None:
+            if _digest(indices) != loaded["order_digest"]:
+                raise ValueError(f"the base order of epoch {self.epoch} differs from the one "
+                                 f"the loaded state was saved from: load the base sampler's "
+                                 f"seed and epoch as saved (and each rank its own state)")
+            start = loaded["consumed"]
+            lo, hi = max(0, start - W), min(n, start + W + 1)
+            pre_bits = np.unpackbits(np.frombuffer(loaded["emitted"], dtype=np.uint8),
+                                     count=hi - lo).astype(bool)
+            if loaded["base"] is not None:
+                base_state = loaded["base"]
+        ep = _Epoch(self.epoch, indices, W, start, pre_bits, base_state, None)
+        if self.mode == "fixed":
+            if loaded is None:
+                mask = self._query(indices)
+                order = _schedule(np.flatnonzero(~mask), np.flatnonzero(mask), 0, W, n)
+            else:
+                mask = np.zeros(n, dtype=bool)
+                lo = ep.pre_lo
+                mask[lo:] = np.unpackbits(np.frombuffer(loaded["ready"], dtype=np.uint8),
+                                          count=n - lo).astype(bool)
+                left = lo + np.flatnonzero(~ep.emitted_before(start, lo, n))
+                ready = mask[left]
+                order = _schedule(left[~ready], left[ready], start, W, n - start)
+            ep.mask, ep.out[:], ep.computed = mask, order, n
+        self._loaded = None
+        return ep
+
+    def _extend(self, ep: _Epoch) -> None:
+        """Adaptive mode: compute the next ``refresh_every`` steps from the ready bits now."""
+        t0, W, n = ep.computed, self.window, ep.n
+        steps = min(self.refresh_every, n - t0)
+        lo, hi = max(0, t0 - W), min(n, t0 + steps + W)
+        left = lo + np.flatnonzero(~ep.emitted_before(t0, lo, hi))
+        ready = self._query(ep.indices[left])
+        order = _schedule(left[~ready], left[ready], t0, W, steps)
+        ep.out[t0 - ep.start:t0 - ep.start + steps] = order
+        ep.computed = t0 + steps
+
+    def _yield(self, ep: _Epoch) -> Iterator[int]:
+        t = ep.start
+        while t < ep.n:
+            if t >= ep.computed:
+                self._extend(ep)
+            stop = min(ep.computed, t + _YIELD_CHUNK)
+            for i in ep.indices[ep.out[t - ep.start:stop - ep.start]].tolist():
+                t += 1
+                ep.done = t
+                yield i
