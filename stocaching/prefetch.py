@@ -100,6 +100,22 @@ def _nbytes(bits: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def _dtype(n: int, window: int) -> type:
+    """The integer type for base positions and steps of an n-index epoch: int32 when
+    everything fits (half the memory traffic), else int64."""
+    return np.int32 if 2 * n + window < 2**31 else np.int64
+
+
+def _split(mask: np.ndarray, lo: int, dtype: type,
+           keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``lo + i`` (where ``keep[i]``, if given) split into (not ready, ready) by
+    ``mask[i]``, both sorted."""
+    pos = np.arange(lo, lo + mask.size, dtype=dtype)
+    if keep is not None:
+        pos, mask = pos[keep], mask[keep]
+    return pos[~mask], pos[mask]
+
+
 def _schedule(u: np.ndarray, r: np.ndarray, t0: int, window: int, nsteps: int) -> np.ndarray:
     """Base positions emitted at output steps ``t0 .. t0 + nsteps - 1``.
 
@@ -123,32 +139,41 @@ def _schedule(u: np.ndarray, r: np.ndarray, t0: int, window: int, nsteps: int) -
             t0 + nsteps - 1 + window) must be in ``u`` or ``r``; positions past the last one
             given are treated as past the end of the epoch.
     """
+    it = np.result_type(u.dtype, r.dtype)
     if nsteps <= 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=it)
     nu = u.size
     if nu == 0:
-        return r[:nsteps].astype(np.int64, copy=True)
+        return r[:nsteps].copy()
     edge = t0 + window  # the last position admitted at step t0
     first = int(np.searchsorted(r, edge, side="right"))  # ready ones admitted at step t0
-    late = r[first:]
-    late = late[late < edge + nsteps] - edge  # steps 1 .. nsteps-1 that admit a ready one
-    admits_ready = np.zeros(nsteps, dtype=bool)
+    late = r[first:int(np.searchsorted(r, edge + nsteps))] - edge
+    admits_ready = np.zeros(nsteps, dtype=bool)  # steps 1 .. nsteps-1 admitting a ready one
     admits_ready[late] = True
     # h(d) = d - (ready ones admitted by step d) starts at -first and rises by one at each
-    # step that admits no ready position; T_k is the first step with h(d) >= k.
-    rises = np.flatnonzero(~admits_ready[1:]) + 1
-    k = np.arange(nu, dtype=np.int64)
-    j = k + (first - 1)
-    T = np.full(nu, nsteps, dtype=np.int64)
-    inside = (j >= 0) & (j < rises.size)
-    T[inside] = rises[j[inside]]
-    T[j < 0] = 0
-    deadline = u.astype(np.int64) + (window - t0)
-    s = k + np.maximum.accumulate(np.minimum(deadline - k, T - k))
-    m = int(np.searchsorted(s, nsteps))  # not-ready ones emitted within the steps
+    # step d >= 1 that admits no ready position; T_k is the first step with h(d) >= k, that
+    # is rises[k + first - 1] (0 if k + first - 1 < 0, past the steps if there is none).
+    rises = np.flatnonzero(~admits_ready)[1:]  # step 0 never admits: drop it
+    del admits_ready, late
+    T = np.full(nu, nsteps, dtype=it)
+    skip = 1 if first == 0 else 0  # T_0 = 0 when no ready position is admitted at step 0
+    T[:skip] = 0
+    got = rises[first - 1 + skip:first - 1 + nu]
+    T[skip:skip + got.size] = got
+    del rises, got
+    k = np.arange(nu, dtype=it)
+    T -= k
+    slack = u - k  # deadline - k, less (window - t0)
+    slack += window - t0
+    np.minimum(T, slack, out=T)
+    del slack
+    np.maximum.accumulate(T, out=T)
+    T += k  # T is now s_k, the step at which the k-th not-ready position leaves
+    del k
+    m = int(np.searchsorted(T, nsteps))  # not-ready ones emitted within the steps
     take_u = np.zeros(nsteps, dtype=bool)
-    take_u[s[:m]] = True
-    out = np.empty(nsteps, dtype=np.int64)
+    take_u[T[:m]] = True
+    out = np.empty(nsteps, dtype=it)
     out[take_u] = u[:m]
     out[~take_u] = r[:nsteps - m]
     return out
@@ -176,7 +201,8 @@ def ready_first_order(ready: Any, window: int) -> np.ndarray:
     if mask.ndim != 1 or mask.dtype != np.bool_:
         raise TypeError(f"ready should be a 1-D bool array, but got an array of shape "
                         f"{mask.shape} and dtype {mask.dtype}")
-    return _schedule(np.flatnonzero(~mask), np.flatnonzero(mask), 0, window, mask.size)
+    order = _schedule(*_split(mask, 0, _dtype(mask.size, window)), 0, window, mask.size)
+    return order.astype(np.int64, copy=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +223,7 @@ class _Epoch:
         self.start = start                     # first output step this iterator yields
         self.pre_lo = max(0, start - window)   # positions below were emitted before start;
         self.pre_bits = pre_bits               # bits over [pre_lo, pre_lo + size): also
-        self.out = np.empty(self.n - start, dtype=np.int64)  # positions of steps start..
+        self.out = np.empty(self.n - start, dtype=_dtype(self.n, window))  # steps start..
         self.computed = start                  # steps whose position is known
         self.done = start                      # steps yielded
         self.base_state = base_state           # the base's state at the epoch's start
@@ -547,15 +573,15 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         if self.mode == "fixed":
             if loaded is None:
                 mask = self._query(indices)
-                order = _schedule(np.flatnonzero(~mask), np.flatnonzero(mask), 0, W, n)
+                order = _schedule(*_split(mask, 0, ep.out.dtype), 0, W, n)
             else:
                 mask = np.zeros(n, dtype=bool)
                 lo = ep.pre_lo
                 mask[lo:] = np.unpackbits(np.frombuffer(loaded["ready"], dtype=np.uint8),
                                           count=n - lo).astype(bool)
-                left = lo + np.flatnonzero(~ep.emitted_before(start, lo, n))
-                ready = mask[left]
-                order = _schedule(left[~ready], left[ready], start, W, n - start)
+                left = ~ep.emitted_before(start, lo, n)
+                order = _schedule(*_split(mask[lo:], lo, ep.out.dtype, left), start, W,
+                                  n - start)
             ep.mask, ep.out[:], ep.computed = mask, order, n
         self._loaded = None
         return ep
@@ -567,6 +593,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         lo, hi = max(0, t0 - W), min(n, t0 + steps + W)
         left = lo + np.flatnonzero(~ep.emitted_before(t0, lo, hi))
         ready = self._query(ep.indices[left])
+        left = left.astype(ep.out.dtype)
         order = _schedule(left[~ready], left[ready], t0, W, steps)
         ep.out[t0 - ep.start:t0 - ep.start + steps] = order
         ep.computed = t0 + steps
