@@ -537,7 +537,10 @@ class CacheTimeoutError(TimeoutError):
 #
 # One file in /dev/shm holds everything:
 #   [header, 4 KiB][stats table][aux: 1 byte per dataset index][seq: uint32 per slot]
-#   [slot map: int32/int64 per dataset index, multi-node only][pad to a page][slots]
+#   [staging map: int64 per staging slot][slot map: int32/int64 per dataset index, multi-node
+#   only][pad to a page][slots][staging slots]
+# A staging slot holds the sample of an index without a slot here until one read takes it
+# (for a prefetcher); its map entry is that index, -1 when free, -2 - pid while pid fills it.
 # The header is written by the creator before the segment gets its public name, so a segment
 # found under its name is complete. POSIX record locks (fcntl.lockf) on byte offsets far past
 # the end of the file serialise writers of one slot and the few slow-path updates of the header;
@@ -545,39 +548,42 @@ class CacheTimeoutError(TimeoutError):
 # flock() held by every process using the segment tells a live segment from a stale one.
 
 _MAGIC = b"STOCACH1"
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2
 _HEADER_BYTES = 4096
 _HEADER_FIELDS = (
     "version", "total_bytes", "dataset_len", "slots", "dtype_code", "ndim",
     *(f"dim{i}" for i in range(_MAX_DIMS)),
     "num_nodes", "node_rank", "layout_seed", "creator_pid", "creator_start", "uid",
     "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
-    "attached", "ready",
+    "attached", "ready", "staging", "stage_off",
 )
 _HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
 _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
 _STATS_ROWS = 1024
-_STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, 2 spare
-_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES = range(6)
+_STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
+_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES = range(8)
 _LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, then one byte per slot
+_STAGE_LOCK = _LOCK_BASE - 1  # the staging map
 
 
 def _slot_lock_offset(slot: int) -> int:
     return _LOCK_BASE + 1 + slot
 
 
-def _segment_offsets(lay: CacheLayout, slot_bytes: int) -> dict:
+def _segment_offsets(lay: CacheLayout, slot_bytes: int, staging: int = 0) -> dict:
     """Where each part of a segment starts, and its total size (see the layout above)."""
     stats_off = _HEADER_BYTES
     aux_off = stats_off + _STATS_ROWS * _STATS_COLS * 8
     seq_off = aux_off + (lay.dataset_len + 7) // 8 * 8
-    map_off = seq_off + (lay.slots * 4 + 7) // 8 * 8
+    stage_off = seq_off + ((lay.slots + staging) * 4 + 7) // 8 * 8
+    map_off = stage_off + staging * 8
     map_item = _slot_map_dtype(lay).itemsize if lay.num_nodes > 1 else 0
     data_off = map_off + lay.dataset_len * map_item
     data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
     return {"stats_off": stats_off, "aux_off": aux_off, "seq_off": seq_off,
-            "map_off": map_off if map_item else 0, "data_off": data_off,
-            "total_bytes": data_off + max(1, lay.slots * slot_bytes)}
+            "stage_off": stage_off if staging else 0, "map_off": map_off if map_item else 0,
+            "data_off": data_off, "total_bytes": data_off + max(1, (lay.slots + staging) *
+                                                                slot_bytes)}
 
 
 def _slot_map_dtype(layout: CacheLayout) -> np.dtype:
@@ -589,28 +595,31 @@ def _slot_bytes(dims: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(dims) * dtype.itemsize
 
 
-def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int) -> int:
-    """0.2.1's sizing rule: the budget covers the slots plus one aux byte per sample."""
-    limit = size_limit_gib * BYTES_PER_GIB
+def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int,
+                      staging: int = 0) -> int:
+    """0.2.1's sizing rule: the budget covers the slots plus one aux byte per sample (and the
+    staging slots, which are paid first)."""
+    limit = size_limit_gib * BYTES_PER_GIB - staging * slot_bytes
     if slot_bytes * dataset_len + dataset_len <= limit:
         return dataset_len
     return max(0, min(dataset_len, int((limit - dataset_len) / slot_bytes)))
 
 
-def _budget_for_slots(slots: int, dataset_len: int, slot_bytes: int) -> float:
+def _budget_for_slots(slots: int, dataset_len: int, slot_bytes: int, staging: int = 0) -> float:
     """The inverse of ``_slots_for_budget``: the size_limit_gib that buys exactly ``slots``
     slots (half a byte over, so that rounding cannot lose one)."""
-    return (slots * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
+    return ((slots + staging) * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
 
 
-def _slots_fitting(free: int, dataset_len: int, slot_bytes: int, num_nodes: int = 1) -> int:
+def _slots_fitting(free: int, dataset_len: int, slot_bytes: int, num_nodes: int = 1,
+                   staging: int = 0) -> int:
     """The most slots whose whole segment (metadata included) takes at most ``free`` bytes."""
     def total(slots: int) -> int:
         layout = CacheLayout(dataset_len, slots, num_nodes)
-        return _segment_offsets(layout, slot_bytes)["total_bytes"]
+        return _segment_offsets(layout, slot_bytes, staging)["total_bytes"]
 
-    empty = total(0) - 1  # a segment without slots still maps one byte of data
-    slots = max(0, min(dataset_len, (free - empty) // (slot_bytes + 4)))
+    empty = total(0) - max(1, staging * slot_bytes)  # the metadata of a segment without slots
+    slots = max(0, min(dataset_len, (free - empty - staging * slot_bytes) // (slot_bytes + 4)))
     while slots and total(slots) > free:  # page rounding: a few steps at most
         slots -= 1
     return slots
@@ -973,7 +982,7 @@ class SharedCache:
                  dtype: torch.dtype = torch.uint8, *, name: str | None = None,
                  job_key: str | None = None, world: World | None = None,
                  shm_dir: str | None = None, layout_seed: int = 0,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, staging_slots: int = 0) -> None:
         size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         dims = _check_dims(data_dims)
@@ -991,15 +1000,20 @@ class SharedCache:
             raise (ValueError if isinstance(shm_dir, (str, os.PathLike)) else TypeError)(
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
 
+        staging = check_int("staging_slots", staging_slots, low=0)
         slot_bytes = _slot_bytes(dims, dtype)
-        slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes)
+        if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB:
+            raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
+                             f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
+                             f"staging_slots={staging}")
+        slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
         if slots == 0:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
                           f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}; "
                           "every get_slot will miss", RuntimeWarning, stacklevel=2)
         self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
         self._world = world
-        self._dims, self._dtype = dims, dtype
+        self._dims, self._dtype, self._staging = dims, dtype, staging
         self._name = name
         self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
                                                                     name))
@@ -1017,10 +1031,11 @@ class SharedCache:
         h = {"version": _LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
              "dtype_code": _DTYPES[self._dtype][0], "ndim": len(self._dims),
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
-             "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS}
+             "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS,
+             "staging": self._staging}
         for i in range(_MAX_DIMS):
             h[f"dim{i}"] = self._dims[i] if i < len(self._dims) else 0
-        h.update(_segment_offsets(lay, self._slot_bytes))
+        h.update(_segment_offsets(lay, self._slot_bytes, self._staging))
         return h
 
     @property
@@ -1110,12 +1125,13 @@ class SharedCache:
                 smap = np.frombuffer(mm, _slot_map_dtype(lay), lay.dataset_len, head["map_off"])
                 smap[:] = -1
                 smap[held] = np.arange(len(held))
+        self._stage_np[:] = -1
         struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay, per_slot = self._layout, self._slot_bytes
-        fits = _slots_fitting(free, lay.dataset_len, per_slot, lay.num_nodes)
-        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot)
+        fits = _slots_fitting(free, lay.dataset_len, per_slot, lay.num_nodes, self._staging)
+        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging)
         vfs = os.statvfs(shm_dir)
         need_gib = math.ceil(((vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + total) / BYTES_PER_GIB)
         return CacheCapacityError(
@@ -1215,6 +1231,7 @@ class SharedCache:
         want = self._expected_header()
         names = {"dataset_len": "dataset_len", "dtype_code": "dtype", "ndim": "data_dims",
                  "slots": "slot count (from size_limit_gib)", "num_nodes": "num_nodes",
+                 "staging": "staging_slots",
                  "node_rank": "node_rank", "layout_seed": "layout_seed", "version": "version"}
         found = [(label, want[field], head[field]) for field, label in names.items()]
         found.append(("data_dims", self._dims,  # after ndim, so a damaged ndim is named first
@@ -1228,7 +1245,7 @@ class SharedCache:
                     f"process asked for {label}={exp}; construct the cache with the same "
                     "arguments on every local rank", label, exp, got)
         if not head["ready"] or head["total_bytes"] > size or \
-                any(head[k] != want[k] for k in ("stats_off", "aux_off", "seq_off",
+                any(head[k] != want[k] for k in ("stats_off", "aux_off", "seq_off", "stage_off",
                                                  "map_off", "data_off", "total_bytes")):
             raise CacheConfigError(f"{self._path} is damaged or from another stocaching "
                                    "version", "layout", want["total_bytes"], head["total_bytes"])
@@ -1246,8 +1263,10 @@ class SharedCache:
         view = memoryview(mm)
         self._aux_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
         self._aux_mv = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
-        self._seq_np = np.frombuffer(mm, np.uint32, lay.slots, head["seq_off"])
-        self._seq_mv = view[head["seq_off"]: head["seq_off"] + 4 * lay.slots].cast("I")
+        n_slots = lay.slots + self._staging  # staging slots follow the others
+        self._seq_np = np.frombuffer(mm, np.uint32, n_slots, head["seq_off"])
+        self._seq_mv = view[head["seq_off"]: head["seq_off"] + 4 * n_slots].cast("I")
+        self._stage_np = np.frombuffer(mm, np.int64, self._staging, head["stage_off"])
         self._stats_np = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
                                        head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
         if head["map_off"]:
@@ -1257,8 +1276,8 @@ class SharedCache:
         else:
             self._slot_map = None
         def slots_of(buf: mmap.mmap) -> np.ndarray:
-            return np.frombuffer(buf, np_dtype, lay.slots * math.prod(self._dims),
-                                 head["data_off"]).reshape(lay.slots, *self._dims)
+            return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
+                                 head["data_off"]).reshape(n_slots, *self._dims)
 
         self._np_slots = slots_of(mm)
         self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
@@ -1266,7 +1285,7 @@ class SharedCache:
         # tensor may carry a conjugate bit that numpy cannot see)
         self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
             else self._dtype
-        self._array = self._to_torch(self._np_slots)
+        self._array = self._to_torch(self._np_slots[:lay.slots])
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -1369,7 +1388,8 @@ class SharedCache:
                 "one, leave the cache out in __getstate__ and construct it again in "
                 "__setstate__; copy.copy(cache) is the same cache, copy.deepcopy(cache) a "
                 "private copy")
-        state = (self._layout, self._world, self._dims, self._dtype, self._name, self._path)
+        state = (self._layout, self._world, self._dims, self._dtype, self._name, self._path,
+                 self._staging)
         return _rebuild_cache, (DupFd(self._fd), state)
 
     def __copy__(self) -> "SharedCache":
@@ -1383,8 +1403,9 @@ class SharedCache:
         self._check_open()
         w, lay = self._world, self._layout
         twin = SharedCache(
-            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes), lay.dataset_len,
-            self._dims, self._dtype, name=f"copy{next(_COPY_COUNTER)}",
+            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes, self._staging),
+            lay.dataset_len, self._dims, self._dtype, name=f"copy{next(_COPY_COUNTER)}",
+            staging_slots=self._staging,
             world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
                         num_nodes=w.num_nodes),
             shm_dir=os.path.dirname(self._path), layout_seed=lay.seed)
@@ -1396,8 +1417,8 @@ class SharedCache:
                 np.frombuffer(self._slot_map, self._slot_map.format)[held]
             aux[held[self._seq_np[slots] & 1 == 1]] = EMPTY  # torn by a writer that died
             aux[aux == WRITING] = EMPTY
-            twin._np_slots[...] = self._np_slots
-            twin._aux_np[:] = aux
+            twin._np_slots[:lay.slots] = self._np_slots[:lay.slots]
+            twin._aux_np[:] = aux  # (staged samples are not copied: they wait for one read)
         return twin
 
     # -- the public API -------------------------------------------------------------------
@@ -1527,6 +1548,10 @@ class SharedCache:
             out = self._read(idx, copy)
             if out is None:
                 out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        elif self._staging and self._aux_mv[idx] == OOB:
+            out = self._take_staged(idx)
             if out is not None:
                 return out
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
@@ -1664,15 +1689,27 @@ class SharedCache:
             value = value.view(torch.uint16)
         return value.numpy()
 
-    def _write(self, slot: int, src: np.ndarray, idx: int) -> None:
-        """Write one slot; the caller holds its lock. Odd sequence numbers mean "in progress"."""
+    def _write(self, slot: int, src: np.ndarray, idx: int | None) -> None:
+        """Write one slot, and set the state of ``idx`` (None for a staging slot); the caller
+        holds the slot's lock. Odd sequence numbers mean "in progress"."""
         seq = self._seq_mv[slot]
         seq += seq & 1  # an odd number left by a writer that died: round up
         self._seq_mv[slot] = (seq + 1) & 0xFFFFFFFF
-        self._aux_mv[idx] = WRITING
+        if idx is not None:
+            self._aux_mv[idx] = WRITING
         self._np_slots[slot] = src
-        self._aux_mv[idx] = SET
+        if idx is not None:
+            self._aux_mv[idx] = SET
         self._seq_mv[slot] = (seq + 2) & 0xFFFFFFFF
+
+    def _source_array(self, value: Any) -> np.ndarray:
+        """The array to copy into a slot: a CPU tensor of the cache's dtype and shape as it is
+        (the fast lane), anything else checked and converted."""
+        if type(value) is torch.Tensor and value.dtype is self._fast_dtype and \
+                value.shape == self._dims and value.layout is torch.strided and value.is_cpu \
+                and not value.requires_grad:
+            return value.numpy()
+        return self._slot_array(self._check_value(value))
 
     def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
                  allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
@@ -1715,11 +1752,7 @@ class SharedCache:
             # for every index, not only where a slot happens to be (0.2.1 let it pass there).
             self._check_value(value)
             return
-        if type(value) is torch.Tensor and value.dtype is self._fast_dtype and \
-                value.shape == self._dims and value.is_cpu and not value.requires_grad:
-            src = value.numpy()  # the fast lane: nothing to check or convert
-        else:
-            src = self._slot_array(self._check_value(value))
+        src = self._source_array(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
         lock = _slot_lock_offset(slot)
         # The lock is taken by hand rather than with self._locked: a generator-based context
@@ -1749,6 +1782,89 @@ class SharedCache:
         have = self._np_slots[slot].reshape(-1).view(np.uint8)
         return bool(np.array_equal(have, np.ascontiguousarray(src).reshape(-1).view(np.uint8)))
 
+    def stage(self, idx: int, value: Any) -> bool:
+        """Hold the sample of an index that has no slot on this node in a staging slot, until
+        a ``get_slot`` of it takes it (which frees the staging slot). This is for a prefetcher
+        that loads samples shortly before they are read (see ``stocaching.prefetch``); the
+        two-line pattern never needs it.
+
+        Args:
+            idx: dataset index without a slot here (``aux_array[idx] == 2``).
+            value: as for ``set_slot``.
+
+        Returns:
+            True when the sample is staged (or already was); False when every staging slot
+            is taken (nothing changed: try again once some were read).
+
+        Raises:
+            ValueError: ``idx`` has a slot (use ``set_slot``), or the cache was made without
+                ``staging_slots``; nothing is changed. As ``set_slot`` for a bad ``idx`` or
+                ``value``.
+        """
+        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        if not self._staging:
+            raise ValueError("this cache has no staging slots; construct it with "
+                             "staging_slots=N to stage samples")
+        if self._aux_mv[idx] != OOB:
+            raise ValueError(f"idx={idx} has a slot in this cache: store it with set_slot; "
+                             "stage() holds samples of indices without one")
+        src = self._source_array(value)
+        table = self._stage_np
+        with self._locked(_STAGE_LOCK):
+            if (table == idx).any():
+                return True
+            free = np.flatnonzero(table == -1)
+            if not free.size:  # fillers that died keep their slot: give it back
+                for k in np.flatnonzero(table < -1):
+                    if not _alive(-2 - int(table[k]), 0):
+                        table[k] = -1
+                free = np.flatnonzero(table == -1)
+                if not free.size:
+                    return False
+            k = int(free[0])
+            table[k] = -2 - os.getpid()  # reserved by us while we fill it
+        slot = self._layout.slots + k
+        try:
+            with self._locked(_slot_lock_offset(slot)):
+                self._write(slot, src, None)
+        except BaseException:
+            table[k] = -1
+            raise
+        table[k] = idx  # published only once the bytes are in
+        self._ctr[_STAGES] += 1
+        return True
+
+    def _take_staged(self, idx: int) -> torch.Tensor | None:
+        """The staged sample of ``idx`` (a copy; its staging slot is freed), or None."""
+        found = np.flatnonzero(self._stage_np == idx)
+        if not found.size:
+            return None
+        k = int(found[0])
+        slot = self._layout.slots + k
+        seq = self._seq_mv[slot]
+        if seq & 1:
+            return None
+        out = torch.from_numpy(self._np_slots[slot].copy())
+        if self._seq_mv[slot] != seq or self._stage_np[k] != idx:
+            return None
+        with self._locked(_STAGE_LOCK):
+            if self._stage_np[k] == idx:
+                self._stage_np[k] = -1
+        self._ctr[_HITS] += 1
+        self._ctr[_STAGED_HITS] += 1
+        return out if self._view_as is None else out.view(self._view_as)
+
+    def ready_mask(self, indices: Any = None) -> np.ndarray:
+        """True where ``get_slot`` would return a sample now (its slot is set, or it is
+        staged), for ``indices`` (default: every dataset index). A snapshot: it may change
+        right after."""
+        aux = self._aux_np
+        idx = np.arange(self._n) if indices is None else np.asarray(indices, dtype=np.int64)
+        ready = aux[idx] == SET
+        if self._staging:
+            ready |= np.isin(idx, self._stage_np)
+        return ready
+
     def clear(self) -> None:
         """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
         processes read (they see misses) or write (they finish first)."""
@@ -1756,7 +1872,11 @@ class SharedCache:
         with self._writing(0, len(self)):
             aux = self._aux_np
             aux[aux != OOB] = EMPTY
-            self._np_slots.reshape(-1).view(np.uint8).fill(0)
+            self._np_slots[:len(self)].reshape(-1).view(np.uint8).fill(0)
+        if self._staging:
+            with self._locked(_STAGE_LOCK):  # staged samples are dropped (fillers finish)
+                table = self._stage_np
+                table[table >= 0] = -1
 
     def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Counters summed over every process that used this cache on this node.
@@ -1774,24 +1894,27 @@ class SharedCache:
         Returns:
             A dict with ``hits``, ``misses`` (get_slot returned None), ``oob_misses`` (of
             those, indices without a slot here), ``writes`` (set_slot calls that stored),
+            ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
-            segment), ``hit_rate`` (hits / reads, nan without reads) and ``processes`` (live
-            processes that have used it).
+            segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
+            reads, nan without reads) and ``processes`` (live processes that have used it).
         """
         self._check_open()
-        counters = ("hits", "misses", "oob_misses", "writes")
+        counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages")
         if since is not None and (not isinstance(since, Mapping) or
                                   not all(_is_int(since.get(k)) for k in counters)):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
         with self._header_locked():
             rows = self._stats_np.copy()
-        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_WRITES + 1].sum(0))))
+        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
         if since is not None:
             counts = {k: v - int(since[k]) for k, v in counts.items()}
         reads = counts["hits"] + counts["misses"]
         return {**counts, "filled": int(np.count_nonzero(self._aux_np == SET)),
                 "slots": len(self), "dataset_len": self._n, "bytes": self._total,
+                "staging_slots": self._staging, "staged": int(np.count_nonzero(
+                    self._stage_np >= 0)),
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
                 "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
                                  if p)}
@@ -1842,10 +1965,11 @@ def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int 
 
 def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
     """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
-    layout, world, dims, dtype, name, path = state
+    layout, world, dims, dtype, name, path, staging = state
     fd = dupfd.detach()
     cache = SharedCache.__new__(SharedCache)
     cache._layout, cache._world, cache._dims, cache._dtype = layout, world, dims, dtype
+    cache._staging = staging
     cache._name, cache._path, cache._fd = name, path, fd
     cache._finalizer = None
     try:
@@ -1863,26 +1987,33 @@ def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
 
 
 def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.uint8,
-         size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR) -> dict:
+         size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
+         staging_slots: int = 0) -> dict:
     """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
+
+    Args:
+        staging_slots: staging slots for a prefetcher (see ``SharedCache``), paid first.
 
     Returns:
         A dict with ``slots``, ``fraction`` (of the dataset), ``size_limit_gib`` used,
         ``dataset_gib`` (what the whole dataset would need), ``segment_gib`` (the whole
-        segment of this plan, metadata included), ``shm_free_gib`` and ``ram_available_gib``.
+        segment of this plan, metadata and staging included), ``shm_free_gib`` and
+        ``ram_available_gib``.
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
     dims = _check_dims(data_dims)
     dtype = _check_dtype(dtype)
+    staging = check_int("staging_slots", staging_slots, low=0)
     slot_bytes = _slot_bytes(dims, dtype)
     free = _free_bytes(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
-        slots = _slots_for_budget(limit, dataset_len, slot_bytes)
+        slots = _slots_for_budget(limit, dataset_len, slot_bytes, staging)
     else:  # the largest cache whose whole segment (metadata included) fits in what is free
-        slots = _slots_fitting(free, dataset_len, slot_bytes)
-        limit = _budget_for_slots(slots, dataset_len, slot_bytes)
-    segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes)["total_bytes"]
+        slots = _slots_fitting(free, dataset_len, slot_bytes, 1, staging)
+        limit = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
+    segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes,
+                               staging)["total_bytes"]
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
             "segment_gib": segment / BYTES_PER_GIB, "shm_free_gib": free / BYTES_PER_GIB,
@@ -1905,6 +2036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="sample dtype, e.g. uint8 or torch.float16 (default: uint8)")
     p.add_argument("--size-gib", type=float, default=None,
                    help="budget in GiB, as size_limit_gib (default: what --shm-dir has free)")
+    p.add_argument("--staging-slots", type=int, default=0,
+                   help="staging slots for a prefetcher, paid from the budget (default: 0)")
     c = sub.add_parser("clean", help="remove your segments whose processes are all gone")
     c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     args = parser.parse_args(argv)
@@ -1920,11 +2053,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--dims should be ints separated by ',' or 'x', e.g. 3,256,256, but "
                          f"got --dims={args.dims}")
         try:
-            r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir)
+            r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir,
+                     staging_slots=args.staging_slots)
         except (TypeError, ValueError) as e:
             msg = str(e)
             for param, flag in (("dataset_len", "--dataset-len"), ("data_dims", "--dims"),
-                                ("size_limit_gib", "--size-gib"), ("dtype", "--dtype")):
+                                ("size_limit_gib", "--size-gib"), ("dtype", "--dtype"),
+                                ("staging_slots", "--staging-slots")):
                 msg = re.sub(rf"\b{param}\b", flag, msg)
             parser.error(msg)
         out(f"{r['slots']} of {args.dataset_len} samples of {dims} {args.dtype} fit in "
