@@ -1854,6 +1854,17 @@ class SharedCache:
         self._ctr[_STAGED_HITS] += 1
         return out if self._view_as is None else out.view(self._view_as)
 
+    def unstage(self, idx: int) -> bool:
+        """Free the staging slot of ``idx`` if it is staged (a prefetcher gives back what was
+        never read, e.g. after an epoch that stopped early). Returns whether it was staged."""
+        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        if not self._staging:
+            return False
+        with self._locked(_STAGE_LOCK):
+            found = np.flatnonzero(self._stage_np == idx)
+            self._stage_np[found] = -1
+        return bool(found.size)
+
     def ready_mask(self, indices: Any = None) -> np.ndarray:
         """True where ``get_slot`` would return a sample now (its slot is set, or it is
         staged), for ``indices`` (default: every dataset index). A snapshot: it may change
