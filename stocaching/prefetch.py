@@ -42,10 +42,10 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 import torch
 
-try:
-    from .stocaching import SET, SharedCache
-except ImportError:  # prefetch.py copied next to stocaching.py, outside a package
-    from stocaching import SET, SharedCache  # type: ignore[no-redef]
+try:  # inside the package
+    from .stocaching import SharedCache, SlotState, check_int
+except ImportError:  # copied beside stocaching.py
+    from stocaching import SharedCache, SlotState, check_int  # type: ignore[no-redef]
 
 logger = logging.getLogger("stocaching")
 
@@ -56,39 +56,10 @@ MODES = ("fixed", "adaptive")
 DEFAULT_REFRESH = 64
 # Indices converted to Python ints at a time while yielding.
 _YIELD_CHUNK = 4096
+# The aux_array value of a slot that holds its sample.
+_SET = SlotState.SET.value
 
 ReadyFn = Callable[[np.ndarray], Any]
-
-# ----------------------------------------------------------------------------------------------
-# Argument checks (local: the core's are private)
-# ----------------------------------------------------------------------------------------------
-
-
-def _is_int(x: Any) -> bool:
-    """True for Python and numpy integers and 0-dim integer tensors; False for bool."""
-    if isinstance(x, (bool, np.bool_)):
-        return False
-    if isinstance(x, (int, np.integer)):
-        return True
-    if isinstance(x, torch.Tensor):
-        return x.ndim == 0 and not (x.dtype.is_floating_point or x.dtype.is_complex
-                                    or x.dtype == torch.bool)
-    return False
-
-
-def _check_int(name: str, value: Any, *, low: int, high: int | None = None) -> int:
-    """Return ``value`` as an int, or raise naming ``name``, the expectation and the value."""
-    if high is not None:
-        what = f"an int in [{low}, {high}]"
-    else:
-        what = "a positive int" if low == 1 else f"an int >= {low}"
-    if not _is_int(value):
-        raise TypeError(f"{name} should be {what}, but got {name}={value!r} "
-                        f"(type {type(value).__name__})")
-    v = int(value)
-    if v < low or (high is not None and v > high):
-        raise ValueError(f"{name} should be {what}, but got {name}={v}")
-    return v
 
 
 def _nbytes(bits: int) -> int:
@@ -196,7 +167,7 @@ def ready_first_order(ready: Any, window: int) -> np.ndarray:
     Returns:
         An int64 array of base positions, one per output position.
     """
-    window = _check_int("window", window, low=1)
+    window = check_int("window", window, low=1)
     mask = np.asarray(ready)
     if mask.ndim != 1 or mask.dtype != np.bool_:
         raise TypeError(f"ready should be a 1-D bool array, but got an array of shape "
@@ -280,7 +251,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     - with every sample ready, or none, the order is the base order.
 
     Ready means: for a ``SharedCache``, the index's slot is set on this node
-    (``aux_array == SET``); for a callable, what it returns. A prefetcher passes a callable
+    (``aux_array == SlotState.SET``); for a callable, what it returns. A prefetcher passes a callable
     that also counts samples it has staged.
 
     Modes:
@@ -347,14 +318,14 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         else:
             raise TypeError(f"ready should be a SharedCache or a callable ready(indices) -> "
                             f"bool array, but got ready of type {type(ready).__name__}")
-        window = _check_int("window", window, low=1)
+        window = check_int("window", window, low=1)
         if not isinstance(mode, str):
             raise TypeError(f"mode should be 'fixed' or 'adaptive', but got mode={mode!r} "
                             f"(type {type(mode).__name__})")
         if mode not in MODES:
             raise ValueError(f"mode should be 'fixed' or 'adaptive', but got mode={mode!r}")
         refresh_every = min(window, DEFAULT_REFRESH) if refresh_every is None else \
-            _check_int("refresh_every", refresh_every, low=1)
+            check_int("refresh_every", refresh_every, low=1)
         self.base = base
         self.window, self.mode, self.refresh_every = window, mode, refresh_every
         self._cache, self._fn = cache, fn
@@ -374,7 +345,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         Args:
             epoch: the epoch number, an int >= 0.
         """
-        epoch = _check_int("epoch", epoch, low=0)
+        epoch = check_int("epoch", epoch, low=0)
         if epoch != self.epoch and self._loaded is not None:
             if 0 < self._loaded["consumed"] < self._loaded["len"]:
                 warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
@@ -416,6 +387,9 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with what is needed to continue it.
 
+        Once an iterator of the current epoch exists, the state carries what it observed,
+        also at ``consumed=0``: a "fixed" epoch resumes in the order it started with.
+
         Args:
             consumed: indices of this epoch that were used. Default: the number the latest
                 iterator has yielded (plus the position it was resumed from). At most the
@@ -433,14 +407,13 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         """
         n = len(self)
         if consumed is not None:
-            consumed = _check_int("consumed", consumed, low=0, high=n)
+            consumed = check_int("consumed", consumed, low=0, high=n)
         if self._loaded is not None:
-            if consumed is None or consumed == self._loaded["consumed"]:
-                return dict(self._loaded)
-            if consumed != 0:
+            if consumed is not None and consumed != self._loaded["consumed"]:
                 raise ValueError(f"consumed should be {self._loaded['consumed']} (the position "
-                                 f"loaded by load_state_dict; no iterator has run since) or "
-                                 f"0, but got consumed={consumed}")
+                                 f"loaded by load_state_dict; no iterator has run since), but "
+                                 f"got consumed={consumed}")
+            return dict(self._loaded)
         ep = self._ep if self._ep is not None and self._ep.epoch == self.epoch else None
         if ep is None:
             if consumed:
@@ -449,8 +422,6 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             return self._state(0, self._base_state())
         if consumed is None:
             consumed = ep.done
-        if consumed == 0:
-            return self._state(0, ep.base_state)
         if not ep.start <= consumed <= ep.computed:
             raise ValueError(f"consumed should be in [{ep.start}, {ep.computed}] (from where "
                              f"this epoch's iterator started to the last position whose order "
@@ -488,11 +459,16 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                 raise ValueError(f"state['{field}'] should be this sampler's {field}="
                                  f"{mine[field]!r}, but got state['{field}']={state[field]!r}")
         n = mine["len"]
-        epoch = _check_int("state['epoch']", state["epoch"], low=0)
-        consumed = _check_int("state['consumed']", state["consumed"], low=0, high=n)
+        epoch = check_int("state['epoch']", state["epoch"], low=0)
+        consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
         loaded = dict(state)
         loaded["epoch"], loaded["consumed"] = epoch, consumed
-        if consumed:
+        started = state["order_digest"] is not None  # the epoch's order had been computed
+        if started or consumed:
+            if not isinstance(state["order_digest"], str):
+                raise ValueError(f"state['order_digest'] should be a str for "
+                                 f"consumed={consumed}, but got "
+                                 f"state['order_digest']={state['order_digest']!r}")
             lo, hi = max(0, consumed - self.window), min(n, consumed + self.window + 1)
             expect = {"emitted": _nbytes(hi - lo),
                       "ready": _nbytes(n - lo) if self.mode == "fixed" else None}
@@ -506,16 +482,13 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                     raise ValueError(f"state['{field}'] should be {size} bytes of packed bits "
                                      f"for consumed={consumed}, window={self.window}, "
                                      f"len={n}, but got {got}")
-            if not isinstance(state["order_digest"], str):
-                raise ValueError(f"state['order_digest'] should be a str, but got "
-                                 f"state['order_digest']={state['order_digest']!r}")
         if state["base"] is not None and hasattr(self.base, "load_state_dict"):
             self.base.load_state_dict(state["base"])  # may refuse; ours is unchanged then
         elif hasattr(self.base, "set_epoch"):
             self.base.set_epoch(epoch)
         self.epoch = epoch
         self._ep = None
-        self._loaded = loaded if consumed else None
+        self._loaded = loaded if started else None
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -539,7 +512,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     def _query(self, indices: np.ndarray) -> np.ndarray:
         """One bool per index: is its sample ready now."""
         if self._cache is not None:
-            return self._cache.aux_array.numpy()[indices] == SET
+            return self._cache.aux_array.numpy()[indices] == _SET
         view = indices.view()
         view.flags.writeable = False
         got = np.asarray(self._fn(view))
