@@ -55,7 +55,7 @@ MODES = ("fixed", "adaptive")
 #: (at most this, and at most the window).
 DEFAULT_REFRESH = 64
 # Indices converted to Python ints at a time while yielding.
-_YIELD_CHUNK = 4096
+_YIELD_CHUNK = 65536
 # The aux_array value of a slot that holds its sample.
 _SET = SlotState.SET.value
 
@@ -196,10 +196,18 @@ class _Epoch:
         self.pre_bits = pre_bits               # bits over [pre_lo, pre_lo + size): also
         self.out = np.empty(self.n - start, dtype=_dtype(self.n, window))  # steps start..
         self.computed = start                  # steps whose position is known
-        self.done = start                      # steps yielded
+        # The list iterator being yielded from, with the step of its first item and its
+        # length: its length hint tells how many it has handed out.
+        self.chunk: tuple[int, int, Iterator[int]] = (start, 0, iter(()))
         self.base_state = base_state           # the base's state at the epoch's start
         self.mask = mask                       # fixed: ready bits seen at the epoch's start
         self._digest: str | None = None
+
+    @property
+    def done(self) -> int:
+        """Steps yielded so far (counting those before ``start``)."""
+        first, size, it = self.chunk
+        return first + size - it.__length_hint__()  # type: ignore[attr-defined]
 
     @property
     def digest(self) -> str:
@@ -577,7 +585,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             if t >= ep.computed:
                 self._extend(ep)
             stop = min(ep.computed, t + _YIELD_CHUNK)
-            for i in ep.indices[ep.out[t - ep.start:stop - ep.start]].tolist():
-                t += 1
-                ep.done = t
-                yield i
+            chunk = ep.indices[ep.out[t - ep.start:stop - ep.start]].tolist()
+            ep.chunk = (t, len(chunk), iter(chunk))
+            yield from ep.chunk[2]
+            t = stop
