@@ -1,28 +1,30 @@
-"""Keep misses off the training path: the cache-preferring shuffle-buffer order.
+"""Keep misses off the training path: a prefetcher and the cache-preferring order.
 
-:class:`ReadyFirstSampler` wraps any base order (``RandomSampler``, ``DistributedSampler``,
-:class:`~stocaching.CacheAwareSampler`, ...) and, within a window of ``W`` positions, emits the
-indices whose samples are ready (cached) before those that are not. Every index of the base
-order still comes exactly once per epoch, and none moves more than ``W`` positions from where
-the base order put it.
+:class:`Prefetcher` is a ``DataLoader`` sampler that loads the samples the loader will ask for
+next, with many loads in flight, into the cache (or, for indices without a slot, into the
+cache's staging slots), and yields an index only once its sample is there. The dataset keeps
+its two lines (``get_slot``, and ``load`` + ``set_slot`` on a miss); enabling it is one line::
 
-Example::
+    from torch.utils.data import DataLoader, RandomSampler
+    from stocaching import Prefetcher
 
-    from torch.utils.data import DataLoader
-    from stocaching import CacheAwareSampler
-    from stocaching.prefetch import ReadyFirstSampler
-
-    base = CacheAwareSampler(dataset.cache, batch_size=64)
-    sampler = ReadyFirstSampler(base, dataset.cache, window=256)
+    # dataset.cache = SharedCache(..., staging_slots=512); dataset.load(i) -> decoded tensor
+    sampler = Prefetcher(RandomSampler(dataset), dataset.cache, dataset.load, window=256)
     loader = DataLoader(dataset, batch_size=64, sampler=sampler, num_workers=2)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)                 # forwarded to the base sampler
+        sampler.set_epoch(epoch)                 # forwarded to the base sampler, if it has one
         for batch in loader:
             ...
 
+:class:`ReadyFirstSampler` (which the prefetcher uses when given a ``window``) wraps any base
+order (``RandomSampler``, ``DistributedSampler``, :class:`~stocaching.CacheAwareSampler`, ...)
+and, within a window of ``W`` positions, emits the indices whose samples are ready before those
+that are not. Every index of the base order still comes exactly once per epoch, and none moves
+more than ``W`` positions from where the base order put it.
+
 Reordering cannot change how many misses an epoch has ((1 - f) * N with a fraction f of the
-dataset cached); it moves them later within the window, which gives a prefetcher time to load
-them. See docs/order.md.
+dataset cached); the prefetcher hides their latency, and the order gives it lead time and
+routes around misses that are not loaded yet. See docs/prefetch.md and docs/order.md.
 
 This module imports only public names of ``stocaching``, so it also works copied next to
 ``stocaching.py``.
@@ -30,13 +32,17 @@ This module imports only public names of ``stocaching``, so it also works copied
 
 from __future__ import annotations
 
-__all__ = ["ReadyFirstSampler", "ready_first_order"]
+__all__ = ["PrefetchError", "Prefetcher", "ReadyFirstSampler", "ready_first_order"]
 
 import hashlib
 import inspect
 import logging
+import queue
+import threading
 import time
 import warnings
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -192,10 +198,13 @@ class _Epoch:
         self.n = indices.size
         self.window = window
         self.start = start                     # first output step this iterator yields
-        self.pre_lo = max(0, start - window)   # positions below were emitted before start;
-        self.pre_bits = pre_bits               # bits over [pre_lo, pre_lo + size): also
-        self.out = np.empty(self.n - start, dtype=_dtype(self.n, window))  # steps start..
-        self.computed = start                  # steps whose position is known
+        # Emitted before ``start``: every position below pre_lo, and those whose bit is set
+        # in pre_bits (over positions [pre_lo, pre_lo + pre_bits.size)); none above.
+        self.pre_lo = max(0, start - window)
+        self.pre_bits = pre_bits
+        # out[t - start]: the base position emitted at step t, for start <= t < computed.
+        self.out = np.empty(self.n - start, dtype=_dtype(self.n, window))
+        self.computed = start
         # The list iterator being yielded from, with the step of its first item and its
         # length: its length hint tells how many it has handed out.
         self.chunk: tuple[int, int, Iterator[int]] = (start, 0, iter(()))
@@ -259,8 +268,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     - with every sample ready, or none, the order is the base order.
 
     Ready means: for a ``SharedCache``, the index's slot is set on this node
-    (``aux_array == SlotState.SET``); for a callable, what it returns. A prefetcher passes a callable
-    that also counts samples it has staged.
+    (``aux_array == SlotState.SET``); for a callable, what it returns. A prefetcher passes a
+    callable that also counts samples it has staged.
 
     Modes:
 
@@ -285,8 +294,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
 
     Cost: the fixed-mode state carries 1 bit per remaining index plus ``2 W + 1`` bits
     (at most 125 KB per million indices), the adaptive-mode state ``2 W + 1`` bits. While
-    iterating, an epoch holds the base order and the output order (16 bytes per index) plus,
-    in fixed mode, the ready mask (1 byte per index).
+    iterating, an epoch holds the base order and the output order (12 bytes per index below
+    2**30 indices) plus, in fixed mode, the ready mask (1 byte per index).
 
     Not thread-safe: create and advance its iterators from one thread (the ``DataLoader``
     does so in the main process).
@@ -589,3 +598,251 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             ep.chunk = (t, len(chunk), iter(chunk))
             yield from ep.chunk[2]
             t = stop
+
+
+# ----------------------------------------------------------------------------------------------
+# The prefetcher: misses loaded ahead of need, with many reads in flight
+# ----------------------------------------------------------------------------------------------
+
+
+class PrefetchError(RuntimeError):
+    """The load function failed (or timed out) for a sample the prefetcher loaded ahead.
+
+    The original exception, with its traceback, is the ``__cause__``.
+
+    Attributes:
+        index: the dataset index whose load failed.
+    """
+
+    def __init__(self, message: str, index: int = -1) -> None:
+        super().__init__(message)
+        self.index = index
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.index)
+
+
+class Prefetcher(torch.utils.data.Sampler[int]):
+    """Loads the samples the ``DataLoader`` will ask for next, before it asks, with many
+    loads in flight; yields an index only once its sample is in the cache.
+
+    It is the ``DataLoader``'s sampler: it wraps the order you would use (``RandomSampler``,
+    ``DistributedSampler``, ``CacheAwareSampler``, ...) and, with a ``window``, reorders it
+    with :class:`ReadyFirstSampler` so that ready samples go first and a miss gets lead time.
+    It runs where the ``DataLoader`` draws indices (the training process of each rank), keeps
+    the next ``lookahead`` positions of the base order loading in ``threads`` threads (the
+    user's ``load`` function: read and decode, phase one of the two-phase transforms), and
+    stores each result with ``cache.set_slot`` (an index with a slot) or ``cache.stage`` (an
+    index without one, if the cache has ``staging_slots``). The ``DataLoader`` workers then
+    find the sample with ``get_slot``, in any start method; the dataset is unchanged.
+
+    Never twice at once: an index it loads is yielded only after its load has finished, so
+    no worker loads it too; indices it did not load (beyond the cache and the staging area)
+    are loaded by the workers as without it. One prefetcher per rank: each rank's order
+    (``DistributedSampler``, ``CacheAwareSampler``) holds the indices that rank reads, so
+    ranks do not load each other's samples; they share the node's staging slots, each taking
+    at most ``staging_slots // (2 * local_world_size)`` ahead of its position.
+
+    Threads, not processes: the loads run in this process, which the ``DataLoader``'s main
+    loop leaves idle while it waits. Reads (files, sockets) and decoders that release the GIL
+    (Pillow, numpy, torch) run in parallel; a ``load`` that holds the GIL (pure-Python
+    decoding) is limited to one core here. The threads start with each epoch's iterator and
+    stop with it; they are daemon threads, so none outlives the process.
+
+    Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
+    by the iterator as :class:`PrefetchError` naming the index, with the original exception
+    and traceback as its cause; a load running longer than ``timeout`` seconds raises one too.
+
+    Args:
+        sampler: the base order; ``set_epoch`` is forwarded to it.
+        cache: the ``SharedCache`` that the dataset reads with ``get_slot``.
+        load: ``load(index) -> tensor``: the sample as the dataset would cache it.
+        window: W of the cache-preferring order (no index moves more than W positions), or
+            None to keep the base order. Default: None.
+        mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window).
+            Default: "adaptive".
+        threads: loads in flight, an int >= 1. Default: 16.
+        lookahead: positions of the base order kept loading ahead of the ``DataLoader``
+            (beyond the window), an int >= 1. Default: ``4 * threads``.
+        timeout: seconds to wait for one load before raising. Default: 120.
+    """
+
+    def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
+                 window: int | None = None, mode: str = "adaptive", threads: int = 16,
+                 lookahead: int | None = None, timeout: float = 120.0) -> None:
+        if not isinstance(cache, SharedCache):
+            raise TypeError(f"cache should be a SharedCache, but got cache of type "
+                            f"{type(cache).__name__}")
+        if not callable(load):
+            raise TypeError(f"load should be a callable load(index) -> tensor, but got "
+                            f"load of type {type(load).__name__}")
+        self.threads = check_int("threads", threads, low=1)
+        self.lookahead = 4 * self.threads if lookahead is None else \
+            check_int("lookahead", lookahead, low=1)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout < float("inf"):
+            raise (TypeError if not isinstance(timeout, (int, float)) else ValueError)(
+                f"timeout should be a positive number of seconds, but got timeout={timeout!r}")
+        self.timeout = float(timeout)
+        self.cache, self.load = cache, load
+        self._tap = _Tap(sampler)
+        self.window = None if window is None else check_int("window", window, low=1)
+        self._order: Any = self._tap if window is None else \
+            ReadyFirstSampler(self._tap, cache.ready_mask, window=self.window, mode=mode)
+        lws = cache.world.local_world_size
+        self._stage_ahead = cache.stats()["staging_slots"] // (2 * lws)
+        self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
+        self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
+        self._count_lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._tap)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the order (and so to the base sampler, if it has one)."""
+        if hasattr(self._order, "set_epoch"):
+            self._order.set_epoch(epoch)
+
+    def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
+        """The order's state (see :class:`ReadyFirstSampler`, or the base sampler's)."""
+        if not hasattr(self._order, "state_dict"):
+            raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
+                            "state_dict(); pass a window, or a base sampler that resumes")
+        if consumed is None:
+            return self._order.state_dict()
+        return self._order.state_dict(consumed=consumed)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``, a dict from ``state_dict()``."""
+        if not hasattr(self._order, "load_state_dict"):
+            raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
+                            "load_state_dict(); pass a window, or a base sampler that resumes")
+        self._order.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[int]:
+        for idx in list(self._staged):  # staged last epoch and never read: give them back
+            self.cache.unstage(idx)
+        self._staged.clear()
+        order_it = iter(self._order)  # the base order is taken now (by the tap)
+        base = self._tap.order
+        pool = _LoaderPool(self.threads, self._fetch)
+        pending: dict[int, tuple[Future, bool]] = {}  # index -> (its load, staged or not)
+        ahead = 0  # staged loads submitted and not yet yielded
+        nxt, pos = 0, 0  # next base position to consider; positions yielded
+        span = (self.window or 0) + self.lookahead
+        try:
+            for idx in order_it:
+                end = min(len(base), pos + span)
+                while nxt < end:  # submit the misses among the next positions, in order
+                    chunk = base[nxt:end]
+                    need = ~self.cache.ready_mask(chunk)
+                    oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
+                    for j in np.flatnonzero(need):
+                        i = int(chunk[j])
+                        if i in pending:
+                            continue
+                        if oob[j]:
+                            if not self._stage_ahead:
+                                continue  # no staging slots: the workers load it
+                            if ahead >= self._stage_ahead:
+                                end = nxt + int(j)  # the staging area is the limit: stop here
+                                break
+                            ahead += 1
+                        pending[i] = (pool.submit(i, bool(oob[j])), bool(oob[j]))
+                    nxt = end
+                job = pending.pop(idx, None)
+                if job is not None:
+                    self._wait(idx, job[0])
+                    ahead -= job[1]
+                pos += 1
+                yield idx
+        finally:
+            pool.stop()
+            for i, (_, staged) in pending.items():  # loaded ahead and never yielded
+                if staged:
+                    self.cache.unstage(i)
+
+    def _fetch(self, idx: int, staged: bool, stop: threading.Event) -> None:
+        """Load one sample and store it; runs in a loader thread."""
+        value = self.load(idx)
+        if not staged:
+            self.cache.set_slot(idx, value, exist_ok=True)
+        else:
+            # Full: the DataLoader frees staging slots as its workers read what was yielded.
+            while not self.cache.stage(idx, value):
+                if stop.wait(0.002):
+                    return
+            self._staged.add(idx)
+        with self._count_lock:
+            self.loaded += 1
+
+    def _wait(self, idx: int, fut: Future) -> None:
+        try:
+            fut.result(timeout=self.timeout)
+        except FutureTimeout:
+            raise PrefetchError(f"load({idx}) did not finish within timeout={self.timeout:g} s "
+                                "(prefetcher)", idx) from None
+        except BaseException as e:
+            raise PrefetchError(f"load({idx}) failed in the prefetcher: "
+                                f"{type(e).__name__}: {e}", idx) from e
+
+
+class _Tap:
+    """Passes a sampler through and keeps the order of its latest epoch, which the
+    prefetcher reads ahead in; other attributes are the sampler's."""
+
+    def __init__(self, base: Any) -> None:
+        if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
+            raise TypeError(f"sampler should be a Sampler or an iterable of ints with a length, "
+                            f"but got sampler of type {type(base).__name__}")
+        self.base = base
+        self.order = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __iter__(self) -> Iterator[int]:
+        self.order = np.asarray(list(self.base), dtype=np.int64)
+        return iter(self.order.tolist())
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
+        return getattr(self.__dict__["base"], name)
+
+
+class _LoaderPool:
+    """Daemon threads running ``fetch(index, staged, stop)`` for submitted indices, in the
+    order submitted; ``stop()`` lets each finish its current load and go."""
+
+    def __init__(self, n: int, fetch: Callable[[int, bool, threading.Event], None]) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._fetch = fetch
+        self._threads = [threading.Thread(target=self._run, name=f"stocaching-prefetch-{k}",
+                                          daemon=True) for k in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, idx: int, staged: bool) -> Future:
+        fut: Future = Future()
+        self._jobs.put((idx, staged, fut))
+        return fut
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            job = self._jobs.get()
+            if job is None:
+                return
+            idx, staged, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                self._fetch(idx, staged, self._stop)
+            except BaseException as e:  # handed to the iterator, which raises it
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for _ in self._threads:
+            self._jobs.put(None)
