@@ -8,7 +8,9 @@ re-exports all of them.
 from .stocaching import *  # noqa: F401,F403
 from .stocaching import __all__ as _core_all
 from .stocaching import __version__  # noqa: F401
+from .prefetch import *  # noqa: F401,F403
+from .prefetch import __all__ as _prefetch_all
 from .samplers import *  # noqa: F401,F403
 from .samplers import __all__ as _samplers_all
 
-__all__ = [*_core_all, *_samplers_all]
+__all__ = [*_core_all, *_samplers_all, *_prefetch_all]
