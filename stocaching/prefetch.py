@@ -63,7 +63,6 @@ DEFAULT_REFRESH = 64
 # Indices converted to Python ints at a time while yielding.
 _YIELD_CHUNK = 65536
 # The aux_array value of a slot that holds its sample.
-_SET = SlotState.SET.value
 
 ReadyFn = Callable[[np.ndarray], Any]
 
@@ -268,8 +267,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     - with every sample ready, or none, the order is the base order.
 
     Ready means: for a ``SharedCache``, the index's slot is set on this node
-    (``aux_array == SlotState.SET``); for a callable, what it returns. A prefetcher passes a
-    callable that also counts samples it has staged.
+    (``aux_array == SlotState.SET``) or it is staged (``SharedCache.ready_mask``); for a
+    callable, what it returns.
 
     Modes:
 
@@ -529,7 +528,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     def _query(self, indices: np.ndarray) -> np.ndarray:
         """One bool per index: is its sample ready now."""
         if self._cache is not None:
-            return self._cache.aux_array.numpy()[indices] == _SET
+            return self._cache.ready_mask(indices)
         view = indices.view()
         view.flags.writeable = False
         got = np.asarray(self._fn(view))
@@ -688,7 +687,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._tap = _Tap(sampler)
         self.window = None if window is None else check_int("window", window, low=1)
         self._order: Any = self._tap if window is None else \
-            ReadyFirstSampler(self._tap, cache.ready_mask, window=self.window, mode=mode)
+            ReadyFirstSampler(self._tap, cache, window=self.window, mode=mode)
         lws = cache.world.local_world_size
         self._stage_ahead = cache.stats()["staging_slots"] // (2 * lws)
         self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
