@@ -970,6 +970,9 @@ class SharedCache:
             Default: ``$STOCACHING_SHM_DIR`` or ``/dev/shm``.
         layout_seed: seed of the multi-node layout (all nodes must agree). Default: 0.
         timeout: seconds a non-leader waits for the leader's segment. Default: 300.
+        staging_slots: extra slots where a prefetcher holds samples of indices without a slot
+            until they are read once (see ``stage`` and ``stocaching.prefetch``); they are
+            paid from ``size_limit_gib`` first. Default: 0.
 
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
@@ -1732,16 +1735,17 @@ class SharedCache:
                 with ValueError. Tensors on another device are copied.
             allow_oob_idx: when False, an index without a slot raises IndexError. Default:
                 True.
-            allow_overwrite: when False, writing a slot that is already set raises
-                RuntimeError. Default: False.
-            exist_ok: when True, a slot that is already set is left as it is, without an
-                error. Use it where two processes may load the same index at once (sampling
-                with replacement, several datasets over one cache): the second one's
-                ``set_slot`` would otherwise raise. Default: False (0.2.1's behaviour).
+            allow_overwrite: when False, writing a slot that is already set to a different
+                value raises RuntimeError; the same value again is a no-op, so two processes
+                that load one index at once (ranks that all read every index, as in a
+                validation loop) are safe. Default: False.
+            exist_ok: when True, a slot that is already set is left as it is, whatever the
+                new value. Default: False.
 
         Raises:
             IndexError, TypeError, ValueError: bad ``idx`` or ``value``; nothing is changed.
-            RuntimeError: the slot is set, and neither allow_overwrite nor exist_ok; nothing
+            RuntimeError: the slot is set to a different value, and neither allow_overwrite
+                nor exist_ok (often a sign of random augmentation before the cache); nothing
                 is changed.
         """
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
