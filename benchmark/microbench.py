@@ -1,6 +1,8 @@
 """Per-call cost of SharedCache: get_slot hit / miss, set_slot, construction.
 
-Run: ``python -m benchmark.microbench [--ref-dir DIR] [--construct-gib 1 8]``
+Run: ``python -m benchmark.microbench [--ref-dir DIR] [--construct-gib 1 8]``, or
+``python -m benchmark.microbench --ref-dir DIR --before OLD_stocaching.py`` for the hit and write
+paths of two versions of the core side by side.
 
 Every figure is printed next to references measured in the same run (a bare ``clone()`` of one
 slot, torch and numpy indexing), because a shared machine is noisy: compare ratios. With
@@ -85,6 +87,49 @@ def bench_calls(dims: tuple[int, ...], ref, n: int = 2000) -> list[tuple[str, fl
     return rows
 
 
+def load_core(path: str):
+    """Import another copy of the core module (e.g. ``git show REV:stocaching/stocaching.py``)
+    under another name, to time it beside this one."""
+    spec = importlib.util.spec_from_file_location("stocaching_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_side_by_side(dims: tuple[int, ...], ref, before, rounds: int = 25
+                       ) -> list[tuple[str, float, float]]:
+    """get_slot hit and set_slot (same dtype and shape, overwrite) of this core, of ``before``
+    and of 0.2.1, interleaved round by round so that they share the machine's noise.
+
+    Returns ``(name, min, median)`` in microseconds per call."""
+    number = 20000 if np.prod(dims) < 10000 else 2000
+    n = 1000
+    x = torch.randint(0, 255, dims, dtype=torch.uint8)
+    gib = (np.prod(dims) + 1) * n * 1.01 / 2**30
+    caches = {"now": stocaching.SharedCache(gib, n, dims, name="sbs-now")}
+    if before is not None:
+        caches["before"] = before.SharedCache(gib, n, dims, name="sbs-before")
+    if ref is not None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            caches["0.2.1"] = ref.SharedCache(gib, n, dims)
+    for c in caches.values():
+        c.set_slot(5, x)
+        c.set_slot(7, x)
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for label, c in caches.items():
+            for what, fn in (("get_slot hit", lambda: c.get_slot(5)),
+                             ("set_slot overwrite",
+                              lambda: c.set_slot(7, x, allow_overwrite=True))):
+                t = timeit.timeit(fn, number=number) / number * 1e6
+                times.setdefault(f"{label:6s} {what}", []).append(t)
+    for label, c in caches.items():
+        if hasattr(c, "close"):
+            c.close()
+    return [(k, min(v), float(np.median(v))) for k, v in times.items()]
+
+
 def bench_construct(gib: float, ref) -> list[tuple[str, float]]:
     dims = (3, 256, 256)
     n = int(gib * 2**30 / (np.prod(dims) + 1))
@@ -124,11 +169,23 @@ def main(argv=None) -> None:
                     help="directory of `pip install --target DIR stocaching==0.2.1`")
     ap.add_argument("--construct-gib", type=float, nargs="*", default=[1, 8])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--before", default=None, metavar="CORE.py",
+                    help="another copy of stocaching.py (e.g. from `git show REV:stocaching/"
+                         "stocaching.py`): time its hit and write paths beside this one's "
+                         "and 0.2.1's, interleaved, then stop")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ref = load_ref(args.ref_dir) if args.ref_dir else None
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    if args.before:
+        before = load_core(args.before)
+        for dims in [(3, 32, 32), (3, 256, 256)]:
+            print(f"\n{dims} uint8, interleaved rounds: min / median per call")
+            for name, lo, med in bench_side_by_side(dims, ref, before):
+                print(f"  {name:34s} {lo:7.2f} / {med:7.2f} us")
+        print(f"\nload average {os.getloadavg()[0]:.2f}")
+        return
     for dims in [(3, 32, 32), (3, 256, 256)]:
         print(f"\n{dims} uint8, median per call")
         for name, us in bench_calls(dims, ref):
