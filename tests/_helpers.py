@@ -1,19 +1,65 @@
-"""Objects that DataLoader workers started with spawn or forkserver must be able to import."""
+"""Helpers of the tests and of the programs they start (the fixtures are in conftest.py).
+
+Not a test module: pytest collects ``test_*.py`` only. Who imports it from where:
+
+* test modules and conftest.py: pytest puts ``tests/`` on ``sys.path`` (it has no
+  ``__init__.py``, so its rootdir-relative folder is prepended);
+* DataLoader workers started with spawn or forkserver: multiprocessing hands the parent's
+  ``sys.path`` to its children, so what they unpickle (``CachedDataset``) is found here;
+* the child programs in ``tests/children/``: ``rank_env()`` puts the checkout and ``tests/``
+  on their ``PYTHONPATH``.
+
+It provides
+
+* values: ``value_of(i, dims)``, the sample of index ``i`` in every process, and
+  ``CachedDataset``, the README's two-line pattern;
+* sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots;
+* child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
+  ``run_child``/``start_child`` for a program of ``tests/children/``, and ``Child``, a job driven
+  one command per line (``tests/children/job.py``);
+* leak probes that read /proc: which names are left in a directory, who maps or holds a file of
+  it, and how much of a tmpfs is still in use.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import torch
 
-from stocaching import SharedCache
+from stocaching import SharedCache, World
+from stocaching.stocaching import SEGMENT_PREFIX
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+CHILDREN = TESTS / "children"
+BYTES_PER_GIB = 1024**3
+
+# ----------------------------------------------------------------------------------------------
+# Values: a function of the index, the same in the test and in its children
+# ----------------------------------------------------------------------------------------------
 
 
 def value_of(i: int, dims=(3, 8, 8)) -> torch.Tensor:
-    """A deterministic sample for index i, so any process can check what it reads."""
-    return torch.full(dims, i % 251, dtype=torch.uint8)
+    """The uint8 sample stored for index ``i``: indices below 251 never share one, none is all
+    zeros, and any process can check what it reads."""
+    n = math.prod(dims)
+    return ((torch.arange(n) * 13 + i * 7 + 1) % 251).to(torch.uint8).reshape(dims)
 
 
 class CachedDataset(torch.utils.data.Dataset):
-    """The two-line pattern of the README, with a 'decode' that records misses."""
+    """The two-line pattern of the README, with a 'decode' that records misses: items are
+    ``(i, sample, hit)``."""
 
     def __init__(self, cache: SharedCache, n: int):
         self.cache, self.n = cache, n
@@ -25,6 +71,264 @@ class CachedDataset(torch.utils.data.Dataset):
         x = self.cache.get_slot(i)
         hit = x is not None
         if x is None:
-            x = value_of(i)
+            x = value_of(i, self.cache.data_dims)
             self.cache.set_slot(i, x)
         return i, x, hit
+
+
+def budget_for(n_slots: int, dims, dtype: torch.dtype = torch.uint8, *,
+               dataset_len: int) -> float:
+    """A ``size_limit_gib`` that gives exactly ``n_slots`` slots (``n_slots < dataset_len``).
+
+    0.2.1's sizing rule: the budget covers the slots and one aux byte per sample of the dataset,
+    so the dataset's length is part of the answer. Half a byte more keeps the float division
+    from rounding down to one slot less."""
+    slot_bytes = math.prod(dims) * dtype.itemsize
+    return (n_slots * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
+
+
+def rerun(shm_dir: str, job_key: str, name: str, n: int, d: int, local_world_size: int) -> None:
+    """Run the same job again, right away, in this process: the leader and (if any) the other
+    local rank construct, one writes, the other reads everything back, both close."""
+    worlds = [World(rank=r, world_size=local_world_size, local_rank=r,
+                    local_world_size=local_world_size) for r in range(local_world_size)]
+    caches = [SharedCache(1, n, (d,), name=name, job_key=job_key, world=w, shm_dir=shm_dir,
+                          timeout=60) for w in worlds]
+    try:
+        for i in range(n):
+            caches[0].set_slot(i, value_of(i, (d,)))
+        for i in range(n):
+            got = caches[-1].get_slot(i)
+            assert got is not None and torch.equal(got, value_of(i, (d,))), f"rerun: index {i}"
+    finally:
+        for c in caches:
+            c.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Leak probes
+# ----------------------------------------------------------------------------------------------
+
+
+def named(shm_dir: str) -> list[str]:
+    """Names in ``shm_dir`` that carry the stocaching prefix."""
+    return sorted(n for n in os.listdir(shm_dir) if n.startswith(SEGMENT_PREFIX))
+
+
+def mappers(shm_dir: str) -> dict[int, list[str]]:
+    """Processes that map a file of ``shm_dir`` (named or already unlinked), from /proc."""
+    prefix = os.path.realpath(shm_dir) + "/"
+    out: dict[int, list[str]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                hits = sorted({ln.split(maxsplit=5)[5].strip() for ln in f if prefix in ln})
+        except (OSError, IndexError):
+            continue
+        if hits:
+            out[int(pid)] = hits
+    return out
+
+
+def holders(shm_dir: str) -> dict[int, list[str]]:
+    """Processes with an open descriptor on a file of ``shm_dir``, from /proc/*/fd."""
+    prefix = os.path.realpath(shm_dir) + "/"
+    out: dict[int, list[str]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                out.setdefault(int(pid), []).append(target)
+    return out
+
+
+def used_bytes(shm_dir: str) -> int:
+    """Bytes in use on the tmpfs: files still named *and* unlinked files someone still holds."""
+    st = os.statvfs(shm_dir)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def wait_until_unmapped(shm_dir: str, *, within: float = 60.0) -> dict:
+    """Wait until no process maps or holds a file of ``shm_dir`` (processes that were just
+    killed, and DataLoader workers noticing their parent is gone, take a moment); return what
+    is still mapped and held. ``within`` is a ceiling for a hang, not a time anything takes."""
+    deadline = time.monotonic() + within
+    while True:
+        state = {"mapped by": mappers(shm_dir), "held by": holders(shm_dir)}
+        if not any(state.values()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def assert_no_leak(shm_dir: str, *, within: float = 60.0) -> None:
+    """Nothing named, mapped or held in ``shm_dir`` and its memory returned, waiting up to
+    ``within`` s for processes that are still exiting."""
+    deadline = time.monotonic() + within
+    while True:
+        state = {"named": named(shm_dir), "mapped by": mappers(shm_dir),
+                 "held by": holders(shm_dir), "bytes used": used_bytes(shm_dir)}
+        if not any(state.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leak in {shm_dir}: {state}")
+        time.sleep(0.05)
+
+
+def age(paths, seconds: float = 10.0) -> None:
+    """Make files look ``seconds`` old: ``clean_segments`` leaves files younger than 2 s alone
+    (a leader may be creating them), so this stands for the time a relaunch takes."""
+    t = time.time() - seconds
+    for p in paths:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Child processes
+# ----------------------------------------------------------------------------------------------
+
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                   "GROUP_WORLD_SIZE", "SLURM_PROCID", "MASTER_PORT", "MASTER_ADDR",
+                   "STOCACHING_JOB_KEY")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(shm_dir: str | None = None, job_key: str | None = None, *, rank: int | None = None,
+             world_size: int = 2, port: int | None = None, **extra) -> dict[str, str]:
+    """The environment of a child process: torchrun's variables for local rank ``rank`` of a
+    one-node job of ``world_size`` ranks when ``rank`` is given (else none: a single-process
+    job, or torchrun sets them), the job key and segment directory when given, the checkout and
+    ``tests/`` on the path, one OpenMP thread, unbuffered output, tracebacks on a crash, and
+    ``extra`` variables."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(TESTS),
+                                                        env.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    if shm_dir is not None:
+        env["STOCACHING_SHM_DIR"] = shm_dir
+    if job_key is not None:
+        env["STOCACHING_JOB_KEY"] = job_key
+    if rank is not None:
+        env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port if port is not None else free_port()))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _command(program: str, args) -> list[str]:
+    return [sys.executable, str(CHILDREN / program), *map(str, args)]
+
+
+def run_child(program: str, *args, env: dict[str, str] | None = None, timeout: float = 120,
+              **kwargs) -> subprocess.CompletedProcess:
+    """Run ``tests/children/<program>`` with ``args`` to its end; text output captured."""
+    return subprocess.run(_command(program, args), env=rank_env() if env is None else env,
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def start_child(program: str, *args, env: dict[str, str] | None = None,
+                **kwargs) -> subprocess.Popen:
+    """Start ``tests/children/<program>`` with ``args``; text pipes as ``kwargs`` ask."""
+    return subprocess.Popen(_command(program, args), env=rank_env() if env is None else env,
+                            text=True, **kwargs)
+
+
+class Child:
+    """A ``tests/children/job.py`` process: commands go to its stdin, its stdout lines are
+    collected by a thread. It leads its own session (so its DataLoader workers can be killed
+    with it)."""
+
+    def __init__(self, env: dict[str, str], log: Path, label: str) -> None:
+        self.label = label
+        self.log = log
+        self._err = open(log, "wb")
+        self.p = start_child("job.py", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=self._err, cwd=log.parent, bufsize=1,
+                             start_new_session=True)
+        self.pid = self.p.pid
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.p.stdout:
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def expect(self, prefix: str, timeout: float = 60.0) -> str:
+        """The next stdout line starting with ``prefix`` (others are kept in ``lines``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                self.dump_stacks()
+                raise AssertionError(f"{self.label}: no {prefix!r} within {timeout} s; stdout "
+                                     f"{self.lines}; stderr:\n{self.stderr()}") from None
+            if line is None:
+                self._q.put(None)
+                raise AssertionError(f"{self.label}: exited (rc={self.p.poll()}) before "
+                                     f"{prefix!r}; stdout {self.lines}; stderr:\n"
+                                     f"{self.stderr()}")
+            self.lines.append(line)
+            if line.startswith(prefix):
+                return line
+            if line.startswith("NOREADY"):
+                raise AssertionError(f"{self.label}: a worker waited 60 s for iter(loader) to "
+                                     f"return; stdout {self.lines}")
+
+    def dump_stacks(self) -> None:
+        """Ask a stuck child for the Python stack of every thread (to its stderr, via
+        faulthandler), so that a hang reports where it hangs."""
+        if self.p.poll() is None:  # the child and its DataLoader workers (its session)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+
+    def send(self, command: str) -> None:
+        self.p.stdin.write(command + "\n")
+        self.p.stdin.flush()
+
+    def wait(self, timeout: float = 60.0) -> int:
+        """Return code; a child still running after ``timeout`` s is a hang: fail."""
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.dump_stacks()
+            self.kill_group()
+            raise AssertionError(f"{self.label} hung: still running {timeout} s later; stdout "
+                                 f"{self.lines}; stderr:\n{self.stderr()}") from None
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL the session this child leads (it and the DataLoader workers it started)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.p.wait(5)
+
+    def close(self) -> None:
+        self.kill_group()  # also when it has exited: its workers may outlive it for a moment
+        for s in (self.p.stdin, self.p.stdout):
+            with contextlib.suppress(Exception):
+                s.close()
+        self._err.close()

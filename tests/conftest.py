@@ -1,14 +1,23 @@
-"""Shared fixtures: a private directory on a real tmpfs for every test, so leak checks only see
-that test's segments, and a helper that lists what is left in it."""
+"""Every fixture of the suite (the helpers are in _helpers.py):
+
+* ``shm_dir``: a private directory on /dev/shm (a real tmpfs) for every test, so leak checks
+  only see that test's segments;
+* ``tmpfs``: a freshly mounted 64 MiB tmpfs, for capacity checks and leak checks that count the
+  filesystem's bytes (skipped, with the reason, where ``mount`` is not allowed);
+* ``children``: starts ``tests/children/job.py`` processes and kills what is left of them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
 
 import pytest
+
+from _helpers import Child
 
 SHM_ROOT = "/dev/shm"
 
@@ -24,35 +33,40 @@ def shm_dir(monkeypatch):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 64 MiB tmpfs mounted for this test (needs root; skipped where mounting is refused)."""
-    d = tmp_path / "tmpfs"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=1777", "tmpfs", str(d)],
+def tmpfs():
+    """Mount a fresh 64 MiB tmpfs and yield its path; unmount and remove it afterwards.
+
+    The mount point is a new directory in the system temp dir with mode 0755 (pytest's
+    ``tmp_path`` is private to root), so that a child running as another user can reach the
+    tmpfs, whose own mode is 1777 like /dev/shm."""
+    d = tempfile.mkdtemp(prefix="reliability-shm-")
+    os.chmod(d, 0o755)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=1777", "tmpfs", d],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+        os.rmdir(d)
+        pytest.skip(f"cannot mount a private tmpfs here ({r.stderr.strip() or r.returncode}); "
+                    "these tests need root or CAP_SYS_ADMIN to isolate their leak checks")
     try:
-        yield str(d)
+        yield os.path.realpath(d)
     finally:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        if subprocess.run(["umount", d], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", d], capture_output=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
 
 
-def leftovers(d: str) -> list[str]:
-    """stocaching files left in ``d``."""
-    return sorted(f for f in os.listdir(d) if f.startswith("stocaching_"))
+@pytest.fixture
+def children(tmp_path):
+    """Start job processes with ``children(label, env)``; any still running at the end are
+    killed (only the process groups this fixture started)."""
+    started: list[Child] = []
 
+    def start(label: str, env: dict[str, str]) -> Child:
+        c = Child(env, tmp_path / f"{label}.stderr", label)
+        started.append(c)
+        return c
 
-def mappers(d: str) -> list[int]:
-    """pids of processes that still map a segment from ``d`` (named or unlinked)."""
-    real = os.path.realpath(d)
-    pids = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/maps") as f:
-                    if any(real + "/stocaching_" in ln for ln in f):
-                        pids.append(int(p))
-            except OSError:
-                pass
-    return pids
+    yield start
+    for c in started:
+        c.close()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 import torch
 
 import stocaching
+from _helpers import budget_for, named, run_child
 from benchmark.microbench import load_ref
 from stocaching import SharedCache
 
@@ -81,7 +80,7 @@ def test_same_results_as_021(shm_dir):
     """One script of calls, run on both; identical results and exceptions."""
     ref = _ref()
     n, dims = 50, (2, 3)
-    size = (30 * 6 + n) / 1024**3  # 30 slots
+    size = budget_for(30, dims, dataset_len=n)
     r, c = ref.SharedCache(size, n, dims), SharedCache(size, n, dims, shm_dir=shm_dir)
     assert len(c) == len(r) == 30
     x = sample(dims, torch.uint8, 1)
@@ -154,20 +153,11 @@ def test_returned_tensor_is_a_copy(shm_dir):
     assert not torch.equal(c.get_slot(7), x)
 
 
+@pytest.mark.timeout(300)
 def test_view_is_read_only_and_writing_it_crashes(shm_dir):
     """copy=False returns a read-only mapping: an in-place write kills the process with SIGSEGV
     instead of changing the cache silently. Shown in a child process."""
-    code = f"""
-import torch, stocaching
-c = stocaching.SharedCache(1e-4, 10, (4,), shm_dir={shm_dir!r})
-c.set_slot(1, torch.arange(4, dtype=torch.uint8))
-v = c.get_slot(1, copy=False)
-assert v.tolist() == [0, 1, 2, 3]
-print("ok", flush=True)
-v.add_(1)
-print("survived", flush=True)
-"""
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = run_child("write_a_view.py", shm_dir)
     assert r.stdout.split() == ["ok"]
     assert r.returncode == -11, r.stderr
 
@@ -227,7 +217,7 @@ def test_floats_round_into_narrower_floats(shm_dir, dst, value):
      r"numpy uint16 array"),
 ])
 def test_values_the_cache_cannot_take_are_type_errors(shm_dir, dst, value, match):
-    c = make(shm_dir, size=(50 * 48 * dst.itemsize + 100) / 1024**3, dtype=dst)  # 50 slots
+    c = make(shm_dir, size=budget_for(50, (3, 4, 4), dst, dataset_len=100), dtype=dst)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
         value = value()
@@ -304,7 +294,7 @@ def test_raw_item_access_is_021_compatible(shm_dir):
 # -- stats and clear ---------------------------------------------------------------------------
 
 def test_stats_count_hits_misses_writes(shm_dir):
-    c = make(shm_dir, size=(10 * 48 + 100) / 1024**3)
+    c = make(shm_dir, size=budget_for(10, (3, 4, 4), dataset_len=100))
     assert len(c) == 10
     x = sample((3, 4, 4), torch.uint8, 0)
     for i in range(5):
@@ -375,7 +365,7 @@ def test_a_cache_outside_memory_warns(shm_dir, tmp_path):
 
 def test_allocation_summary_is_logged_once_by_the_leader(shm_dir, caplog):
     with caplog.at_level("INFO", logger="stocaching"):
-        make(shm_dir, size=(10 * 48 + 100) / 1024**3, name="logged")
+        make(shm_dir, size=budget_for(10, (3, 4, 4), dataset_len=100), name="logged")
     msgs = [r.getMessage() for r in caplog.records if "holds" in r.getMessage()]
     assert len(msgs) == 1 and "10 of 100 samples (10.0%)" in msgs[0]
 
@@ -422,8 +412,7 @@ def test_bad_constructor_arguments(shm_dir, kw, exc, match):
     args.update(kw)
     with pytest.raises(exc, match=match):
         SharedCache(**args)
-    from conftest import leftovers
-    assert leftovers(shm_dir) == []
+    assert named(shm_dir) == []
 
 
 def _snapshot(c):
@@ -455,7 +444,7 @@ BAD_CALLS = [
 
 @pytest.mark.parametrize("meth,args,kw,exc,match", BAD_CALLS, ids=lambda v: repr(v)[:30])
 def test_bad_calls_raise_and_change_nothing(shm_dir, meth, args, kw, exc, match):
-    c = make(shm_dir, size=(50 * 48 + 100) / 1024**3)
+    c = make(shm_dir, size=budget_for(50, (3, 4, 4), dataset_len=100))
     x = sample((3, 4, 4), torch.uint8, 0)
     c.set_slot(3, x)
     c.get_slot(3)
@@ -531,14 +520,15 @@ def test_exist_ok_keeps_the_stored_value(shm_dir):
         c.set_slot(5, x + 1)
 
 
-def test_plan_without_a_budget_fits_the_filesystem(small_tmpfs):
+def test_plan_without_a_budget_fits_the_filesystem(tmpfs):
     for dims, n in [((3, 256, 256), 5000), ((3, 64, 64), 100_000), ((7,), 100)]:
-        r = stocaching.plan(n, dims, shm_dir=small_tmpfs)
-        c = SharedCache(r["size_limit_gib"], n, dims, shm_dir=small_tmpfs)
+        r = stocaching.plan(n, dims, shm_dir=tmpfs)
+        c = SharedCache(r["size_limit_gib"], n, dims, shm_dir=tmpfs)
         assert len(c) == r["slots"] > 0
         c.close()
 
 
+@pytest.mark.timeout(120)
 def test_stats_count_live_processes_only(shm_dir):
     import multiprocessing as mp
     c = make(shm_dir)
@@ -547,7 +537,7 @@ def test_stats_count_live_processes_only(shm_dir):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(30)
+        p.join()  # however long a loaded machine takes; the timeout mark catches a hang
     s = c.stats()
     assert s["processes"] == 1 and s["misses"] == 3  # the children counted, then died
 

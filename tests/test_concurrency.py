@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 import torch
 
-from _reliability import assert_no_leak, tmpfs  # noqa: F401
+from _helpers import assert_no_leak, budget_for
 from stocaching import SharedCache
 
 N_SLOTS, N_OOB, WIDTH = 48, 8, 64  # 48 cached indices, 8 without a slot, (64,) uint8 samples
 DATASET_LEN = N_SLOTS + N_OOB
-BUDGET_GIB = (N_SLOTS * WIDTH + DATASET_LEN + 0.5) / 1024**3  # exactly N_SLOTS slots
+BUDGET_GIB = budget_for(N_SLOTS, (WIDTH,), dataset_len=DATASET_LEN)
 READS_PER_PROC = 260_000
 CHUNK = 20_000
 

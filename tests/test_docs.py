@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+from _helpers import CHILDREN, REPO
+
+ROOT = str(REPO)
 
 
 def read(*parts):
@@ -50,17 +54,14 @@ def test_relative_links_resolve():
             assert os.path.exists(path), f"{folder}/{name} links to missing {target}"
 
 
+@pytest.mark.timeout(300)
 def test_module_runs_as_a_copied_single_file(tmp_path):
     """Copy the one file into a fresh directory, import it as `stocaching`, use it."""
     src = read("stocaching", "stocaching.py")
     (tmp_path / "stocaching.py").write_text(src)
-    code = ("import stocaching, torch; c = stocaching.SharedCache(1e-4, 10, (4,)); "
-            "c.set_slot(1, torch.ones(4, dtype=torch.uint8)); print(int(c.get_slot(1).sum()), "
-            "stocaching.__file__)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-I", "-c", code.replace("import stocaching",
-                        "import sys; sys.path.insert(0, '.'); import stocaching")],
-                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run([sys.executable, "-I", str(CHILDREN / "copied_module.py")],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     n, path = r.stdout.split()
     assert n == "4" and path == str(tmp_path / "stocaching.py")

@@ -31,32 +31,13 @@ import threading
 import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from _reliability import assert_no_leak, holders, mappers, tmpfs, used_bytes  # noqa: F401
+from _helpers import CachedDataset, assert_no_leak, holders, mappers, used_bytes, value_of
 from stocaching import SharedCache
 
 N, DIMS = 512, (3, 32, 32)
 WORKERS = 2
-
-
-def _value(i: int) -> torch.Tensor:
-    return torch.full(DIMS, i % 251, dtype=torch.uint8)
-
-
-class CachedDataset(Dataset):
-    def __init__(self, cache: SharedCache) -> None:
-        self.cache = cache
-
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        x = self.cache.get_slot(i)
-        if x is None:
-            x = _value(i)
-            self.cache.set_slot(i, x)
-        return x
 
 
 def _workers() -> list[psutil.Process]:
@@ -89,18 +70,18 @@ def _probe(cache: SharedCache) -> dict:
 
 def _run(ctx: str, epochs: int, shm: str) -> tuple[list[dict], dict]:
     cache = SharedCache(1, N, DIMS, name=f"endure{ctx}", shm_dir=shm)
-    ds = CachedDataset(cache)
+    ds = CachedDataset(cache, N)
     marks = []
     for epoch in range(epochs):
         loader = DataLoader(ds, batch_size=32, num_workers=WORKERS, persistent_workers=False,
-                            multiprocessing_context=ctx, timeout=60)
+                            multiprocessing_context=ctx, timeout=300)
         seen = 0
-        for b, batch in enumerate(loader):
-            want = torch.arange(32 * b, 32 * b + len(batch)) % 251
-            assert torch.equal(batch[:, 0, 0, 0], want.to(torch.uint8)), f"epoch {epoch}"
+        for idx, batch, _ in loader:
+            want = torch.stack([value_of(i, DIMS) for i in idx.tolist()])
+            assert torch.equal(batch, want), f"epoch {epoch}"
             seen += len(batch)
         assert seen == N
-        del loader, batch
+        del loader, idx, batch
         gc.collect()
         _settle()
         assert _workers() == []  # the epoch's workers are gone, and reaped
@@ -132,7 +113,7 @@ def _check(marks: list[dict], stats: dict, epochs: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("method,epochs", [("fork", 20), ("spawn", 5)])
 def test_workers_recreated_every_epoch_leak_nothing(method, epochs, tmpfs):
     marks, stats = _run(method, epochs, tmpfs)

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
-from _reliability import assert_no_leak, tmpfs  # noqa: F401
+from _helpers import assert_no_leak, budget_for
 from stocaching import SharedCache, World
 
 EMPTY, SET, OOB = 0, 1, 2
@@ -299,8 +299,7 @@ class CacheMachine(RuleBasedStateMachine):
         # Hypothesis leans to small values: steer it to caches that have slots.
         slots = {"all": n, "some": data.draw(st.integers(1, max(n - 1, 1)), "some") % n,
                  "none": 0}[data.draw(st.sampled_from(["all", "all", "some", "none"]))]
-        slot_bytes = math.prod(dims) * dtype.itemsize
-        budget = (slots * slot_bytes + n + 0.5) / GIB if slots < n else 1
+        budget = budget_for(slots, dims, dtype, dataset_len=n) if slots < n else 1
         args = {"size_limit_gib": budget, "dataset_len": n, "data_dims": dims, "dtype": dtype}
         bad = None if not invalid else data.draw(st.sampled_from([
             ("size_limit_gib", 0, ValueError), ("size_limit_gib", -1.0, ValueError),

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
+from _helpers import CachedDataset
 from benchmark.sampler_hit_rate import ideal_hit_rate
 from stocaching import CacheAwareSampler, CacheLayout, World
 
@@ -147,11 +148,11 @@ def test_global_batches_are_those_of_distributed_sampler_split_optimally(job):
        st.floats(0, 1), st.integers(0, 2**32 - 1))
 def test_any_owner_matrix_is_split_optimally(num_nodes, dataset_len, batch_size, lws, density,
                                              seed):
-    # Duck typing: anything with dataset_len, num_nodes and owners() is a layout, here one with
-    # arbitrary (not CacheLayout's) sets of nodes per sample.
+    # A stand-in layout (dataset_len, num_nodes, owner_rows() and owners(), as CacheLayout's)
+    # with arbitrary, not CacheLayout's, sets of nodes per sample.
     owners = np.random.default_rng(seed).random((num_nodes, dataset_len)) < density
     layout = types.SimpleNamespace(dataset_len=dataset_len, num_nodes=num_nodes,
-                                   owners=lambda: owners)
+                                   owner_rows=lambda: iter(owners), owners=lambda: owners)
     per_rank = run_epoch(make_samplers(layout, batch_size, lws, seed=seed), epoch=1)
     assert sorted(per_rank.ravel()) == sorted(distributed_epoch(
         dataset_len, len(per_rank), epoch=1, seed=seed).ravel())
@@ -246,7 +247,7 @@ def test_overlapping_caches_are_used(slots):
 class TwinLayout:
     """A layout in which nodes k and k + num_nodes / 2 cache the same half of the dataset.
     CacheLayout avoids identical subsets; this stand-in (the sampler only reads dataset_len,
-    num_nodes and owners()) makes them, to check that twins share their misses."""
+    num_nodes and owner_rows()) makes them, to check that twins share their misses."""
 
     def __init__(self, dataset_len, num_nodes, seed):
         self.dataset_len, self.num_nodes = dataset_len, num_nodes
@@ -255,6 +256,9 @@ class TwinLayout:
         self._owners = np.zeros((num_nodes, dataset_len), dtype=bool)
         for k, part in enumerate(parts):
             self._owners[k, part] = self._owners[k + twin, part] = True
+
+    def owner_rows(self):
+        yield from self._owners.copy()
 
     def owners(self):
         return self._owners.copy()
@@ -432,17 +436,6 @@ def test_iterating_an_epoch_twice_warns():
 # ------------------------------------------------------------------------------------------------
 
 
-class CachedDataset(torch.utils.data.Dataset):
-    def __init__(self, cache, length):
-        self.cache, self.length = cache, length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, i):
-        return i
-
-
 def fake_cache(layout, world):
     """The attributes a SharedCache offers the sampler."""
     return types.SimpleNamespace(layout=layout, world=world, dataset_len=layout.dataset_len)
@@ -569,7 +562,9 @@ def test_the_sampler_never_builds_the_owner_matrix(monkeypatch):
     """The nodes x dataset_len matrix is built row by row (640 MB at 64 nodes and 10 M
     indices otherwise); the order is the same as from the full matrix."""
     lay = CacheLayout(dataset_len=5000, slots=700, num_nodes=6, seed=3)
-    full = CacheAwareSampler(types.SimpleNamespace(owners=lay.owners, dataset_len=5000,
+    matrix = lay.owners()
+    full = CacheAwareSampler(types.SimpleNamespace(owner_rows=lambda: iter(matrix),
+                                                   owners=lambda: matrix, dataset_len=5000,
                                                    num_nodes=6), batch_size=8,
                              num_replicas=6, rank=2, seed=1)
     monkeypatch.setattr(CacheLayout, "owners", lambda self: pytest.fail("owners() was built"))
