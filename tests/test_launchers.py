@@ -1,0 +1,298 @@
+"""Every way people launch DDP gets one cache per node, the README example survives ranks that
+load one index at once, and the 0.2.1 names and behaviours that code relies on still work."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, Subset
+
+from _helpers import (CHILDREN, CachedDataset, assert_no_leak, budget_for, free_port, rank_env,
+                      run_child, value_of)
+from stocaching import (BYTES_PER_GIB, C_DTYPES, CacheAwareSampler, SharedCache, SlotState,
+                        World)
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+LAUNCHERS = {
+    # name: (variables as the launcher sets them, the World they mean)
+    "torchrun, 2 nodes": (dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                               GROUP_RANK="1", GROUP_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x"),
+                          World(rank=3, world_size=4, local_rank=1, local_world_size=2,
+                                node_rank=1, num_nodes=2)),
+    "accelerate launch (torchrun's variables)": (
+        dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+             ACCELERATE_MIXED_PRECISION="no"),
+        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
+    "srun": (dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_NODEID="1",
+                  SLURM_NNODES="2", SLURM_JOB_ID="77"),
+             World(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
+                   num_nodes=2)),
+    "Lightning (LOCAL_RANK, NODE_RANK, WORLD_SIZE; no RANK)": (
+        dict(LOCAL_RANK="1", NODE_RANK="0", WORLD_SIZE="2"),
+        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
+    "none": ({}, World()),
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_each_launchers_variables_give_its_world(launcher):
+    env, want = LAUNCHERS[launcher]
+    assert World.from_env(env) == want
+    assert World.discover(env) == want  # no process group here: the variables decide
+
+
+@pytest.fixture
+def process_group_of_one():
+    """A real gloo process group of one rank in this process, destroyed afterwards."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_overrules_variables_that_disagree_with_it(process_group_of_one):
+    # SLURM variables of a task that was not started by srun (python train.py inside an
+    # allocation of 8 tasks) say rank 5 of 8; the process group says rank 0 of 1.
+    slurm = LAUNCHERS["srun"][0]
+    assert World.discover(slurm) == World()
+    # Complete variables that agree with the group are used as they are, without a collective.
+    agree = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    assert World.discover(agree) == World()
+    assert World.from_process_group() == World()
+
+
+@pytest.mark.timeout(180)
+def test_mp_spawn_ranks_share_one_cache(tmpfs):
+    """PyTorch's DDP tutorial: mp.spawn + init_process_group, no launcher variables."""
+    r = run_child("spawn_ranks.py", tmpfs, free_port(), env=rank_env(tmpfs), timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for local_rank, rank in enumerate(out["ranks"]):
+        assert rank["world"] == [local_rank, 2, 0, 1]  # local rank, ranks per node, node, nodes
+        assert rank["reads_rank0_write"], "rank 1 does not see what rank 0 wrote"
+        assert rank["segments"] == 1, "each rank has a cache of its own"
+        assert rank["len"] == rank["len_distributed"] == 50
+    assert out["covered"] == list(range(100))  # the ranks' samplers cover it exactly once
+    assert_no_leak(tmpfs)
+
+
+@pytest.mark.timeout(300)
+def test_readme_example_under_torchrun_with_every_rank_reading_every_index(tmpfs):
+    """Two ranks, two workers each, no DistributedSampler: processes load one index at once.
+    Ten rounds, each with a new cache; each must end full, once per node, without an error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master-port={free_port()}", str(CHILDREN / "readme_every_rank.py")]
+    r = subprocess.run(cmd, env=rank_env(tmpfs), capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rounds = re.findall(r"round (\d) filled (\d+) of 96, segments (\d+)", r.stdout)
+    assert [int(k) for k, _, _ in rounds] == list(range(10)), r.stdout
+    assert all(filled == "96" and segs == "1" for _, filled, segs in rounds), rounds
+    assert_no_leak(tmpfs)
+
+
+# ----------------------------------------------------------------------------------------------
+# CacheAwareSampler with DistributedSampler's arguments
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cached(shm_dir):
+    cache = SharedCache(budget_for(50, (3, 8, 8), dataset_len=100), 100, (3, 8, 8),
+                        shm_dir=shm_dir, world=World())
+    yield CachedDataset(cache, 100)
+    cache.close()
+
+
+def test_explicit_replicas_and_rank_with_no_environment(cached):
+    per_rank = []
+    for rank in range(4):
+        ours = CacheAwareSampler(cached, 4, rank, True, 0, False, batch_size=16)  # positional
+        theirs = DistributedSampler(cached, 4, rank)
+        assert len(ours) == len(theirs) == 25
+        per_rank.append(list(ours))
+    assert sorted(sum(per_rank, [])) == list(range(100))
+
+
+def test_a_dataset_without_a_cache_gets_what_distributed_sampler_gives():
+    class NoCache(torch.utils.data.Dataset):
+        cache = None
+
+        def __len__(self):
+            return 37
+
+    with pytest.warns(UserWarning, match="has no cache"):
+        ours = CacheAwareSampler(NoCache(), num_replicas=3, rank=2, batch_size=4)
+    theirs = DistributedSampler(NoCache(), num_replicas=3, rank=2)
+    for epoch in range(3):
+        ours.set_epoch(epoch)
+        theirs.set_epoch(epoch)
+        assert list(ours) == list(theirs)
+
+
+def test_a_subset_of_a_cached_dataset_is_routed_by_the_index_behind_it(shm_dir):
+    world = World(rank=0, world_size=2, node_rank=0, num_nodes=2)  # node 0 of 2
+    cache = SharedCache(budget_for(30, (3, 8, 8), dataset_len=100), 100, (3, 8, 8),
+                        shm_dir=shm_dir, world=world)
+    try:
+        behind = np.random.default_rng(0).permutation(100)[:60]
+        subset = Subset(CachedDataset(cache, 100), behind.tolist())
+        held = set(cache.cached_indices().tolist())
+        with warnings.catch_warnings():  # rank 1 is on node 1, this cache on node 0
+            warnings.simplefilter("ignore")
+            ranks = [list(CacheAwareSampler(subset, 2, r, batch_size=10)) for r in range(2)]
+        assert sorted(ranks[0] + ranks[1]) == list(range(60))  # positions in the subset
+        plain = list(DistributedSampler(subset, 2, 0))
+        hits = sum(int(behind[p]) in held for p in ranks[0])
+        assert hits >= sum(int(behind[p]) in held for p in plain)
+    finally:
+        cache.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# 0.2.1 names and behaviours
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_021_module_names_are_exported():
+    assert [s.value for s in SlotState][:3] == [0, 1, 2]
+    assert SlotState(1) is SlotState.SET and SlotState.OOB.value == 2
+    assert BYTES_PER_GIB == 1024**3
+    for dtype, ctype in {torch.bool: ctypes.c_bool, torch.uint8: ctypes.c_uint8,
+                         torch.int8: ctypes.c_int8, torch.int16: ctypes.c_int16,
+                         torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64,
+                         torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}.items():
+        assert C_DTYPES[dtype] is ctype
+
+
+def test_extra_leading_unit_dimensions_are_dropped_as_in_021(shm_dir):
+    with SharedCache(1e-4, 10, (3, 4, 4), shm_dir=shm_dir) as c:
+        x = value_of(2, (3, 4, 4))
+        c.set_slot(2, x.unsqueeze(0))
+        c.set_slot(3, x[None, None])
+        assert torch.equal(c.get_slot(2), x) and torch.equal(c.get_slot(3), x)
+        with pytest.raises(ValueError, match=r"shape \(3, 4, 4\).*value.shape=\(2, 3, 4, 4\)"):
+            c.set_slot(4, torch.stack([x, x]))
+        with pytest.raises(ValueError, match=r"value.shape=\(1, 4, 4\)"):
+            c.set_slot(4, x[:1])  # broadcasting along a real dimension stays refused
+        assert c.aux_array[4] == 0
+
+
+def test_the_same_value_twice_is_a_no_op_and_a_different_one_raises(shm_dir):
+    with SharedCache(1e-4, 10, (3, 4, 4), shm_dir=shm_dir) as c:
+        x = value_of(1, (3, 4, 4))
+        c.set_slot(1, x)
+        c.set_slot(1, x.clone())  # what a second process loading index 1 does
+        with pytest.raises(RuntimeError, match="already set to a different value.*augment"):
+            c.set_slot(1, x + 1)
+        assert torch.equal(c.get_slot(1), x) and c.stats()["writes"] == 1
+        nan = SharedCache(1e-4, 10, (2,), torch.float32, shm_dir=shm_dir)
+        nan.set_slot(0, torch.tensor([float("nan"), 1.0]))
+        nan.set_slot(0, torch.tensor([float("nan"), 1.0]))  # NaN bytes equal: still a no-op
+        nan.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_pickle_outside_a_process_start_is_refused_and_deepcopy_is_private(shm_dir):
+    c = SharedCache(1e-4, 10, (3, 4, 4), shm_dir=shm_dir)
+    c.set_slot(1, value_of(1, (3, 4, 4)))
+
+    def round_trip():
+        with pytest.raises(TypeError, match="pickled only while a process starts"):
+            pickle.dumps(c)
+        twin = copy.deepcopy(c)
+        assert torch.equal(twin.get_slot(1), value_of(1, (3, 4, 4)))
+        twin.set_slot(2, value_of(2, (3, 4, 4)))
+        assert c.get_slot(2) is None  # independent of the original
+        twin.close()
+
+    round_trip()  # the first may open what a process keeps open (lazy imports)
+    before = _fds()
+    for _ in range(100):
+        round_trip()
+    assert _fds() == before, "a round trip leaked a descriptor"
+    assert copy.copy(c) is c
+    assert os.listdir(shm_dir) == []  # private copies never had a name
+    c.close()
+    with pytest.raises(ValueError, match="closed.*construct it again"):
+        c.get_slot(1)
+
+
+def test_a_bfloat16_value_into_an_integer_cache_is_checked_not_a_numpy_error(shm_dir):
+    with SharedCache(1e-4, 10, (4,), shm_dir=shm_dir) as c:
+        c.set_slot(0, torch.ones(4, dtype=torch.bfloat16))
+        assert torch.equal(c.get_slot(0), torch.ones(4, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="value.dtype=torch.bfloat16"):
+            c.set_slot(1, torch.full((4,), 0.5, dtype=torch.bfloat16))
+
+
+def test_stats_since_gives_the_rate_of_an_interval(shm_dir):
+    with SharedCache(1e-4, 10, (4,), shm_dir=shm_dir) as c:
+        c.get_slot(0)  # a miss before the "epoch"
+        c.set_slot(0, torch.zeros(4, dtype=torch.uint8))
+        before = c.stats()
+        c.get_slot(0)
+        assert c.stats(since=before)["hit_rate"] == 1.0
+        assert c.stats()["hit_rate"] == 0.5
+        with pytest.raises(TypeError, match="since should be a dict from this cache's stats"):
+            c.stats(since={"hits": 1})
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "stocaching", *args], capture_output=True,
+                          text=True, env=rank_env(), timeout=60)
+
+
+def test_cli_errors_name_its_own_flags_in_one_line():
+    r = _cli("--shm-dir", "/no/such/dir")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--shm-dir should be an existing directory" in r.stderr.splitlines()[-1]
+    r = _cli("plan", "--dataset-len", "10", "--dims", "3,4", "--size-gib", "-1")
+    assert "--size-gib should be a positive finite number" in r.stderr and "Traceback" not in \
+        r.stderr
+    r = _cli("plan", "--dataset-len", "10", "--dims", "3,a")
+    assert "--dims should be ints" in r.stderr
+
+
+def test_cli_plan_takes_torch_dtypes_and_warns_when_it_does_not_fit(shm_dir):
+    r = _cli("--shm-dir", shm_dir, "plan", "--dataset-len", "100", "--dims", "4",
+             "--dtype", "torch.float16")
+    assert r.returncode == 0 and "100 of 100 samples" in r.stdout and "warning" not in r.stdout
+    free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize / BYTES_PER_GIB
+    r = _cli("--shm-dir", shm_dir, "plan", "--dataset-len", str(int(2 * free * 1024) + 1024),
+             "--dims", "1024,1024", "--size-gib", str(2 * free + 1))  # 1 MiB samples
+    assert r.returncode == 0 and "warning: the segment" in r.stdout
+
+
+def test_the_help_of_every_option_is_written():
+    for args in (("--help",), ("plan", "--help"), ("clean", "--help")):
+        lines = _cli(*args).stdout.splitlines()
+        for k, line in enumerate(lines):
+            if re.match(r"^\s+--[\w-]+( [A-Z_]+)?\s*$", line):  # help, if any, on the next line
+                nxt = lines[k + 1] if k + 1 < len(lines) else ""
+                assert nxt.strip() and not nxt.strip().startswith("-"), \
+                    f"{line.strip()} has no help in `python -m stocaching {' '.join(args)}`"
