@@ -4,7 +4,10 @@
   only see that test's segments;
 * ``tmpfs``: a freshly mounted 64 MiB tmpfs, for capacity checks and leak checks that count the
   filesystem's bytes (skipped, with the reason, where ``mount`` is not allowed);
-* ``children``: starts ``tests/children/job.py`` processes and kills what is left of them.
+* ``children``: starts ``tests/children/job.py`` processes and kills what is left of them;
+
+and Hypothesis's profile: the same inputs on every run (derandomized, no example database), so
+that CI sees what a developer sees, and no deadline, so that no example fails by time.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import subprocess
 import tempfile
 
 import pytest
+from hypothesis import settings
 
 from _helpers import Child
 
 SHM_ROOT = "/dev/shm"
+
+settings.register_profile("stocaching", deadline=None, derandomize=True, database=None,
+                          print_blob=False)
+settings.load_profile("stocaching")
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from _helpers import CachedDataset
 from benchmark.sampler_hit_rate import ideal_hit_rate
 from stocaching import CacheAwareSampler, CacheLayout, World
 
-SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=40)  # derandomized, no deadline: conftest.py
 
 
 # ------------------------------------------------------------------------------------------------
