@@ -58,7 +58,7 @@ def _settle() -> None:
     joining them, and a feeder still exiting holds a thread stack and a pipe for a moment."""
     for t in threading.enumerate():
         if t is not threading.current_thread() and t.name.startswith("QueueFeederThread"):
-            t.join(5)
+            t.join(60)  # returns as soon as it ends; 60 s is a ceiling for a hang
 
 
 def _probe(cache: SharedCache) -> dict:
