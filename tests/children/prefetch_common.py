@@ -1,0 +1,142 @@
+"""What tests/test_prefetch.py and its child programs (tests/children/prefetch_*.py) share.
+
+Not a program: a module imported by the test, by the child programs (their own directory is on
+``sys.path``), and by DataLoader workers started with spawn or forkserver (multiprocessing hands
+them the parent's ``sys.path``, where the test put this directory).
+
+* ``value_of(i)``: the sample of index ``i``, a tensor filled with ``i % 251``;
+* ``Loads``: a load function that records every call in a directory, so that loads in the
+  prefetcher's threads and in DataLoader workers of any start method, and in several ranks, are
+  counted in one place: a file ``<i>.<k>`` for the k-th load of index i (claimed with O_EXCL,
+  so two processes never take the same k), holding who loaded it, and a file ``overlap.<i>.*``
+  whenever a load of i starts while another load of i is still running;
+* ``PrefetchedDataset``: the README's two lines, with ``Loads`` as the load on a miss;
+* ``budget``: the ``size_limit_gib`` that gives exactly ``slots`` slots plus the staging slots.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+DIMS = (2, 4, 4)
+SLOT_BYTES = 2 * 4 * 4  # uint8
+BYTES_PER_GIB = 1024**3
+
+
+def value_of(i: int) -> torch.Tensor:
+    return torch.full(DIMS, i % 251, dtype=torch.uint8)
+
+
+def budget(slots: int, staging: int, dataset_len: int) -> float:
+    """size_limit_gib buying ``slots`` slots after ``staging`` staging slots (the aux array
+    takes a byte per index; half a byte over so that rounding cannot lose a slot)."""
+    return ((slots + staging) * SLOT_BYTES + dataset_len + 0.5) / BYTES_PER_GIB
+
+
+class Loads:
+    """``load(i) -> value_of(i)`` that records the call in ``directory`` under the name
+    ``who``. Picklable (it holds two strings), so DataLoader workers of every start method get
+    one that writes to the same directory."""
+
+    def __init__(self, directory: str, who: str) -> None:
+        self.directory, self.who = str(directory), who
+
+    def __call__(self, i: int) -> torch.Tensor:
+        i = int(i)
+        active = os.path.join(self.directory, f"active.{i}")
+        mine = False
+        try:
+            os.close(os.open(active, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            mine = True
+        except FileExistsError:  # another load of i is running right now
+            tag = f"{os.getpid()}.{threading.get_ident()}.{self.who}"
+            open(os.path.join(self.directory, f"overlap.{i}.{tag}"), "w").close()
+        try:
+            k = 0
+            while True:
+                try:
+                    fd = os.open(os.path.join(self.directory, f"{i}.{k}"),
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                    break
+                except FileExistsError:
+                    k += 1
+            os.write(fd, self.who.encode())
+            os.close(fd)
+            return value_of(i)
+        finally:
+            if mine:
+                os.unlink(active)
+
+
+def load_counts(directory: str) -> dict[int, list[str]]:
+    """index -> who loaded it, one entry per load, in load order."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for name in os.listdir(directory):
+        parts = name.split(".")
+        if len(parts) == 2 and parts[0].isdigit():
+            with open(os.path.join(directory, name)) as f:
+                out.setdefault(int(parts[0]), []).append((int(parts[1]), f.read()))
+    return {i: [who for _, who in sorted(v)] for i, v in out.items()}
+
+
+def overlaps(directory: str) -> list[str]:
+    """Files recording a load that started while another load of the same index ran."""
+    return sorted(n for n in os.listdir(directory) if n.startswith("overlap."))
+
+
+class PrefetchedDataset(torch.utils.data.Dataset):
+    """The two-line pattern: ``get_slot``, and on a miss ``load`` + ``set_slot``. Items are
+    ``(i, sample)``."""
+
+    def __init__(self, cache, n: int, load) -> None:
+        self.cache, self.n, self.load = cache, n, load
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = self.cache.get_slot(i)
+        if x is None:
+            x = self.load(i)
+            self.cache.set_slot(i, x)
+        return i, x
+
+
+class Shuffled(torch.utils.data.Sampler):
+    """A seeded shuffle whose order is a pure function of (seed, epoch), so the test can
+    compute the base order of every epoch."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self, epoch: int | None = None) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1000 + (self.epoch if epoch is None
+                                                               else epoch))
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(self.order())
+
+
+def mapped_segments(shm_dir: str, pid: int | str = "self") -> set[tuple[str, str]]:
+    """(device, inode) of every stocaching file of ``shm_dir`` that process ``pid`` maps."""
+    real = os.path.realpath(shm_dir) + "/stocaching_"
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(real):
+                    found.add((fields[3], fields[4]))
+    except OSError:  # gone
+        pass
+    return found
