@@ -1,0 +1,652 @@
+"""Prefetcher (stocaching/prefetch.py) with real DataLoaders, processes and torchrun.
+
+The invariants of issue 10, part one: through a real DataLoader of every start method, every
+index of the base order comes exactly once per epoch with its right value; no index is loaded
+twice at once (loads are counted in files, across the prefetcher's threads, DataLoader workers
+and ranks: see tests/children/prefetch_common.py); errors in the load function reach the
+training loop as PrefetchError naming the index, and change nothing in the cache; threads stop
+with the epoch; a killed trainer leaves nothing behind; resume and DDP.
+
+Sizes are tiny (64 indices of 32 bytes, half of them with a slot); waits are bounded by events
+(joins, pipes, pidfds), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+TESTS = Path(__file__).resolve().parent
+CHILDREN = TESTS / "children"
+REPO = TESTS.parent
+if str(CHILDREN) not in sys.path:  # prefetch_common, for this module and spawned workers
+    sys.path.insert(0, str(CHILDREN))
+
+from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled,  # noqa: E402
+                             budget, load_counts, overlaps, value_of)
+from stocaching import PrefetchError, Prefetcher, SharedCache, SlotState  # noqa: E402
+
+N, SLOTS, STAGING, BATCH = 64, 32, 64, 4
+THREAD_PREFIX = "stocaching-prefetch"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def make_cache(shm_dir, *, slots=SLOTS, staging=STAGING, name=None) -> SharedCache:
+    cache = SharedCache(budget(slots, staging, N), N, DIMS, shm_dir=shm_dir,
+                        staging_slots=staging, name=name)
+    assert len(cache) == slots and cache.stats()["staging_slots"] == staging
+    return cache
+
+
+def oob_of(cache) -> set[int]:
+    """Indices without a slot in ``cache`` (with one node: the last N - SLOTS)."""
+    return {int(i) for i in (cache.aux_array.numpy() == SlotState.OOB.value).nonzero()[0]}
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def wait_prefetch_threads_gone(bound: float = 60) -> list[str]:
+    """Join every prefetcher thread (each returns as soon as it ends; ``bound`` only guards
+    against a hang) and return the names of those still running."""
+    for t in prefetch_threads():
+        t.join(bound)
+    return [t.name for t in prefetch_threads()]
+
+
+def loads_since(directory, before: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Loads recorded since the snapshot ``before``: index -> who, one entry per load."""
+    now = load_counts(directory)
+    return {i: w[len(before.get(i, [])):] for i, w in now.items()
+            if len(w) > len(before.get(i, []))}
+
+
+def check_epoch(seen, base_order, window):
+    """Every index of the base order exactly once, none moved more than ``window``."""
+    assert sorted(seen) == sorted(base_order) == list(range(N))
+    if window is None:
+        assert seen == base_order
+    else:
+        where = {i: p for p, i in enumerate(base_order)}
+        assert max(abs(t - where[i]) for t, i in enumerate(seen)) <= window
+
+
+def read_epoch(loader):
+    """Indices of one epoch through ``loader``, each value checked."""
+    seen = []
+    for idx, x in loader:
+        for i, xi in zip(idx.tolist(), x):
+            assert torch.equal(xi, value_of(i)), f"wrong sample for index {i}"
+        seen += idx.tolist()
+    return seen
+
+
+def users(shm_dir) -> dict[int, list[str]]:
+    """Processes that map, or hold a descriptor on, a file of ``shm_dir`` (read from /proc)."""
+    prefix = os.path.realpath(shm_dir) + "/"
+    found: dict[int, list[str]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        names = set()
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                names |= {ln.split(maxsplit=5)[5].strip() for ln in f if prefix in ln}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    names.add(target)
+        except (OSError, IndexError):
+            continue
+        if names:
+            found[int(pid)] = sorted(names)
+    return found
+
+
+def wait_exit(pid: int, bound: float) -> bool:
+    """Wait until process ``pid`` (not necessarily our child) has ended: a pidfd becomes
+    readable then. True if it ended within ``bound`` seconds."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], bound)[0])
+    finally:
+        os.close(fd)
+
+
+def child_env(shm_dir, **extra) -> dict[str, str]:
+    """The environment of a child program: the checkout and tests/children on the path, one
+    OpenMP thread, no rank variables of an enclosing job."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "STOCACHING_JOB_KEY", "SLURM_PROCID")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(CHILDREN),
+                                                        env.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+               STOCACHING_SHM_DIR=str(shm_dir))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture
+def loads_dir(tmp_path):
+    d = tmp_path / "loads"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture(autouse=True)
+def no_prefetch_threads_left():
+    """Each test ends with every prefetcher thread it started gone."""
+    yield
+    assert wait_prefetch_threads_gone() == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Through a real DataLoader: exactly once, right values, loaded once, by the prefetcher
+# ----------------------------------------------------------------------------------------------
+
+# fork is cheap: every window setting with both worker lifetimes. spawn and forkserver start
+# torch in each worker (seconds on 2 busy cores): one window setting per lifetime.
+CASES = [(m, p, w, mode) for m in ("fork",) for p in (False, True)
+         for w, mode in ((None, "adaptive"), (8, "fixed"), (8, "adaptive"))] + [
+    ("spawn", False, 8, "adaptive"), ("spawn", True, None, "adaptive"),
+    ("forkserver", False, None, "adaptive"), ("forkserver", True, 8, "fixed")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method, persistent, window, mode", CASES)
+def test_dataloader_every_index_once_loaded_once_by_the_prefetcher(
+        shm_dir, loads_dir, method, persistent, window, mode):
+    """2 workers, half the indices with a slot, staging slots for the rest: each epoch yields
+    the base order's indices exactly once with their values; every miss is loaded by the
+    prefetcher (the workers only hit), once per epoch and never while another load of it runs."""
+    cache = make_cache(shm_dir)
+    oob = oob_of(cache)
+    assert len(oob) == N - SLOTS
+    base = Shuffled(N, seed=1)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=window, mode=mode,
+                    threads=4, lookahead=8)
+    ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
+    loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
+                        multiprocessing_context=method, persistent_workers=persistent)
+    for epoch in range(2):
+        pf.set_epoch(epoch)
+        before, loaded = cache.stats(), load_counts(loads_dir)
+        check_epoch(read_epoch(loader), base.order(epoch), window)
+        s = cache.stats(since=before)
+        assert (s["hits"], s["misses"], s["staged_hits"]) == (N, 0, len(oob))
+        assert s["staged"] == 0  # every staged sample was read once, which freed its slot
+        new = loads_since(loads_dir, loaded)
+        expect = {i: ["prefetcher"] for i in range(N) if epoch == 0 or i in oob}
+        assert new == expect
+    assert overlaps(loads_dir) == []
+    del loader
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("staging", [0, 8])
+def test_small_or_no_staging_area_still_loads_each_index_once(shm_dir, loads_dir, staging):
+    """With a staging area smaller than the lookahead (8 slots: 4 ahead) the prefetcher stops
+    at it and still loads every miss before it is yielded; without one (0) the workers load the
+    indices without a slot, as without a prefetcher. Either way each index once per epoch."""
+    cache = make_cache(shm_dir, staging=staging)
+    oob = oob_of(cache)
+    base = Shuffled(N, seed=2)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4,
+                    lookahead=16)
+    ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
+    loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
+                        multiprocessing_context="fork")
+    for epoch in range(2):
+        pf.set_epoch(epoch)
+        loaded = load_counts(loads_dir)
+        check_epoch(read_epoch(loader), base.order(epoch), 8)
+        new = loads_since(loads_dir, loaded)
+        who_oob = "prefetcher" if staging else "worker"
+        assert new == {i: [who_oob if i in oob else "prefetcher"] for i in range(N)
+                       if epoch == 0 or i in oob}
+    assert overlaps(loads_dir) == [] and cache.stats()["staged"] == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+
+def load_that_fails(bad: int):
+    def load(i):
+        if i == bad:
+            raise OSError(f"disk gone while reading {i}")
+        return value_of(i)
+    return load
+
+
+@pytest.mark.parametrize("bad", [10, 40])  # with a slot, without one (staged)
+def test_load_that_raises_is_a_prefetch_error_with_index_and_cause(shm_dir, bad):
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, load_that_fails(bad), threads=2, lookahead=4)
+    got = []
+    with pytest.raises(PrefetchError, match=rf"load\({bad}\) failed.*OSError.*disk gone") as e:
+        for i in pf:
+            got.append(i)
+    assert got == list(range(bad))  # everything before it came, with its sample ready
+    assert cache.ready_mask(got).all()
+    err = e.value
+    assert err.index == bad
+    assert isinstance(err.__cause__, OSError) and str(err.__cause__) == f"disk gone while " \
+                                                                         f"reading {bad}"
+    frames = [f.name for f in traceback.extract_tb(err.__cause__.__traceback__)]
+    assert "load" in frames  # the original traceback, down to the user's function
+    again = pickle.loads(pickle.dumps(err))  # it may cross process boundaries
+    assert type(again) is PrefetchError and again.index == bad and str(again) == str(err)
+
+
+@pytest.mark.timeout(300)
+def test_load_that_raises_reaches_the_training_loop(shm_dir):
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(Shuffled(N, seed=3), cache, load_that_fails(45), window=8, threads=4)
+    ds = PrefetchedDataset(cache, N, value_of)
+    loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
+                        multiprocessing_context="fork")
+    with pytest.raises(PrefetchError) as e:
+        read_epoch(loader)
+    assert e.value.index == 45 and isinstance(e.value.__cause__, OSError)
+    del loader
+
+
+BAD_VALUES = {
+    "shape": lambda i: torch.full((2, 4, 5), i % 251, dtype=torch.uint8),
+    "dtype": lambda i: torch.full(DIMS, 0.5),  # float that uint8 would change
+    "type": lambda i: None,
+}
+
+
+@pytest.mark.parametrize("bad", [5, 50])  # with a slot, without one
+@pytest.mark.parametrize("kind", sorted(BAD_VALUES))
+def test_load_returning_a_wrong_value_changes_nothing(shm_dir, bad, kind):
+    cache = make_cache(shm_dir)
+    aux = cache.aux_array.numpy().copy()
+    wrong = BAD_VALUES[kind]
+
+    def load(i):
+        return wrong(i) if i == bad else value_of(i)
+
+    # One thread, one position ahead: the bad index (first in the order) is the only load.
+    pf = Prefetcher([bad] + [i for i in range(N) if i != bad], cache, load, threads=1,
+                    lookahead=1)
+    with pytest.raises(PrefetchError, match=rf"load\({bad}\) failed") as e:
+        next(iter(pf))
+    assert e.value.index == bad and isinstance(e.value.__cause__, (TypeError, ValueError))
+    s = cache.stats()
+    assert (s["writes"], s["stages"], s["staged"], s["filled"]) == (0, 0, 0, 0)
+    assert (cache.aux_array.numpy() == aux).all() and not cache.ready_mask([bad]).any()
+    assert cache.get_slot(bad) is None
+
+
+def test_load_that_hangs_times_out_naming_the_index(shm_dir):
+    """The prefetcher's own timeout: a load blocked on an Event that is never set (during the
+    test) is reported after timeout=1 s, naming its index; the others went on."""
+    cache = make_cache(shm_dir)
+    never = threading.Event()
+    hang = 3
+
+    def load(i):
+        if i == hang:
+            never.wait()
+        return value_of(i)
+
+    pf = Prefetcher(list(range(N)), cache, load, threads=2, lookahead=4, timeout=1)
+    got = []
+    try:
+        with pytest.raises(PrefetchError, match=rf"load\({hang}\) did not finish within "
+                                                r"timeout=1 s") as e:
+            for i in pf:
+                got.append(i)
+        assert e.value.index == hang and got == [0, 1, 2]
+    finally:
+        never.set()  # let the stuck thread finish, so that it ends
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"threads": 0}, ValueError, r"threads should be a positive int, but got threads=0"),
+    ({"threads": True}, TypeError, r"threads should be a positive int, but got threads=True"),
+    ({"threads": 2.0}, TypeError, r"threads should be .*threads=2\.0"),
+    ({"lookahead": -1}, ValueError, r"lookahead should be a positive int, but got "
+                                    r"lookahead=-1"),
+    ({"lookahead": 0}, ValueError, r"lookahead=0"),
+    ({"window": 0}, ValueError, r"window should be a positive int, but got window=0"),
+    ({"window": -8}, ValueError, r"window=-8"),
+    ({"window": 8.0}, TypeError, r"window should be .*window=8\.0"),
+    ({"timeout": 0}, ValueError, r"timeout should be a positive number .*timeout=0"),
+    ({"timeout": -1.5}, ValueError, r"timeout=-1\.5"),
+    ({"timeout": float("inf")}, ValueError, r"timeout=inf"),
+    ({"timeout": "1"}, TypeError, r"timeout=\'1\'"),
+    ({"window": 8, "mode": "eager"}, ValueError, r"mode should be 'fixed' or 'adaptive', but "
+                                                 r"got mode='eager'"),
+    ({"load": 3}, TypeError, r"load should be a callable .*load of type int"),
+    ({"cache": "cache"}, TypeError, r"cache should be a SharedCache, but got cache of type str"),
+    ({"sampler": 5}, TypeError, r"sampler should be .*sampler of type int"),
+])
+def test_bad_arguments_name_the_parameter_and_value(shm_dir, kwargs, error, match):
+    cache = make_cache(shm_dir)
+    args = {"sampler": list(range(N)), "cache": cache, "load": value_of}
+    for k in ("sampler", "cache", "load"):
+        if k in kwargs:
+            args[k] = kwargs.pop(k)
+    with pytest.raises(error, match=match):
+        Prefetcher(args["sampler"], args["cache"], args["load"], **kwargs)
+
+
+@pytest.mark.xfail(strict=True, reason="bool timeout is refused with ValueError, not TypeError "
+                                       "(STYLE: bool is not a number); mode is not checked "
+                                       "without a window")
+@pytest.mark.parametrize("kwargs, error", [({"timeout": True}, TypeError),
+                                           ({"mode": "eager"}, ValueError)])
+def test_bad_arguments_not_yet_refused_as_documented(shm_dir, kwargs, error):
+    cache = make_cache(shm_dir)
+    with pytest.raises(error, match=next(iter(kwargs))):
+        Prefetcher(list(range(N)), cache, value_of, **kwargs)
+
+
+@pytest.mark.xfail(strict=True, reason="an undersized staging area waits for a free staging "
+                                       "slot until `timeout`, then reports that the load did "
+                                       "not finish (it did); see the report")
+def test_staging_area_smaller_than_a_batch_is_not_a_load_timeout(shm_dir):
+    """2 staging slots (1 ahead), batches of 4 indices without a slot, no workers: the batch
+    being assembled holds every staging slot, so the third index cannot be staged until the
+    batch is read. Expected: the epoch completes (e.g. the index left to the dataset) or the
+    error names staging_slots; today PrefetchError says load(i) did not finish."""
+    cache = make_cache(shm_dir, staging=2)
+    order = sorted(oob_of(cache))
+    pf = Prefetcher(order, cache, value_of, threads=2, timeout=1)
+    loader = DataLoader(PrefetchedDataset(cache, N, value_of), batch_size=BATCH, sampler=pf)
+    try:
+        seen = read_epoch(loader)
+    except PrefetchError as e:
+        assert "staging_slots" in str(e)
+    else:
+        assert seen == order
+
+
+# ----------------------------------------------------------------------------------------------
+# Lifecycle
+# ----------------------------------------------------------------------------------------------
+
+
+def test_threads_start_and_stop_with_the_epoch(shm_dir):
+    """Threads exist while an epoch is iterated and end when it is exhausted or abandoned; an
+    epoch after an abandoned one yields every index once and leaves nothing staged."""
+    cache = make_cache(shm_dir)
+    base = Shuffled(N, seed=4)
+    pf = Prefetcher(base, cache, value_of, window=8, threads=3)
+    others = set(prefetch_threads())  # (none, unless another test leaked some)
+    it = iter(pf)
+    assert set(prefetch_threads()) == others  # nothing before the first step
+    first = next(it)
+    assert len(set(prefetch_threads()) - others) == 3
+    rest = [first] + list(it)
+    check_epoch(rest, base.order(0), 8)
+    assert wait_prefetch_threads_gone() == []
+
+    pf.set_epoch(1)
+    it = iter(pf)
+    taken = [next(it) for _ in range(5)]  # abandoned mid-epoch, its staged samples never read
+    assert len(set(prefetch_threads()) - others) == 3
+    del it
+    gc.collect()
+    assert wait_prefetch_threads_gone() == []
+    assert set(taken) <= set(range(N))
+
+    pf.set_epoch(2)
+    seen = []
+    for i in pf:  # a worker's read of each index (staged ones are taken)
+        x = cache.get_slot(i)
+        assert x is not None and torch.equal(x, value_of(i))
+        seen.append(i)
+    check_epoch(seen, base.order(2), 8)
+    assert cache.stats()["staged"] == 0
+    assert wait_prefetch_threads_gone() == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_abandoned_dataloader_epoch_then_a_full_one(shm_dir, loads_dir, persistent):
+    """break out of an epoch after 3 batches, then read the next: every index once, nothing
+    staged afterwards, no thread left. (With persistent workers the DataLoader keeps the
+    abandoned iterator until the next epoch starts, which stops its prefetcher.)"""
+    cache = make_cache(shm_dir)
+    base = Shuffled(N, seed=5)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4)
+    ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
+    loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
+                        multiprocessing_context="fork", persistent_workers=persistent)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    del it
+    gc.collect()
+    if not persistent:
+        assert wait_prefetch_threads_gone() == []
+    pf.set_epoch(1)
+    check_epoch(read_epoch(loader), base.order(1), 8)
+    assert cache.stats()["staged"] == 0
+    assert wait_prefetch_threads_gone() == []
+    assert overlaps(loads_dir) == []
+    del loader
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="an abandoned epoch's loads keep running while the next "
+                                       "epoch submits the same index again; see the report")
+def test_load_left_running_by_an_abandoned_epoch_is_not_started_again(shm_dir):
+    """One loader thread. Epoch 0 yields 0..4 and is abandoned while its thread is in the load
+    of 5, which waits on an Event; epoch 1 needs 5 too. It must not start a second load of 5
+    while the first runs: it may wait for that load or use its result. The first load is
+    released once epoch 1 has gone past 5 (its thread starts the load of 6, which it reaches
+    only after 5, one job at a time) or has started 5 again (the bug)."""
+    cache = make_cache(shm_dir)
+    release, entered, progress = threading.Event(), threading.Event(), threading.Event()
+    lock, running, calls, overlapped = threading.Lock(), set(), {5: 0, 6: 0}, []
+
+    def load(i):
+        with lock:
+            if i in running:
+                overlapped.append(i)
+                progress.set()
+            running.add(i)
+            if i in calls:
+                calls[i] += 1
+            first5 = i == 5 and calls[5] == 1
+        if i == 6:
+            progress.set()
+        try:
+            if first5:
+                entered.set()
+                release.wait()
+            return value_of(i)
+        finally:
+            with lock:
+                running.discard(i)
+
+    pf = Prefetcher(list(range(N)), cache, load, threads=1, lookahead=8)
+    it = iter(pf)
+    assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert entered.wait(60)
+    del it
+    gc.collect()
+    assert calls[6] == 0  # the only thread of epoch 0 is held in the load of 5
+
+    def next_epoch():
+        for i in pf:
+            cache.get_slot(i)
+
+    t = threading.Thread(target=next_epoch, daemon=True)
+    t.start()
+    try:
+        assert progress.wait(60)
+    finally:
+        release.set()
+        t.join(60)
+    assert overlapped == []
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_the_trainer_leaves_nothing(shm_dir, tmp_path):
+    """SIGKILL of a training process mid-epoch (2 fork workers, prefetcher threads with a load
+    in flight): its workers notice and exit, nothing is left in shm_dir, nobody maps it."""
+    err = open(tmp_path / "train.stderr", "w")
+    workers: list[int] = []
+    p = subprocess.Popen([sys.executable, str(CHILDREN / "prefetch_train.py")],
+                         env=child_env(shm_dir), stdout=subprocess.PIPE, stderr=err, text=True,
+                         start_new_session=True)
+    try:
+        line = p.stdout.readline()  # returns at READY, or at EOF if the child died
+        assert line.strip() == "READY", (tmp_path / "train.stderr").read_text()[-3000:]
+        workers += [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+        assert len(workers) == 2
+        assert set(users(shm_dir)) == {p.pid, *workers}
+        os.kill(p.pid, signal.SIGKILL)
+        assert p.wait(60) == -signal.SIGKILL
+        # DataLoader workers poll their parent every 5 s: a generous, event-bound wait.
+        assert all(wait_exit(w, 120) for w in workers)
+        assert users(shm_dir) == {} and os.listdir(shm_dir) == []
+    finally:
+        if p.poll() is None or not all(wait_exit(w, 0) for w in workers):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # this test's own process group
+            except ProcessLookupError:
+                pass
+        p.wait(60)
+        err.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
+    """5 batches of epoch 1 are consumed, the state saved (what the model consumed), the
+    loader thrown away; a new Prefetcher and DataLoader resume: the rest, exactly once."""
+    cache = make_cache(shm_dir)
+    base = Shuffled(N, seed=6)
+
+    def loader_of(pf):
+        return DataLoader(PrefetchedDataset(cache, N, value_of), batch_size=BATCH, sampler=pf,
+                          num_workers=2, multiprocessing_context="fork")
+
+    pf = Prefetcher(base, cache, value_of, window=8, mode=mode, threads=4)
+    pf.set_epoch(1)
+    first, loader = [], loader_of(pf)
+    for step, (idx, x) in enumerate(loader):
+        first += idx.tolist()
+        if step == 4:
+            break
+    state = pf.state_dict(consumed=len(first))
+    del loader
+    assert state["consumed"] == 20 and state["epoch"] == 1 and state["mode"] == mode
+
+    pf2 = Prefetcher(Shuffled(N, seed=6), cache, value_of, window=8, mode=mode, threads=4)
+    pf2.load_state_dict(state)
+    pf2.set_epoch(1)  # a training loop's set_epoch for the same epoch keeps the position
+    rest = read_epoch(loader_of(pf2))
+    check_epoch(first + rest, base.order(1), 8)
+    assert cache.stats()["staged"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="a resumed epoch prefetches from base position 0, not "
+                                       "from the resumed position; see the report")
+def test_resumed_epoch_prefetches_its_rest(shm_dir, loads_dir):
+    """After a resume at 48 of 64, the prefetcher should load the misses of the remaining 16
+    (so that each is ready when yielded) and nothing that was consumed before."""
+    base = Shuffled(N, seed=7)
+    cache = make_cache(shm_dir, name="before")
+    pf = Prefetcher(base, cache, value_of, window=4, mode="fixed", threads=2, lookahead=4)
+    it = iter(pf)
+    first = [next(it) for _ in range(48)]
+    state = pf.state_dict()
+    del it
+    gc.collect()
+
+    fresh = make_cache(shm_dir, name="after")  # a new process: nothing cached
+    pf2 = Prefetcher(Shuffled(N, seed=7), fresh, Loads(loads_dir, "prefetcher"), window=4,
+                     mode="fixed", threads=2, lookahead=4)
+    pf2.load_state_dict(state)
+    rest, ready = [], []
+    for i in pf2:
+        rest.append(i)
+        ready.append(bool(fresh.ready_mask([i])[0]))
+        fresh.get_slot(i)
+    assert sorted(first + rest) == list(range(N))
+    assert set(load_counts(loads_dir)) <= set(rest)
+    assert all(ready)
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP: one prefetcher per rank on one node's cache, under the real torchrun
+# ----------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(400)
+def test_ddp_two_ranks_one_cache_each_index_once(shm_dir, tmp_path):
+    (tmp_path / "loads").mkdir()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        "--master_port", str(free_port()), str(CHILDREN / "prefetch_ddp.py")],
+                       env=child_env(shm_dir, TEST_OUT=tmp_path), capture_output=True,
+                       text=True, timeout=360)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    assert [o["rank"] for o in ranks] == [0, 1]
+    assert all(o["local_world_size"] == 2 and o["values_ok"] for o in ranks)
+    # one segment on the node: both ranks map the same file, whose name is already gone
+    assert ranks[0]["segments"] == ranks[1]["segments"] and len(ranks[0]["segments"]) == 1
+    assert ranks[0]["listed"] == ranks[1]["listed"] == []
+    oob = set(ranks[0]["oob"])
+    assert len(oob) == 32 and ranks[0]["staging_slots"] == 96
+    for epoch in range(2):
+        together = ranks[0]["epochs"][epoch] + ranks[1]["epochs"][epoch]
+        assert sorted(together) == list(range(N))  # all ranks: every index exactly once
+        s = ranks[0]["stats"][epoch]
+        assert s == {"hits": N, "misses": 0, "staged_hits": len(oob)}
+    # loads after epoch 0 and 1: each index once in epoch 0, those without a slot once more in
+    # epoch 1, always by the prefetcher of the rank that read it
+    after = [{int(i): w for i, w in a.items()} for a in ranks[0]["loads_after"]]
+    reader = [{i: k for k in range(2) for i in ranks[k]["epochs"][e]} for e in range(2)]
+    assert after[0] == {i: [f"prefetcher{reader[0][i]}"] for i in range(N)}
+    assert after[1] == {i: after[0][i] + ([f"prefetcher{reader[1][i]}"] if i in oob else [])
+                        for i in range(N)}
+    assert overlaps(tmp_path / "loads") == []
+    assert ranks[0]["staged_after"] == 0
+    assert os.listdir(shm_dir) == [] and users(shm_dir) == {}
