@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from _helpers import value_of
 from stocaching import SharedCache
 
 # The test's SIGINT and SIGTERM act as in a terminal even when the test runner was started with
@@ -22,7 +23,7 @@ signal.signal(signal.SIGTERM, signal.SIG_DFL)
 how = sys.argv[1]
 cache = SharedCache(1e-3, 64, (16,), name="life")
 for i in range(64):
-    cache.set_slot(i, torch.full((16,), i, dtype=torch.uint8))
+    cache.set_slot(i, value_of(i, (16,)))
 
 
 class DS(torch.utils.data.Dataset):

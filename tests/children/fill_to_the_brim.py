@@ -2,7 +2,8 @@
 take every byte left on the filesystem, then fill every slot and read them all back.
 
 Usage: fill_to_the_brim.py DIR BUDGET N. Prints "BUILT slots segment_bytes free_bytes" and
-"FILLED filled wrong_values". A page the filesystem cannot supply would end it with SIGBUS.
+"FILLED filled wrong_values" (each sample is _helpers.value_of of its index). A page the
+filesystem cannot supply would end it with SIGBUS.
 """
 
 import errno
@@ -11,6 +12,7 @@ import sys
 
 import torch
 
+from _helpers import value_of
 from stocaching import SharedCache
 
 d, budget, n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
@@ -24,6 +26,6 @@ with open(os.path.join(d, "hog"), "wb", buffering=0) as hog:  # a neighbour take
     except OSError as e:
         assert e.errno == errno.ENOSPC, e
 for i in range(len(c)):
-    c.set_slot(i, torch.full((256, 1024), i % 251 + 1, dtype=torch.uint8))
-bad = sum(int(c.get_slot(i)[-1, -1]) != i % 251 + 1 for i in range(len(c)))
+    c.set_slot(i, value_of(i, (256, 1024)))
+bad = sum(not torch.equal(c.get_slot(i), value_of(i, (256, 1024))) for i in range(len(c)))
 print("FILLED", c.stats()["filled"], bad, flush=True)
