@@ -1,4 +1,5 @@
-"""Command line: ``python -m benchmark [run|sweep|analyze] ...`` (``run`` when omitted).
+"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality] ...`` (``run`` when
+omitted).
 
     python -m benchmark                                   # the default run, a few minutes
     python -m benchmark --cache-fraction 0 0.25 0.5 0.75 1 --epochs 4
@@ -6,6 +7,8 @@
     python -m benchmark sweep --workers 1 2 4 --read-latency-ms 0 5
     python -m benchmark analyze benchmark-results/<stamp>/results.csv
     torchrun --nproc_per_node=2 -m benchmark              # DDP, one cache per node
+    python -m benchmark latency                           # EMULATED storage latency, Prefetcher
+    python -m benchmark quality                           # accuracy and batch diversity, digits
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-SUBCOMMANDS = ("run", "sweep", "analyze")
+SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality")
 
 
 def _default_start_method() -> str:
@@ -134,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fraction of the dataset cached, with no-cache and in-RAM baselines.",
         epilog="Without a subcommand, 'run' is assumed.  Under torchrun every rank runs the same "
                "command; rank 0 prints and writes the results.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality}")
     run = sub.add_parser("run", help="one loader setup, a few cache fractions (the default)",
                          description="One loader setup: no cache, each cache fraction, in-RAM.")
     _add_common(run, sweep=False)
@@ -150,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("csv", type=Path)
     an.add_argument("--out", type=Path, default=None,
                     help="where the PNGs go (default: next to the CSV)")
+    from . import latency, quality
+
+    lat = sub.add_parser("latency", help="EMULATED storage latency: plain DataLoader vs the "
+                                         "Prefetcher (plain, fixed and adaptive window)",
+                         description=latency.__doc__.split("\n\n")[0])
+    latency.add_arguments(lat)
+    qual = sub.add_parser("quality", help="learning quality of the Prefetcher's orders on "
+                                          "sklearn's digits: accuracy and batch diversity",
+                          description=quality.__doc__.split("\n\n")[0])
+    quality.add_arguments(qual)
     return parser
 
 
@@ -267,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.command == "analyze":
         return _analyze(args)
+    if args.command == "latency":
+        from . import latency
+        return latency.main(args, argv, _say)
+    if args.command == "quality":
+        from . import quality
+        return quality.main(args, argv, _say)
     return _run(args, argv)
 
 

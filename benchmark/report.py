@@ -61,12 +61,14 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def write_csv(rows: Iterable[dict[str, Any]], path: str | Path) -> None:
+def write_csv(rows: Iterable[dict[str, Any]], path: str | Path,
+              columns: Sequence[str] = COLUMNS) -> None:
+    """``rows`` as CSV with ``columns`` (default: the training benchmark's :data:`COLUMNS`)."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: _cell(r.get(k)) for k in COLUMNS})
+            w.writerow({k: _cell(r.get(k)) for k in columns})
 
 
 def read_csv(path: str | Path) -> list[dict[str, Any]]:

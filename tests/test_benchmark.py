@@ -267,3 +267,93 @@ def test_sampler_hit_rate_script(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].split()[0] == "1" and lines[-1].split()[0] == "3"
     assert all(float(x) >= 0 for x in lines[-1].split()[1:])
+
+
+# ----------------------------------------------------------------------------------------------
+# python -m benchmark latency / quality
+# ----------------------------------------------------------------------------------------------
+
+
+def test_lognormal_latency_has_p99_ten_times_the_median():
+    import math
+
+    import numpy as np
+
+    from benchmark import latency as L
+
+    mu, sigma = L.lognormal_params(20.0, 10.0)
+    assert math.exp(mu) == pytest.approx(0.020)  # the median, in seconds
+    assert math.exp(mu + sigma * L.Z99) == pytest.approx(0.200)  # p99 = 10 x median
+    lat = L.Latency("lognormal", 20.0)
+    d = lat.delays(200_000, seed=0, epoch=1)
+    assert np.median(d) == pytest.approx(0.020, rel=0.02)
+    assert np.quantile(d, 0.99) == pytest.approx(0.200, rel=0.05)
+    assert np.array_equal(d, lat.delays(200_000, seed=0, epoch=1))  # the same for every arm
+    assert not np.array_equal(d[:1000], lat.delays(1000, seed=0, epoch=2))
+    assert "p99 200 ms" in lat.describe and "EMULATED" in lat.describe
+    assert L.Latency("constant", 20.0).delays(3, 0, 1).tolist() == [0.02] * 3
+    assert L.Latency("none").delays(3, 0, 1) is None
+    with pytest.raises(ValueError, match="p99_ratio"):
+        L.lognormal_params(20.0, 1.0)
+
+
+def test_latency_defaults():
+    a = parse(["latency"])
+    assert a.command == "latency" and a.num_images == 1500 and a.epochs == 3
+    assert a.threads == 32 and a.latency_ms == 20.0 and a.cache_fraction == [0.0, 0.5, 1.0]
+
+
+@pytest.mark.timeout(60)
+def test_latency_command_prints_one_line_per_target(tmp_path, jpeg_dir, shm_dir, capsys):
+    import re
+
+    out = tmp_path / "lat"
+    rc = main(["latency", "--data-dir", str(jpeg_dir), "--num-images", str(N), "--image-size",
+               str(SRC), "--decoded-size", str(DEC), "--batch-size", "8", "--workers", "0",
+               "--epochs", "1", "--cache-fraction", "0.5", "--latency-ms", "1",
+               "--tail-median-ms", "1", "--threads", "4", "--window", "8", "--torch-threads",
+               "1", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    checks = [line for line in text.splitlines() if line.startswith("[")]
+    assert [line[:6] in ("[PASS]", "[MISS]") for line in checks] == [True] * 5, checks
+    assert all(re.search(r" [\d,.]+ vs .* [\d,.]+ samples/s", line) for line in checks)
+    assert "EMULATED" in text and "load average at the start" in text and "at the end" in text
+    with open(out / "latency.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(out / "latency.csv") as f:
+        assert len(f.read().splitlines()) == 1 + 12  # 4 arms x (2 latencies + none), 1 epoch
+    saved = json.loads((out / "latency.json").read_text())["rows"]
+    assert {(r["arm"], r["latency_kind"]) for r in saved} == {
+        (a, k) for a in "abcd" for k in ("constant", "lognormal", "none")}
+    for r in saved:
+        if r["arm"] == "a":  # f = 0.5, first epoch: every read a miss, loaded by the Dataset
+            assert r["hit_rate"] == 0.0 and r["prefetched"] == 0
+        else:  # the prefetcher loaded every sample before the Dataset asked for it
+            assert r["hit_rate"] == 1.0 and r["prefetched"] == N and r["samples"] == N
+    assert os.listdir(shm_dir) == []  # every arm's cache was released
+
+
+def test_batch_diversity():
+    import numpy as np
+
+    from benchmark import quality as Q
+
+    assert Q.batch_diversity(np.array([3, 3, 3, 3]), 10) == (1, 0.0)
+    u, h = Q.batch_diversity(np.array([0, 1, 2, 3]), 10)
+    assert u == 4 and h == pytest.approx(2.0)
+
+
+@pytest.mark.timeout(60)
+def test_quality_command_runs(tmp_path, shm_dir, capsys):
+    pytest.importorskip("sklearn")
+    rc = main(["quality", "--seeds", "2", "--epochs", "1", "--latency-ms", "0.5", "--out",
+               str(tmp_path / "q")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    checks = [line for line in text.splitlines() if line.startswith("[")]
+    assert len(checks) == 6 and all(line[:6] in ("[PASS]", "[MISS]") for line in checks)
+    saved = json.loads((tmp_path / "q" / "quality.json").read_text())
+    assert sorted(r["arm"] for r in saved["runs"]) == ["adaptive"] * 2 + ["fixed"] * 2 + \
+        ["random"] * 2
+    assert os.listdir(shm_dir) == []
