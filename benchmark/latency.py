@@ -416,6 +416,12 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     else:
         arm0, v0 = min(low, key=lambda c: c[1])
         rest = ", ".join(f"({x}) {v / a0:.2f}" for x, v in low)
+
+        def cpu(arm: str) -> float:
+            return sum(r["cpu_s"] or 0.0 for r in _pick(agg, "none", f, arm))
+
+        rest += (f"; CPU seconds of the epochs: ({arm0}) {cpu(arm0):.2f} vs (a) {cpu('a'):.2f}"
+                 if cpu("a") else "")
         out.append(_check("cpu-bound", v0 / a0 >= CPU_MIN, v0 / a0, f">= {CPU_MIN:g} x",
                           f"slowest prefetching arm ({arm0}) {v0:,.0f} vs arm (a) {a0:,.0f} "
                           f"samples/s (f = {f:g}, no latency, epochs 1-"
@@ -448,7 +454,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     head = ["latency (EMULATED)", "f", "arm"]
     for e in epochs:
         head += [f"e{e} samples/s", f"e{e} hit"]
-    head += ["prefetched", "arm"]
+    head += ["cpu s/epoch", "prefetched", "arm"]
     body = []
     for (lat, f, arm), _ in keys:
         rs = {r["epoch"]: r for r in agg if (r["latency"], r["fraction"], r["arm"]) ==
@@ -459,7 +465,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             line += [report._fmt(r and r["samples_per_s"], ",.0f"),
                      report._fmt(r and r["hit_rate"], ".3f")]
         pre = [r.get("prefetched") for r in rs.values() if r.get("prefetched") is not None]
-        line += [str(sum(pre)) if pre and arm != "a" else "-", ARM_LABELS[arm]]
+        cpu = [r["cpu_s"] for e, r in rs.items() if e >= 2 and r.get("cpu_s") is not None] or \
+            [r["cpu_s"] for r in rs.values() if r.get("cpu_s") is not None]
+        line += [report._fmt(statistics.median(cpu) if cpu else None, ".2f"),
+                 str(sum(pre)) if pre and arm != "a" else "-", ARM_LABELS[arm]]
         body.append(line)
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
               for i, h in enumerate(head)]
@@ -470,6 +479,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     lines = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(b) for b in body]
+    lines.append("(hit: cache.stats() hit rate of the epoch, staged samples included; cpu s/epoch: "
+                 "CPU seconds of the trainer and its workers, median of epochs >= 2, which move "
+                 "much less than wall time when other programs share the cores; prefetched: "
+                 "samples the Prefetcher loaded, all epochs)")
     reps = max((r["repeats"] for r in agg), default=1)
     if reps > 1:
         lines.append(f"(medians of {reps} repeats; every repeat is in the CSV)")
