@@ -1,5 +1,6 @@
 """CacheAwareSampler: ranks simulated in one process with explicit rank and num_replicas."""
 
+import dataclasses
 import itertools
 import math
 import types
@@ -23,10 +24,28 @@ SETTINGS = settings(max_examples=40)  # derandomized, no deadline: conftest.py
 # ------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MatrixLayout(CacheLayout):
+    """A CacheLayout whose owners are any boolean matrix ``(num_nodes, dataset_len)``, for
+    layouts that CacheLayout itself does not make (the sampler reads only dataset_len,
+    num_nodes and owner_rows())."""
+
+    matrix: np.ndarray = None
+
+    @classmethod
+    def of(cls, matrix):
+        matrix = np.asarray(matrix, dtype=bool)
+        return cls(matrix.shape[1], int(matrix.sum(axis=1).max(initial=0)), matrix.shape[0],
+                   matrix=matrix)
+
+    def owner_rows(self):
+        yield from self.matrix.copy()
+
+
 def make_samplers(layout, batch_size, local_world_size=1, **kwargs):
     """One sampler per rank of a job with ``local_world_size`` ranks on each node."""
     world_size = layout.num_nodes * local_world_size
-    return [CacheAwareSampler(layout, batch_size, world_size, r,
+    return [CacheAwareSampler(layout, world_size, r, batch_size=batch_size,
                               local_world_size=local_world_size, **kwargs)
             for r in range(world_size)]
 
@@ -148,11 +167,9 @@ def test_global_batches_are_those_of_distributed_sampler_split_optimally(job):
        st.floats(0, 1), st.integers(0, 2**32 - 1))
 def test_any_owner_matrix_is_split_optimally(num_nodes, dataset_len, batch_size, lws, density,
                                              seed):
-    # A stand-in layout (dataset_len, num_nodes, owner_rows() and owners(), as CacheLayout's)
-    # with arbitrary, not CacheLayout's, sets of nodes per sample.
+    # A layout with arbitrary, not CacheLayout's, sets of nodes per sample.
     owners = np.random.default_rng(seed).random((num_nodes, dataset_len)) < density
-    layout = types.SimpleNamespace(dataset_len=dataset_len, num_nodes=num_nodes,
-                                   owner_rows=lambda: iter(owners), owners=lambda: owners)
+    layout = MatrixLayout.of(owners)
     per_rank = run_epoch(make_samplers(layout, batch_size, lws, seed=seed), epoch=1)
     assert sorted(per_rank.ravel()) == sorted(distributed_epoch(
         dataset_len, len(per_rank), epoch=1, seed=seed).ravel())
@@ -195,7 +212,7 @@ def test_other_epoch_or_seed_other_order(change):
 
 
 def test_epoch_indices_matches_iteration_and_keeps_state():
-    s = CacheAwareSampler(CacheLayout(500, 100, 2), 8, 4, 3, local_world_size=2)
+    s = CacheAwareSampler(CacheLayout(500, 100, 2), 4, 3, batch_size=8, local_world_size=2)
     s.set_epoch(2)
     before = s.state_dict()
     assert s.epoch_indices(2).tolist() == list(s)
@@ -244,29 +261,21 @@ def test_overlapping_caches_are_used(slots):
     assert_best_split(per_rank, owners, 32, 1)
 
 
-class TwinLayout:
+def twin_layout(dataset_len, num_nodes, seed):
     """A layout in which nodes k and k + num_nodes / 2 cache the same half of the dataset.
-    CacheLayout avoids identical subsets; this stand-in (the sampler only reads dataset_len,
-    num_nodes and owner_rows()) makes them, to check that twins share their misses."""
-
-    def __init__(self, dataset_len, num_nodes, seed):
-        self.dataset_len, self.num_nodes = dataset_len, num_nodes
-        twin = num_nodes // 2
-        parts = np.array_split(np.random.default_rng(seed).permutation(dataset_len), twin)
-        self._owners = np.zeros((num_nodes, dataset_len), dtype=bool)
-        for k, part in enumerate(parts):
-            self._owners[k, part] = self._owners[k + twin, part] = True
-
-    def owner_rows(self):
-        yield from self._owners.copy()
-
-    def owners(self):
-        return self._owners.copy()
+    CacheLayout avoids identical subsets; this one makes them, to check that twins share
+    their misses."""
+    twin = num_nodes // 2
+    parts = np.array_split(np.random.default_rng(seed).permutation(dataset_len), twin)
+    owners = np.zeros((num_nodes, dataset_len), dtype=bool)
+    for k, part in enumerate(parts):
+        owners[k, part] = owners[k + twin, part] = True
+    return MatrixLayout.of(owners)
 
 
 @pytest.mark.parametrize("num_nodes", [4, 8])
 def test_nodes_caching_the_same_samples_share_the_misses(num_nodes):
-    layout = TwinLayout(4096, num_nodes, seed=2)
+    layout = twin_layout(4096, num_nodes, seed=2)
     owners = layout.owners()
     twin = num_nodes // 2
     assert np.array_equal(owners[:twin], owners[twin:])
@@ -368,14 +377,14 @@ def test_resume_mid_epoch(consumed, lws):
 
 
 def test_resume_counts_what_the_dataloader_took():
-    s = CacheAwareSampler(CacheLayout(1000, 200, 2), 16, 2, 1, local_world_size=1)
+    s = CacheAwareSampler(CacheLayout(1000, 200, 2), 2, 1, batch_size=16, local_world_size=1)
     s.set_epoch(1)
     loader = DataLoader(range(1000), batch_size=16, sampler=s)
     batches = list(itertools.islice(loader, 3))
     assert s.state_dict()["consumed"] == 3 * 16
     assert s.state_dict(consumed=32)["consumed"] == 32
 
-    fresh = CacheAwareSampler(CacheLayout(1000, 200, 2), 16, 2, 1, local_world_size=1)
+    fresh = CacheAwareSampler(CacheLayout(1000, 200, 2), 2, 1, batch_size=16, local_world_size=1)
     fresh.load_state_dict(s.state_dict())
     rest = [int(i) for b in DataLoader(range(1000), batch_size=16, sampler=fresh) for i in b]
     assert [int(i) for b in batches for i in b] + rest == s.epoch_indices(1).tolist()
@@ -409,7 +418,7 @@ def test_load_state_from_another_setup_names_the_field(field, value):
 
 def test_cache_layout_may_change_only_at_a_batch_boundary():
     def sampler(slots):
-        return CacheAwareSampler(CacheLayout(1000, slots, 2), 8, 2, 0, local_world_size=1)
+        return CacheAwareSampler(CacheLayout(1000, slots, 2), 2, 0, batch_size=8, local_world_size=1)
 
     sampler(100).load_state_dict(sampler(300).state_dict(consumed=16))
     with pytest.raises(ValueError, match=r"state\['slots'\] should be this sampler's slots=100"):
@@ -417,7 +426,7 @@ def test_cache_layout_may_change_only_at_a_batch_boundary():
 
 
 def test_set_epoch_after_load_to_another_epoch_warns():
-    s = CacheAwareSampler(CacheLayout(100, 10), 4, 1, 0)
+    s = CacheAwareSampler(CacheLayout(100, 10), 1, 0, batch_size=4)
     s.load_state_dict({**s.state_dict(), "consumed": 8, "epoch": 2})
     with pytest.warns(UserWarning, match=r"discards the resume position loaded for epoch 2"):
         s.set_epoch(3)
@@ -425,7 +434,7 @@ def test_set_epoch_after_load_to_another_epoch_warns():
 
 
 def test_iterating_an_epoch_twice_warns():
-    s = CacheAwareSampler(CacheLayout(100, 10), 4, 1, 0)
+    s = CacheAwareSampler(CacheLayout(100, 10), 1, 0, batch_size=4)
     list(s)
     with pytest.warns(UserWarning, match=r"call sampler.set_epoch\(epoch\)"):
         list(s)
@@ -446,7 +455,7 @@ def test_defaults_come_from_the_cache_world():
                   num_nodes=2)
     cache = fake_cache(CacheLayout(100, 30, 2), world)
     for source in (cache, CachedDataset(cache, 100)):
-        s = CacheAwareSampler(source, 4)
+        s = CacheAwareSampler(source, batch_size=4)
         assert (s.num_replicas, s.rank, s.local_world_size, s.node_rank) == (6, 5, 3, 1)
 
 
@@ -456,11 +465,11 @@ def test_defaults_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    s = CacheAwareSampler(layout, 4)
+    s = CacheAwareSampler(layout, batch_size=4)
     assert (s.num_replicas, s.rank, s.local_world_size, s.node_rank) == (4, 3, 2, 1)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name)
-    single = CacheAwareSampler(CacheLayout(100, 30), 4)
+    single = CacheAwareSampler(CacheLayout(100, 30), batch_size=4)
     assert (single.num_replicas, single.rank, single.local_world_size) == (1, 0, 1)
 
 
@@ -468,7 +477,7 @@ def test_rank_on_another_node_than_its_cache_warns():
     world = World(rank=0, world_size=4, local_rank=0, local_world_size=2, node_rank=0,
                   num_nodes=2)
     with pytest.warns(UserWarning, match=r"rank=2 is on node 1 .* cache was built on node 0"):
-        CacheAwareSampler(fake_cache(CacheLayout(100, 30, 2), world), 4, rank=2)
+        CacheAwareSampler(fake_cache(CacheLayout(100, 30, 2), world), rank=2, batch_size=4)
 
 
 LAYOUT = CacheLayout(100, 25, 2)
@@ -492,11 +501,10 @@ POSITIVE = r"should be a positive int, but got"
     (dict(num_replicas=4, rank=0), ValueError, r"num_replicas should be num_nodes \* "
      r"local_world_size = 2 \* 1 = 2 .* but got num_replicas=4"),
     (dict(source=object()), TypeError,
-     r"cache_or_dataset_or_layout should be a SharedCache, a CacheLayout or a Dataset with a "
-     r"\.cache attribute, but got object"),
+     r"dataset should be a Dataset with a \.cache attribute \(a SharedCache or None\), a Subset "
+     r"of one, a SharedCache or a CacheLayout, but got object"),
     (dict(source=CachedDataset(fake_cache(LAYOUT, World()), 99)), ValueError,
-     r"len\(cache_or_dataset_or_layout\) should be its cache's dataset_len=100, but got "
-     r"len\(cache_or_dataset_or_layout\)=99"),
+     r"len\(dataset\) should be its cache's dataset_len=100, but got len\(dataset\)=99"),
 ])
 def test_bad_arguments_name_the_parameter_and_the_value(kwargs, error, match):
     args = dict(source=LAYOUT, batch_size=4, num_replicas=2, rank=1, local_world_size=1)
@@ -519,7 +527,7 @@ def test_bad_arguments_name_the_parameter_and_the_value(kwargs, error, match):
 ])
 def test_bad_calls_name_the_parameter_and_the_value(call, error, match):
     with pytest.raises(error, match=match):
-        call(CacheAwareSampler(LAYOUT, 4, 2, 1, local_world_size=1))
+        call(CacheAwareSampler(LAYOUT, 2, 1, batch_size=4, local_world_size=1))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -563,10 +571,8 @@ def test_the_sampler_never_builds_the_owner_matrix(monkeypatch):
     indices otherwise); the order is the same as from the full matrix."""
     lay = CacheLayout(dataset_len=5000, slots=700, num_nodes=6, seed=3)
     matrix = lay.owners()
-    full = CacheAwareSampler(types.SimpleNamespace(owner_rows=lambda: iter(matrix),
-                                                   owners=lambda: matrix, dataset_len=5000,
-                                                   num_nodes=6), batch_size=8,
-                             num_replicas=6, rank=2, seed=1)
+    full = CacheAwareSampler(MatrixLayout.of(matrix), batch_size=8, num_replicas=6, rank=2,
+                             seed=1)
     monkeypatch.setattr(CacheLayout, "owners", lambda self: pytest.fail("owners() was built"))
     rows = CacheAwareSampler(lay, batch_size=8, num_replicas=6, rank=2, seed=1)
     for epoch in (0, 1):
