@@ -34,6 +34,7 @@ from __future__ import annotations
 
 __all__ = ["PrefetchError", "Prefetcher", "ReadyFirstSampler", "ready_first_order"]
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -678,10 +679,15 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.threads = check_int("threads", threads, low=1)
         self.lookahead = 4 * self.threads if lookahead is None else \
             check_int("lookahead", lookahead, low=1)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-                not 0 < timeout < float("inf"):
-            raise (TypeError if not isinstance(timeout, (int, float)) else ValueError)(
-                f"timeout should be a positive number of seconds, but got timeout={timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout should be a positive number of seconds, but got "
+                            f"timeout={timeout!r}")
+        if not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout should be a positive number of seconds, but got "
+                             f"timeout={timeout!r}")
+        if mode not in ("fixed", "adaptive"):
+            raise (ValueError if isinstance(mode, str) else TypeError)(
+                f"mode should be 'fixed' or 'adaptive', but got mode={mode!r}")
         self.timeout = float(timeout)
         self.cache, self.load = cache, load
         self._tap = _Tap(sampler)
@@ -720,7 +726,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         for idx in list(self._staged):  # staged last epoch and never read: give them back
-            self.cache.unstage(idx)
+            self.cache.unstage(idx)  # (known defect: by index; see docs/prefetch.md)
         self._staged.clear()
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
@@ -732,6 +738,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         try:
             for idx in order_it:
                 end = min(len(base), pos + span)
+                if nxt - pos > span // 2:
+                    end = nxt  # refill half a span at a time: one ready_mask call per chunk
                 while nxt < end:  # submit the misses among the next positions, in order
                     chunk = base[nxt:end]
                     need = ~self.cache.ready_mask(chunk)
@@ -757,9 +765,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 yield idx
         finally:
             pool.stop()
-            for i, (_, staged) in pending.items():  # loaded ahead and never yielded
-                if staged:
-                    self.cache.unstage(i)
+            with contextlib.suppress(ValueError):  # the cache may be closed by now
+                for i, (_, staged) in pending.items():  # loaded ahead and never yielded
+                    if staged:
+                        self.cache.unstage(i)
 
     def _fetch(self, idx: int, staged: bool, stop: threading.Event) -> None:
         """Load one sample and store it; runs in a loader thread."""

@@ -1012,8 +1012,9 @@ class SharedCache:
         slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
         if slots == 0:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
-                          f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}; "
-                          "every get_slot will miss", RuntimeWarning, stacklevel=2)
+                          f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
+                          + (f" (after {staging} staging slots)" if staging else "") +
+                          "; only staged samples can hit", RuntimeWarning, stacklevel=2)
         self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
         self._world = world
         self._dims, self._dtype, self._staging = dims, dtype, staging
@@ -1768,7 +1769,10 @@ class SharedCache:
                 # died (or was interrupted) is empty: we hold its lock, so nobody writes it.
                 if self._aux_mv[idx] == SET and not allow_overwrite and \
                         not self._seq_mv[slot] & 1:
-                    if exist_ok or self._holds(slot, src):
+                    if exist_ok:
+                        return
+                    if self._holds(slot, src):  # a second load of one index: done already
+                        self._ctr[_WRITES] += 1
                         return
                     raise RuntimeError(
                         f"the slot of idx={idx} is already set to a different value; pass "
@@ -1861,6 +1865,7 @@ class SharedCache:
     def unstage(self, idx: int) -> bool:
         """Free the staging slot of ``idx`` if it is staged (a prefetcher gives back what was
         never read, e.g. after an epoch that stopped early). Returns whether it was staged."""
+        self._check_open()
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
         if not self._staging:
             return False
@@ -1877,7 +1882,8 @@ class SharedCache:
         idx = np.arange(self._n) if indices is None else np.asarray(indices, dtype=np.int64)
         ready = aux[idx] == SET
         if self._staging:
-            ready |= np.isin(idx, self._stage_np)
+            table = self._stage_np.copy()  # a snapshot: fillers change it meanwhile
+            ready |= np.isin(idx, table[table >= 0])
         return ready
 
     def clear(self) -> None:
@@ -1908,7 +1914,8 @@ class SharedCache:
 
         Returns:
             A dict with ``hits``, ``misses`` (get_slot returned None), ``oob_misses`` (of
-            those, indices without a slot here), ``writes`` (set_slot calls that stored),
+            those, indices without a slot here), ``writes`` (set_slot calls that stored, or
+            found the same value there already),
             ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
             segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
@@ -1951,6 +1958,7 @@ class SharedCache:
         _LIVE_CACHES.discard(self)
         self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
         self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
+        self._stage_np = _CLOSED  # type: ignore
         self._array = self._ro_slots = _CLOSED  # type: ignore
         for mm in (self._mm, getattr(self, "_ro_mm", None)):
             if mm is not None:

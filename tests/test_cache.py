@@ -86,7 +86,8 @@ def test_same_results_as_021(shm_dir):
     x = sample(dims, torch.uint8, 1)
     script = [
         ("get_slot", (3,), {}), ("set_slot", (3, x), {}), ("get_slot", (3,), {}),
-        ("set_slot", (3, x), {}), ("set_slot", (3, x + 1), {"allow_overwrite": True}),
+        ("set_slot", (3, x + 2), {}),  # a different value for a set slot raises in both
+        ("set_slot", (3, x + 1), {"allow_overwrite": True}),
         ("get_slot", (3,), {}), ("get_slot", (40,), {}), ("set_slot", (40, x), {}),
         ("get_slot", (40,), {"allow_oob_idx": False}),
         ("set_slot", (40, x), {"allow_oob_idx": False}),

@@ -110,6 +110,12 @@ def random_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaNs included), as set_slot compares a slot with a new value."""
+    return bytes(a.contiguous().view(-1).view(torch.uint8).numpy()) == \
+        bytes(b.contiguous().view(-1).view(torch.uint8).numpy())
+
 class Model:
     def __init__(self, n: int, dims: tuple, dtype: torch.dtype, slots: int) -> None:
         self.n, self.dims, self.dtype, self.slots = n, dims, dtype, slots
@@ -150,8 +156,12 @@ class Model:
             value = torch.from_numpy(value)
         if not isinstance(value, torch.Tensor):
             raise TypeError
-        if tuple(value.shape) != self.dims:
-            raise ValueError
+        extra = value.ndim - len(self.dims)
+        if tuple(value.shape) != self.dims:  # extra leading 1s are dropped, as 0.2.1 did
+            if extra <= 0 or tuple(value.shape[extra:]) != self.dims or \
+                    any(d != 1 for d in value.shape[:extra]):
+                raise ValueError
+            value = value.reshape(self.dims)
         if rounds(value.dtype, self.dtype) and _INFO[self.dtype][0] != "c" and \
                 any(z.imag != 0 for z in value.detach().flatten().tolist()
                     if isinstance(z, complex)):
@@ -165,9 +175,13 @@ class Model:
                 raise ValueError
         if self.aux[i] == OOB:
             return None  # no slot here: the value was checked, nothing happens
+        new = value.detach().to(self.dtype)
         if self.aux[i] == SET and not allow_overwrite:
-            raise RuntimeError
-        self.array[i] = value.detach().to(self.dtype)
+            if not _same_bytes(self.array[i], new):
+                raise RuntimeError
+            self.writes += 1  # the same value again: a no-op, counted as a write
+            return None
+        self.array[i] = new
         self.aux[i] = SET
         self.writes += 1
         return None

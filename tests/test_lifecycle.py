@@ -91,7 +91,7 @@ def test_cli_plan(shm_dir):
         len(SharedCache(0.001, 1000, (3, 32, 32), shm_dir=shm_dir))
     bad = subprocess.run([sys.executable, "-m", "stocaching", "plan", "--dataset-len", "0",
                           "--dims", "3,32"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "dataset_len should be a positive int" in bad.stderr
+    assert bad.returncode == 2 and "--dataset-len should be a positive int" in bad.stderr
 
 
 @pytest.mark.timeout(120)

@@ -363,12 +363,9 @@ def test_bad_arguments_name_the_parameter_and_value(shm_dir, kwargs, error, matc
         Prefetcher(args["sampler"], args["cache"], args["load"], **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="bool timeout is refused with ValueError, not TypeError "
-                                       "(STYLE: bool is not a number); mode is not checked "
-                                       "without a window")
 @pytest.mark.parametrize("kwargs, error", [({"timeout": True}, TypeError),
                                            ({"mode": "eager"}, ValueError)])
-def test_bad_arguments_not_yet_refused_as_documented(shm_dir, kwargs, error):
+def test_bool_timeout_and_bad_mode_are_refused(shm_dir, kwargs, error):
     cache = make_cache(shm_dir)
     with pytest.raises(error, match=next(iter(kwargs))):
         Prefetcher(list(range(N)), cache, value_of, **kwargs)
