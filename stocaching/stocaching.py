@@ -42,6 +42,7 @@ __all__ = [
     "SlotState",
     "World",
     "CacheCapacityError",
+    "MAX_STAGE_TAG",
     "clean_segments",
     "get_shm_size",
     "list_segments",
@@ -540,7 +541,8 @@ class CacheTimeoutError(TimeoutError):
 #   [staging map: int64 per staging slot][slot map: int32/int64 per dataset index, multi-node
 #   only][pad to a page][slots][staging slots]
 # A staging slot holds the sample of an index without a slot here until one read takes it
-# (for a prefetcher); its map entry is that index, -1 when free, -2 - pid while pid fills it.
+# (for a prefetcher); its map entry is that index plus the stager's tag times 2**40 (so a
+# prefetcher gives back only what it staged itself), -1 when free, -2 - pid while pid fills it.
 # The header is written by the creator before the segment gets its public name, so a segment
 # found under its name is complete. POSIX record locks (fcntl.lockf) on byte offsets far past
 # the end of the file serialise writers of one slot and the few slow-path updates of the header;
@@ -548,7 +550,7 @@ class CacheTimeoutError(TimeoutError):
 # flock() held by every process using the segment tells a live segment from a stale one.
 
 _MAGIC = b"STOCACH1"
-_LAYOUT_VERSION = 2
+_LAYOUT_VERSION = 3
 _HEADER_BYTES = 4096
 _HEADER_FIELDS = (
     "version", "total_bytes", "dataset_len", "slots", "dtype_code", "ndim",
@@ -564,6 +566,14 @@ _STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged 
 _PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES = range(8)
 _LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, then one byte per slot
 _STAGE_LOCK = _LOCK_BASE - 1  # the staging map
+_STAGE_TAG_SHIFT = 40  # a staging map entry: index | tag << 40
+_STAGE_INDEX_MASK = (1 << _STAGE_TAG_SHIFT) - 1
+MAX_STAGE_TAG = (1 << (63 - _STAGE_TAG_SHIFT)) - 1
+
+
+def _staged_entries(table: np.ndarray, idx: int) -> np.ndarray:
+    """Positions in a staging map (or a piece of one) whose entry holds ``idx``."""
+    return np.flatnonzero((table >= 0) & (table & _STAGE_INDEX_MASK == idx))
 
 
 def _slot_lock_offset(slot: int) -> int:
@@ -942,7 +952,8 @@ class SharedCache:
     rank, in the same order as any other cache. DataLoader workers (fork, spawn, forkserver,
     persistent or not) get the cache with the dataset and share it. The segment's name is
     removed as soon as every local rank has attached, so the memory is freed when the last
-    process using it exits, even by SIGKILL.
+    process using it exits, even by SIGKILL. A leader that closes the cache (or exits) before
+    every local rank has attached waits for them, up to ``timeout``.
 
     Concurrency contract: any number of processes and threads may call ``get_slot``,
     ``set_slot``, ``clear`` and ``stats`` at the same time. ``get_slot`` takes no lock and makes
@@ -969,7 +980,9 @@ class SharedCache:
         shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
             Default: ``$STOCACHING_SHM_DIR`` or ``/dev/shm``.
         layout_seed: seed of the multi-node layout (all nodes must agree). Default: 0.
-        timeout: seconds a non-leader waits for the leader's segment. Default: 300.
+        timeout: seconds a non-leader waits for the leader's segment, and seconds the leader,
+            when it closes the cache (or exits) before every local rank has attached, waits
+            for them. Default: 300.
         staging_slots: extra slots where a prefetcher holds samples of indices without a slot
             until they are read once (see ``stage`` and ``stocaching.prefetch``); they are
             paid from ``size_limit_gib`` first. Default: 0.
@@ -1004,6 +1017,10 @@ class SharedCache:
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
 
         staging = check_int("staging_slots", staging_slots, low=0)
+        if staging and dataset_len > _STAGE_INDEX_MASK:
+            raise ValueError(f"staging_slots should be 0 for a dataset_len above "
+                             f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
+                             f"dataset_len={dataset_len}")
         slot_bytes = _slot_bytes(dims, dtype)
         if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB:
             raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
@@ -1022,11 +1039,12 @@ class SharedCache:
         self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
                                                                     name))
         self._fd = -1
+        self._timeout = float(timeout)
         self._finalizer: weakref.finalize | None = None
         if world.is_local_leader:
             self._create()
         else:
-            self._attach_by_name(float(timeout))
+            self._attach_by_name(self._timeout)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -1065,8 +1083,9 @@ class SharedCache:
             _close_fd(fd)
             raise
         _unlink_if_same(tmp, st.st_ino, st.st_dev)
+        wait = self._timeout if self._world.local_world_size > 1 else 0.0
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, self._path,
-                                           st.st_ino, st.st_dev, os.getpid())
+                                           st.st_ino, st.st_dev, os.getpid(), wait)
         lay = self._layout
         logger.info(
             "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s %s on node %d: "
@@ -1790,7 +1809,7 @@ class SharedCache:
         have = self._np_slots[slot].reshape(-1).view(np.uint8)
         return bool(np.array_equal(have, np.ascontiguousarray(src).reshape(-1).view(np.uint8)))
 
-    def stage(self, idx: int, value: Any) -> bool:
+    def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
         """Hold the sample of an index that has no slot on this node in a staging slot, until
         a ``get_slot`` of it takes it (which frees the staging slot). This is for a prefetcher
         that loads samples shortly before they are read (see ``stocaching.prefetch``); the
@@ -1799,6 +1818,9 @@ class SharedCache:
         Args:
             idx: dataset index without a slot here (``aux_array[idx] == 2``).
             value: as for ``set_slot``.
+            tag: who stages it, an int in ``[0, MAX_STAGE_TAG]``, for ``unstage(idx,
+                tag=...)``; staging an index that is already staged gives it this tag.
+                Default: 0.
 
         Returns:
             True when the sample is staged (or already was); False when every staging slot
@@ -1816,10 +1838,14 @@ class SharedCache:
         if self._aux_mv[idx] != OOB:
             raise ValueError(f"idx={idx} has a slot in this cache: store it with set_slot; "
                              "stage() holds samples of indices without one")
+        tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
         src = self._source_array(value)
         table = self._stage_np
+        entry = idx | tag << _STAGE_TAG_SHIFT
         with self._locked(_STAGE_LOCK):
-            if (table == idx).any():
+            same = _staged_entries(table, idx)
+            if same.size:
+                table[same] = entry
                 return True
             free = np.flatnonzero(table == -1)
             if not free.size:  # fillers that died keep their slot: give it back
@@ -1838,13 +1864,14 @@ class SharedCache:
         except BaseException:
             table[k] = -1
             raise
-        table[k] = idx  # published only once the bytes are in
+        table[k] = entry  # published only once the bytes are in
         self._ctr[_STAGES] += 1
         return True
 
     def _take_staged(self, idx: int) -> torch.Tensor | None:
         """The staged sample of ``idx`` (a copy; its staging slot is freed), or None."""
-        found = np.flatnonzero(self._stage_np == idx)
+        table = self._stage_np
+        found = _staged_entries(table, idx)
         if not found.size:
             return None
         k = int(found[0])
@@ -1853,25 +1880,31 @@ class SharedCache:
         if seq & 1:
             return None
         out = torch.from_numpy(self._np_slots[slot].copy())
-        if self._seq_mv[slot] != seq or self._stage_np[k] != idx:
+        if self._seq_mv[slot] != seq or not _staged_entries(table[k:k + 1], idx).size:
             return None
         with self._locked(_STAGE_LOCK):
-            if self._stage_np[k] == idx:
-                self._stage_np[k] = -1
+            if _staged_entries(table[k:k + 1], idx).size:
+                table[k] = -1
         self._ctr[_HITS] += 1
         self._ctr[_STAGED_HITS] += 1
         return out if self._view_as is None else out.view(self._view_as)
 
-    def unstage(self, idx: int) -> bool:
+    def unstage(self, idx: int, *, tag: int | None = None) -> bool:
         """Free the staging slot of ``idx`` if it is staged (a prefetcher gives back what was
-        never read, e.g. after an epoch that stopped early). Returns whether it was staged."""
+        never read, e.g. after an epoch that stopped early); with a ``tag``, only if it was
+        staged (last) with that tag. Returns whether a staging slot was freed."""
         self._check_open()
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        if tag is not None:
+            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
         if not self._staging:
             return False
+        table = self._stage_np
         with self._locked(_STAGE_LOCK):
-            found = np.flatnonzero(self._stage_np == idx)
-            self._stage_np[found] = -1
+            found = _staged_entries(table, idx)
+            if tag is not None:
+                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
+            table[found] = -1
         return bool(found.size)
 
     def ready_mask(self, indices: Any = None) -> np.ndarray:
@@ -1883,7 +1916,7 @@ class SharedCache:
         ready = aux[idx] == SET
         if self._staging:
             table = self._stage_np.copy()  # a snapshot: fillers change it meanwhile
-            ready |= np.isin(idx, table[table >= 0])
+            ready |= np.isin(idx, table[table >= 0] & _STAGE_INDEX_MASK)
         return ready
 
     def clear(self) -> None:
@@ -1978,12 +2011,49 @@ class SharedCache:
                 f"node={self._world.node_rank})")
 
 
-def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0) -> None:
-    """Close our descriptor; the creating process (not its forks, which inherit this
-    finalizer) also drops a public name that not every local rank attached to."""
-    if path is not None and os.getpid() == owner:
-        _unlink_if_same(path, ino, dev)
-    _close_fd(fd)
+def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0,
+                      wait: float = 0.0) -> None:
+    """Close our descriptor. The creating process (not its forks, which inherit this
+    finalizer) first waits up to ``wait`` seconds for the local ranks that have not attached
+    yet (the last one to attach drops the public name), then drops the name itself."""
+    try:
+        if path is not None and os.getpid() == owner:
+            _wait_for_attachers(path, ino, dev, wait)
+            _unlink_if_same(path, ino, dev)
+    finally:
+        _close_fd(fd)
+
+
+def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
+    """A leader that is done before another local rank has even constructed the cache (a
+    short job, a slow import on that rank) must not take the segment away from under it: the
+    latecomer would find nothing to attach to and time out. Holding our descriptor keeps the
+    segment alive and not stale while we wait."""
+    def still_named() -> bool:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return st.st_ino == ino and st.st_dev == dev
+
+    start = time.monotonic()
+    delay, told = 0.005, False
+    while still_named():
+        waited = time.monotonic() - start
+        if waited >= wait:
+            warnings.warn(
+                f"local rank 0 closed the cache {path} after waiting {wait:.0f} s for the other "
+                "local ranks to attach, and not all of them did; a local rank that constructs "
+                "it later will time out. Construct each cache on every local rank (see "
+                "docs/distributed.md), or pass a World with local_world_size=1 for a cache of "
+                "one process", RuntimeWarning, stacklevel=2)
+            return
+        if waited > 10 and not told:
+            logger.warning("stocaching: local rank 0 is done with %s but waits (up to %.0f s) "
+                           "for the other local ranks to attach before it lets go", path, wait)
+            told = True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:

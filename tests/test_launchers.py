@@ -107,6 +107,30 @@ def test_readme_example_under_torchrun_with_every_rank_reading_every_index(tmpfs
     assert_no_leak(tmpfs)
 
 
+@pytest.mark.timeout(200)
+def test_a_leader_done_before_another_rank_constructs_waits_for_it(tmpfs, tmp_path):
+    """Rank 0 fills the cache and closes it before rank 1 constructs it: rank 0's close waits
+    for rank 1 to attach (its timeout) instead of taking the segment away, so rank 1 attaches
+    and reads everything rank 0 wrote, and nothing is left behind."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master-port={free_port()}", str(CHILDREN / "leader_leaves_first.py"), tmpfs,
+           str(tmp_path / "closing")]
+    r = subprocess.run(cmd, env=rank_env(tmpfs), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "hits 32 of 32" in r.stdout and "closed" in r.stdout, r.stdout
+    assert_no_leak(tmpfs)
+
+
+def test_a_leader_whose_other_ranks_never_come_warns_and_lets_go(tmpfs):
+    """A cache made by rank 0 only (the others never construct it): close waits ``timeout``
+    seconds, then says so and drops the name: nothing is left in the tmpfs."""
+    world = World(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    cache = SharedCache(1e-3, 8, (4,), shm_dir=tmpfs, world=world, timeout=0.3)
+    with pytest.warns(RuntimeWarning, match="not all of them did"):
+        cache.close()
+    assert_no_leak(tmpfs)
+
+
 # ----------------------------------------------------------------------------------------------
 # CacheAwareSampler with DistributedSampler's arguments
 # ----------------------------------------------------------------------------------------------
