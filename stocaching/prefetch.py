@@ -39,6 +39,7 @@ import hashlib
 import inspect
 import logging
 import queue
+import secrets
 import threading
 import time
 import warnings
@@ -50,9 +51,10 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import SharedCache, SlotState, check_int
+    from .stocaching import MAX_STAGE_TAG, SharedCache, SlotState, check_int
 except ImportError:  # copied beside stocaching.py
-    from stocaching import SharedCache, SlotState, check_int  # type: ignore[no-redef]
+    from stocaching import (MAX_STAGE_TAG, SharedCache, SlotState,  # type: ignore[no-redef]
+                            check_int)
 
 logger = logging.getLogger("stocaching")
 
@@ -696,9 +698,16 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             ReadyFirstSampler(self._tap, cache, window=self.window, mode=mode)
         lws = cache.world.local_world_size
         self._stage_ahead = cache.stats()["staging_slots"] // (2 * lws)
+        # What this prefetcher staged is tagged with a number of its own, so that it gives
+        # back only its own samples (another rank's prefetcher may stage the same index).
+        self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
         self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
+        # Loads running in a loader thread, over epochs: an epoch abandoned mid-load leaves
+        # its loads running, and the next epoch waits for those instead of starting again.
+        self._running: dict[int, _Job] = {}
+        self._lock = threading.Lock()  # guards the two above and the counters
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
-        self._count_lock = threading.Lock()
+        self.dropped = 0  # loads whose sample found no free staging slot in time
 
     def __len__(self) -> int:
         return len(self._tap)
@@ -725,16 +734,25 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._order.load_state_dict(state)
 
     def __iter__(self) -> Iterator[int]:
-        for idx in list(self._staged):  # staged last epoch and never read: give them back
-            self.cache.unstage(idx)  # (known defect: by index; see docs/prefetch.md)
-        self._staged.clear()
+        with self._lock:
+            staged, self._staged = self._staged, set()
+        for idx in staged:  # staged last epoch, yielded and never read: give them back
+            self.cache.unstage(idx, tag=self._tag)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
+        # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
+        # emitted before are not loaded again.
+        pos, skip = 0, np.zeros(0, dtype=bool)
+        ep = getattr(self._order, "_ep", None)
+        if ep is not None and ep.start:
+            pos = ep.start
+            skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
         pool = _LoaderPool(self.threads, self._fetch)
-        pending: dict[int, tuple[Future, bool]] = {}  # index -> (its load, staged or not)
+        pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
         ahead = 0  # staged loads submitted and not yet yielded
-        nxt, pos = 0, 0  # next base position to consider; positions yielded
+        nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
         span = (self.window or 0) + self.lookahead
+        dropped_before = self.dropped
         try:
             for idx in order_it:
                 end = min(len(base), pos + span)
@@ -743,6 +761,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 while nxt < end:  # submit the misses among the next positions, in order
                     chunk = base[nxt:end]
                     need = ~self.cache.ready_mask(chunk)
+                    if nxt < skip.size:
+                        need[:skip.size - nxt] &= ~skip[nxt:end]
                     oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
                     for j in np.flatnonzero(need):
                         i = int(chunk[j])
@@ -755,12 +775,14 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                 end = nxt + int(j)  # the staging area is the limit: stop here
                                 break
                             ahead += 1
-                        pending[i] = (pool.submit(i, bool(oob[j])), bool(oob[j]))
+                        pending[i] = (self._submit(pool, i, bool(oob[j])), bool(oob[j]))
                     nxt = end
-                job = pending.pop(idx, None)
-                if job is not None:
-                    self._wait(idx, job[0])
-                    ahead -= job[1]
+                got = pending.pop(idx, None)
+                if got is not None:
+                    job, staged = got
+                    job.due.set()  # a sample waiting for a staging slot must not wait longer
+                    self._wait(idx, job.future)
+                    ahead -= staged
                 pos += 1
                 yield idx
         finally:
@@ -768,21 +790,53 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             with contextlib.suppress(ValueError):  # the cache may be closed by now
                 for i, (_, staged) in pending.items():  # loaded ahead and never yielded
                     if staged:
-                        self.cache.unstage(i)
+                        self.cache.unstage(i, tag=self._tag)
+            if self.dropped > dropped_before:
+                logger.warning(
+                    "stocaching: %d samples the prefetcher loaded found no free staging slot "
+                    "by the time the DataLoader needed them, and were loaded again by the "
+                    "workers: staging_slots (%d, shared by %d local ranks) is smaller than "
+                    "what the DataLoader holds read-ahead; give it at least 2 x ranks x "
+                    "(num_workers x prefetch_factor + 1) x batch_size", self.dropped -
+                    dropped_before, self.cache.stats()["staging_slots"],
+                    self.cache.world.local_world_size)
 
-    def _fetch(self, idx: int, staged: bool, stop: threading.Event) -> None:
+    def _submit(self, pool: "_LoaderPool", idx: int, staged: bool) -> "_Job":
+        """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
+        with self._lock:
+            job = self._running.get(idx)
+            if job is not None and job.staged == staged:
+                return job
+        return pool.submit(idx, staged)
+
+    def _fetch(self, job: "_Job", stop: threading.Event) -> None:
         """Load one sample and store it; runs in a loader thread."""
-        value = self.load(idx)
-        if not staged:
-            self.cache.set_slot(idx, value, exist_ok=True)
-        else:
-            # Full: the DataLoader frees staging slots as its workers read what was yielded.
-            while not self.cache.stage(idx, value):
-                if stop.wait(0.002):
-                    return
-            self._staged.add(idx)
-        with self._count_lock:
-            self.loaded += 1
+        idx = job.idx
+        with self._lock:
+            self._running[idx] = job
+        try:
+            value = self.load(idx)
+            if not job.staged:
+                self.cache.set_slot(idx, value, exist_ok=True)
+            else:
+                # Full: the DataLoader frees staging slots as its workers read what was
+                # yielded. Once the index is due, waiting could only deadlock (the slots may
+                # all be held by the batch being assembled): the workers load it instead.
+                while not self.cache.stage(idx, value, tag=self._tag):
+                    if job.due.is_set():
+                        with self._lock:
+                            self.dropped += 1
+                        return
+                    if stop.wait(0.002):  # the epoch was abandoned
+                        return
+                with self._lock:
+                    self._staged.add(idx)
+            with self._lock:
+                self.loaded += 1
+        finally:
+            with self._lock:
+                if self._running.get(idx) is job:
+                    del self._running[idx]
 
     def _wait(self, idx: int, fut: Future) -> None:
         try:
@@ -817,11 +871,24 @@ class _Tap:
         return getattr(self.__dict__["base"], name)
 
 
-class _LoaderPool:
-    """Daemon threads running ``fetch(index, staged, stop)`` for submitted indices, in the
-    order submitted; ``stop()`` lets each finish its current load and go."""
+class _Job:
+    """One load: the index, whether its sample goes to a staging slot, its future, and
+    ``due``, set once the iterator needs the index now."""
 
-    def __init__(self, n: int, fetch: Callable[[int, bool, threading.Event], None]) -> None:
+    __slots__ = ("idx", "staged", "future", "due")
+
+    def __init__(self, idx: int, staged: bool) -> None:
+        self.idx, self.staged = idx, staged
+        self.future: Future = Future()
+        self.due = threading.Event()
+
+
+class _LoaderPool:
+    """Daemon threads running ``fetch(job, stop)`` for submitted jobs, in the order
+    submitted; ``stop()`` lets each finish its current load and go, and cancels the jobs
+    that no thread has started."""
+
+    def __init__(self, n: int, fetch: Callable[[_Job, threading.Event], None]) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._fetch = fetch
@@ -830,25 +897,27 @@ class _LoaderPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, idx: int, staged: bool) -> Future:
-        fut: Future = Future()
-        self._jobs.put((idx, staged, fut))
-        return fut
+    def submit(self, idx: int, staged: bool) -> _Job:
+        job = _Job(idx, staged)
+        self._jobs.put(job)
+        return job
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             job = self._jobs.get()
             if job is None:
                 return
-            idx, staged, fut = job
-            if not fut.set_running_or_notify_cancel():
+            if self._stop.is_set():
+                job.future.cancel()
+                continue
+            if not job.future.set_running_or_notify_cancel():
                 continue
             try:
-                self._fetch(idx, staged, self._stop)
+                self._fetch(job, self._stop)
             except BaseException as e:  # handed to the iterator, which raises it
-                fut.set_exception(e)
+                job.future.set_exception(e)
             else:
-                fut.set_result(None)
+                job.future.set_result(None)
 
     def stop(self) -> None:
         self._stop.set()

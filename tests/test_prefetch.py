@@ -371,24 +371,20 @@ def test_bool_timeout_and_bad_mode_are_refused(shm_dir, kwargs, error):
         Prefetcher(list(range(N)), cache, value_of, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="an undersized staging area waits for a free staging "
-                                       "slot until `timeout`, then reports that the load did "
-                                       "not finish (it did); see the report")
-def test_staging_area_smaller_than_a_batch_is_not_a_load_timeout(shm_dir):
+def test_staging_area_smaller_than_a_batch_is_not_a_load_timeout(shm_dir, caplog):
     """2 staging slots (1 ahead), batches of 4 indices without a slot, no workers: the batch
-    being assembled holds every staging slot, so the third index cannot be staged until the
-    batch is read. Expected: the epoch completes (e.g. the index left to the dataset) or the
-    error names staging_slots; today PrefetchError says load(i) did not finish."""
+    being assembled holds every staging slot, so some indices cannot be staged until the batch
+    is read. The epoch completes well within the load timeout: a sample that finds no room by
+    the time its index is due is left to the dataset, and the prefetcher says so once."""
     cache = make_cache(shm_dir, staging=2)
     order = sorted(oob_of(cache))
-    pf = Prefetcher(order, cache, value_of, threads=2, timeout=1)
+    pf = Prefetcher(order, cache, value_of, threads=2, timeout=30)
     loader = DataLoader(PrefetchedDataset(cache, N, value_of), batch_size=BATCH, sampler=pf)
-    try:
+    with caplog.at_level("WARNING", logger="stocaching"):
         seen = read_epoch(loader)
-    except PrefetchError as e:
-        assert "staging_slots" in str(e)
-    else:
-        assert seen == order
+    assert seen == order
+    assert pf.dropped > 0
+    assert "found no free staging slot" in caplog.text and "staging_slots (2" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,8 +455,6 @@ def test_abandoned_dataloader_epoch_then_a_full_one(shm_dir, loads_dir, persiste
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="an abandoned epoch's loads keep running while the next "
-                                       "epoch submits the same index again; see the report")
 def test_load_left_running_by_an_abandoned_epoch_is_not_started_again(shm_dir):
     """One loader thread. Epoch 0 yields 0..4 and is abandoned while its thread is in the load
     of 5, which waits on an Event; epoch 1 needs 5 too. It must not start a second load of 5
@@ -543,9 +537,6 @@ def test_sigkill_of_the_trainer_leaves_nothing(shm_dir, tmp_path):
         err.close()
 
 
-@pytest.mark.xfail(strict=True, reason="Prefetcher.__iter__ unstages, by index, everything it "
-                                       "staged last epoch, including samples another rank's "
-                                       "prefetcher has staged since; see the report")
 def test_a_prefetcher_unstages_only_what_it_staged(shm_dir):
     """Two prefetchers on one cache, as two ranks of a node. A stages index 40 in its epoch 0
     and a worker reads it; in the next epoch 40 belongs to B (A reads 42, 43), and B stages it
@@ -615,8 +606,6 @@ def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
     assert cache.stats()["staged"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a resumed epoch prefetches from base position 0, not "
-                                       "from the resumed position; see the report")
 def test_resumed_epoch_prefetches_its_rest(shm_dir, loads_dir):
     """After a resume at 48 of 64, the prefetcher should load the misses of the remaining 16
     (so that each is ready when yielded) and nothing that was consumed before."""
@@ -679,18 +668,13 @@ def test_ddp_two_ranks_one_cache_each_index_once(shm_dir, tmp_path):
     reader = [{i: k for k in range(2) for i in ranks[k]["epochs"][e]} for e in range(2)]
     assert ranks[0]["stats"][0] == {"hits": N, "misses": 0, "staged_hits": len(oob)}
     assert after[0] == {i: [f"prefetcher{reader[0][i]}"] for i in range(N)}
-    # Epoch 1: the indices without a slot are loaded again, by the reader's prefetcher. It
-    # should be all hits as in epoch 0, but a rank starting its epoch unstages the indices it
-    # staged in epoch 0, some of which the other rank has just staged again for itself
-    # (test_a_prefetcher_unstages_only_what_it_staged): the reader's worker then misses and
-    # loads it once more, after the prefetcher's load. Tighten to epoch 0's checks once fixed.
-    s1 = ranks[0]["stats"][1]
-    assert s1["hits"] + s1["misses"] == N and s1["staged_hits"] + s1["misses"] == len(oob)
+    # Epoch 1: the indices without a slot are loaded again, each by the prefetcher of the rank
+    # that reads it (its staging slot was freed by epoch 0's read), and all are hits again:
+    # a rank starting its epoch gives back only what it staged itself
+    # (test_a_prefetcher_unstages_only_what_it_staged).
+    assert ranks[0]["stats"][1] == {"hits": N, "misses": 0, "staged_hits": len(oob)}
     again = {i: after[1][i][len(after[0][i]):] for i in range(N)}
     assert all(again[i] == [] for i in range(N) if i not in oob)
-    for i in oob:
-        who = [f"prefetcher{reader[1][i]}"]
-        assert again[i] in (who, who + [f"worker{reader[1][i]}"])
-    assert sum(len(again[i]) - 1 for i in oob) == s1["misses"]
+    assert all(again[i] == [f"prefetcher{reader[1][i]}"] for i in oob)
     assert ranks[0]["staged_after"] == 0
     assert os.listdir(shm_dir) == [] and users(shm_dir) == {}
