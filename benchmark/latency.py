@@ -208,26 +208,6 @@ def configs_for(opts: Options) -> list[Config]:
     return out
 
 
-class _Cache(stocaching.SharedCache):
-    """``SharedCache`` whose ``ready_mask`` reads the staging table once.
-
-    WORKAROUND, to drop once ``stocaching`` does the same: ``SharedCache.ready_mask`` passes
-    the live staging table to ``np.isin``, which reads it twice (its minimum, then every
-    entry); a prefetcher thread reserving a staging slot in between (entry ``-2 - pid``, below
-    that minimum) makes ``np.isin`` index out of bounds: ``IndexError: index -28382 is out of
-    bounds for axis 0``, raised from the DataLoader's ``next()``. A copy of the table (8 bytes
-    per staging slot) is one consistent snapshot. Workers get a plain ``SharedCache`` (its
-    pickling rebuilds that class); only the training process asks for ready masks."""
-
-    def ready_mask(self, indices: Any = None) -> np.ndarray:
-        aux = self.aux_array.numpy()
-        idx = np.arange(len(aux)) if indices is None else np.asarray(indices, dtype=np.int64)
-        ready = aux[idx] == stocaching.SlotState.SET.value
-        if self._staging:
-            ready |= np.isin(idx, self._stage_np.copy())
-        return ready
-
-
 def _gib(slots: int, staging: int, n: int, slot_bytes: int) -> float:
     """size_limit_gib that buys ``slots`` slots and ``staging`` staging slots (the documented
     rule: slots, staging slots and one aux byte per sample; half a byte of slack)."""
@@ -246,7 +226,7 @@ def _make_cache(opts: Options, cfg: Config, name: str) -> Any:
     with warnings.catch_warnings():
         # "leaves no slots ... every get_slot will miss": not so with staging slots at f = 0.
         warnings.filterwarnings("ignore", message=".*leaves no slots.*")
-        cache = _Cache(_gib(slots, staging, n, 3 * d * d), n, (3, d, d),
+        cache = stocaching.SharedCache(_gib(slots, staging, n, 3 * d * d), n, (3, d, d),
                                        torch.uint8, name=name, staging_slots=staging)
     if len(cache) != slots:
         raise RuntimeError(f"the cache got {len(cache)} slots where the sizing rule gives "

@@ -123,8 +123,8 @@ def train_arm(arm: str, seed: int, data: tuple[np.ndarray, ...], args: argparse.
     n = len(ytr)
     slots = min(n, round(args.fraction * n))
     staging = args.staging_slots
-    cache = L._Cache(L._gib(slots, staging, n, 64), n, (1, 8, 8), torch.uint8, name=name,
-                     staging_slots=staging)
+    cache = stocaching.SharedCache(L._gib(slots, staging, n, 64), n, (1, 8, 8), torch.uint8,
+                                   name=name, staging_slots=staging)
     ds = Digits(xtr, ytr, cache)
     lat = L.Latency("lognormal", args.latency_ms, args.p99_ratio) if args.latency_ms > 0 \
         else L.Latency("none")

@@ -1796,9 +1796,9 @@ class SharedCache:
                     raise RuntimeError(
                         f"the slot of idx={idx} is already set to a different value; pass "
                         "allow_overwrite=True to replace it, or exist_ok=True to keep it. "
-                        "(Two loads of one index that give different values usually mean "
-                        "that random augmentation runs before the cache: cache the decoded "
-                        "sample and augment after get_slot.)")
+                        "(Two loads of one index that give different values mean that the "
+                        "load is not deterministic, most often random augmentation before "
+                        "the cache: cache the decoded sample and augment after get_slot.)")
                 self._write(slot, src, idx)
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
