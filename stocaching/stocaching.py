@@ -2011,6 +2011,46 @@ class SharedCache:
                 f"node={self._world.node_rank})")
 
 
+def _a_local_rank_may_come() -> bool:
+    """True while another local rank may still attach: a sibling process is alive (same
+    parent, not init; not one of multiprocessing's helper processes), or a child of ours that
+    a launcher started as another local rank (its LOCAL_RANK differs from ours). Our own
+    forks and DataLoader workers do not count."""
+    try:
+        me = psutil.Process()
+        mine = os.environ.get("LOCAL_RANK")
+        kin = [c for c in me.children() if _environ(c).get("LOCAL_RANK", mine) != mine]
+        parent = me.ppid()
+        if parent > 1:
+            kin += [p for p in psutil.Process(parent).children()
+                    if p.pid != me.pid and not _is_multiprocessing_helper(p)]
+    except psutil.Error:
+        return False
+    return any(_running(p) for p in kin)
+
+
+def _environ(p: psutil.Process) -> dict:
+    try:
+        return p.environ()
+    except psutil.Error:
+        return {}
+
+
+def _is_multiprocessing_helper(p: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return True
+    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0,
                       wait: float = 0.0) -> None:
     """Close our descriptor. The creating process (not its forks, which inherit this
@@ -2028,7 +2068,11 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
     """A leader that is done before another local rank has even constructed the cache (a
     short job, a slow import on that rank) must not take the segment away from under it: the
     latecomer would find nothing to attach to and time out. Holding our descriptor keeps the
-    segment alive and not stale while we wait."""
+    segment alive and not stale while we wait. We wait only while another local rank may
+    still come: the launchers start the local ranks as siblings (torchrun, mp.spawn, srun) or
+    as children of rank 0 (Lightning), so when no such process is alive (see
+    ``_a_local_rank_may_come``), the missing ranks died or were never started, and nobody is
+    left to wait for."""
     def still_named() -> bool:
         try:
             st = os.lstat(path)
@@ -2038,7 +2082,7 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
 
     start = time.monotonic()
     delay, told = 0.005, False
-    while still_named():
+    while still_named() and _a_local_rank_may_come():
         waited = time.monotonic() - start
         if waited >= wait:
             warnings.warn(

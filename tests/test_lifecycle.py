@@ -121,15 +121,14 @@ def test_a_failed_publish_frees_the_memory(tmpfs):
     """On a tmpfs of its own: /dev/shm's free space moves with every other process using it."""
     world = stocaching.World(rank=0, world_size=2, local_world_size=2)
     a = SharedCache(1e-3, 64, (16,), shm_dir=tmpfs, name="dup", world=world, job_key="fp",
-                    timeout=0.2)  # rank 1 never comes: its close waits this long for it
+                    timeout=0.2)  # rank 1 never comes: close waits at most this
     used = os.statvfs(tmpfs).f_bfree
     with pytest.raises(stocaching.CacheConfigError, match="a live cache is already named") as e:
         SharedCache(0.01, 1000, (1024,), shm_dir=tmpfs, name="dup", world=world,
                     job_key="fp")
     assert os.statvfs(tmpfs).f_bfree == used  # while the exception is still held
     del e
-    with pytest.warns(RuntimeWarning, match="not all of them did"):
-        a.close()
+    a.close()
 
 
 @pytest.mark.timeout(300)
@@ -138,7 +137,7 @@ def test_cleaning_does_not_drop_this_process_slot_locks(shm_dir):
     cleaner opening our own named segment would release the slot lock another thread holds."""
     world = stocaching.World(rank=0, world_size=2, local_world_size=2)
     c = SharedCache(1e-3, 64, (16,), shm_dir=shm_dir, name="locks", world=world, job_key="lk",
-                    timeout=0.2)  # rank 1 never comes: its close waits this long for it
+                    timeout=0.2)  # rank 1 never comes: close waits at most this
     (name,) = named(shm_dir)
     path = os.path.join(shm_dir, name)
     age([path])
@@ -146,5 +145,4 @@ def test_cleaning_does_not_drop_this_process_slot_locks(shm_dir):
         stocaching.clean_segments(shm_dir)
         r = run_child("lock_probe.py", path, (1 << 50) + 1 + 3)
     assert r.stdout.strip() == "held"
-    with pytest.warns(RuntimeWarning, match="not all of them did"):
-        c.close()
+    c.close()

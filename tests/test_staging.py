@@ -126,8 +126,7 @@ def test_ranks_must_agree_on_the_staging_slots(shm_dir):
                         staging_slots=3, world=other, job_key="stg", name="s", timeout=10)
         assert e.value.field == "staging_slots"  # the same 10 slots, 3 staging slots not 4
     finally:
-        with pytest.warns(RuntimeWarning, match="not all of them did"):  # rank 1 never came
-            c.close()
+        c.close()  # rank 1 never came: waits at most 0.2 s
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
