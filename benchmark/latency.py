@@ -71,6 +71,7 @@ COLUMNS = [
     "arm", "arm_label", "repeat", "epoch", "epoch_time_s", "samples", "samples_per_s",
     "data_wait_s", "stall_fraction", "cpu_s", "hit_rate", "hits", "misses", "staged_hits",
     "prefetched", "loss", "slots", "staging_slots", "window", "mode", "prefetch_threads",
+    "prefetch_processes",
     "lookahead", "workers", "batch_size", "start_method", "torch_threads", "num_images",
     "image_size", "decoded_size", "loadavg_1min",
 ]
@@ -180,6 +181,8 @@ class Options:
     repeats: int
     seed: int
     lr: float
+    prefetch_processes: int = 0
+    cpu_bound_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +207,8 @@ def configs_for(opts: Options) -> list[Config]:
     for f in opts.fractions:
         out += [Config(Latency("none"), f, arm)
                 for arm in (ARMS if abs(f - TARGET_F) < 1e-9 else ("a",))]
-        out += [Config(lat, f, arm) for lat in lats for arm in ARMS]
+        if not opts.cpu_bound_only:
+            out += [Config(lat, f, arm) for lat in lats for arm in ARMS]
     return out
 
 
@@ -241,7 +245,8 @@ def _sampler(opts: Options, cfg: Config, ds: LatencyDataset, cache: Any) -> Any:
     window = None if cfg.arm == "b" else opts.window
     mode = "fixed" if cfg.arm == "c" else "adaptive"
     return stocaching.Prefetcher(base, cache, ds.load, window=window, mode=mode,
-                                 threads=opts.prefetch_threads, lookahead=opts.lookahead)
+                                 threads=opts.prefetch_threads, lookahead=opts.lookahead,
+                                 processes=opts.prefetch_processes)
 
 
 def run_config(opts: Options, cfg: Config, root: Path, name: str, repeat: int,
@@ -290,6 +295,7 @@ def run_config(opts: Options, cfg: Config, root: Path, name: str, repeat: int,
                 "window": opts.window if cfg.arm in ("c", "d") else None,
                 "mode": {"c": "fixed", "d": "adaptive"}.get(cfg.arm),
                 "prefetch_threads": opts.prefetch_threads if cfg.arm != "a" else None,
+                "prefetch_processes": opts.prefetch_processes if cfg.arm != "a" else None,
                 "lookahead": opts.lookahead if cfg.arm != "a" else None,
                 "workers": opts.workers, "batch_size": opts.batch_size,
                 "start_method": opts.start_method, "torch_threads": torch.get_num_threads(),
@@ -303,6 +309,8 @@ def run_config(opts: Options, cfg: Config, root: Path, name: str, repeat: int,
                 f"prefetched {row['prefetched']}, stall {100 * row['stall_fraction']:3.0f}%, "
                 f"load {load1:.2f}")
     finally:
+        if hasattr(sampler, "close"):
+            sampler.close()  # the Prefetcher's loader processes, if any
         loader = sampler = None
         ds.cache = None
         if cache is not None:
@@ -561,6 +569,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prefetcher threads: loads in flight (default: %(default)s, by Little's "
                         "law about twice the reads in flight at 1,500 samples/s, f = 0.5 and "
                         "a 32.6 ms mean latency)")
+    p.add_argument("--prefetch-processes", type=_non_negative_int, default=0,
+                   help="Prefetcher processes: load in this many processes instead of threads "
+                        "(default: %(default)s, threads)")
+    p.add_argument("--cpu-bound-only", action="store_true",
+                   help="run only the configurations without latency (the CPU-bound check)")
     p.add_argument("--window", type=_positive_int, default=None,
                    help="W of arms (c) and (d) (default: 4 batches, so that window + lookahead "
                         "covers the consumption rate x the p99 latency: 384 positions against "
@@ -596,7 +609,8 @@ def options_from(args: argparse.Namespace) -> Options:
         window=window, lookahead=lookahead,
         staging_slots=args.staging_slots or 2 * (window + lookahead),
         torch_threads=args.torch_threads or R.default_threads(args.workers, 1),
-        repeats=args.repeats, seed=args.seed, lr=args.lr)
+        repeats=args.repeats, seed=args.seed, lr=args.lr,
+        prefetch_processes=args.prefetch_processes, cpu_bound_only=args.cpu_bound_only)
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -629,7 +643,8 @@ def main(args: argparse.Namespace, argv: Sequence[str],
         + f"; page cache warmed ({nbytes / R.MIB:.0f} MiB)")
     say(f"loader: {opts.workers} workers ({opts.start_method}), batch {opts.batch_size}, "
         f"RandomSampler(seed={opts.seed}), {opts.torch_threads} trainer thread(s); "
-        f"Prefetcher threads={opts.prefetch_threads}, lookahead={opts.lookahead}, "
+        f"Prefetcher threads={opts.prefetch_threads}, processes={opts.prefetch_processes}, "
+        f"lookahead={opts.lookahead}, "
         f"window={opts.window} ((c), (d)); staging_slots={opts.staging_slots} "
         f"(prefetching arms)")
     threads = torch.get_num_threads()

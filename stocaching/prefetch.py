@@ -38,12 +38,17 @@ import contextlib
 import hashlib
 import inspect
 import logging
+import multiprocessing
+import os
 import queue
 import secrets
+import signal
 import threading
 import time
+import traceback
 import warnings
-from concurrent.futures import Future
+import weakref
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator, Mapping
 
@@ -645,11 +650,17 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     ranks do not load each other's samples; they share the node's staging slots, each taking
     at most ``staging_slots // (2 * local_world_size)`` ahead of its position.
 
-    Threads, not processes: the loads run in this process, which the ``DataLoader``'s main
-    loop leaves idle while it waits. Reads (files, sockets) and decoders that release the GIL
-    (Pillow, numpy, torch) run in parallel; a ``load`` that holds the GIL (pure-Python
-    decoding) is limited to one core here. The threads start with each epoch's iterator and
-    stop with it; they are daemon threads, so none outlives the process.
+    Threads or processes: by default the loads run in ``threads`` threads of this process,
+    which the ``DataLoader``'s main loop leaves idle while it waits. That suits slow reads
+    (files on network storage, sockets) and decoders that release the GIL; the threads start
+    with each epoch's iterator and stop with it, and none outlives the process. When decoding
+    is what costs, pass ``processes=N``: the loads then run in N processes (started with
+    "spawn" on the first epoch, kept for the next ones like ``persistent_workers``, stopped by
+    ``close()`` or with the prefetcher), each storing what it loads itself; each loads one
+    sample at a time, so N is also the number of loads in flight. ``load`` must then be
+    picklable (a function or a bound method of a picklable dataset, defined in an importable
+    module or under ``if __name__ == "__main__":``). The processes die with this process, also
+    by SIGKILL (``PR_SET_PDEATHSIG``).
 
     Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
     by the iterator as :class:`PrefetchError` naming the index, with the original exception
@@ -663,7 +674,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             None to keep the base order. Default: None.
         mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window).
             Default: "adaptive".
-        threads: loads in flight, an int >= 1. Default: 16.
+        threads: loads in flight, in threads of this process, an int >= 1. Default: 16.
+        processes: when an int >= 1, load in this many processes instead of threads (and
+            ``threads`` only sets the default ``lookahead``). Default: 0 (threads).
         lookahead: positions of the base order kept loading ahead of the ``DataLoader``
             (beyond the window), an int >= 1. Default: ``4 * threads``.
         timeout: seconds to wait for one load before raising. Default: 120.
@@ -671,7 +684,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "adaptive", threads: int = 16,
-                 lookahead: int | None = None, timeout: float = 120.0) -> None:
+                 lookahead: int | None = None, timeout: float = 120.0,
+                 processes: int = 0) -> None:
         if not isinstance(cache, SharedCache):
             raise TypeError(f"cache should be a SharedCache, but got cache of type "
                             f"{type(cache).__name__}")
@@ -679,6 +693,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             raise TypeError(f"load should be a callable load(index) -> tensor, but got "
                             f"load of type {type(load).__name__}")
         self.threads = check_int("threads", threads, low=1)
+        self.processes = check_int("processes", processes, low=0)
         self.lookahead = 4 * self.threads if lookahead is None else \
             check_int("lookahead", lookahead, low=1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -708,6 +723,14 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._lock = threading.Lock()  # guards the two above and the counters
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
         self.dropped = 0  # loads whose sample found no free staging slot in time
+        self._procs: _ProcessLoaderPool | None = None  # with processes=N, from the 1st epoch
+
+    def close(self) -> None:
+        """Stop the loader processes (``processes=N``); a later epoch starts new ones.
+        Idempotent; also done when the prefetcher is collected or the program exits."""
+        if self._procs is not None:
+            self._procs.close()
+            self._procs = None
 
     def __len__(self) -> int:
         return len(self._tap)
@@ -747,7 +770,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         if ep is not None and ep.start:
             pos = ep.start
             skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
-        pool = _LoaderPool(self.threads, self._fetch)
+        if self.processes:
+            if self._procs is None:
+                ring = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive at once
+                self._procs = _ProcessLoaderPool(self, ring)
+            pool: Any = self._procs
+        else:
+            pool = _LoaderPool(self.threads, self._fetch)
         pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
         ahead = 0  # staged loads submitted and not yet yielded
         nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
@@ -780,13 +809,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 got = pending.pop(idx, None)
                 if got is not None:
                     job, staged = got
-                    job.due.set()  # a sample waiting for a staging slot must not wait longer
-                    self._wait(idx, job.future)
+                    job.mark_due()  # a sample waiting for a staging slot must not wait longer
+                    self._wait(idx, job, pool)
                     ahead -= staged
                 pos += 1
                 yield idx
         finally:
-            pool.stop()
+            pool.stop()  # threads end; processes stay, their queued jobs are cancelled
             with contextlib.suppress(ValueError):  # the cache may be closed by now
                 for i, (_, staged) in pending.items():  # loaded ahead and never yielded
                     if staged:
@@ -803,10 +832,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def _submit(self, pool: "_LoaderPool", idx: int, staged: bool) -> "_Job":
         """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
-        with self._lock:
-            job = self._running.get(idx)
-            if job is not None and job.staged == staged:
-                return job
+        if isinstance(pool, _ProcessLoaderPool):
+            job = pool.live(idx)
+        else:
+            with self._lock:
+                job = self._running.get(idx)
+        if job is not None and job.staged == staged:
+            return job
         return pool.submit(idx, staged)
 
     def _fetch(self, job: "_Job", stop: threading.Event) -> None:
@@ -838,15 +870,30 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 if self._running.get(idx) is job:
                     del self._running[idx]
 
-    def _wait(self, idx: int, fut: Future) -> None:
-        try:
-            fut.result(timeout=self.timeout)
-        except FutureTimeout:
-            raise PrefetchError(f"load({idx}) did not finish within timeout={self.timeout:g} s "
-                                "(prefetcher)", idx) from None
-        except BaseException as e:
-            raise PrefetchError(f"load({idx}) failed in the prefetcher: "
-                                f"{type(e).__name__}: {e}", idx) from e
+    def _wait(self, idx: int, job: "_Job", pool: Any) -> None:
+        """Wait for the load of ``idx``. A job cancelled meanwhile (queued by an epoch that
+        was abandoned, and never started) is submitted again; a loader process that died
+        is reported as soon as it is seen, not at the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                job.future.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                return
+            except FutureTimeout:
+                dead = pool.dead() if isinstance(pool, _ProcessLoaderPool) else None
+                if dead:
+                    raise PrefetchError(f"load({idx}): a loader process of the prefetcher "
+                                        f"died ({dead}); the loads it held are lost", idx) \
+                        from None
+                if time.monotonic() >= deadline:
+                    raise PrefetchError(f"load({idx}) did not finish within timeout="
+                                        f"{self.timeout:g} s (prefetcher)", idx) from None
+            except CancelledError:
+                job = pool.submit(idx, job.staged)
+                job.mark_due()
+            except BaseException as e:
+                raise PrefetchError(f"load({idx}) failed in the prefetcher: "
+                                    f"{type(e).__name__}: {e}", idx) from e
 
 
 class _Tap:
@@ -873,14 +920,20 @@ class _Tap:
 
 class _Job:
     """One load: the index, whether its sample goes to a staging slot, its future, and
-    ``due``, set once the iterator needs the index now."""
+    ``due``, set (by ``mark_due``) once the iterator needs the index now."""
 
-    __slots__ = ("idx", "staged", "future", "due")
+    __slots__ = ("idx", "staged", "future", "due", "flag")
 
-    def __init__(self, idx: int, staged: bool) -> None:
+    def __init__(self, idx: int, staged: bool, flag: Callable[[], None] | None = None) -> None:
         self.idx, self.staged = idx, staged
         self.future: Future = Future()
         self.due = threading.Event()
+        self.flag = flag  # tells a loader process too
+
+    def mark_due(self) -> None:
+        self.due.set()
+        if self.flag is not None:
+            self.flag()
 
 
 class _LoaderPool:
@@ -923,3 +976,150 @@ class _LoaderPool:
         self._stop.set()
         for _ in self._threads:
             self._jobs.put(None)
+
+
+class _ProcessLoaderPool:
+    """Loader processes for ``Prefetcher(processes=N)``: each runs the user's ``load`` for
+    one job at a time and stores the result in the cache itself (``set_slot``, or ``stage``
+    until the index is due). Jobs and results are small messages; a thread of this process
+    turns results into the jobs' futures. Jobs of an abandoned epoch that no process has
+    started are cancelled (an epoch counter in shared memory); the processes stay for the
+    next epoch."""
+
+    def __init__(self, owner: "Prefetcher", ring: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._ring = ring
+        self._jobs, self._results = ctx.SimpleQueue(), ctx.SimpleQueue()
+        self._due = ctx.RawArray("b", ring)  # job id % ring -> due now
+        self._epoch = ctx.RawValue("q", 0)
+        self._next_id = 0
+        self._live: dict[int, _Job] = {}  # job id -> job, until its result came
+        self._by_idx: dict[int, _Job] = {}  # index -> its latest job, while it lives
+        self._lock = threading.Lock()
+        self._owner = weakref.ref(owner)
+        self._procs = [ctx.Process(target=_load_in_process, name=f"stocaching-prefetch-{k}",
+                                   args=(owner.cache, owner.load, owner._tag, self._jobs,
+                                         self._results, self._due, self._epoch, ring,
+                                         os.getpid()), daemon=True)
+                       for k in range(owner.processes)]
+        for p in self._procs:
+            p.start()
+        self._reader = threading.Thread(target=self._read, name="stocaching-prefetch-results",
+                                        daemon=True)
+        self._reader.start()
+        self._finalizer = weakref.finalize(owner, _ProcessLoaderPool._shut, self._procs,
+                                           self._jobs, self._results)
+
+    def submit(self, idx: int, staged: bool) -> _Job:
+        with self._lock:
+            j, self._next_id = self._next_id, self._next_id + 1
+            slot = j % self._ring
+            self._due[slot] = 0
+            job = _Job(idx, staged, lambda: self._due.__setitem__(slot, 1))
+            self._live[j] = self._by_idx[idx] = job
+        self._jobs.put((j, idx, staged, self._epoch.value))
+        return job
+
+    def _read(self) -> None:
+        while True:
+            msg = self._results.get()
+            if msg is None:
+                return
+            j, kind, payload = msg
+            with self._lock:
+                job = self._live.pop(j, None)
+                if job is not None and self._by_idx.get(job.idx) is job:
+                    del self._by_idx[job.idx]
+            owner = self._owner()
+            if job is None:
+                continue
+            if kind == "cancelled":
+                job.future.cancel()
+                continue
+            if owner is not None:
+                with owner._lock:
+                    if kind in ("stored", "staged"):
+                        owner.loaded += 1
+                    if kind == "staged":
+                        owner._staged.add(job.idx)
+                    if kind == "dropped":
+                        owner.dropped += 1
+            if kind == "error":
+                name, text, tb = payload
+                err = RuntimeError(f"{name}: {text}\n\nTraceback in the loader process:\n{tb}")
+                job.future.set_exception(err)
+            else:
+                job.future.set_result(None)
+
+    def live(self, idx: int) -> _Job | None:
+        """The latest job of ``idx`` if its result has not come yet."""
+        with self._lock:
+            return self._by_idx.get(idx)
+
+    def stop(self) -> None:
+        """The epoch's iterator ended: jobs not started yet are cancelled."""
+        self._epoch.value += 1
+
+    def dead(self) -> str:
+        """The loader processes that died, as text ('' if none)."""
+        return ", ".join(f"pid {p.pid} exit code {p.exitcode}" for p in self._procs
+                         if not p.is_alive())
+
+    def close(self) -> None:
+        self._epoch.value += 1
+        self._finalizer()
+
+    @staticmethod
+    def _shut(procs: list, jobs: Any, results: Any) -> None:
+        for _ in procs:
+            with contextlib.suppress(OSError, ValueError):
+                jobs.put(None)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        with contextlib.suppress(OSError, ValueError):
+            results.put(None)  # the reader thread ends
+
+
+def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
+                     results: Any, due: Any, epoch: Any, ring: int, parent: int) -> None:
+    """A loader process of ``Prefetcher(processes=N)``."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process
+    torch.set_num_threads(1)
+    while True:
+        msg = jobs.get()
+        if msg is None:
+            return
+        j, idx, staged, ep = msg
+        if ep != epoch.value:
+            results.put((j, "cancelled", None))
+            continue
+        try:
+            value = load(idx)
+            if not staged:
+                cache.set_slot(idx, value, exist_ok=True)
+                kind = "stored"
+            else:
+                kind = "staged"
+                while not cache.stage(idx, value, tag=tag):
+                    if due[j % ring] or ep != epoch.value:
+                        kind = "dropped" if due[j % ring] else "cancelled"
+                        break
+                    time.sleep(0.002)
+            results.put((j, kind, None))
+        except BaseException as e:  # noqa: B902 - handed to the training process
+            results.put((j, "error", (type(e).__name__, str(e), traceback.format_exc())))
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the training process dies, even by SIGKILL (Linux); elsewhere, or if
+    it is gone already, exit at once when found orphaned."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)

@@ -1,0 +1,139 @@
+"""Prefetcher(processes=N): the loads run in spawned loader processes that store what they
+load themselves. The invariants of tests/test_prefetch.py for that mode: every index once per
+epoch with its value, every miss loaded once per epoch and never by the training process or
+twice at once, errors with the index and the loader process's traceback, the processes kept
+across epochs and stopped by close(), and none outliving a killed trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from torch.utils.data import DataLoader
+
+from test_prefetch import (CHILDREN, N, BATCH, child_env, make_cache, oob_of, read_epoch,
+                           users, wait_exit)
+from prefetch_common import Loads, PrefetchedDataset, Shuffled, load_counts, overlaps, value_of
+from stocaching import PrefetchError, Prefetcher
+
+
+class PidLoads(Loads):
+    """``Loads`` that records the loading process's pid as who loaded."""
+
+    def __init__(self, directory) -> None:
+        super().__init__(directory, "")
+
+    def __call__(self, i):
+        self.who = str(os.getpid())
+        return super().__call__(i)
+
+
+class FailsAt:
+    """A load that raises for one index (picklable, for the loader processes)."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __call__(self, i):
+        if i == self.bad:
+            raise KeyError(f"no file for sample {i}")
+        return value_of(i)
+
+
+@pytest.mark.timeout(300)
+def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_path):
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    cache = make_cache(shm_dir)
+    oob = oob_of(cache)
+    base = Shuffled(N, seed=5)
+    pf = Prefetcher(base, cache, PidLoads(loads), window=8, processes=2)
+    loader = DataLoader(PrefetchedDataset(cache, N, PidLoads(loads)), batch_size=BATCH,
+                        sampler=pf, num_workers=2, multiprocessing_context="fork")
+    try:
+        for epoch in range(2):
+            pf.set_epoch(epoch)
+            before = cache.stats()
+            seen = read_epoch(loader)
+            assert sorted(seen) == list(range(N))
+            st = cache.stats(since=before)
+            assert st["hits"] == N and st["misses"] == 0 and st["staged_hits"] == len(oob)
+            counts = load_counts(loads)
+            per_index = {i: len(w) for i, w in counts.items()}
+            # Epoch 0 loads everything once; epoch 1 only what has no slot, once more.
+            assert per_index == {i: 1 + (epoch == 1 and i in oob) for i in range(N)}
+        loaders = {int(w) for ws in counts.values() for w in ws}
+        assert os.getpid() not in loaders and len(loaders) <= 2
+        assert loaders == {p.pid for p in pf._procs._procs} & loaders  # the loader processes
+        assert overlaps(loads) == [] and pf.loaded == N + len(oob) and pf.dropped == 0
+        procs = list(pf._procs._procs)
+    finally:
+        pf.close()
+    assert all(not p.is_alive() for p in procs)  # close() stops them
+    cache.close()
+
+
+@pytest.mark.timeout(200)
+def test_an_error_in_a_loader_process_names_the_index_and_carries_its_traceback(shm_dir):
+    cache = make_cache(shm_dir)
+    bad = 45
+    pf = Prefetcher(list(range(N)), cache, FailsAt(bad), processes=1)
+    try:
+        got = []
+        with pytest.raises(PrefetchError, match=f"load\\({bad}\\) failed") as info:
+            for i in pf:
+                got.append(i)
+                cache.get_slot(i)
+        assert got == list(range(bad)) and info.value.index == bad
+        cause = str(info.value.__cause__)
+        assert "KeyError" in cause and "no file for sample 45" in cause
+        assert "Traceback in the loader process" in cause and "in __call__" in cause
+        assert cache.get_slot(bad) is None  # nothing stored for it
+        # The processes survive an error: the next epoch runs in them.
+        assert [i for i in Prefetcher(list(range(bad)), cache, FailsAt(bad), processes=1)] \
+            == list(range(bad))
+    finally:
+        pf.close()
+        cache.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_path):
+    err = open(tmp_path / "train.stderr", "w")
+    p = subprocess.Popen([sys.executable, str(CHILDREN / "prefetch_train_processes.py")],
+                         env=child_env(shm_dir), stdout=subprocess.PIPE, stderr=err, text=True,
+                         start_new_session=True)
+    loaders: list[int] = []
+    try:
+        line = p.stdout.readline()  # returns at READY, or at EOF if the child died
+        assert line.startswith("READY "), (tmp_path / "train.stderr").read_text()[-3000:]
+        loaders = [int(x) for x in line.split()[1:]]
+        assert len(loaders) == 2 and all(pid in users(shm_dir) for pid in loaders)
+        os.kill(p.pid, signal.SIGKILL)
+        assert p.wait(60) == -signal.SIGKILL
+        assert all(wait_exit(pid, 60) for pid in loaders)  # PR_SET_PDEATHSIG: at once
+        # The DataLoader's fork workers poll their parent every 5 s: an event-bound wait.
+        assert all(wait_exit(pid, 120) for pid in users(shm_dir))
+        assert users(shm_dir) == {} and os.listdir(shm_dir) == []
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(60)
+        for pid in loaders:
+            if not wait_exit(pid, 0):
+                os.kill(pid, signal.SIGKILL)
+        err.close()
+
+
+def test_bad_processes_argument_names_it(shm_dir):
+    cache = make_cache(shm_dir)
+    try:
+        for bad, exc in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(exc, match="processes"):
+                Prefetcher(list(range(N)), cache, value_of, processes=bad)
+    finally:
+        cache.close()
