@@ -680,6 +680,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         lookahead: positions of the base order kept loading ahead of the ``DataLoader``
             (beyond the window), an int >= 1. Default: ``4 * threads``.
         timeout: seconds to wait for one load before raising. Default: 120.
+
+    Attributes:
+        loaded: loads this prefetcher finished, over all epochs.
+        dropped: of those, samples that found no free staging slot by the time their index
+            was due and were left to the DataLoader, over all epochs.
     """
 
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
@@ -722,7 +727,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._running: dict[int, _Job] = {}
         self._lock = threading.Lock()  # guards the two above and the counters
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
-        self.dropped = 0  # loads whose sample found no free staging slot in time
+        self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
         self._procs: _ProcessLoaderPool | None = None  # with processes=N, from the 1st epoch
 
     def close(self) -> None:
@@ -822,13 +827,14 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                         self.cache.unstage(i, tag=self._tag)
             if self.dropped > dropped_before:
                 logger.warning(
-                    "stocaching: %d samples the prefetcher loaded found no free staging slot "
-                    "by the time the DataLoader needed them, and were loaded again by the "
-                    "workers: staging_slots (%d, shared by %d local ranks) is smaller than "
-                    "what the DataLoader holds read-ahead; give it at least 2 x ranks x "
-                    "(num_workers x prefetch_factor + 1) x batch_size", self.dropped -
-                    dropped_before, self.cache.stats()["staging_slots"],
-                    self.cache.world.local_world_size)
+                    "stocaching: %d samples the prefetcher loaded this epoch found no free "
+                    "staging slot by the time the DataLoader needed them, and the DataLoader "
+                    "loaded them again (in its workers, or in this process with num_workers=0): "
+                    "staging_slots (%d, shared by %d local ranks) is smaller than the lead plus "
+                    "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
+                    "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
+                    "prefetch_factor + 1) x batch_size)", self.dropped - dropped_before,
+                    self.cache.stats()["staging_slots"], self.cache.world.local_world_size)
 
     def _submit(self, pool: "_LoaderPool", idx: int, staged: bool) -> "_Job":
         """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
@@ -1025,31 +1031,34 @@ class _ProcessLoaderPool:
             msg = self._results.get()
             if msg is None:
                 return
-            j, kind, payload = msg
-            with self._lock:
-                job = self._live.pop(j, None)
-                if job is not None and self._by_idx.get(job.idx) is job:
-                    del self._by_idx[job.idx]
-            owner = self._owner()
-            if job is None:
-                continue
-            if kind == "cancelled":
-                job.future.cancel()
-                continue
-            if owner is not None:
-                with owner._lock:
-                    if kind in ("stored", "staged"):
-                        owner.loaded += 1
-                    if kind == "staged":
-                        owner._staged.add(job.idx)
-                    if kind == "dropped":
-                        owner.dropped += 1
-            if kind == "error":
-                name, text, tb = payload
-                err = RuntimeError(f"{name}: {text}\n\nTraceback in the loader process:\n{tb}")
-                job.future.set_exception(err)
-            else:
-                job.future.set_result(None)
+            self._settle(*msg)  # (its locals must not keep the prefetcher alive meanwhile)
+
+    def _settle(self, j: int, kind: str, payload: Any) -> None:
+        """Turn one result of a loader process into its job's future."""
+        with self._lock:
+            job = self._live.pop(j, None)
+            if job is not None and self._by_idx.get(job.idx) is job:
+                del self._by_idx[job.idx]
+        if job is None:
+            return
+        if kind == "cancelled":
+            job.future.cancel()
+            return
+        owner = self._owner()
+        if owner is not None:
+            with owner._lock:
+                if kind in ("stored", "staged"):
+                    owner.loaded += 1
+                if kind == "staged":
+                    owner._staged.add(job.idx)
+                if kind == "dropped":
+                    owner.dropped += 1
+        if kind == "error":
+            name, text, tb = payload
+            job.future.set_exception(
+                RuntimeError(f"{name}: {text}\n\nTraceback in the loader process:\n{tb}"))
+        else:
+            job.future.set_result(None)
 
     def live(self, idx: int) -> _Job | None:
         """The latest job of ``idx`` if its result has not come yet."""

@@ -93,9 +93,12 @@ def test_an_error_in_a_loader_process_names_the_index_and_carries_its_traceback(
         assert "KeyError" in cause and "no file for sample 45" in cause
         assert "Traceback in the loader process" in cause and "in __call__" in cause
         assert cache.get_slot(bad) is None  # nothing stored for it
-        # The processes survive an error: the next epoch runs in them.
-        assert [i for i in Prefetcher(list(range(bad)), cache, FailsAt(bad), processes=1)] \
-            == list(range(bad))
+        assert all(p.is_alive() for p in pf._procs._procs)  # an error does not end them
+        other = Prefetcher(list(range(bad)), cache, FailsAt(bad), processes=1)
+        assert list(other) == list(range(bad))
+        procs = list(other._procs._procs)
+        del other  # a prefetcher that is collected stops its loader processes
+        assert procs and all(not p.is_alive() for p in procs)
     finally:
         pf.close()
         cache.close()
