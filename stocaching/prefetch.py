@@ -683,8 +683,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     Attributes:
         loaded: loads this prefetcher finished, over all epochs.
-        dropped: of those, samples that found no free staging slot by the time their index
-            was due and were left to the DataLoader, over all epochs.
+        dropped: loads whose sample found no free staging slot by the time its index was
+            due, and which were left to the DataLoader (not counted in ``loaded``), over all
+            epochs.
     """
 
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
