@@ -658,9 +658,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     "spawn" on the first epoch, kept for the next ones like ``persistent_workers``, stopped by
     ``close()`` or with the prefetcher), each storing what it loads itself; each loads one
     sample at a time, so N is also the number of loads in flight. ``load`` must then be
-    picklable (a function or a bound method of a picklable dataset, defined in an importable
-    module or under ``if __name__ == "__main__":``). The processes die with this process, also
-    by SIGKILL (``PR_SET_PDEATHSIG``).
+    picklable: a function or a bound method of a picklable dataset, defined at the top level
+    of a module (the main script's top level works when the training code runs under
+    ``if __name__ == "__main__":``). The processes die with this process, also by SIGKILL
+    (``PR_SET_PDEATHSIG``; it follows the thread that started them, so iterate from a thread
+    that lives as long as the training). A loader process that died is reported by the
+    epoch that meets it; the next epoch starts new ones.
 
     Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
     by the iterator as :class:`PrefetchError` naming the index, with the original exception
@@ -777,6 +780,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             pos = ep.start
             skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
         if self.processes:
+            if self._procs is not None and self._procs.dead():
+                self.close()  # an epoch raised that one died: start afresh
             if self._procs is None:
                 ring = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive at once
                 self._procs = _ProcessLoaderPool(self, ring)
@@ -898,6 +903,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             except CancelledError:
                 job = pool.submit(idx, job.staged)
                 job.mark_due()
+            except (KeyboardInterrupt, SystemExit):
+                raise
             except BaseException as e:
                 raise PrefetchError(f"load({idx}) failed in the prefetcher: "
                                     f"{type(e).__name__}: {e}", idx) from e
@@ -929,13 +936,14 @@ class _Job:
     """One load: the index, whether its sample goes to a staging slot, its future, and
     ``due``, set (by ``mark_due``) once the iterator needs the index now."""
 
-    __slots__ = ("idx", "staged", "future", "due", "flag")
+    __slots__ = ("idx", "staged", "future", "due", "flag", "started")
 
     def __init__(self, idx: int, staged: bool, flag: Callable[[], None] | None = None) -> None:
         self.idx, self.staged = idx, staged
         self.future: Future = Future()
         self.due = threading.Event()
         self.flag = flag  # tells a loader process too
+        self.started = False  # a loader process said it began (processes=N)
 
     def mark_due(self) -> None:
         self.due.set()
@@ -1037,6 +1045,11 @@ class _ProcessLoaderPool:
     def _settle(self, j: int, kind: str, payload: Any) -> None:
         """Turn one result of a loader process into its job's future."""
         with self._lock:
+            if kind == "started":
+                job = self._live.get(j)
+                if job is not None:
+                    job.started = True
+                return
             job = self._live.pop(j, None)
             if job is not None and self._by_idx.get(job.idx) is job:
                 del self._by_idx[job.idx]
@@ -1062,9 +1075,11 @@ class _ProcessLoaderPool:
             job.future.set_result(None)
 
     def live(self, idx: int) -> _Job | None:
-        """The latest job of ``idx`` if its result has not come yet."""
+        """The latest job of ``idx`` if a loader process has started it and its result has
+        not come yet (a job only queued by an abandoned epoch will be cancelled: not that)."""
         with self._lock:
-            return self._by_idx.get(idx)
+            job = self._by_idx.get(idx)
+        return job if job is not None and job.started else None
 
     def stop(self) -> None:
         """The epoch's iterator ended: jobs not started yet are cancelled."""
@@ -1107,6 +1122,7 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
         if ep != epoch.value:
             results.put((j, "cancelled", None))
             continue
+        results.put((j, "started", None))
         try:
             value = load(idx)
             if not staged:

@@ -2013,7 +2013,7 @@ class SharedCache:
 
 def _a_local_rank_may_come() -> bool:
     """True while another local rank may still attach: a sibling process is alive (same
-    parent, not init; not one of multiprocessing's helper processes), or a child of ours that
+    parent, even init; not one of multiprocessing's helper processes), or a child of ours that
     a launcher started as another local rank (its LOCAL_RANK differs from ours). Our own
     forks and DataLoader workers do not count."""
     try:
@@ -2021,7 +2021,7 @@ def _a_local_rank_may_come() -> bool:
         mine = os.environ.get("LOCAL_RANK")
         kin = [c for c in me.children() if _environ(c).get("LOCAL_RANK", mine) != mine]
         parent = me.ppid()
-        if parent > 1:
+        if parent > 0:  # pid 1 too: in a container the launcher often is pid 1
             kin += [p for p in psutil.Process(parent).children()
                     if p.pid != me.pid and not _is_multiprocessing_helper(p)]
     except psutil.Error:
