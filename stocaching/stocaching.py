@@ -736,11 +736,19 @@ def _read_header(buf: Any) -> dict:
     return dict(zip(_HEADER_FIELDS, values))
 
 
+def _names(path: str, ino: int, dev: int) -> bool:
+    """True while ``path`` is still the name of the file we made (inode ``ino`` on ``dev``)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_ino == ino and st.st_dev == dev
+
+
 def _unlink_if_same(path: str, ino: int, dev: int) -> None:
     """Remove ``path`` only if it is still the file we made (never someone else's)."""
-    with contextlib.suppress(OSError):
-        st = os.lstat(path)
-        if st.st_ino == ino and st.st_dev == dev:
+    if _names(path, ino, dev):
+        with contextlib.suppress(OSError):
             os.unlink(path)
 
 
@@ -2073,16 +2081,9 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
     as children of rank 0 (Lightning), so when no such process is alive (see
     ``_a_local_rank_may_come``), the missing ranks died or were never started, and nobody is
     left to wait for."""
-    def still_named() -> bool:
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return False
-        return st.st_ino == ino and st.st_dev == dev
-
     start = time.monotonic()
     delay, told = 0.005, False
-    while still_named() and _a_local_rank_may_come():
+    while _names(path, ino, dev) and _a_local_rank_may_come():
         waited = time.monotonic() - start
         if waited >= wait:
             warnings.warn(
