@@ -629,6 +629,23 @@ class PrefetchError(RuntimeError):
         return type(self), (str(self), self.index)
 
 
+def _start_context(ctx: Any) -> Any:
+    """The multiprocessing context named by ``multiprocessing_context`` (checked)."""
+    if ctx is None:
+        return multiprocessing.get_context()
+    if isinstance(ctx, str):
+        if ctx not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"multiprocessing_context should be one of "
+                             f"{multiprocessing.get_all_start_methods()}, a context or None, "
+                             f"but got multiprocessing_context={ctx!r}")
+        return multiprocessing.get_context(ctx)
+    if not isinstance(ctx, multiprocessing.context.BaseContext):
+        raise TypeError(f"multiprocessing_context should be a start method name, a "
+                        f"multiprocessing context or None, but got multiprocessing_context of "
+                        f"type {type(ctx).__name__}")
+    return ctx
+
+
 class Prefetcher(torch.utils.data.Sampler[int]):
     """Loads the samples the ``DataLoader`` will ask for next, before it asks, with many
     loads in flight; yields an index only once its sample is in the cache.
@@ -654,16 +671,20 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     which the ``DataLoader``'s main loop leaves idle while it waits. That suits slow reads
     (files on network storage, sockets) and decoders that release the GIL; the threads start
     with each epoch's iterator and stop with it, and none outlives the process. When decoding
-    is what costs, pass ``processes=N``: the loads then run in N processes (started with
-    "spawn" on the first epoch, kept for the next ones like ``persistent_workers``, stopped by
-    ``close()`` or with the prefetcher), each storing what it loads itself; each loads one
-    sample at a time, so N is also the number of loads in flight. ``load`` must then be
-    picklable: a function or a bound method of a picklable dataset, defined at the top level
-    of a module (the main script's top level works when the training code runs under
-    ``if __name__ == "__main__":``). The processes die with this process, also by SIGKILL
-    (``PR_SET_PDEATHSIG``; it follows the thread that started them, so iterate from a thread
-    that lives as long as the training). A loader process that died is reported by the
-    epoch that meets it; the next epoch starts new ones.
+    is what costs, pass ``processes=N``: the loads then run in N processes, started when the
+    prefetcher is made (so that starting them overlaps the rest of the setup), kept for every
+    epoch like ``persistent_workers`` and stopped by ``close()`` or with the prefetcher; each
+    stores what it loads itself and loads one sample at a time, so N is also the number of
+    loads in flight. They start as ``multiprocessing_context`` says, like a ``DataLoader``'s
+    workers: by default the platform's default ("fork" on Linux up to Python 3.13, which
+    starts in milliseconds and takes ``load`` as it is). With "spawn" or "forkserver",
+    ``load`` must be picklable: a function or a bound method of a picklable dataset, defined
+    at the top level of a module (the main script's top level works when the training code
+    runs under ``if __name__ == "__main__":``), and each process takes a second or more to
+    import torch. The processes die with this process, also by SIGKILL
+    (``PR_SET_PDEATHSIG``; it follows the thread that started them, so make the prefetcher in
+    a thread that lives as long as the training). A loader process that died is reported by
+    the epoch that meets it; the next epoch starts new ones.
 
     Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
     by the iterator as :class:`PrefetchError` naming the index, with the original exception
@@ -683,6 +704,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         lookahead: positions of the base order kept loading ahead of the ``DataLoader``
             (beyond the window), an int >= 1. Default: ``4 * threads``.
         timeout: seconds to wait for one load before raising. Default: 120.
+        multiprocessing_context: how loader processes start (``processes=N``): "fork",
+            "spawn", "forkserver", a context from ``multiprocessing.get_context``, or None
+            for the platform's default. Default: None.
 
     Attributes:
         loaded: loads this prefetcher finished, over all epochs.
@@ -694,7 +718,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "adaptive", threads: int = 16,
                  lookahead: int | None = None, timeout: float = 120.0,
-                 processes: int = 0) -> None:
+                 processes: int = 0, multiprocessing_context: Any = None) -> None:
         if not isinstance(cache, SharedCache):
             raise TypeError(f"cache should be a SharedCache, but got cache of type "
                             f"{type(cache).__name__}")
@@ -715,6 +739,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             raise (ValueError if isinstance(mode, str) else TypeError)(
                 f"mode should be 'fixed' or 'adaptive', but got mode={mode!r}")
         self.timeout = float(timeout)
+        self._mp_context = _start_context(multiprocessing_context)
         self.cache, self.load = cache, load
         self._tap = _Tap(sampler)
         self.window = None if window is None else check_int("window", window, low=1)
@@ -732,7 +757,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._lock = threading.Lock()  # guards the two above and the counters
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
         self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
-        self._procs: _ProcessLoaderPool | None = None  # with processes=N, from the 1st epoch
+        self._procs: _ProcessLoaderPool | None = None  # with processes=N
+        if self.processes:
+            self._procs = self._start_processes()
+
+    def _start_processes(self) -> "_ProcessLoaderPool":
+        ring = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive at once
+        return _ProcessLoaderPool(self, ring, self._mp_context)
 
     def close(self) -> None:
         """Stop the loader processes (``processes=N``); a later epoch starts new ones.
@@ -783,8 +814,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             if self._procs is not None and self._procs.dead():
                 self.close()  # an epoch raised that one died: start afresh
             if self._procs is None:
-                ring = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive at once
-                self._procs = _ProcessLoaderPool(self, ring)
+                self._procs = self._start_processes()
             pool: Any = self._procs
         else:
             pool = _LoaderPool(self.threads, self._fetch)
@@ -1001,8 +1031,7 @@ class _ProcessLoaderPool:
     started are cancelled (an epoch counter in shared memory); the processes stay for the
     next epoch."""
 
-    def __init__(self, owner: "Prefetcher", ring: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, owner: "Prefetcher", ring: int, ctx: Any) -> None:
         self._ring = ring
         self._jobs, self._results = ctx.SimpleQueue(), ctx.SimpleQueue()
         self._due = ctx.RawArray("b", ring)  # job id % ring -> due now
