@@ -762,8 +762,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             self._procs = self._start_processes()
 
     def _start_processes(self) -> "_ProcessLoaderPool":
-        ring = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive at once
-        return _ProcessLoaderPool(self, ring, self._mp_context)
+        flags = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive, as a rule
+        return _ProcessLoaderPool(self, flags, self._mp_context)
 
     def close(self) -> None:
         """Stop the loader processes (``processes=N``); a later epoch starts new ones.
@@ -966,7 +966,7 @@ class _Job:
     """One load: the index, whether its sample goes to a staging slot, its future, and
     ``due``, set (by ``mark_due``) once the iterator needs the index now."""
 
-    __slots__ = ("idx", "staged", "future", "due", "flag", "started")
+    __slots__ = ("idx", "staged", "future", "due", "flag", "started", "due_flag")
 
     def __init__(self, idx: int, staged: bool, flag: Callable[[], None] | None = None) -> None:
         self.idx, self.staged = idx, staged
@@ -974,6 +974,7 @@ class _Job:
         self.due = threading.Event()
         self.flag = flag  # tells a loader process too
         self.started = False  # a loader process said it began (processes=N)
+        self.due_flag = -1  # its entry in the loader processes' due flags (processes=N)
 
     def mark_due(self) -> None:
         self.due.set()
@@ -1031,10 +1032,13 @@ class _ProcessLoaderPool:
     started are cancelled (an epoch counter in shared memory); the processes stay for the
     next epoch."""
 
-    def __init__(self, owner: "Prefetcher", ring: int, ctx: Any) -> None:
-        self._ring = ring
+    def __init__(self, owner: "Prefetcher", flags: int, ctx: Any) -> None:
         self._jobs, self._results = ctx.SimpleQueue(), ctx.SimpleQueue()
-        self._due = ctx.RawArray("b", ring)  # job id % ring -> due now
+        # A live job's "due now" flag, one entry each: an entry is taken at submit and given
+        # back when the job's last message has come (its process reads it no more by then).
+        # A job submitted while all are taken gets none and counts as due from the start.
+        self._due = ctx.RawArray("b", flags)
+        self._free_flags = list(range(flags))
         self._epoch = ctx.RawValue("q", 0)
         self._next_id = 0
         self._live: dict[int, _Job] = {}  # job id -> job, until its result came
@@ -1043,7 +1047,7 @@ class _ProcessLoaderPool:
         self._owner = weakref.ref(owner)
         self._procs = [ctx.Process(target=_load_in_process, name=f"stocaching-prefetch-{k}",
                                    args=(owner.cache, owner.load, owner._tag, self._jobs,
-                                         self._results, self._due, self._epoch, ring,
+                                         self._results, self._due, self._epoch,
                                          os.getpid()), daemon=True)
                        for k in range(owner.processes)]
         for p in self._procs:
@@ -1057,11 +1061,14 @@ class _ProcessLoaderPool:
     def submit(self, idx: int, staged: bool) -> _Job:
         with self._lock:
             j, self._next_id = self._next_id, self._next_id + 1
-            slot = j % self._ring
-            self._due[slot] = 0
-            job = _Job(idx, staged, lambda: self._due.__setitem__(slot, 1))
+            flag = self._free_flags.pop() if self._free_flags else -1
+            if flag >= 0:
+                self._due[flag] = 0
+            job = _Job(idx, staged, None if flag < 0 else
+                       lambda: self._due.__setitem__(flag, 1))
+            job.due_flag = flag
             self._live[j] = self._by_idx[idx] = job
-        self._jobs.put((j, idx, staged, self._epoch.value))
+        self._jobs.put((j, idx, staged, self._epoch.value, flag))
         return job
 
     def _read(self) -> None:
@@ -1082,6 +1089,8 @@ class _ProcessLoaderPool:
             job = self._live.pop(j, None)
             if job is not None and self._by_idx.get(job.idx) is job:
                 del self._by_idx[job.idx]
+            if job is not None and job.due_flag >= 0:
+                self._free_flags.append(job.due_flag)
         if job is None:
             return
         if kind == "cancelled":
@@ -1138,7 +1147,7 @@ class _ProcessLoaderPool:
 
 
 def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
-                     results: Any, due: Any, epoch: Any, ring: int, parent: int) -> None:
+                     results: Any, due: Any, epoch: Any, parent: int) -> None:
     """A loader process of ``Prefetcher(processes=N)``."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process
@@ -1147,7 +1156,7 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
         msg = jobs.get()
         if msg is None:
             return
-        j, idx, staged, ep = msg
+        j, idx, staged, ep, flag = msg
         if ep != epoch.value:
             results.put((j, "cancelled", None))
             continue
@@ -1160,8 +1169,9 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
             else:
                 kind = "staged"
                 while not cache.stage(idx, value, tag=tag):
-                    if due[j % ring] or ep != epoch.value:
-                        kind = "dropped" if due[j % ring] else "cancelled"
+                    is_due = flag < 0 or due[flag]
+                    if is_due or ep != epoch.value:
+                        kind = "dropped" if is_due else "cancelled"
                         break
                     time.sleep(0.002)
             results.put((j, kind, None))

@@ -164,6 +164,34 @@ def test_load_left_running_by_an_abandoned_epoch_is_not_loaded_again(shm_dir, tm
 
 
 @pytest.mark.timeout(300)
+def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
+    """Jobs queued behind a slow load (here: more than there are due flags) never share a
+    flag: marking one due tells its loader process about that job only (a shared flag could
+    leave a staged load waiting for a staging slot until its timeout). Jobs beyond the flags
+    get none and count as due; every flag is given back when its job has finished."""
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 0), processes=1, lookahead=1)
+    pool = pf._procs
+    flags = len(pool._due)
+    try:
+        jobs = [pool.submit(i % N, False) for i in range(flags + 2)]  # 0 is held meanwhile
+        given = [j.due_flag for j in jobs]
+        assert sorted(given[:flags]) == list(range(flags)) and given[flags:] == [-1, -1]
+        jobs[1].mark_due()
+        assert [pool._due[f] for f in range(flags)] == [int(f == given[1]) for f in range(flags)]
+        (loads / "release").touch()
+        for j in jobs:
+            j.future.result(timeout=120)
+        assert sorted(pool._free_flags) == list(range(flags))
+    finally:
+        (loads / "release").touch()
+        pf.close()
+        cache.close()
+
+
+@pytest.mark.timeout(300)
 def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_path):
     err = open(tmp_path / "train.stderr", "w")
     p = subprocess.Popen([sys.executable, str(CHILDREN / "prefetch_train_processes.py")],
