@@ -799,8 +799,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         with self._lock:
             staged, self._staged = self._staged, set()
-        for idx in staged:  # staged last epoch, yielded and never read: give them back
-            self.cache.unstage(idx, tag=self._tag)
+        if staged:  # staged last epoch, yielded and never read: give them back
+            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
+            for idx in staged_idx[self.cache.ready_mask(staged_idx)].tolist():
+                self.cache.unstage(idx, tag=self._tag)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
         # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
