@@ -674,8 +674,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     is what costs, pass ``processes=N``: the loads then run in N processes, started when the
     prefetcher is made (so that starting them overlaps the rest of the setup), kept for every
     epoch like ``persistent_workers`` and stopped by ``close()`` or with the prefetcher; each
-    stores what it loads itself and loads one sample at a time, so N is also the number of
-    loads in flight. They start as ``multiprocessing_context`` says, like a ``DataLoader``'s
+    runs ``threads`` loader threads and stores what they load itself, so N x ``threads``
+    loads are in flight: slow reads overlap as with threads, and decoding uses N cores.
+    (For decoding in pure Python, which holds the GIL, a few threads per process suffice.)
+    They start as ``multiprocessing_context`` says, like a ``DataLoader``'s
     workers: by default the platform's default ("fork" on Linux up to Python 3.13, which
     starts in milliseconds and takes ``load`` as it is). With "spawn" or "forkserver",
     ``load`` must be picklable: a function or a bound method of a picklable dataset, defined
@@ -698,11 +700,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             None to keep the base order. Default: None.
         mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window).
             Default: "adaptive".
-        threads: loads in flight, in threads of this process, an int >= 1. Default: 16.
-        processes: when an int >= 1, load in this many processes instead of threads (and
-            ``threads`` only sets the default ``lookahead``). Default: 0 (threads).
+        threads: loads in flight, in threads of this process (or of each loader process
+            with ``processes``), an int >= 1. Default: 16.
+        processes: when an int >= 1, load in this many loader processes, each with
+            ``threads`` threads, instead of threads of this process. Default: 0.
         lookahead: positions of the base order kept loading ahead of the ``DataLoader``
-            (beyond the window), an int >= 1. Default: ``4 * threads``.
+            (beyond the window), an int >= 1. Default: 4 x the loads in flight
+            (``threads``, or ``processes * threads``).
         timeout: seconds to wait for one load before raising. Default: 120.
         multiprocessing_context: how loader processes start (``processes=N``): "fork",
             "spawn", "forkserver", a context from ``multiprocessing.get_context``, or None
@@ -727,7 +731,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                             f"load of type {type(load).__name__}")
         self.threads = check_int("threads", threads, low=1)
         self.processes = check_int("processes", processes, low=0)
-        self.lookahead = 4 * self.threads if lookahead is None else \
+        self.lookahead = 4 * self.threads * max(1, self.processes) if lookahead is None else \
             check_int("lookahead", lookahead, low=1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout should be a positive number of seconds, but got "
@@ -968,14 +972,13 @@ class _Job:
     """One load: the index, whether its sample goes to a staging slot, its future, and
     ``due``, set (by ``mark_due``) once the iterator needs the index now."""
 
-    __slots__ = ("idx", "staged", "future", "due", "flag", "started", "due_flag")
+    __slots__ = ("idx", "staged", "future", "due", "flag", "due_flag")
 
     def __init__(self, idx: int, staged: bool, flag: Callable[[], None] | None = None) -> None:
         self.idx, self.staged = idx, staged
         self.future: Future = Future()
         self.due = threading.Event()
         self.flag = flag  # tells a loader process too
-        self.started = False  # a loader process said it began (processes=N)
         self.due_flag = -1  # its entry in the loader processes' due flags (processes=N)
 
     def mark_due(self) -> None:
@@ -1039,7 +1042,8 @@ class _ProcessLoaderPool:
         # A live job's "due now" flag, one entry each: an entry is taken at submit and given
         # back when the job's last message has come (its process reads it no more by then).
         # A job submitted while all are taken gets none and counts as due from the start.
-        self._due = ctx.RawArray("b", flags)
+        # Beside it, whether a loader process has begun the job (for ``live``).
+        self._due, self._started = ctx.RawArray("b", flags), ctx.RawArray("b", flags)
         self._free_flags = list(range(flags))
         self._epoch = ctx.RawValue("q", 0)
         self._next_id = 0
@@ -1049,8 +1053,9 @@ class _ProcessLoaderPool:
         self._owner = weakref.ref(owner)
         self._procs = [ctx.Process(target=_load_in_process, name=f"stocaching-prefetch-{k}",
                                    args=(owner.cache, owner.load, owner._tag, self._jobs,
-                                         self._results, self._due, self._epoch,
-                                         os.getpid()), daemon=True)
+                                         self._results, self._due, self._started,
+                                         self._epoch, owner.threads, os.getpid()),
+                                   daemon=True)
                        for k in range(owner.processes)]
         for p in self._procs:
             p.start()
@@ -1058,14 +1063,14 @@ class _ProcessLoaderPool:
                                         daemon=True)
         self._reader.start()
         self._finalizer = weakref.finalize(owner, _ProcessLoaderPool._shut, self._procs,
-                                           self._jobs, self._results)
+                                           owner.threads, self._jobs, self._results)
 
     def submit(self, idx: int, staged: bool) -> _Job:
         with self._lock:
             j, self._next_id = self._next_id, self._next_id + 1
             flag = self._free_flags.pop() if self._free_flags else -1
             if flag >= 0:
-                self._due[flag] = 0
+                self._due[flag] = self._started[flag] = 0
             job = _Job(idx, staged, None if flag < 0 else
                        lambda: self._due.__setitem__(flag, 1))
             job.due_flag = flag
@@ -1083,11 +1088,6 @@ class _ProcessLoaderPool:
     def _settle(self, j: int, kind: str, payload: Any) -> None:
         """Turn one result of a loader process into its job's future."""
         with self._lock:
-            if kind == "started":
-                job = self._live.get(j)
-                if job is not None:
-                    job.started = True
-                return
             job = self._live.pop(j, None)
             if job is not None and self._by_idx.get(job.idx) is job:
                 del self._by_idx[job.idx]
@@ -1116,10 +1116,13 @@ class _ProcessLoaderPool:
 
     def live(self, idx: int) -> _Job | None:
         """The latest job of ``idx`` if a loader process has started it and its result has
-        not come yet (a job only queued by an abandoned epoch will be cancelled: not that)."""
+        not come yet (a job only queued by an abandoned epoch will be cancelled: not that;
+        nor a job without a due flag, whose start is not known)."""
         with self._lock:
             job = self._by_idx.get(idx)
-        return job if job is not None and job.started else None
+            if job is not None and job.due_flag >= 0 and self._started[job.due_flag]:
+                return job
+        return None
 
     def stop(self) -> None:
         """The epoch's iterator ended: jobs not started yet are cancelled."""
@@ -1135,8 +1138,8 @@ class _ProcessLoaderPool:
         self._finalizer()
 
     @staticmethod
-    def _shut(procs: list, jobs: Any, results: Any) -> None:
-        for _ in procs:
+    def _shut(procs: list, threads: int, jobs: Any, results: Any) -> None:
+        for _ in range(len(procs) * threads):  # one for each loader thread
             with contextlib.suppress(OSError, ValueError):
                 jobs.put(None)
         for p in procs:
@@ -1149,11 +1152,25 @@ class _ProcessLoaderPool:
 
 
 def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
-                     results: Any, due: Any, epoch: Any, parent: int) -> None:
-    """A loader process of ``Prefetcher(processes=N)``."""
+                     results: Any, due: Any, started: Any, epoch: Any, threads: int,
+                     parent: int) -> None:
+    """A loader process of ``Prefetcher(processes=N)``: ``threads`` loader threads that take
+    jobs from the shared queue, each until it takes a None."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process
     torch.set_num_threads(1)
+    loaders = [threading.Thread(target=_load_jobs, name=f"stocaching-prefetch-{k}",
+                                args=(cache, load, tag, jobs, results, due, started, epoch),
+                                daemon=True) for k in range(threads)]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join()
+
+
+def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
+               results: Any, due: Any, started: Any, epoch: Any) -> None:
+    """One loader thread of a loader process."""
     while True:
         msg = jobs.get()
         if msg is None:
@@ -1162,7 +1179,8 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
         if ep != epoch.value:
             results.put((j, "cancelled", None))
             continue
-        results.put((j, "started", None))
+        if flag >= 0:
+            started[flag] = 1
         try:
             value = load(idx)
             if not staged:

@@ -133,14 +133,15 @@ class HeldAt(Loads):
 
 @pytest.mark.timeout(300)
 def test_load_left_running_by_an_abandoned_epoch_is_not_loaded_again(shm_dir, tmp_path):
-    """One loader process. Epoch 0 yields 0..4 and is abandoned while the process is in the
+    """One loader process with one thread. Epoch 0 yields 0..4 and is abandoned while the process is in the
     load of 5; epoch 1 needs 5 too and must wait for that load, not queue a second one (which
-    the process would run after the first). The load is released once epoch 1 has yielded
+    the process would run after the first; with more threads, at the same time). The load is released once epoch 1 has yielded
     0..4, by when it has submitted its first 8 positions, 5 among them."""
     loads = tmp_path / "loads"
     loads.mkdir()
     cache = make_cache(shm_dir)
-    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 5), processes=1, lookahead=8)
+    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 5), processes=1, threads=1,
+                    lookahead=8)
     try:
         it = iter(pf)
         assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
@@ -172,7 +173,8 @@ def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
     loads = tmp_path / "loads"
     loads.mkdir()
     cache = make_cache(shm_dir)
-    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 0), processes=1, lookahead=1)
+    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 0), processes=1, threads=1,
+                    lookahead=1)
     pool = pf._procs
     flags = len(pool._due)
     try:
