@@ -50,9 +50,11 @@ logger = logging.getLogger("stocaching")
 
 #: Weights must be above this (conveyer's bound): a smaller one is almost surely a mistake.
 MIN_WEIGHT = 0.001
-# Positions per block of the interleave: a block is shuffled in place, so it should fit in
-# the CPU's cache (256 KiB of int32).
+# Positions per block of the interleave: at most this (a block is shuffled in place, so it
+# should fit in the CPU's cache: 256 KiB of int32), and at most 1/64 of the epoch, so that an
+# up-weighted sub-dataset's passes stay apart in epochs of any size.
 _BLOCK = 65536
+_MIN_BLOCKS = 64
 # Weights within this relative distance of proportional to the lengths count as proportional.
 _PROPORTIONAL_RTOL = 1e-9
 
@@ -198,8 +200,8 @@ def _one_pass(lengths: Sequence[int], counts: np.ndarray, offsets: np.ndarray,
 
 
 def _interleave(streams: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
-    """A random interleave of the streams that keeps each stream's order across blocks of
-    ``_BLOCK`` positions: each block takes the next items of every stream in numbers drawn as
+    """A random interleave of the streams that keeps each stream's order across blocks (of
+    ``_BLOCK`` positions, or 1/64 of the epoch if that is less): each block takes the next items of every stream in numbers drawn as
     a uniformly random interleave would put there (multivariate hypergeometric), and is then
     shuffled. With streams that are random permutations this is a uniformly random order of
     their union; an up-weighted stream's passes follow one another through the epoch."""
@@ -207,8 +209,9 @@ def _interleave(streams: Sequence[np.ndarray], rng: np.random.Generator) -> np.n
     total = int(left.sum())
     out = np.empty(total, dtype=streams[0].dtype)
     pos = np.zeros(len(streams), dtype=np.int64)
-    for start in range(0, total, _BLOCK):
-        size = min(_BLOCK, total - start)
+    step = max(1, min(_BLOCK, -(-total // _MIN_BLOCKS)))
+    for start in range(0, total, step):
+        size = min(step, total - start)
         take = rng.multivariate_hypergeometric(left, size) if len(streams) > 1 else \
             np.asarray([size])
         block = out[start:start + size]
@@ -253,8 +256,9 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
     ``ceil(c / n)`` times. The passes are spread over the epoch: the p-th copy of an element
     lies in about the fraction ``[p n / c, (p + 1) n / c)`` of it.
 
-    **Order**: the sub-datasets are interleaved at random (exactly as a uniformly random
-    shuffle would, for each block of 65536 positions), a pure function of ``(seed, epoch)``
+    **Order**: the sub-datasets are interleaved at random (in each block of
+    ``min(65536, ceil(num_samples / 64))`` positions exactly as a uniformly random shuffle
+    would), a pure function of ``(seed, epoch)``
     through local generators. Ranks get ``order[rank::num_replicas]`` after padding by
     repeating the order's start up to a multiple of ``num_replicas`` (or truncating, with
     ``drop_last``), as ``DistributedSampler`` does; padding may repeat an element once more.
