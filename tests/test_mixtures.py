@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import re
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import CHILDREN, CachedDataset, budget_for, free_port, rank_env
-from stocaching import MixtureDataset, ReadyFirstSampler, SharedCache, WeightedMixtureSampler
+from _helpers import CHILDREN, REPO, CachedDataset, budget_for, free_port, rank_env
+from stocaching import (MixtureDataset, Prefetcher, ReadyFirstSampler, SharedCache,
+                        WeightedMixtureSampler)
 
 DIMS = (4,)
 
@@ -469,6 +473,36 @@ def test_ready_first_over_the_mixture_puts_cached_samples_first(shm_dir):
             p.cache.close()
 
 
+@pytest.mark.timeout(120)
+def test_prefetcher_over_one_cache_of_the_concatenation(shm_dir):
+    """One SharedCache over all sub-datasets: the mixture's global indices are the cache's, so
+    the Prefetcher takes the mixture sampler as its base; it yields the mixture's epoch (with
+    an up-weighted sub-dataset's repeats) and loads each distinct index once, then all hit."""
+    lengths = (20, 10)
+    cache = SharedCache(1e-4, sum(lengths), DIMS, name="whole")
+    loads = []
+
+    def load(i):
+        loads.append(i)
+        return torch.full(DIMS, i, dtype=torch.uint8)
+
+    try:
+        base = WeightedMixtureSampler(list(lengths), (1, 2), seed=4, num_replicas=1, rank=0)
+        pf = Prefetcher(base, cache, load, threads=2)
+        for epoch in range(2):
+            pf.set_epoch(epoch)
+            got = list(pf)
+            assert got == base.epoch_indices(epoch).tolist()
+            for i in got:
+                assert torch.equal(cache.get_slot(i), torch.full(DIMS, i, dtype=torch.uint8))
+        assert sorted(loads) == sorted(set(loads))  # no index loaded twice
+        assert set(loads) == set(base.global_order(0).tolist()) | \
+            set(base.global_order(1).tolist())
+        pf.close()
+    finally:
+        cache.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # torchrun
 # ----------------------------------------------------------------------------------------------
@@ -493,3 +527,19 @@ def test_torchrun_two_ranks_cover_the_mixture_and_resume_from_rank_1(shm_dir, tm
     for o in out:
         assert o["resumed"] == o["epochs"][2][o["consumed"]:]
     assert out[0]["consumed"] == out[1]["consumed"] > 0
+
+
+def test_mixtures_py_works_copied_next_to_stocaching_py(tmp_path):
+    for name in ("stocaching.py", "mixtures.py"):
+        shutil.copy(REPO / "stocaching" / name, tmp_path / name)
+    code = textwrap.dedent("""
+        import os, mixtures, stocaching
+        assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
+        assert mixtures.SharedCache is stocaching.SharedCache
+        s = mixtures.WeightedMixtureSampler([3, 2], num_replicas=1, rank=0)
+        print(sorted(s))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[0, 1, 2, 3, 4]"
