@@ -74,8 +74,10 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         issues a warning).
 
     Args:
-        dataset: a ``Dataset`` whose ``.cache`` is a ``SharedCache`` (or None), a ``Subset`` of
-            one, a ``SharedCache``, or a bare ``CacheLayout`` (for simulations).
+        dataset: a ``Dataset`` whose ``.cache`` is a ``SharedCache`` (or None), a
+            ``MixtureDataset`` (one cache per sub-dataset, all with the same ``num_nodes``;
+            routed over their layouts side by side), a ``Subset`` of either, a
+            ``SharedCache``, or a bare ``CacheLayout`` (for simulations).
         num_replicas: number of ranks. Default: ``torch.distributed``'s world size if it is
             initialised, else the cache's ``world`` (for a ``CacheLayout``: ``World.from_env()``,
             that is the launcher's variables, else 1).
@@ -167,7 +169,7 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         self._it_epoch = self._it_start = self._it_len = 0
 
     @staticmethod
-    def _resolve(source: Any) -> tuple[CacheLayout | None, World | None, np.ndarray | None, int]:
+    def _resolve(source: Any) -> tuple[Any, World | None, np.ndarray | None, int]:
         """The layout, the cache's world, the dataset index of each sampler position (None:
         the same) and the number of positions, for any source the constructor accepts."""
         if isinstance(source, CacheLayout):
@@ -184,6 +186,15 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             positions = idx if positions is None else idx[positions]
             source = source.dataset
         cache = getattr(source, "cache", None)
+        caches = getattr(source, "caches", None)
+        if cache is None and isinstance(caches, (list, tuple)) and any(
+                c is not None for c in caches):  # a MixtureDataset: one cache per sub-dataset
+            joined = _JoinedLayout(caches, getattr(source, "lengths", None))
+            if positions is None and length != joined.dataset_len:
+                raise ValueError(f"len(dataset) should be the sum of its sub-datasets' lengths="
+                                 f"{joined.dataset_len}, but got len(dataset)={length}")
+            world = next(getattr(c, "world", None) for c in caches if c is not None)
+            return joined, world, positions, length
         if cache is None:
             warnings.warn(f"{type(source).__name__} has no cache (no .cache, or None): "
                           "CacheAwareSampler yields what DistributedSampler would", stacklevel=3)
@@ -347,6 +358,45 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         self.epoch = epoch
         self._resume, self._it = consumed, None
 
+
+
+class _JoinedLayout:
+    """The node layouts of several caches side by side: one layout over the concatenation of
+    their datasets (a ``MixtureDataset``'s ``caches``; a sub-dataset without a cache is cached
+    on no node). ``slots`` and ``seed`` are lists, one entry per cache (0 without one)."""
+
+    def __init__(self, caches: Any, lengths: Any) -> None:
+        layouts = []
+        for k, c in enumerate(caches):
+            layout = getattr(c, "layout", None)
+            if c is not None and not isinstance(layout, CacheLayout):
+                raise TypeError(f"dataset.caches[{k}] should be a SharedCache or None, but got "
+                                f"{type(c).__name__}")
+            layouts.append(layout)
+        if lengths is None:
+            lengths = [None if x is None else x.dataset_len for x in layouts]
+        if len(lengths) != len(layouts) or any(n is None for n in lengths):
+            raise ValueError("dataset.lengths should give the length of every sub-dataset (a "
+                             f"MixtureDataset's does), but got lengths={lengths!r}")
+        for k, (x, n) in enumerate(zip(layouts, lengths)):
+            if x is not None and x.dataset_len != n:
+                raise ValueError(f"dataset.caches[{k}].dataset_len should be the sub-dataset's "
+                                 f"length {n}, but got {x.dataset_len}")
+        nodes = sorted({x.num_nodes for x in layouts if x is not None})
+        if len(nodes) != 1:
+            raise ValueError(f"dataset.caches should all have the same num_nodes, but got "
+                             f"num_nodes {nodes}")
+        self.layouts, self.lengths = layouts, [int(n) for n in lengths]
+        self.num_nodes = nodes[0]
+        self.dataset_len = sum(self.lengths)
+        self.slots = [0 if x is None else x.slots for x in layouts]
+        self.seed = [0 if x is None else x.seed for x in layouts]
+
+    def owner_rows(self) -> Iterator[np.ndarray]:
+        rows = [None if x is None else x.owner_rows() for x in self.layouts]
+        for _ in range(self.num_nodes):
+            yield np.concatenate([np.zeros(n, dtype=bool) if r is None else next(r)
+                                  for r, n in zip(rows, self.lengths)])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from _helpers import CHILDREN, REPO, CachedDataset, budget_for, free_port, rank_env
 from stocaching import (CacheAwareSampler, CacheLayout, MixtureDataset, Prefetcher,
-                        ReadyFirstSampler, SharedCache, WeightedMixtureSampler)
+                        ReadyFirstSampler, SharedCache, WeightedMixtureSampler, World)
 
 DIMS = (4,)
 
@@ -574,6 +574,49 @@ def test_cache_aware_refuses_an_order_of_other_indices():
         CacheAwareSampler(layout, 4, 0, batch_size=8, order=sampler((300, 200)))
     with pytest.raises(TypeError, match="order should have global_order"):
         CacheAwareSampler(layout, 4, 0, batch_size=8, order=[1, 2])
+
+
+@pytest.mark.filterwarnings("ignore:rank=1 is on node 1")
+def test_cache_aware_routes_over_one_cache_per_sub_dataset(shm_dir):
+    """A MixtureDataset whose three sub-datasets have their own 2-node caches (real
+    SharedCaches, built here as node 0 of a 2-node job): CacheAwareSampler routes the mixture's
+    order over their layouts side by side. Global batches keep their multisets, and the ranks
+    read far more from their node's caches than the mixture's own split does."""
+    sizes, R, B = (300, 200, 100), 2, 8
+    world = World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
+                  num_nodes=2)
+    caches = [SharedCache(budget_for(n // 2, DIMS, dataset_len=n), n, DIMS, name=f"m{k}",
+                          world=world) for k, n in enumerate(sizes)]
+    try:
+        mix = MixtureDataset([CachedDataset(c, n) for c, n in zip(caches, sizes)])
+        owners = np.concatenate([c.layout.owners() for c in caches], axis=1)
+        assert owners.shape == (2, 600) and (owners.sum(axis=0) == 1).all()  # halves, disjoint
+        rs = [CacheAwareSampler(mix, R, r, batch_size=B, local_world_size=1,
+                                order=sampler(sizes, (1, 1, 2), seed=5)) for r in range(R)]
+        plain = ranks(sizes, (1, 1, 2), num_replicas=R, seed=5)
+        for s in rs:
+            s.set_epoch(1)
+        got = [np.asarray(list(s)) for s in rs]
+        padded = np.resize(plain[0].global_order(1), len(rs[0]) * R)
+        for j in range(math.ceil(len(rs[0]) / B)):
+            batch = np.concatenate([g[j * B:(j + 1) * B] for g in got])
+            assert sorted(batch.tolist()) == sorted(padded[j * B * R:(j + 1) * B * R].tolist())
+        hit = np.mean([owners[r, got[r]].mean() for r in range(R)])
+        split = np.mean([owners[r, p.epoch_indices(1)].mean() for r, p in enumerate(plain)])
+        assert hit > split + 0.3, (hit, split)
+        state = rs[0].state_dict()
+        assert state["slots"] == [len(c) for c in caches] and state["num_nodes"] == 2
+        with pytest.raises(ValueError, match=r"dataset.caches should all have the same "
+                                             r"num_nodes, but got num_nodes \[1, 2\]"):
+            one = SharedCache(1e-4, 10, DIMS, name="one")
+            try:
+                CacheAwareSampler(MixtureDataset([CachedDataset(caches[2], 100),
+                                                  CachedDataset(one, 10)]), R, 0, batch_size=B)
+            finally:
+                one.close()
+    finally:
+        for c in caches:
+            c.close()
 
 
 # ----------------------------------------------------------------------------------------------
