@@ -35,6 +35,7 @@ from __future__ import annotations
 __all__ = ["PrefetchError", "Prefetcher", "ReadyFirstSampler", "ready_first_order"]
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import logging
@@ -979,7 +980,7 @@ class _Job:
         self.future: Future = Future()
         self.due = threading.Event()
         self.flag = flag  # tells a loader process too
-        self.due_flag = -1  # its entry in the loader processes' due flags (processes=N)
+        self.due_flag = -1  # its entry in the due flags (processes=N); -1: none, or given back
 
     def mark_due(self) -> None:
         self.due.set()
@@ -1069,14 +1070,21 @@ class _ProcessLoaderPool:
         with self._lock:
             j, self._next_id = self._next_id, self._next_id + 1
             flag = self._free_flags.pop() if self._free_flags else -1
+            job = _Job(idx, staged)
             if flag >= 0:
                 self._due[flag] = self._started[flag] = 0
-            job = _Job(idx, staged, None if flag < 0 else
-                       lambda: self._due.__setitem__(flag, 1))
+                job.flag = functools.partial(self._mark_due, job)
             job.due_flag = flag
             self._live[j] = self._by_idx[idx] = job
         self._jobs.put((j, idx, staged, self._epoch.value, flag))
         return job
+
+    def _mark_due(self, job: _Job) -> None:
+        """Set the due flag of ``job`` if it still holds one: the iterator also marks jobs
+        that finished long before, whose flag may belong to a later job by then."""
+        with self._lock:
+            if job.due_flag >= 0:
+                self._due[job.due_flag] = 1
 
     def _read(self) -> None:
         while True:
@@ -1093,6 +1101,7 @@ class _ProcessLoaderPool:
                 del self._by_idx[job.idx]
             if job is not None and job.due_flag >= 0:
                 self._free_flags.append(job.due_flag)
+                job.due_flag = -1  # no longer its own: _mark_due must not touch it
         if job is None:
             return
         if kind == "cancelled":

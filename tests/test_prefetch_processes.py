@@ -194,6 +194,34 @@ def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_finished_job_marked_due_leaves_its_reused_flag_alone(shm_dir, tmp_path):
+    """The iterator marks a job due when it reaches the job's index, also a job that finished
+    long before; its flag has been given back by then and may belong to a later live job,
+    which must not be told that it is due (a staged one would then drop its load as soon as
+    the staging area is full, and the workers would load the sample a second time)."""
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 1), processes=1, threads=1,
+                    lookahead=1)
+    pool = pf._procs
+    try:
+        done = pool.submit(0, False)
+        flag = done.due_flag
+        done.future.result(timeout=120)
+        later = pool.submit(1, False)  # held in its load meanwhile
+        assert later.due_flag == flag  # the flag given back is the next one taken
+        done.mark_due()
+        assert pool._due[flag] == 0
+        later.mark_due()
+        assert pool._due[flag] == 1
+    finally:
+        (loads / "release").touch()
+        pf.close()
+        cache.close()
+
+
+@pytest.mark.timeout(300)
 def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_path):
     err = open(tmp_path / "train.stderr", "w")
     p = subprocess.Popen([sys.executable, str(CHILDREN / "prefetch_train_processes.py")],
