@@ -115,6 +115,11 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             if lengths is not None and sum(lengths) != length:
                 raise ValueError(f"order should draw from the {length} indices of dataset, but "
                                  f"its sub-datasets have sum(lengths)={sum(lengths)}")
+            if lengths is not None and isinstance(self.layout, _JoinedLayout) and \
+                    self._positions is None and list(lengths) != self.layout.lengths:
+                raise ValueError(f"order should draw from the sub-datasets of dataset, of "
+                                 f"lengths {self.layout.lengths}, but its sub-datasets have "
+                                 f"lengths={list(lengths)}")
             length = check_int("order.num_samples", order.num_samples, low=0)
             if hasattr(order, "set_epoch"):
                 order.set_epoch(0)  # this sampler's epoch; set_epoch is forwarded

@@ -576,6 +576,23 @@ def test_cache_aware_refuses_an_order_of_other_indices():
         CacheAwareSampler(layout, 4, 0, batch_size=8, order=[1, 2])
 
 
+def test_cache_aware_refuses_an_order_over_other_sub_datasets(shm_dir):
+    """Same total, other sub-dataset lengths: the order's indices would land in the wrong
+    sub-datasets of the MixtureDataset (wrong shares, silently)."""
+    caches = [SharedCache(budget_for(n, DIMS, dataset_len=n), n, DIMS, name=f"o{k}")
+              for k, n in enumerate((300, 200))]
+    try:
+        mix = MixtureDataset([CachedDataset(c, len(c)) for c in caches])
+        CacheAwareSampler(mix, 1, 0, batch_size=8, order=sampler((300, 200)))
+        with pytest.raises(ValueError, match=r"order should draw from the sub-datasets of "
+                                             r"dataset, of lengths \[300, 200\], but its "
+                                             r"sub-datasets have lengths=\[200, 300\]"):
+            CacheAwareSampler(mix, 1, 0, batch_size=8, order=sampler((200, 300)))
+    finally:
+        for c in caches:
+            c.close()
+
+
 @pytest.mark.filterwarnings("ignore:rank=1 is on node 1")
 def test_cache_aware_routes_over_one_cache_per_sub_dataset(shm_dir):
     """A MixtureDataset whose three sub-datasets have their own 2-node caches (real
