@@ -41,6 +41,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import secrets
 import signal
@@ -1058,8 +1059,22 @@ class _ProcessLoaderPool:
                                          self._epoch, owner.threads, os.getpid()),
                                    daemon=True)
                        for k in range(owner.processes)]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            for p in self._procs:  # those started already
+                if p.pid is not None:
+                    p.kill()
+                    p.join()
+            method = ctx.get_start_method()
+            if method == "fork":
+                raise
+            raise TypeError(f"load should be picklable to start loader processes with "
+                            f"multiprocessing_context={method!r} (a function, or a bound "
+                            f"method of a picklable dataset, defined at the top level of a "
+                            f"module; or use 'fork'), but got load={owner.load!r}: "
+                            f"{type(e).__name__}: {e}") from e
         self._reader = threading.Thread(target=self._read, name="stocaching-prefetch-results",
                                         daemon=True)
         self._reader.start()

@@ -261,6 +261,11 @@ def test_bad_processes_argument_names_it(shm_dir):
                                           f"multiprocessing_context of type int"):
                 Prefetcher(list(range(N)), cache, value_of, processes=1,
                            multiprocessing_context=bad)
+        # A load that spawn cannot pickle: the error names load and the start method.
+        with pytest.raises(TypeError, match=r"load should be picklable to start loader "
+                                            r"processes with multiprocessing_context='spawn'"):
+            Prefetcher(list(range(N)), cache, lambda i: value_of(i), processes=2,
+                       multiprocessing_context="spawn")
         # A refused prefetcher started nothing.
         assert {c.pid for c in psutil.Process().children()} == children
     finally:
