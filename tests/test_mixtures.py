@@ -54,6 +54,7 @@ def test_size_proportional_weights_give_every_element_exactly_once(lengths, weig
     s = sampler(lengths, w, seed=3)
     n = sum(lengths)
     assert len(s) == n
+    assert s.global_order(0).dtype == np.int32  # as documented: int32 while it fits
     for epoch in range(3):
         order = s.global_order(epoch)
         assert order.size == n and (occurrences(order, n) == 1).all()
