@@ -193,6 +193,44 @@ def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
         cache.close()
 
 
+class Together:
+    """A load that returns only once ``n`` loads have begun (files: it runs in loader
+    processes), so it finishes only if ``n`` loads are in flight at once."""
+
+    def __init__(self, directory, n: int) -> None:
+        self.directory, self.n = str(directory), n
+
+    def __call__(self, i):
+        open(os.path.join(self.directory, f"entered-{i}"), "w").close()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(self.directory)) < self.n:
+            assert time.monotonic() < deadline, f"only {os.listdir(self.directory)} began"
+            time.sleep(0.01)
+        return value_of(i)
+
+
+@pytest.mark.timeout(300)
+def test_processes_times_threads_loads_run_at_once_and_close_ends_every_thread(shm_dir,
+                                                                                 tmp_path):
+    """processes=2, threads=3: six loads in flight at once (each waits for the others), and
+    close() ends every loader thread with its sentinel, so the processes exit by themselves
+    (exit code 0) instead of being killed after the join timeout."""
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, Together(tmp_path, 6), processes=2, threads=3)
+    procs = pf._procs._procs
+    try:
+        jobs = [pf._procs.submit(i, False) for i in range(6)]
+        for j in jobs:
+            j.future.result(timeout=120)
+        assert all(cache.get_slot(i) is not None for i in range(6))
+        t0 = time.monotonic()
+        pf.close()
+        assert [p.exitcode for p in procs] == [0, 0] and time.monotonic() - t0 < 8
+    finally:
+        pf.close()
+        cache.close()
+
+
 @pytest.mark.timeout(300)
 def test_a_finished_job_marked_due_leaves_its_reused_flag_alone(shm_dir, tmp_path):
     """The iterator marks a job due when it reaches the job's index, also a job that finished
