@@ -686,9 +686,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     at the top level of a module (the main script's top level works when the training code
     runs under ``if __name__ == "__main__":``), and each process takes a second or more to
     import torch. The processes die with this process, also by SIGKILL
-    (``PR_SET_PDEATHSIG``; it follows the thread that started them, so make the prefetcher in
-    a thread that lives as long as the training). A loader process that died is reported by
-    the epoch that meets it; the next epoch starts new ones.
+    (``PR_SET_PDEATHSIG``; it follows the thread that started them, so make the prefetcher,
+    and iterate it, in a thread that lives as long as the training: the epoch after a
+    ``close()`` or a dead loader process starts new ones from the iterating thread). A loader
+    process that died is reported by the epoch that meets it; the next epoch starts new ones.
+    With "fork", a loader process is a copy of this process when it starts: later changes to
+    the dataset behind ``load`` are not seen, and the threads of clients made before (HTTP or
+    object-store connection pools) are not copied, so make such clients in ``load`` lazily.
 
     Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
     by the iterator as :class:`PrefetchError` naming the index, with the original exception
