@@ -43,6 +43,7 @@ __all__ = [
     "World",
     "CacheCapacityError",
     "MAX_STAGE_TAG",
+    "check_int",
     "clean_segments",
     "get_shm_size",
     "list_segments",
@@ -189,7 +190,22 @@ def _is_int(x: Any) -> bool:
 
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None,
                expect: str | None = None) -> int:
-    """Return ``value`` as an int, or raise naming ``name``, the expectation and the value."""
+    """Return ``value`` as an int, or raise naming ``name``, the expectation and the value.
+
+    The argument check of the package, public so that the opt-in modules (and code that
+    extends them) raise the same errors.
+
+    Args:
+        name: the parameter's name, for the message.
+        value: what was passed; an int, or a numpy or torch integer scalar (not a bool).
+        low: the smallest value allowed, or None. Default: None.
+        high: the largest value allowed, or None. Default: None.
+        expect: the expectation in words, instead of the one made from low and high.
+
+    Raises:
+        TypeError: ``value`` is not an integer.
+        ValueError: ``value`` is outside ``[low, high]``.
+    """
     if low is not None and high is not None:
         what = expect or f"an int in [{low}, {high}]"
     elif low is not None:

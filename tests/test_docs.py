@@ -65,3 +65,20 @@ def test_module_runs_as_a_copied_single_file(tmp_path):
     assert r.returncode == 0, r.stderr
     n, path = r.stdout.split()
     assert n == "4" and path == str(tmp_path / "stocaching.py")
+
+
+def test_opt_in_modules_import_only_the_cores_public_names():
+    """samplers.py, prefetch.py and mixtures.py import from the core only names in its
+    ``__all__``, so that copying the core plus one of them keeps working."""
+    import ast
+
+    import stocaching.stocaching as core
+    for module in ("samplers", "prefetch", "mixtures"):
+        tree = ast.parse(read("stocaching", f"{module}.py"))
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.module in ("stocaching", "stocaching.stocaching")
+                    or (isinstance(node, ast.ImportFrom) and node.level == 1
+                        and node.module == "stocaching")
+                    for alias in node.names}
+        assert imported, module
+        assert imported <= set(core.__all__), (module, sorted(imported - set(core.__all__)))
