@@ -1,6 +1,7 @@
 """Build a cache, fill it, start two forked DataLoader workers (persistent, alive), read a batch
-from each of them, say READY, then end as HOW says: "exit" (sys.exit(0)), "exception" (an
-uncaught exception) or "wait" (sleep until the test sends a signal).
+from each of them, say READY, then end as HOW says: "exit" (sys.exit(0)) or "exception" (an
+uncaught exception) once its stdin is closed, or "wait" (sleep until the test sends a signal).
+The test looks at who maps the cache between READY and the end it asks for.
 
 A batch from each worker before READY, not just the first batch: torch's worker notes its
 parent's pid (``os.getppid()``, for its ``ManagerWatchdog``) only after its start-up, just
@@ -49,6 +50,8 @@ while seen != {0, 1}:  # StopIteration (no READY, the test fails) if a worker ne
     _, worker_ids = next(it)
     seen.update(worker_ids.tolist())
 print("READY", flush=True)
+if how in ("exit", "exception"):
+    sys.stdin.read()  # until the test closes our stdin
 if how == "exit":
     sys.exit(0)
 if how == "exception":
