@@ -23,16 +23,18 @@ from stocaching import SharedCache
                                      ("wait", signal.SIGKILL)],
                          ids=["exit", "exception", "SIGINT", "SIGTERM", "SIGKILL"])
 def test_nothing_left_after_any_exit(shm_dir, how, sig):
-    """A process with a filled cache and two DataLoader workers alive (forked) ends in each
-    way; its workers are left to notice."""
-    p = start_child("dataloader_then_end.py", how, env=rank_env(shm_dir), stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL, start_new_session=True)
+    """A process with a filled cache and two DataLoader workers alive (forked, each has sent a
+    batch, so each watches its parent) ends in each way; its workers are left to notice."""
+    p = start_child("dataloader_then_end.py", how, env=rank_env(shm_dir), stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         assert p.stdout.readline().strip() == "READY"
         p.stdout.close()  # the workers hold the pipe too: do not wait for its end
-        assert mappers(shm_dir)  # the cache is up and mapped by the process and its workers
+        assert len(mappers(shm_dir)) == 3  # the cache is up, mapped by the process and its workers
         assert named(shm_dir) == []  # a single-rank cache never keeps a name
-        if sig is not None:
+        if sig is None:
+            p.stdin.close()  # exit or raise now
+        else:
             os.kill(p.pid, sig)  # the main process only: its workers are left to notice
         p.wait(timeout=120)
         wait_until_unmapped(shm_dir, within=120)  # workers exit when their parent is gone
@@ -40,6 +42,7 @@ def test_nothing_left_after_any_exit(shm_dir, how, sig):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # never leave a worker behind
+        p.stdin.close()
 
 
 @pytest.mark.timeout(300)
