@@ -1,11 +1,14 @@
-"""Per-call cost of SharedCache: get_slot hit / miss, set_slot, construction.
+"""Per-call cost of SharedCache: get_slot hit / miss, set_slot, construction, batched reads.
 
 Run: ``python -m benchmark.microbench [--ref-dir DIR] [--construct-gib 1 8]``, or
 ``python -m benchmark.microbench --ref-dir DIR --before OLD_stocaching.py`` for the hit and write
 paths of two versions of the core side by side.
 
 Every figure is printed next to references measured in the same run (a bare ``clone()`` of one
-slot, torch and numpy indexing), because a shared machine is noisy: compare ratios. With
+slot, torch and numpy indexing), because a shared machine is noisy: compare ratios. Both modes
+end with target lines, each ``[PASS]`` or ``[MISS]`` with the two figures compared: a batch of 64
+hits read by ``get_batch`` against 64 ``get_slot`` calls and a ``torch.stack``, and, with
+``--before``, this core's ``get_slot`` hit against the older core's. With
 ``--ref-dir`` pointing at ``pip install --target DIR stocaching==0.2.1``, stocaching 0.2.1 is
 measured too, imported under another name.
 """
@@ -130,6 +133,41 @@ def bench_side_by_side(dims: tuple[int, ...], ref, before, rounds: int = 25
     return [(k, min(v), float(np.median(v))) for k, v in times.items()]
 
 
+def bench_batch(dims: tuple[int, ...] = (3, 128, 128), batch: int = 64, rounds: int = 15,
+                n: int = 2048) -> dict[str, list[float]]:
+    """A batch of ``batch`` hits read by one ``get_batch`` against ``batch`` ``get_slot`` calls
+    and a ``torch.stack``, interleaved round by round. The batches are random indices of ``n``
+    filled slots (100 MB at the default sizes, more than a CPU cache holds, as in an epoch).
+
+    Returns microseconds per sample of every round, by method."""
+    x = torch.randint(0, 255, dims, dtype=torch.uint8)
+    gib = (np.prod(dims) + 1) * n * 1.01 / 2**30
+    rng = np.random.default_rng(0)
+    batches = [rng.choice(n, batch, replace=False).tolist() for _ in range(64)]
+    times: dict[str, list[float]] = {"get_batch": [], "get_slot + stack": []}
+    with stocaching.SharedCache(gib, n, dims, name="microbench-batch") as c:
+        for i in range(n):
+            c.set_slot(i, x)
+        k = itertools.count()
+
+        def batched():
+            out, hit = c.get_batch(batches[next(k) % 64])
+            assert hit.all()
+
+        def looped():
+            rows = [c.get_slot(i) for i in batches[next(k) % 64]]
+            return torch.stack(rows)
+
+        for _ in range(rounds):
+            for name, fn in (("get_batch", batched), ("get_slot + stack", looped)):
+                times[name].append(timeit.timeit(fn, number=20) / 20 / batch * 1e6)
+    return times
+
+
+def _verdict(ok: bool) -> str:
+    return "[PASS]" if ok else "[MISS]"
+
+
 def bench_construct(gib: float, ref) -> list[tuple[str, float]]:
     dims = (3, 256, 256)
     n = int(gib * 2**30 / (np.prod(dims) + 1))
@@ -178,22 +216,41 @@ def main(argv=None) -> None:
     ref = load_ref(args.ref_dir) if args.ref_dir else None
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    targets = []
     if args.before:
         before = load_core(args.before)
         for dims in [(3, 32, 32), (3, 256, 256)]:
             print(f"\n{dims} uint8, interleaved rounds: min / median per call")
-            for name, lo, med in bench_side_by_side(dims, ref, before):
+            rows = bench_side_by_side(dims, ref, before)
+            for name, lo, med in rows:
                 print(f"  {name:34s} {lo:7.2f} / {med:7.2f} us")
-        print(f"\nload average {os.getloadavg()[0]:.2f}")
-        return
-    for dims in [(3, 32, 32), (3, 256, 256)]:
-        print(f"\n{dims} uint8, median per call")
-        for name, us in bench_calls(dims, ref):
-            print(f"  {name:34s} {us:9.2f} us")
-    print("\nconstruction (wall time)")
-    for gib in args.construct_gib:
-        for name, us in bench_construct(gib, ref):
-            print(f"  {name:34s} {us / 1e6:9.3f} s")
+            got = {name.split()[0]: (lo, med) for name, lo, med in rows
+                   if name.endswith("get_slot hit")}
+            (now, now_med), (old, old_med) = got["now"], got["before"]
+            targets.append(f"{_verdict(now <= 1.05 * old)} get_slot hit {dims} uint8 within 5 % "
+                           f"of {args.before}'s: {now:.2f} vs {old:.2f} us (min of rounds; "
+                           f"medians {now_med:.2f} vs {old_med:.2f} us), ratio {now / old:.3f}")
+    else:
+        for dims in [(3, 32, 32), (3, 256, 256)]:
+            print(f"\n{dims} uint8, median per call")
+            for name, us in bench_calls(dims, ref):
+                print(f"  {name:34s} {us:9.2f} us")
+        print("\nconstruction (wall time)")
+        for gib in args.construct_gib:
+            for name, us in bench_construct(gib, ref):
+                print(f"  {name:34s} {us / 1e6:9.3f} s")
+    times = bench_batch()
+    print("\n64 hits of (3, 128, 128) uint8, interleaved rounds: min / median per sample")
+    for name, ts in times.items():
+        print(f"  {name:34s} {min(ts):7.2f} / {np.median(ts):7.2f} us")
+    b, s = float(np.median(times["get_batch"])), float(np.median(times["get_slot + stack"]))
+    targets.append(f"{_verdict(s >= 1.5 * b)} get_batch of 64 hits >= 1.5 x faster per sample "
+                   f"than 64 get_slot + torch.stack: {b:.2f} vs {s:.2f} us (medians), "
+                   f"{s / b:.2f} x")
+    if not args.before:
+        targets.append("(the get_slot hit path against an older core: pass --before CORE.py)")
+    print(f"\nload average {os.getloadavg()[0]:.2f}; targets:")
+    print("\n".join(targets))
     sys.stdout.flush()
 
 

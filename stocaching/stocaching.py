@@ -1304,8 +1304,9 @@ class SharedCache:
             dt = _slot_map_dtype(lay)
             self._slot_map = view[head["map_off"]: head["map_off"] + dt.itemsize *
                                   lay.dataset_len].cast(dt.char)
+            self._slot_map_np = np.frombuffer(mm, dt, lay.dataset_len, head["map_off"])
         else:
-            self._slot_map = None
+            self._slot_map = self._slot_map_np = None
         def slots_of(buf: mmap.mmap) -> np.ndarray:
             return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
                                  head["data_off"]).reshape(n_slots, *self._dims)
@@ -1625,6 +1626,130 @@ class SharedCache:
                                "allow_empty_slot=False")
         self._ctr[_MISSES] += 1
         return None
+
+    def get_batch(self, indices: Any, *, out: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached samples of several dataset indices, gathered into one batch tensor, and
+        which of them were cached: what ``get_slot`` gives for each index, in one call.
+
+        Made for a Dataset's ``__getitems__``, which a DataLoader calls with the indices of a
+        whole batch (see the README's recipe): one vectorised copy of every row instead of a
+        ``get_slot`` call per index and a ``torch.stack``. Each row keeps ``get_slot``'s
+        guarantee: a row whose slot was being written, or was written or cleared during the
+        copy, is read again on its own and otherwise reported as a miss, never half-written.
+        A staged sample (see ``stage``) is taken as ``get_slot`` takes it: its staging slot
+        is freed, so a second occurrence of that index in ``indices`` is a miss. Hits and
+        misses are counted in ``stats()`` as ``get_slot`` counts them; an index without a slot
+        on this node is a miss, counted in ``oob_misses`` too.
+
+        Args:
+            indices: dataset indices in ``[0, dataset_len)``: a sequence of ints (the list a
+                DataLoader's batch sampler gives ``__getitems__``, a tuple, a range) or a 1-D
+                integer numpy array or tensor. Repeats are allowed.
+            out: where to gather: a contiguous CPU tensor of shape ``(len(indices),
+                *data_dims)`` and the cache's dtype, returned as the batch. Default: a new
+                tensor.
+
+        Returns:
+            ``(batch, hit)``: ``batch`` of shape ``(len(indices), *data_dims)`` and the
+            cache's dtype, whose row ``k`` is the cached sample of ``indices[k]`` where
+            ``hit[k]`` and zeros elsewhere; ``hit``, a bool tensor of shape
+            ``(len(indices),)``.
+
+        Raises:
+            TypeError: ``indices`` is not a sequence or 1-D array of integers (bool and float
+                included), or ``out`` is not a tensor of the cache's dtype.
+            IndexError: an index outside ``[0, dataset_len)`` (as ``get_slot``).
+            ValueError: ``out`` has another shape, or is not a contiguous CPU tensor.
+            Nothing is read or counted when one of these is raised.
+        """
+        self._check_open()
+        idx = self._batch_indices(indices)
+        shape = (len(idx), *self._dims)
+        batch = torch.empty(shape, dtype=self._dtype) if out is None else \
+            self._check_out(out, shape)
+        dst = (batch if self._view_as is None else batch.view(torch.uint16)).numpy()
+        # The seqlock of _read, for every row at once: sequence numbers (even), then the
+        # states, then the copy, then the sequence numbers again, unchanged.
+        aux = self._aux_np[idx]
+        cand = aux == SET
+        slots = idx if self._slot_map_np is None else self._slot_map_np[idx]
+        hit = cand.copy()
+        if cand.any():  # (a cache without slots has no slot 0)
+            slots = np.where(cand, slots, 0)  # a miss copies slot 0, then is zeroed
+            seq = self._seq_np[slots]
+            hit = cand & (seq & 1 == 0) & (self._aux_np[idx] == SET)
+            np.take(self._np_slots, slots, axis=0, out=dst, mode="clip")  # in range anyway
+            hit &= self._seq_np[slots] == seq
+        hits = int(np.count_nonzero(hit))  # the rows after this count themselves
+        if hits < len(idx):
+            for k in np.flatnonzero(~hit).tolist():  # raced rows and staged samples: alone
+                i = int(idx[k])
+                if cand[k]:
+                    row = self._read_again(i, True)
+                elif aux[k] == OOB and self._staging:
+                    row = self._take_staged(i)
+                else:
+                    continue
+                if row is not None:  # (counted as a hit by _read or _take_staged)
+                    batch[k] = row
+                    hit[k] = True
+            dst[~hit] = 0
+            miss = ~hit
+            self._ctr[_MISSES] += int(np.count_nonzero(miss))
+            self._ctr[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
+        self._ctr[_HITS] += hits
+        return batch, torch.from_numpy(hit)
+
+    def _batch_indices(self, indices: Any) -> np.ndarray:
+        """``indices`` of ``get_batch`` as a 1-D int64 array in range, or raise naming them."""
+        expect = (f"a sequence or 1-D array of dataset indices (ints in [0, {self._n - 1}])")
+        if isinstance(indices, torch.Tensor):
+            if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
+                raise TypeError(f"indices should be {expect}, but got a tensor of shape "
+                                f"{tuple(indices.shape)} and dtype {indices.dtype}")
+            idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
+        elif isinstance(indices, np.ndarray):
+            if indices.ndim != 1 or indices.dtype.kind not in "iu":
+                raise TypeError(f"indices should be {expect}, but got an array of shape "
+                                f"{indices.shape} and dtype {indices.dtype}")
+            idx = indices.astype(np.int64, copy=False)
+        elif isinstance(indices, (list, tuple, range)):
+            if not all(type(i) is int for i in indices):
+                for k, i in enumerate(indices):
+                    if not _is_int(i):
+                        raise TypeError(f"indices should be {expect}, but got "
+                                        f"indices[{k}]={i!r} (type {type(i).__name__})")
+                indices = [int(i) for i in indices]
+            idx = np.array(indices, dtype=np.int64)
+            if idx.ndim != 1:  # an empty nested sequence
+                raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
+        else:
+            raise TypeError(f"indices should be {expect}, but got indices={indices!r} "
+                            f"(type {type(indices).__name__})")
+        bad = np.flatnonzero((idx < 0) | (idx >= self._n))
+        if bad.size:
+            k = int(bad[0])
+            raise IndexError(f"indices should be dataset indices in [0, {self._n - 1}], but "
+                             f"got indices[{k}]={int(idx[k])}")
+        return idx
+
+    def _check_out(self, out: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        """``out`` of ``get_batch`` if it can take the batch, or raise naming it."""
+        if not isinstance(out, torch.Tensor) or out.dtype != self._dtype or \
+                out.layout != torch.strided:
+            what = f"dtype {out.dtype}, layout {out.layout}" if isinstance(
+                out, torch.Tensor) else f"type {type(out).__name__}"
+            raise TypeError(f"out should be a dense tensor of dtype {self._dtype} (the "
+                            f"cache's), but got out of {what}")
+        if tuple(out.shape) != shape or out.device.type != "cpu" or \
+                not out.is_contiguous() or out.requires_grad:
+            raise ValueError(
+                f"out should be a contiguous CPU tensor of shape {shape} (len(indices), "
+                f"*data_dims) without requires_grad, but got out of shape {tuple(out.shape)} "
+                f"on {out.device}, contiguous={out.is_contiguous()}, "
+                f"requires_grad={out.requires_grad}")
+        return out
 
     def _check_value(self, value: Any) -> torch.Tensor:
         """Raise unless ``value`` may be stored; return it as a tensor (a numpy array wrapped,
@@ -1999,7 +2124,7 @@ class SharedCache:
         _LIVE_CACHES.discard(self)
         self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
         self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
-        self._stage_np = _CLOSED  # type: ignore
+        self._stage_np = self._slot_map_np = _CLOSED  # type: ignore
         self._array = self._ro_slots = _CLOSED  # type: ignore
         for mm in (self._mm, getattr(self, "_ro_mm", None)):
             if mm is not None:

@@ -11,8 +11,9 @@ Not a test module: pytest collects ``test_*.py`` only. Who imports it from where
 
 It provides
 
-* values: ``value_of(i, dims)``, the sample of index ``i`` in every process, and
-  ``CachedDataset``, the README's two-line pattern;
+* values: ``value_of(i, dims)``, the sample of index ``i`` in every process,
+  ``CachedDataset``, the README's two-line pattern, and ``BatchedDataset``, its
+  ``__getitems__`` recipe;
 * sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots;
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
   ``run_child``/``start_child`` for a program of ``tests/children/``, and ``Child``, a job driven
@@ -74,6 +75,18 @@ class CachedDataset(torch.utils.data.Dataset):
             x = value_of(i, self.cache.data_dims)
             self.cache.set_slot(i, x)
         return i, x, hit
+
+
+class BatchedDataset(CachedDataset):
+    """The README's ``__getitems__`` recipe on top of ``CachedDataset``: a whole batch with one
+    ``get_batch``, the misses loaded and stored one by one; items as ``CachedDataset``'s."""
+
+    def __getitems__(self, indices):
+        batch, hit = self.cache.get_batch(indices)
+        for k in torch.nonzero(~hit).flatten().tolist():
+            batch[k] = value_of(indices[k], self.cache.data_dims)
+            self.cache.set_slot(indices[k], batch[k])
+        return [(i, x, bool(h)) for i, x, h in zip(indices, batch, hit)]
 
 
 def budget_for(n_slots: int, dims, dtype: torch.dtype = torch.uint8, *,

@@ -11,6 +11,7 @@ in its environment, see ``rank_env``). Commands:
   readloop              read everything forever, checking every value
   fill                  set every index that reads as a miss, without allow_overwrite
   check                 read everything: "CHECK hits misses bad missing..."
+  batch                 read everything with one get_batch: "BATCH hits misses bad missing..."
   loader CTX PHASE      one DataLoader epoch, 2 workers; worker 0 stops at PHASE
   epoch                 one clean DataLoader epoch (fork), checking every sample
   exit                  close and exit 0
@@ -266,6 +267,12 @@ def main():
         elif cmd == "check":
             hits, misses, bad, missing = scan(cache)
             say("CHECK", hits, misses, bad, *missing)
+        elif cmd == "batch":
+            rows, hit = cache.get_batch(range(N))
+            zero = torch.zeros(D, dtype=torch.uint8)  # the row of a miss
+            bad = sum(not torch.equal(rows[i], pattern(i) if hit[i] else zero) for i in range(N))
+            missing = [i for i in range(N) if not hit[i]]
+            say("BATCH", N - len(missing), len(missing), bad, *missing)
         elif cmd == "loader":
             ctx, phase = args
             try:
