@@ -74,7 +74,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import psutil
@@ -104,6 +104,8 @@ class SlotState(enum.Enum):
 SEGMENT_PREFIX = "stocaching"
 DEFAULT_SHM_DIR = "/dev/shm"
 _MAX_DIMS = 8
+_MAX_FIELDS = 16  # fields of one sample (a dict data_dims)
+_FIELD_NAME_BYTES = 32
 
 #: Free RAM (available, per psutil) that a new cache should leave, below which we warn.
 RAM_MARGIN_BYTES = 2 * BYTES_PER_GIB
@@ -215,29 +217,109 @@ def _check_positive(name: str, value: Any, unit: str) -> float:
     return value
 
 
-def _check_dims(data_dims: Any) -> tuple[int, ...]:
-    expect = "a non-empty tuple of positive ints"
+def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
+                ) -> tuple[int, ...]:
+    """``data_dims`` (or a field's dims, ``name``) as a tuple of ints; ``()`` only if
+    ``scalar``."""
+    expect = "a tuple of positive ints (() for a scalar)" if scalar else \
+        "a non-empty tuple of positive ints"
     if isinstance(data_dims, torch.Size):
         data_dims = tuple(data_dims)
-    if not isinstance(data_dims, (tuple, list)) or len(data_dims) == 0:
+    if not isinstance(data_dims, (tuple, list)) or (len(data_dims) == 0 and not scalar):
+        if name == "data_dims" and not isinstance(data_dims, (tuple, list)):
+            expect += ", or a dict of fields {name: dims}"
         raise (TypeError if not isinstance(data_dims, (tuple, list)) else ValueError)(
-            f"data_dims should be {expect}, but got data_dims={data_dims!r}")
+            f"{name} should be {expect}, but got {name}={data_dims!r}")
     if not all(_is_int(d) for d in data_dims):
-        raise TypeError(f"data_dims should be {expect}, but got data_dims={tuple(data_dims)!r}")
+        raise TypeError(f"{name} should be {expect}, but got {name}={tuple(data_dims)!r}")
     dims = tuple(int(d) for d in data_dims)
     if any(d <= 0 for d in dims) or len(dims) > _MAX_DIMS:
-        raise ValueError(f"data_dims should be {expect} (at most {_MAX_DIMS} of them), "
-                         f"but got data_dims={dims!r}")
+        raise ValueError(f"{name} should be {expect} (at most {_MAX_DIMS} of them), "
+                         f"but got {name}={dims!r}")
     return dims
 
 
-def _check_dtype(dtype: Any) -> torch.dtype:
+def _check_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
     if dtype not in _DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
         raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
-            f"dtype should be one of the fixed-size torch dtypes ({names}), "
-            f"but got dtype={dtype!r}")
+            f"{name} should be one of the fixed-size torch dtypes ({names}), "
+            f"but got {name}={dtype!r}")
     return dtype
+
+
+class _Field(NamedTuple):
+    """One field of a sample: where it sits in a slot (``offset``, ``nbytes``)."""
+
+    name: str
+    dims: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+def _check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[_Field, ...], int]:
+    """The fields of ``data_dims={name: dims}`` and ``dtype`` (one dtype for every field, or a
+    dict with the same keys), packed in the order given, each at a multiple of its itemsize
+    (as a C struct); returns them and the bytes of one slot (a multiple of the largest
+    itemsize, so every slot is aligned too)."""
+    if not 1 <= len(data_dims) <= _MAX_FIELDS:
+        raise ValueError(f"data_dims should be a tuple of positive ints, or a dict of 1 to "
+                         f"{_MAX_FIELDS} fields, but got data_dims={dict(data_dims)!r}")
+    for name in data_dims:
+        if not isinstance(name, str):
+            raise TypeError(f"data_dims keys should be field names (str), but got "
+                            f"{name!r} (type {type(name).__name__})")
+        if not (name.isascii() and name.isidentifier() and len(name) <= _FIELD_NAME_BYTES):
+            raise ValueError(f"data_dims keys should be field names of 1 to "
+                             f"{_FIELD_NAME_BYTES} ASCII letters, digits and '_', not starting "
+                             f"with a digit, but got {name!r}")
+    dims = {n: _check_dims(d, f"data_dims[{n!r}]", scalar=True) for n, d in data_dims.items()}
+    if isinstance(dtype, Mapping):
+        if list(dtype) != list(dims):
+            missing = [n for n in dims if n not in dtype]
+            extra = [n for n in dtype if n not in dims]
+            why = (f"missing {missing}" if missing else "") + \
+                (", " if missing and extra else "") + (f"unknown {extra}" if extra else "")
+            raise ValueError(f"dtype should be a torch dtype, or a dict with the keys of "
+                             f"data_dims in its order {list(dims)}, but got dtype with keys "
+                             f"{list(dtype)}" + (f" ({why})" if why else ""))
+        dtypes = {n: _check_dtype(dtype[n], f"dtype[{n!r}]") for n in dims}
+    else:
+        one = _check_dtype(dtype)
+        dtypes = {n: one for n in dims}
+    fields, end, align = [], 0, 1
+    for n, d in dims.items():
+        size = dtypes[n].itemsize
+        offset = -(-end // size) * size
+        fields.append(_Field(n, d, dtypes[n], offset, math.prod(d) * size))
+        end, align = offset + fields[-1].nbytes, max(align, size)
+    return tuple(fields), -(-end // align) * align
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``out`` (or a field of it, ``what``) of ``get_batch`` if it can take a batch of
+    ``shape`` and ``dtype``, or raise naming it."""
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.layout != torch.strided:
+        got = f"dtype {out.dtype}, layout {out.layout}" if isinstance(out, torch.Tensor) \
+            else f"type {type(out).__name__}"
+        raise TypeError(f"{what} should be a dense tensor of dtype {dtype} (the cache's), but "
+                        f"got {what} of {got}")
+    if tuple(out.shape) != shape or out.device.type != "cpu" or not out.is_contiguous() or \
+            out.requires_grad:
+        raise ValueError(
+            f"{what} should be a contiguous CPU tensor of shape {shape} (len(indices), "
+            f"*data_dims) without requires_grad, but got {what} of shape {tuple(out.shape)} "
+            f"on {out.device}, contiguous={out.is_contiguous()}, "
+            f"requires_grad={out.requires_grad}")
+    return out
+
+
+def _torch_of(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A numpy array of the cache's storage as a tensor of ``dtype`` (bfloat16 is stored as
+    uint16)."""
+    t = torch.from_numpy(arr)
+    return t.view(dtype) if dtype is torch.bfloat16 else t
 
 
 def _check_name(param: str, value: Any) -> str:
@@ -550,17 +632,21 @@ class CacheTimeoutError(TimeoutError):
 # flock() held by every process using the segment tells a live segment from a stale one.
 
 _MAGIC = b"STOCACH1"
-_LAYOUT_VERSION = 3
+_LAYOUT_VERSION = 4  # 4: the field table (nfields, and one record per field at _FIELDS_OFF)
 _HEADER_BYTES = 4096
 _HEADER_FIELDS = (
     "version", "total_bytes", "dataset_len", "slots", "dtype_code", "ndim",
     *(f"dim{i}" for i in range(_MAX_DIMS)),
     "num_nodes", "node_rank", "layout_seed", "creator_pid", "creator_start", "uid",
     "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
-    "attached", "ready", "staging", "stage_off",
+    "attached", "ready", "staging", "stage_off", "nfields",
 )
 _HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
 _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
+# The field table of a cache of several fields per sample, in the header after the fields
+# above: per field, its name, dtype code, ndim, byte offset in the slot and dims.
+_FIELDS_OFF = 1024
+_FIELD_RECORD = struct.Struct(f"<{_FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
 _STATS_ROWS = 1024
 _STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
 _PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES = range(8)
@@ -733,7 +819,17 @@ def _read_header(buf: Any) -> dict:
     if magic != _MAGIC:
         raise CacheConfigError("the segment is not a stocaching segment (bad magic)", "magic",
                                _MAGIC, magic)
-    return dict(zip(_HEADER_FIELDS, values))
+    head = dict(zip(_HEADER_FIELDS, values))
+    head["fields"] = tuple(_read_field(buf, k) for k in range(min(head["nfields"], _MAX_FIELDS)))
+    return head
+
+
+def _read_field(buf: Any, k: int) -> tuple:
+    """Record ``k`` of a segment's field table: (name, dims, dtype or its code, offset)."""
+    name, code, ndim, offset, *dims = _FIELD_RECORD.unpack_from(
+        buf, _FIELDS_OFF + k * _FIELD_RECORD.size)
+    return (name.rstrip(b"\0").decode("ascii", "replace"), tuple(dims[:min(ndim, _MAX_DIMS)]),
+            _DTYPE_BY_CODE.get(code, code), offset)
 
 
 def _names(path: str, ino: int, dev: int) -> bool:
@@ -1002,15 +1098,29 @@ class SharedCache:
         PermissionError: a file under the segment's name is not ours or not private.
     """
 
-    def __init__(self, size_limit_gib: float, dataset_len: int, data_dims: Sequence[int],
-                 dtype: torch.dtype = torch.uint8, *, name: str | None = None,
+    def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
+        # A cache of several fields per sample is a _FieldsCache: its own get_slot and
+        # set_slot, so that the single-tensor ones keep their speed (no branch on the hit path).
+        dims = args[2] if len(args) > 2 else kwargs.get("data_dims")
+        if cls is SharedCache and isinstance(dims, Mapping):
+            cls = _FieldsCache
+        return super().__new__(cls)
+
+    def __init__(self, size_limit_gib: float, dataset_len: int,
+                 data_dims: Sequence[int] | Mapping[str, Sequence[int]],
+                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *, name: str | None = None,
                  job_key: str | None = None, world: World | None = None,
                  shm_dir: str | None = None, layout_seed: int = 0,
                  timeout: float = 300.0, staging_slots: int = 0) -> None:
         size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
-        dims = _check_dims(data_dims)
-        dtype = _check_dtype(dtype)
+        if isinstance(data_dims, Mapping):
+            fields, slot_bytes = _check_fields(data_dims, dtype)
+            dims: Any = {f.name: f.dims for f in fields}
+            dtype = {f.name: f.dtype for f in fields}
+        else:
+            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
+            slot_bytes = _slot_bytes(dims, dtype)
         world = World.discover() if world is None else world
         if not isinstance(world, World):
             raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
@@ -1029,7 +1139,6 @@ class SharedCache:
             raise ValueError(f"staging_slots should be 0 for a dataset_len above "
                              f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
                              f"dataset_len={dataset_len}")
-        slot_bytes = _slot_bytes(dims, dtype)
         if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB:
             raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
                              f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
@@ -1043,6 +1152,7 @@ class SharedCache:
         self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
         self._world = world
         self._dims, self._dtype, self._staging = dims, dtype, staging
+        self._fields = fields
         self._name = name
         self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
                                                                     name))
@@ -1058,19 +1168,29 @@ class SharedCache:
 
     def _expected_header(self) -> dict:
         lay = self._layout
+        one = () if self._fields else self._dims  # a fields cache: the field table instead
         h = {"version": _LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
-             "dtype_code": _DTYPES[self._dtype][0], "ndim": len(self._dims),
+             "dtype_code": 0 if self._fields else _DTYPES[self._dtype][0], "ndim": len(one),
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
              "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS,
-             "staging": self._staging}
+             "staging": self._staging, "nfields": len(self._fields)}
         for i in range(_MAX_DIMS):
-            h[f"dim{i}"] = self._dims[i] if i < len(self._dims) else 0
+            h[f"dim{i}"] = one[i] if i < len(one) else 0
         h.update(_segment_offsets(lay, self._slot_bytes, self._staging))
         return h
 
     @property
     def _slot_bytes(self) -> int:
+        if self._fields:
+            return _check_fields(self._dims, self._dtype)[1]
         return _slot_bytes(self._dims, self._dtype)
+
+    def _describe(self) -> str:
+        """The samples, for messages: "(3, 256, 256) uint8", or each field's."""
+        if self._fields:
+            return ", ".join(f"{f.name} {f.dims} {str(f.dtype).replace('torch.', '')}"
+                             for f in self._fields)
+        return f"{tuple(self._dims)} {str(self._dtype).replace('torch.', '')}"
 
     def _create(self) -> None:
         head = self._expected_header()
@@ -1096,10 +1216,9 @@ class SharedCache:
                                            st.st_ino, st.st_dev, os.getpid(), wait)
         lay = self._layout
         logger.info(
-            "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s %s on node %d: "
+            "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s on node %d: "
             "%s in %s, %s free there afterwards", self._name, lay.slots, lay.dataset_len,
-            100.0 * lay.slots / lay.dataset_len, tuple(self._dims),
-            str(self._dtype).replace("torch.", ""), self._world.node_rank,
+            100.0 * lay.slots / lay.dataset_len, self._describe(), self._world.node_rank,
             _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
 
     def _preflight(self, shm_dir: str, total: int) -> None:
@@ -1145,6 +1264,10 @@ class SharedCache:
         head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
                     local_world_size=self._world.local_world_size, attached=1, ready=0)
         _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
+        for k, f in enumerate(self._fields):
+            _FIELD_RECORD.pack_into(mm, _FIELDS_OFF + k * _FIELD_RECORD.size, f.name.encode(),
+                                    _DTYPES[f.dtype][0], len(f.dims), f.offset,
+                                    *f.dims, *[0] * (_MAX_DIMS - len(f.dims)))
         self._map(fd, mm, head)
         lay = self._layout
         if self._slot_map is not None or lay.slots < lay.dataset_len:
@@ -1260,13 +1383,32 @@ class SharedCache:
 
     def _check_header(self, head: dict, size: int) -> None:
         want = self._expected_header()
+        # One of them has fields (and the same layout version): compare those first, in order.
+        if (head["nfields"] or self._fields) and head["version"] == _LAYOUT_VERSION:
+            theirs = [(n, d, t) for n, d, t, _ in head["fields"]]
+            mine = [(f.name, f.dims, f.dtype) for f in self._fields]
+            if not head["nfields"] or not self._fields or \
+                    [(n, d) for n, d, _ in theirs] != [(n, d) for n, d, _ in mine]:
+                label, exp = "data_dims", self._dims
+                got: Any = {n: d for n, d, _ in theirs} if head["nfields"] else \
+                    tuple(head[f"dim{i}"] for i in range(min(head["ndim"], _MAX_DIMS)))
+            else:
+                label, exp, got = "dtype", self._dtype, {n: t for n, _, t in theirs}
+            if theirs != mine:
+                order = " (the same fields in another order: another layout)" \
+                    if isinstance(got, dict) and got == exp else ""
+                raise CacheConfigError(
+                    f"the cache {self._path} made by local rank 0 has {label}={got}, but this "
+                    f"process asked for {label}={exp}{order}; construct the cache with the same "
+                    "arguments on every local rank", label, exp, got)
         names = {"dataset_len": "dataset_len", "dtype_code": "dtype", "ndim": "data_dims",
                  "slots": "slot count (from size_limit_gib)", "num_nodes": "num_nodes",
                  "staging": "staging_slots",
                  "node_rank": "node_rank", "layout_seed": "layout_seed", "version": "version"}
         found = [(label, want[field], head[field]) for field, label in names.items()]
-        found.append(("data_dims", self._dims,  # after ndim, so a damaged ndim is named first
-                      tuple(head[f"dim{i}"] for i in range(min(head["ndim"], _MAX_DIMS)))))
+        if not self._fields:  # (a fields cache has ndim 0 and its dims in the field table)
+            found.append(("data_dims", self._dims,  # after ndim: a damaged ndim is named first
+                          tuple(head[f"dim{i}"] for i in range(min(head["ndim"], _MAX_DIMS)))))
         for label, exp, got in found:
             if got != exp:
                 if label == "dtype":
@@ -1290,7 +1432,6 @@ class SharedCache:
         self._file_id = (st.st_dev, st.st_ino)
         self._total = head["total_bytes"]
         self._n = lay.dataset_len
-        np_dtype = _DTYPES[self._dtype][1]
         view = memoryview(mm)
         self._aux_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
         self._aux_mv = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
@@ -1307,23 +1448,10 @@ class SharedCache:
             self._slot_map_np = np.frombuffer(mm, dt, lay.dataset_len, head["map_off"])
         else:
             self._slot_map = self._slot_map_np = None
-        def slots_of(buf: mmap.mmap) -> np.ndarray:
-            return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
-                                 head["data_off"]).reshape(n_slots, *self._dims)
-
-        self._np_slots = slots_of(mm)
-        self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
-        # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
-        # tensor may carry a conjugate bit that numpy cannot see)
-        self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
-            else self._dtype
-        self._array = self._to_torch(self._np_slots[:lay.slots])
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
+        self._map_slots(head["data_off"], n_slots)
         self._tlock = threading.Lock()
         self._closed = False
         self._claim_stats_row()
@@ -1331,6 +1459,26 @@ class SharedCache:
         if not _FORK_HOOK_REGISTERED:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _FORK_HOOK_REGISTERED = True
+
+    def _map_slots(self, data_off: int, n_slots: int) -> None:
+        """The views of the slots: ``_np_slots`` (one row per slot, written by ``_write``),
+        ``array`` and the read-only ``_ro_slots``."""
+        np_dtype = _DTYPES[self._dtype][1]
+
+        def slots_of(buf: mmap.mmap) -> np.ndarray:
+            return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
+                                 data_off).reshape(n_slots, *self._dims)
+
+        self._np_slots = slots_of(self._mm)
+        self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
+        # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
+        # tensor may carry a conjugate bit that numpy cannot see)
+        self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
+            else self._dtype
+        self._array = self._to_torch(self._np_slots[:self._layout.slots])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
 
     def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(arr)
@@ -1421,7 +1569,7 @@ class SharedCache:
                 "__setstate__; copy.copy(cache) is the same cache, copy.deepcopy(cache) a "
                 "private copy")
         state = (self._layout, self._world, self._dims, self._dtype, self._name, self._path,
-                 self._staging)
+                 self._staging, self._fields)
         return _rebuild_cache, (DupFd(self._fd), state)
 
     def __copy__(self) -> "SharedCache":
@@ -1461,7 +1609,8 @@ class SharedCache:
 
     @property
     def array(self) -> torch.Tensor:
-        """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory.
+        """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory;
+        with fields, a dict of such tensors, one per field.
 
         .. warning::
             This is a raw view: writing into it bypasses the slot states and the protection of
@@ -1483,14 +1632,19 @@ class SharedCache:
         return self._layout.dataset_len
 
     @property
-    def data_dims(self) -> tuple[int, ...]:
-        """Shape of one sample."""
+    def data_dims(self) -> Any:
+        """Shape of one sample (a tuple); with fields, a dict of the shape of each field."""
         return self._dims
 
     @property
-    def dtype(self) -> torch.dtype:
-        """dtype of the samples."""
+    def dtype(self) -> Any:
+        """dtype of the samples; with fields, a dict of the dtype of each field."""
         return self._dtype
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Names of the fields of a sample, in their order; ``()`` for one tensor a sample."""
+        return tuple(f.name for f in self._fields)
 
     @property
     def world(self) -> World:
@@ -1524,17 +1678,21 @@ class SharedCache:
         the aux state is not changed. Concurrent ``get_slot`` readers of the slots written see
         a miss rather than a half-written sample."""
         self._check_open()
+        slot, first, count = self._raw_slots(slot)
+        with self._writing(first, count):
+            self._array[slot] = value
+
+    def _raw_slots(self, slot: Any) -> tuple[Any, int, int]:
+        """``slot`` of ``cache[slot] = v`` (an int made non-negative, or as it is) and the
+        range of slots it may write."""
         n = len(self)
         if _is_int(slot):
             if not -n <= int(slot) < n:  # as cache[slot] and 0.2.1 do
                 raise IndexError(f"slot should be an int in [-{n}, {n - 1}], "
                                  f"but got slot={int(slot)}")
             slot = int(slot) % n
-            first, count = slot, 1
-        else:
-            first, count = 0, n
-        with self._writing(first, count):
-            self._array[slot] = value
+            return slot, slot, 1
+        return slot, 0, n
 
     def _oob_error(self, idx: int) -> IndexError:
         return IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
@@ -1637,8 +1795,7 @@ class SharedCache:
         self._ctr[_MISSES] += 1
         return None
 
-    def get_batch(self, indices: Any, *, out: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
         """The cached samples of several dataset indices, gathered into one batch tensor, and
         which of them were cached: what ``get_slot`` gives for each index, in one call.
 
@@ -1657,14 +1814,14 @@ class SharedCache:
                 DataLoader's batch sampler gives ``__getitems__``, a tuple, a range) or a 1-D
                 integer numpy array or tensor. Repeats are allowed.
             out: where to gather: a contiguous CPU tensor of shape ``(len(indices),
-                *data_dims)`` and the cache's dtype, returned as the batch. Default: a new
-                tensor.
+                *data_dims)`` and the cache's dtype, returned as the batch (with fields: a dict
+                of such tensors, one per field). Default: new tensors.
 
         Returns:
             ``(batch, hit)``: ``batch`` of shape ``(len(indices), *data_dims)`` and the
             cache's dtype, whose row ``k`` is the cached sample of ``indices[k]`` where
-            ``hit[k]`` and zeros elsewhere; ``hit``, a bool tensor of shape
-            ``(len(indices),)``.
+            ``hit[k]`` and zeros elsewhere (with fields: a dict of such batches, one per
+            field); ``hit``, a bool tensor of shape ``(len(indices),)``.
 
         Raises:
             TypeError: ``indices`` is not a sequence or 1-D array of integers (bool and float
@@ -1675,10 +1832,7 @@ class SharedCache:
         """
         self._check_open()
         idx = self._batch_indices(indices)
-        shape = (len(idx), *self._dims)
-        batch = torch.empty(shape, dtype=self._dtype) if out is None else \
-            self._check_out(out, shape)
-        dst = (batch if self._view_as is None else batch.view(torch.uint16)).numpy()
+        batch, pairs = self._batch_buffers(len(idx), out)
         # The seqlock of _read, for every row at once: sequence numbers (even), then the
         # states, then the copy, then the sequence numbers again, unchanged.
         aux = self._aux_np[idx]
@@ -1689,7 +1843,8 @@ class SharedCache:
             slots = np.where(cand, slots, 0)  # a miss copies slot 0, then is zeroed
             seq = self._seq_np[slots]
             hit = cand & (seq & 1 == 0) & (self._aux_np[idx] == SET)
-            np.take(self._np_slots, slots, axis=0, out=dst, mode="clip")  # in range anyway
+            for src, dst in pairs:  # (mode="clip" does not buffer; they are in range)
+                np.take(src, slots, axis=0, out=dst, mode="clip")
             hit &= self._seq_np[slots] == seq
         hits = int(np.count_nonzero(hit))  # the rows after this count themselves
         if hits < len(idx):
@@ -1702,9 +1857,10 @@ class SharedCache:
                 else:
                     continue
                 if row is not None:  # (counted as a hit by _read or _take_staged)
-                    batch[k] = row
+                    self._put_row(batch, k, row)
                     hit[k] = True
-            dst[~hit] = 0
+            for _, dst in pairs:
+                dst[~hit] = 0
             miss = ~hit
             self._ctr[_MISSES] += int(np.count_nonzero(miss))
             self._ctr[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
@@ -1744,35 +1900,35 @@ class SharedCache:
                              f"got indices[{k}]={int(idx[k])}")
         return idx
 
-    def _check_out(self, out: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        """``out`` of ``get_batch`` if it can take the batch, or raise naming it."""
-        if not isinstance(out, torch.Tensor) or out.dtype != self._dtype or \
-                out.layout != torch.strided:
-            what = f"dtype {out.dtype}, layout {out.layout}" if isinstance(
-                out, torch.Tensor) else f"type {type(out).__name__}"
-            raise TypeError(f"out should be a dense tensor of dtype {self._dtype} (the "
-                            f"cache's), but got out of {what}")
-        if tuple(out.shape) != shape or out.device.type != "cpu" or \
-                not out.is_contiguous() or out.requires_grad:
-            raise ValueError(
-                f"out should be a contiguous CPU tensor of shape {shape} (len(indices), "
-                f"*data_dims) without requires_grad, but got out of shape {tuple(out.shape)} "
-                f"on {out.device}, contiguous={out.is_contiguous()}, "
-                f"requires_grad={out.requires_grad}")
-        return out
+    def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
+        """The batch that ``get_batch`` returns (``out``, checked, or new) and the pairs
+        (rows of every slot, numpy view of the batch) that it gathers from and into."""
+        shape = (k, *self._dims)
+        batch = torch.empty(shape, dtype=self._dtype) if out is None else \
+            _check_out(out, shape, self._dtype, "out")
+        dst = (batch if self._view_as is None else batch.view(torch.uint16)).numpy()
+        return batch, [(self._np_slots, dst)]
+
+    def _put_row(self, batch: Any, k: int, row: Any) -> None:
+        batch[k] = row
 
     def _check_value(self, value: Any) -> torch.Tensor:
         """Raise unless ``value`` may be stored; return it as a tensor (a numpy array wrapped,
-        not copied). Nothing is stored and nothing of the cache changes.
+        not copied). Nothing is stored and nothing of the cache changes. See ``_checked``."""
+        return self._checked(value, self._dims, self._dtype, "value", "data_dims")
+
+    def _checked(self, value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
+                 where: str) -> torch.Tensor:
+        """``value`` (called ``what`` in messages) checked against ``dims`` (``where``) and
+        ``dst``, as a tensor; raise if it cannot be stored.
 
         Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
         without loss (uint8 into float32), is a float or complex rounded into a narrower one
         (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
         uint8). Tensors on other devices are accepted (and copied when stored)."""
-        dst = self._dtype
         if isinstance(value, np.ndarray):
             if value.dtype == np.uint16 and dst is torch.bfloat16:
-                raise TypeError("value should be a torch.bfloat16 tensor or float values, but "
+                raise TypeError(f"{what} should be a torch.bfloat16 tensor or float values, but "
                                 "got a numpy uint16 array, which would be taken as numbers, not "
                                 "as bfloat16 bits (numpy has no bfloat16; pass "
                                 "torch.from_numpy(a).view(torch.bfloat16) for bits)")
@@ -1781,24 +1937,24 @@ class SharedCache:
                     value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
                 value = torch.from_numpy(value)
             except TypeError:
-                raise TypeError(f"value should be a tensor of dtype {dst}, but got a "
+                raise TypeError(f"{what} should be a tensor of dtype {dst}, but got a "
                                 f"numpy array of dtype {value.dtype}") from None
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"value should be a torch.Tensor of shape {self._dims} and dtype "
-                            f"{dst}, but got value of type {type(value).__name__}")
-        if tuple(value.shape) != self._dims:
-            extra = value.ndim - len(self._dims)
-            if extra <= 0 or tuple(value.shape[extra:]) != self._dims or \
+            raise TypeError(f"{what} should be a torch.Tensor of shape {dims} and dtype "
+                            f"{dst}, but got {what} of type {type(value).__name__}")
+        if tuple(value.shape) != dims:
+            extra = value.ndim - len(dims)
+            if extra <= 0 or tuple(value.shape[extra:]) != dims or \
                     any(d != 1 for d in value.shape[:extra]):
-                raise ValueError(f"value should have shape {self._dims} (the cache's data_dims; "
+                raise ValueError(f"{what} should have shape {dims} (the cache's {where}; "
                                  f"extra leading dimensions of size 1 are dropped, as 0.2.1 "
-                                 f"did), but got value.shape={tuple(value.shape)}")
-            value = value.reshape(self._dims)  # (1, C, H, W) from a loader's unsqueeze(0)
+                                 f"did), but got {what}.shape={tuple(value.shape)}")
+            value = value.reshape(dims)  # (1, C, H, W) from a loader's unsqueeze(0)
         src = value.dtype
         if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
-            raise TypeError(f"value should be a dense tensor with data and a dtype the cache "
+            raise TypeError(f"{what} should be a dense tensor with data and a dtype the cache "
                             f"can store ({dst} or one that casts to it), but got "
-                            f"value.dtype={src}, layout={value.layout}, device={value.device}")
+                            f"{what}.dtype={src}, layout={value.layout}, device={value.device}")
         if src == dst or dst in _LOSSLESS.get(src, ()):
             return value
         if (src.is_floating_point or src.is_complex) and \
@@ -1812,17 +1968,17 @@ class SharedCache:
         if src.is_complex and not dst.is_complex:
             if cpu.imag.count_nonzero():
                 raise ValueError(
-                    f"value should have dtype {dst}, or values that it holds exactly, but "
-                    f"got value.dtype={src} with imaginary parts that are not 0")
+                    f"{what} should have dtype {dst}, or values that it holds exactly, but "
+                    f"got {what}.dtype={src} with imaginary parts that are not 0")
             if dst.is_floating_point:
                 return value
             cpu = cpu.real
         bad = self._first_changed(cpu, dst)
         if bad is not None:
             raise ValueError(
-                f"value should have dtype {dst}, or values that it holds exactly, but "
-                f"got value.dtype={src} with values that change in {dst}, e.g. "
-                f"value[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
+                f"{what} should have dtype {dst}, or values that it holds exactly, but "
+                f"got {what}.dtype={src} with values that change in {dst}, e.g. "
+                f"{what}[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
         return value
 
     @staticmethod
@@ -1843,15 +1999,17 @@ class SharedCache:
         return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]),
                                                       tuple(value.shape)))
 
-    def _slot_array(self, value: torch.Tensor) -> np.ndarray:
+    def _slot_array(self, value: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
         """A value that passed ``_check_value`` as the array to copy into a slot: on the CPU,
-        in the cache's dtype (the rounding or exact cast that the check allowed)."""
+        in the cache's dtype (or ``dtype``: the rounding or exact cast that the check
+        allowed)."""
+        dtype = self._dtype if dtype is None else dtype
         value = value.detach().to("cpu").resolve_conj().resolve_neg()
-        if value.is_complex() and not self._dtype.is_complex:
+        if value.is_complex() and not dtype.is_complex:
             value = value.real  # its imaginary parts were checked to be 0
-        if value.dtype != self._dtype:
-            value = value.to(self._dtype)
-        if self._view_as is not None:
+        if value.dtype != dtype:
+            value = value.to(dtype)
+        if dtype is torch.bfloat16:
             value = value.view(torch.uint16)
         return value.numpy()
 
@@ -2022,7 +2180,7 @@ class SharedCache:
         seq = self._seq_mv[slot]
         if seq & 1:
             return None
-        out = torch.from_numpy(self._np_slots[slot].copy())
+        row = self._np_slots[slot].copy()
         if self._seq_mv[slot] != seq or not _staged_entries(table[k:k + 1], idx).size:
             return None
         with self._locked(_STAGE_LOCK):
@@ -2030,6 +2188,11 @@ class SharedCache:
                 table[k] = -1
         self._ctr[_HITS] += 1
         self._ctr[_STAGED_HITS] += 1
+        return self._from_row(row)
+
+    def _from_row(self, row: np.ndarray) -> Any:
+        """The sample in a copy of a slot's row (a tensor; a dict of them with fields)."""
+        out = torch.from_numpy(row)
         return out if self._view_as is None else out.view(self._view_as)
 
     def unstage(self, idx: int, *, tag: int | None = None) -> bool:
@@ -2153,6 +2316,141 @@ class SharedCache:
                 f"data_dims={self._dims}, dtype={self._dtype}, {state}, "
                 f"node={self._world.node_rank})")
 
+class _FieldsCache(SharedCache):
+    """A SharedCache of several fields per sample (``data_dims`` a dict): ``SharedCache(...)``
+    makes one. A slot holds the fields packed one after the other (``_Field.offset``), and is
+    read and written whole under the slot's sequence number and lock, as a single tensor is;
+    ``get_slot`` returns a dict of tensors and ``set_slot`` takes one. The single-tensor class
+    keeps its own hit path, untouched by this one."""
+
+    def _map_slots(self, data_off: int, n_slots: int) -> None:
+        self._row_bytes = row_bytes = _check_fields(self._dims, self._dtype)[1]
+
+        def rows_of(buf: mmap.mmap) -> np.ndarray:
+            return np.frombuffer(buf, np.uint8, n_slots * row_bytes, data_off).reshape(
+                n_slots, row_bytes)
+
+        def fields_of(rows: np.ndarray) -> dict[str, np.ndarray]:  # views, never copies
+            return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(
+                _DTYPES[f.dtype][1]).reshape(n_slots, *f.dims) for f in self._fields}
+
+        self._np_slots = rows_of(self._mm)  # what _write, clear() and deepcopy copy
+        self._view_as = self._fast_dtype = None
+        self._field_np = fields_of(self._np_slots)
+        self._array = {f.name: _torch_of(self._field_np[f.name][:self._layout.slots], f.dtype)
+                       for f in self._fields}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            ro = fields_of(rows_of(self._ro_mm))
+            self._ro_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
+
+    def _unmap(self) -> None:
+        self._field_np = self._ro_fields = _CLOSED  # type: ignore
+        super()._unmap()
+
+    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
+                 copy: bool = True) -> dict[str, torch.Tensor] | None:
+        """The cached sample of dataset index ``idx`` as a dict ``{field: tensor}``, or None
+        if it is not cached; otherwise as ``SharedCache.get_slot``."""
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        elif self._staging and self._aux_mv[idx] == OOB:
+            out = self._take_staged(idx)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read(self, idx: int, copy: bool) -> Any:
+        """The seqlock read of ``SharedCache._read``, of the whole slot."""
+        slot = idx if self._slot_map is None else self._slot_map[idx]
+        seq = self._seq_mv[slot]
+        if seq & 1 or self._aux_mv[idx] != SET:
+            return None
+        out = self._np_slots[slot].copy() if copy else \
+            {n: t[slot] for n, t in self._ro_fields.items()}
+        if self._seq_mv[slot] != seq:
+            return None
+        self._ctr[_HITS] += 1
+        return self._from_row(out) if copy else out
+
+    def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
+        """The fields in a copy of a slot's bytes: tensors that share that one copy."""
+        return {f.name: _torch_of(row[f.offset: f.offset + f.nbytes].view(
+            _DTYPES[f.dtype][1]).reshape(f.dims), f.dtype) for f in self._fields}
+
+    def _check_value(self, value: Any) -> dict[str, torch.Tensor]:
+        """Raise unless ``value`` is a dict of exactly the cache's fields, each of which
+        ``SharedCache._checked`` accepts (a number is taken for a field of shape ``()``);
+        return the checked tensors. Nothing is stored."""
+        names = list(self._dims)
+        if not isinstance(value, Mapping):
+            raise TypeError(f"value should be a dict with the fields {names} (the keys of "
+                            f"data_dims), but got value of type {type(value).__name__}")
+        missing = [n for n in names if n not in value]
+        extra = [k for k in value if k not in self._dims]
+        if missing or extra:
+            why = ", ".join(([f"missing {missing}"] if missing else []) +
+                            ([f"unknown {extra}"] if extra else []))
+            raise ValueError(f"value should be a dict with the fields {names} (the keys of "
+                             f"data_dims), but got value with keys {list(value)} ({why})")
+        out = {}
+        for f in self._fields:
+            v = value[f.name]
+            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
+                v = torch.tensor(v)  # a label as a number (bool too)
+            out[f.name] = self._checked(v, f.dims, f.dtype, f"value[{f.name!r}]",
+                                        f"data_dims[{f.name!r}]")
+        return out
+
+    def _source_array(self, value: Any) -> np.ndarray:
+        """The bytes of a slot: every field of ``value``, checked, packed at its offset."""
+        checked = self._check_value(value)
+        row = np.zeros(self._row_bytes, np.uint8)  # the padding is 0 too
+        for f in self._fields:
+            a = np.ascontiguousarray(self._slot_array(checked[f.name], f.dtype))
+            row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
+        return row
+
+    def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
+        names = list(self._dims)
+        if out is not None and (not isinstance(out, Mapping) or sorted(out) != sorted(names)):
+            got = f"keys {list(out)}" if isinstance(out, Mapping) else \
+                f"type {type(out).__name__}"
+            raise TypeError(f"out should be a dict of tensors with the fields {names}, but "
+                            f"got out of {got}")
+        batch = {f.name: torch.empty((k, *f.dims), dtype=f.dtype) if out is None else
+                 _check_out(out[f.name], (k, *f.dims), f.dtype, f"out[{f.name!r}]")
+                 for f in self._fields}
+        views = {n: b.view(torch.uint16) if b.dtype is torch.bfloat16 else b
+                 for n, b in batch.items()}
+        return batch, [(self._field_np[n], views[n].numpy()) for n in names]
+
+    def _put_row(self, batch: Any, k: int, row: Any) -> None:
+        for n, t in row.items():
+            batch[n][k] = t
+
+    def __getitem__(self, slot: Any) -> dict[str, torch.Tensor]:
+        """Raw slot access: ``cache[s]`` is a dict of views of slot ``s``'s fields."""
+        return {n: t[slot] for n, t in self._array.items()}
+
+    def __setitem__(self, slot: Any, value: Any) -> None:
+        """Raw slot write of a dict of every field, with torch's assignment rules per field
+        (as ``SharedCache.__setitem__``)."""
+        self._check_open()
+        if not isinstance(value, Mapping) or sorted(value) != sorted(self._dims):
+            raise TypeError(f"value should be a dict with the fields {list(self._dims)}, but "
+                            f"got {value!r}"[:300])
+        slot, first, count = self._raw_slots(slot)
+        with self._writing(first, count):
+            for n, t in self._array.items():
+                t[slot] = value[n]
+
 
 def _a_local_rank_may_come() -> bool:
     """True while another local rank may still attach: a sibling process is alive (same
@@ -2238,11 +2536,12 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
 
 def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
     """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
-    layout, world, dims, dtype, name, path, staging = state
+    layout, world, dims, dtype, name, path, staging, fields = state
     fd = dupfd.detach()
-    cache = SharedCache.__new__(SharedCache)
+    cls = _FieldsCache if fields else SharedCache
+    cache = cls.__new__(cls)
     cache._layout, cache._world, cache._dims, cache._dtype = layout, world, dims, dtype
-    cache._staging = staging
+    cache._staging, cache._fields = staging, fields
     cache._name, cache._path, cache._fd = name, path, fd
     cache._finalizer = None
     try:
@@ -2259,10 +2558,12 @@ def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
 # ----------------------------------------------------------------------------------------------
 
 
-def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.uint8,
+def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]],
+         dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8,
          size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
          staging_slots: int = 0) -> dict:
     """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
+    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample).
 
     Args:
         staging_slots: staging slots for a prefetcher (see ``SharedCache``), paid first.
@@ -2274,10 +2575,11 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
         ``ram_available_gib``.
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
-    dims = _check_dims(data_dims)
-    dtype = _check_dtype(dtype)
+    if isinstance(data_dims, Mapping):
+        slot_bytes = _check_fields(data_dims, dtype)[1]
+    else:
+        slot_bytes = _slot_bytes(_check_dims(data_dims), _check_dtype(dtype))
     staging = check_int("staging_slots", staging_slots, low=0)
-    slot_bytes = _slot_bytes(dims, dtype)
     free = _free_bytes(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
@@ -2304,9 +2606,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("info", help="/dev/shm, RAM and live caches (the default)")
     p = sub.add_parser("plan", help="how many samples of a shape fit")
     p.add_argument("--dataset-len", type=int, required=True, help="samples in the dataset")
-    p.add_argument("--dims", required=True, help="sample shape, e.g. 3,256,256 or 3x256x256")
+    p.add_argument("--dims", help="sample shape, e.g. 3,256,256 or 3x256x256")
     p.add_argument("--dtype", default="uint8",
                    help="sample dtype, e.g. uint8 or torch.float16 (default: uint8)")
+    p.add_argument("--field", action="append", default=[], metavar="NAME=DIMS[:DTYPE]",
+                   help="instead of --dims, one field of a sample, e.g. --field image=3x256x256 "
+                        "--field label=:int64 (empty dims: a scalar; DTYPE default: --dtype)")
     p.add_argument("--size-gib", type=float, default=None,
                    help="budget in GiB, as size_limit_gib (default: what --shm-dir has free)")
     p.add_argument("--staging-slots", type=int, default=0,
@@ -2319,23 +2624,47 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"but got --shm-dir={args.shm_dir}")
     out = sys.stdout.write
     if args.cmd == "plan":
-        dtype = getattr(torch, args.dtype.removeprefix("torch."), args.dtype)
-        try:
-            dims = tuple(int(d) for d in args.dims.replace("x", ",").split(","))
-        except ValueError:
-            parser.error(f"--dims should be ints separated by ',' or 'x', e.g. 3,256,256, but "
-                         f"got --dims={args.dims}")
+        def dtype_of(name: str) -> Any:
+            return getattr(torch, name.removeprefix("torch."), name)
+
+        def dims_of(text: str, flag: str) -> tuple[int, ...]:
+            try:
+                return tuple(int(d) for d in text.replace("x", ",").split(",") if d != "")
+            except ValueError:
+                parser.error(f"{flag} should be ints separated by ',' or 'x', e.g. 3,256,256, "
+                             f"but got {flag}={text}")
+
+        dtype: Any = dtype_of(args.dtype)
+        if (args.dims is None) == (not args.field):
+            parser.error("give either --dims (one tensor a sample) or --field (once per field)"
+                         f", but got --dims={args.dims} and --field={args.field}")
+        if args.field:
+            dims: Any = {}
+            dtype = {}
+            for spec in args.field:
+                name, eq, rest = spec.partition("=")
+                if not eq:
+                    parser.error(f"--field should be NAME=DIMS[:DTYPE], e.g. image=3x256x256 "
+                                 f"or label=:int64, but got --field={spec}")
+                shape, _, dt = rest.partition(":")
+                dims[name] = dims_of(shape, "--field")
+                dtype[name] = dtype_of(dt) if dt else dtype_of(args.dtype)
+        else:
+            dims = dims_of(args.dims, "--dims")
         try:
             r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir,
                      staging_slots=args.staging_slots)
         except (TypeError, ValueError) as e:
-            msg = str(e)
-            for param, flag in (("dataset_len", "--dataset-len"), ("data_dims", "--dims"),
+            msg = re.sub(r"\bdata_dims\['(\w+)'\]", r"--field \1", str(e))
+            msg = re.sub(r"\bdtype\['(\w+)'\]", r"the DTYPE of --field \1", msg)
+            for param, flag in (("dataset_len", "--dataset-len"),
+                                ("data_dims", "--field" if args.field else "--dims"),
                                 ("size_limit_gib", "--size-gib"), ("dtype", "--dtype"),
                                 ("staging_slots", "--staging-slots")):
                 msg = re.sub(rf"\b{param}\b", flag, msg)
             parser.error(msg)
-        out(f"{r['slots']} of {args.dataset_len} samples of {dims} {args.dtype} fit in "
+        what = f"{dims} {args.dtype}" if not args.field else " + ".join(args.field)
+        out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
             f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
             f"the whole dataset needs {r['dataset_gib']:.2f} GiB; {args.shm_dir} has "
             f"{r['shm_free_gib']:.2f} GiB free, RAM {r['ram_available_gib']:.2f} GiB "

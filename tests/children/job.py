@@ -52,6 +52,9 @@ ITER_READY = os.environ.get("FT_ITER_READY", "")
 TIMEOUT = float(os.environ.get("FT_TIMEOUT", "60"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 LWS = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+# FT_FIELDS=1: a cache of two fields a sample, {"x": (D,) uint8, "label": () int64}
+# (create, write, writehang, writehang_late, check, fill, batch and exit only).
+FIELDS = os.environ.get("FT_FIELDS", "") == "1"
 # SIGINT and SIGTERM act as in a terminal even when the test runner was started with them
 # ignored (a shell does that to SIGINT of a command run with '&'), a disposition children
 # inherit. At module level, so that spawned DataLoader workers (which import this module) set
@@ -66,7 +69,26 @@ def say(*a):
 
 
 def pattern(i):
+    if FIELDS:
+        return {"x": value_of(i, (D,)), "label": torch.tensor(i * 1000 + 7)}
     return value_of(i, (D,))
+
+
+def same(a, b):
+    """Equal samples: tensors, or dicts of tensors (a cache of fields)."""
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b)
+
+
+def row(batch, i):
+    """Row i of a get_batch result (a dict of batches for a cache of fields)."""
+    return {k: v[i] for k, v in batch.items()} if isinstance(batch, dict) else batch[i]
+
+
+def zero_like(x):
+    return {k: torch.zeros_like(v) for k, v in x.items()} if isinstance(x, dict) else \
+        torch.zeros_like(x)
 
 
 def wait_iter_ready():
@@ -143,7 +165,7 @@ def scan(cache):
         if v is None:
             misses += 1
             missing.append(i)
-        elif torch.equal(v, pattern(i)):
+        elif same(v, pattern(i)):
             hits += 1
         else:
             bad += 1
@@ -229,7 +251,9 @@ def main():
                 arm_attach()
             say("CONSTRUCTING", os.getpid())
             try:
-                cache = SharedCache(1, N, (D,), name="f", timeout=TIMEOUT)
+                dims = {"x": (D,), "label": ()} if FIELDS else (D,)
+                dtype = {"x": torch.uint8, "label": torch.int64} if FIELDS else torch.uint8
+                cache = SharedCache(1, N, dims, dtype, name="f", timeout=TIMEOUT)
             except Exception as e:
                 say("ERROR", type(e).__name__, str(e).replace("\n", " "))
                 sys.exit(3)
@@ -269,8 +293,8 @@ def main():
             say("CHECK", hits, misses, bad, *missing)
         elif cmd == "batch":
             rows, hit = cache.get_batch(range(N))
-            zero = torch.zeros(D, dtype=torch.uint8)  # the row of a miss
-            bad = sum(not torch.equal(rows[i], pattern(i) if hit[i] else zero) for i in range(N))
+            bad = sum(not same(row(rows, i), pattern(i) if hit[i] else zero_like(pattern(i)))
+                      for i in range(N))
             missing = [i for i in range(N) if not hit[i]]
             say("BATCH", N - len(missing), len(missing), bad, *missing)
         elif cmd == "loader":
