@@ -1072,8 +1072,14 @@ class SharedCache:
     Args:
         size_limit_gib: budget in GiB (int or float) for the slots and the aux array.
         dataset_len: number of samples in the full dataset.
-        data_dims: shape of one sample, e.g. ``(3, 256, 256)``.
-        dtype: torch dtype of the samples; any fixed-size dtype. Default: ``torch.uint8``.
+        data_dims: shape of one sample, e.g. ``(3, 256, 256)``; or, for samples of several
+            tensors, a dict of 1 to 16 fields ``{name: shape}`` (``()`` for a scalar), e.g.
+            ``{"image": (3, 256, 256), "label": ()}``: then ``set_slot`` takes a dict with
+            those keys, ``get_slot`` returns one and ``get_batch`` a dict of batches. The
+            fields are packed in one slot in this order, each at a multiple of its itemsize.
+        dtype: torch dtype of the samples; any fixed-size dtype. With fields: one dtype for
+            all of them, or a dict with the keys of ``data_dims``, in its order, e.g.
+            ``{"image": torch.uint8, "label": torch.int64}``. Default: ``torch.uint8``.
         name: name of this cache within the job, to tell several caches apart (e.g.
             ``"train"``, ``"val"``). Default: ``"c<k>"`` for the k-th cache this process makes,
             which matches across ranks that make their caches in the same order.
@@ -1887,7 +1893,12 @@ class SharedCache:
                         raise TypeError(f"indices should be {expect}, but got "
                                         f"indices[{k}]={i!r} (type {type(i).__name__})")
                 indices = [int(i) for i in indices]
-            idx = np.array(indices, dtype=np.int64)
+            try:
+                idx = np.array(indices, dtype=np.int64)
+            except OverflowError:  # an int past int64: out of range whatever the dataset
+                k = next(k for k, i in enumerate(indices) if not -2**63 <= i < 2**63)
+                raise IndexError(f"indices should be dataset indices in [0, {self._n - 1}], "
+                                 f"but got indices[{k}]={indices[k]}") from None
             if idx.ndim != 1:  # an empty nested sequence
                 raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
         else:
@@ -2053,7 +2064,10 @@ class SharedCache:
                 only if every imaginary part is 0); or holds values that the cache's dtype
                 represents exactly (int64 masks of 0..255 into uint8; checked, as 0.2.1 code
                 may rely on it). A value that would change (0.7 or 300 into uint8) is refused
-                with ValueError. Tensors on another device are copied.
+                with ValueError. Tensors on another device are copied. With fields: a dict
+                with exactly the fields as keys (in any order), each value as above for its
+                field's dims and dtype (a number for a field of shape ``()``); a missing or
+                unknown key is a ValueError that names it.
             allow_oob_idx: when False, an index without a slot raises IndexError. Default:
                 True.
             allow_overwrite: when False, writing a slot that is already set to a different

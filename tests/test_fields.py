@@ -4,6 +4,7 @@ dicts; everything else (layout, staging, stats, attach checks, pickling) as for 
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import os
@@ -401,3 +402,74 @@ def test_the_command_line_plans_a_fields_cache(shm_dir, capsys):
     assert "either --dims" in capsys.readouterr().err
     assert math.isclose(plan(N, FIELDS, FIELD_DTYPES, size_limit_gib=gib)["dataset_gib"],
                         N * (ROW + 1) / BYTES_PER_GIB)
+
+
+def test_random_operations_on_a_fields_cache_match_a_model(shm_dir):
+    """A seeded random sequence of writes, overwrites, refused writes (bad dicts, a different
+    value for a set slot), reads, batch reads and clears, against a dict of what each index
+    holds; every read, every refused call and the counters must agree with it."""
+    rng = np.random.default_rng(7)
+    n, slots = 24, 16
+    model: dict[int, dict] = {}
+    want = {"hits": 0, "misses": 0, "oob_misses": 0, "writes": 0}
+    ops = collections.Counter()
+
+    def read(i):
+        if i in model:
+            want["hits"] += 1
+            return model[i]
+        want["misses"] += 1
+        want["oob_misses"] += i >= slots
+        return None
+
+    with fields_cache(shm_dir, slots=slots, n=n) as c:
+        for _ in range(1500):
+            op = ["overwrite", "write", "bad", "get", "batch", "batch", "get", "clear"][
+                int(rng.integers(0, 8 if rng.random() < 0.05 else 7))]
+            i = int(rng.integers(0, n))
+            v = fields_of(int(rng.integers(0, 6)))
+            ops[op] += 1
+            if op == "overwrite":
+                c.set_slot(i, v, allow_overwrite=True)
+                if i < slots:
+                    model[i] = v
+                    want["writes"] += 1
+            elif op == "write" and i in model and not same(model[i], v):
+                before = snapshot(c)
+                with pytest.raises(RuntimeError, match="already set to a different value"):
+                    c.set_slot(i, v)
+                assert snapshot(c) == before
+                ops["refused"] += 1
+            elif op == "write":
+                c.set_slot(i, v)
+                if i < slots:
+                    model[i] = v
+                    want["writes"] += 1
+            elif op == "bad":
+                bad = dict(v)
+                k = list(FIELDS)[int(rng.integers(0, 3))]
+                bad[k] = bad[k][..., :1] if bad[k].ndim else torch.zeros(2)
+                if rng.random() < 0.3:
+                    del bad[k]
+                before = snapshot(c)
+                with pytest.raises(ValueError, match=rf"value\['{k}'\]|missing \['{k}'\]"):
+                    c.set_slot(i, bad, allow_overwrite=True)
+                assert snapshot(c) == before
+            elif op == "get":
+                got, exp = c.get_slot(i), read(i)
+                assert (got is None and exp is None) or same(got, exp)
+            elif op == "batch":
+                idx = rng.integers(0, n, int(rng.integers(0, 9))).tolist()
+                batch, hit = c.get_batch(idx)
+                for k, j in enumerate(idx):
+                    exp = read(j)
+                    assert bool(hit[k]) == (exp is not None)
+                    exp = exp if exp is not None else {f: torch.zeros_like(t) for f, t in
+                                                       fields_of(0).items()}
+                    assert same({f: b[k] for f, b in batch.items()}, exp)
+            else:
+                c.clear()
+                model.clear()
+            s = c.stats()
+            assert {k: s[k] for k in want} == want and s["filled"] == len(model)
+    assert min(ops.values()) >= 5, ops  # every kind of step ran (a count, seeded)
