@@ -218,11 +218,11 @@ def _check_positive(name: str, value: Any, unit: str) -> float:
 
 
 def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
-                ) -> tuple[int, ...]:
-    """``data_dims`` (or a field's dims, ``name``) as a tuple of ints; ``()`` only if
-    ``scalar``."""
-    expect = "a tuple of positive ints (() for a scalar)" if scalar else \
-        "a non-empty tuple of positive ints"
+                ) -> tuple[Any, ...]:
+    """``data_dims`` (or a field's dims, ``name``) as a tuple of ints, None for a size left
+    open; ``()`` only if ``scalar``."""
+    expect = ("a tuple of positive ints or None (() for a scalar)" if scalar else
+              "a non-empty tuple of positive ints or None (an open size)")
     if isinstance(data_dims, torch.Size):
         data_dims = tuple(data_dims)
     if not isinstance(data_dims, (tuple, list)) or (len(data_dims) == 0 and not scalar):
@@ -230,10 +230,10 @@ def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
             expect += ", or a dict of fields {name: dims}"
         raise (TypeError if not isinstance(data_dims, (tuple, list)) else ValueError)(
             f"{name} should be {expect}, but got {name}={data_dims!r}")
-    if not all(_is_int(d) for d in data_dims):
+    if not all(_is_int(d) or d is None for d in data_dims):
         raise TypeError(f"{name} should be {expect}, but got {name}={tuple(data_dims)!r}")
-    dims = tuple(int(d) for d in data_dims)
-    if any(d <= 0 for d in dims) or len(dims) > _MAX_DIMS:
+    dims = tuple(None if d is None else int(d) for d in data_dims)
+    if any(d is not None and d <= 0 for d in dims) or len(dims) > _MAX_DIMS:
         raise ValueError(f"{name} should be {expect} (at most {_MAX_DIMS} of them), "
                          f"but got {name}={dims!r}")
     return dims
@@ -288,6 +288,17 @@ def _check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[_Field, ...], i
     else:
         one = _check_dtype(dtype)
         dtypes = {n: one for n in dims}
+    return _pack(dims, dtypes)
+
+
+def _pack(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
+          ) -> tuple[tuple[_Field, ...], int]:
+    """Fields of these sizes packed in their order, each at a multiple of its itemsize (as a
+    C struct), and the bytes of the whole (a multiple of the largest itemsize). A field with
+    an open size (None) gets offset and nbytes 0: a cache of open sizes packs each sample as it
+    comes (``_ArenaCache``)."""
+    if any(None in d for d in dims.values()):
+        return tuple(_Field(n, d, dtypes[n], 0, 0) for n, d in dims.items()), 0
     fields, end, align = [], 0, 1
     for n, d in dims.items():
         size = dtypes[n].itemsize
@@ -640,6 +651,7 @@ _HEADER_FIELDS = (
     "num_nodes", "node_rank", "layout_seed", "creator_pid", "creator_start", "uid",
     "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
     "attached", "ready", "staging", "stage_off", "nfields",
+    "arena_bytes", "arena_top", "record_words", "mean_bytes",  # a cache of open sizes
 )
 _HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
 _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
@@ -648,8 +660,8 @@ _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
 _FIELDS_OFF = 1024
 _FIELD_RECORD = struct.Struct(f"<{_FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
 _STATS_ROWS = 1024
-_STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
-_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES = range(8)
+_STATS_COLS = 9  # pid, start, hits, misses, oob misses, writes, staged hits, stages, full
+_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES, _FULL = range(9)
 _LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, then one byte per slot
 _STAGE_LOCK = _LOCK_BASE - 1  # the staging map
 _STAGE_TAG_SHIFT = 40  # a staging map entry: index | tag << 40
@@ -824,11 +836,28 @@ def _read_header(buf: Any) -> dict:
     return head
 
 
+def _head_dims(head: dict) -> tuple[Any, ...]:
+    """The single tensor's dims in a header (None for an open size)."""
+    return tuple(None if head[f"dim{i}"] < 0 else head[f"dim{i}"]
+                 for i in range(min(head["ndim"], _MAX_DIMS)))
+
+
+def _has_open_size(dims: Any) -> bool:
+    """True when ``data_dims`` (a tuple, or a dict of them) leaves a size open (None)."""
+    try:
+        if isinstance(dims, Mapping):
+            return any(d is None for v in dims.values() for d in v)
+        return any(d is None for d in dims)
+    except TypeError:  # not iterable: the checks say what is wrong with it
+        return False
+
+
 def _read_field(buf: Any, k: int) -> tuple:
     """Record ``k`` of a segment's field table: (name, dims, dtype or its code, offset)."""
     name, code, ndim, offset, *dims = _FIELD_RECORD.unpack_from(
         buf, _FIELDS_OFF + k * _FIELD_RECORD.size)
-    return (name.rstrip(b"\0").decode("ascii", "replace"), tuple(dims[:min(ndim, _MAX_DIMS)]),
+    return (name.rstrip(b"\0").decode("ascii", "replace"),
+            tuple(None if d < 0 else d for d in dims[:min(ndim, _MAX_DIMS)]),
             _DTYPE_BY_CODE.get(code, code), offset)
 
 
@@ -1077,6 +1106,9 @@ class SharedCache:
             ``{"image": (3, 256, 256), "label": ()}``: then ``set_slot`` takes a dict with
             those keys, ``get_slot`` returns one and ``get_batch`` a dict of batches. The
             fields are packed in one slot in this order, each at a multiple of its itemsize.
+            A None leaves a size open (``(None, 3)``, ``(3, None, None)``, for one tensor or a
+            field): samples of any size in that dimension are stored at their own size in an
+            arena (see "Open sizes" below).
         dtype: torch dtype of the samples; any fixed-size dtype. With fields: one dtype for
             all of them, or a dict with the keys of ``data_dims``, in its order, e.g.
             ``{"image": torch.uint8, "label": torch.int64}``. Default: ``torch.uint8``.
@@ -1095,7 +1127,21 @@ class SharedCache:
             for them. Default: 300.
         staging_slots: extra slots where a prefetcher holds samples of indices without a slot
             until they are read once (see ``stage`` and ``stocaching.prefetch``); they are
-            paid from ``size_limit_gib`` first. Default: 0.
+            paid from ``size_limit_gib`` first. Not with open sizes. Default: 0.
+        mean_sample_bytes: with open sizes and several nodes, the expected bytes of a sample:
+            each node's candidate set (its ``CacheLayout`` subset) is then as many indices as
+            its arena holds of such samples, if that is more than an even share of the
+            dataset. Default: None (an even share: the nodes' subsets are disjoint).
+
+    Open sizes: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
+    number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
+    size (16-byte aligned), while the arena has room; a ``set_slot`` that does not fit stores
+    nothing, counts in ``stats()["full"]``, and the index stays a miss. An overwrite keeps
+    the sample's place if it fits there, else takes new room (the old place is lost until
+    ``clear()``, which gives back the whole arena) or, without room, empties the index.
+    ``len(cache)`` is the number of indices this node may admit (every index with one node),
+    ``stats()["filled"]`` how many are stored, ``stats()["arena_used"]`` the bytes handed out.
+    ``get_batch``, staging and raw slot access (``array``, ``cache[s]``) are not available.
 
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
@@ -1107,17 +1153,22 @@ class SharedCache:
     def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
         # A cache of several fields per sample is a _FieldsCache: its own get_slot and
         # set_slot, so that the single-tensor ones keep their speed (no branch on the hit path).
+        # A cache with open sizes (None in data_dims) is an _ArenaCache.
         dims = args[2] if len(args) > 2 else kwargs.get("data_dims")
-        if cls is SharedCache and isinstance(dims, Mapping):
-            cls = _FieldsCache
+        if cls is SharedCache:
+            if _has_open_size(dims):
+                cls = _ArenaCache
+            elif isinstance(dims, Mapping):
+                cls = _FieldsCache
         return super().__new__(cls)
 
     def __init__(self, size_limit_gib: float, dataset_len: int,
-                 data_dims: Sequence[int] | Mapping[str, Sequence[int]],
-                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *, name: str | None = None,
-                 job_key: str | None = None, world: World | None = None,
-                 shm_dir: str | None = None, layout_seed: int = 0,
-                 timeout: float = 300.0, staging_slots: int = 0) -> None:
+                 data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
+                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
+                 name: str | None = None, job_key: str | None = None,
+                 world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
+                 timeout: float = 300.0, staging_slots: int = 0,
+                 mean_sample_bytes: int | None = None) -> None:
         size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         if isinstance(data_dims, Mapping):
@@ -1126,7 +1177,17 @@ class SharedCache:
             dtype = {f.name: f.dtype for f in fields}
         else:
             dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
-            slot_bytes = _slot_bytes(dims, dtype)
+            slot_bytes = 0 if None in dims else _slot_bytes(dims, dtype)
+        variable = _has_open_size(dims)
+        if variable != isinstance(self, _ArenaCache):  # SharedCache.__new__ chose the class
+            raise TypeError(f"construct the cache as SharedCache(...), not as "
+                            f"{type(self).__name__}(...)")
+        if mean_sample_bytes is not None:
+            mean_sample_bytes = check_int("mean_sample_bytes", mean_sample_bytes, low=1)
+            if not variable:
+                raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
+                                 f"data_dims), but got mean_sample_bytes={mean_sample_bytes} "
+                                 f"with data_dims={dims}")
         world = World.discover() if world is None else world
         if not isinstance(world, World):
             raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
@@ -1141,6 +1202,10 @@ class SharedCache:
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
 
         staging = check_int("staging_slots", staging_slots, low=0)
+        if staging and variable:
+            raise ValueError(f"staging_slots should be 0 for a cache with open sizes (None in "
+                             f"data_dims={dims}): not supported yet, but got "
+                             f"staging_slots={staging}")
         if staging and dataset_len > _STAGE_INDEX_MASK:
             raise ValueError(f"staging_slots should be 0 for a dataset_len above "
                              f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
@@ -1149,7 +1214,11 @@ class SharedCache:
             raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
                              f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
                              f"staging_slots={staging}")
-        slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
+        if variable:
+            slots = self._size_arena(size_limit_gib, dataset_len, world.num_nodes,
+                                     mean_sample_bytes)
+        else:
+            slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
         if slots == 0:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
                           f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
@@ -1179,9 +1248,10 @@ class SharedCache:
              "dtype_code": 0 if self._fields else _DTYPES[self._dtype][0], "ndim": len(one),
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
              "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS,
-             "staging": self._staging, "nfields": len(self._fields)}
+             "staging": self._staging, "nfields": len(self._fields), "arena_bytes": 0,
+             "arena_top": 0, "record_words": 0, "mean_bytes": 0}
         for i in range(_MAX_DIMS):
-            h[f"dim{i}"] = one[i] if i < len(one) else 0
+            h[f"dim{i}"] = (-1 if one[i] is None else one[i]) if i < len(one) else 0
         h.update(_segment_offsets(lay, self._slot_bytes, self._staging))
         return h
 
@@ -1273,7 +1343,8 @@ class SharedCache:
         for k, f in enumerate(self._fields):
             _FIELD_RECORD.pack_into(mm, _FIELDS_OFF + k * _FIELD_RECORD.size, f.name.encode(),
                                     _DTYPES[f.dtype][0], len(f.dims), f.offset,
-                                    *f.dims, *[0] * (_MAX_DIMS - len(f.dims)))
+                                    *(-1 if d is None else d for d in f.dims),
+                                    *[0] * (_MAX_DIMS - len(f.dims)))
         self._map(fd, mm, head)
         lay = self._layout
         if self._slot_map is not None or lay.slots < lay.dataset_len:
@@ -1397,7 +1468,7 @@ class SharedCache:
                     [(n, d) for n, d, _ in theirs] != [(n, d) for n, d, _ in mine]:
                 label, exp = "data_dims", self._dims
                 got: Any = {n: d for n, d, _ in theirs} if head["nfields"] else \
-                    tuple(head[f"dim{i}"] for i in range(min(head["ndim"], _MAX_DIMS)))
+                    _head_dims(head)
             else:
                 label, exp, got = "dtype", self._dtype, {n: t for n, _, t in theirs}
             if theirs != mine:
@@ -1414,7 +1485,7 @@ class SharedCache:
         found = [(label, want[field], head[field]) for field, label in names.items()]
         if not self._fields:  # (a fields cache has ndim 0 and its dims in the field table)
             found.append(("data_dims", self._dims,  # after ndim: a damaged ndim is named first
-                          tuple(head[f"dim{i}"] for i in range(min(head["ndim"], _MAX_DIMS)))))
+                          _head_dims(head)))
         for label, exp, got in found:
             if got != exp:
                 if label == "dtype":
@@ -1559,6 +1630,9 @@ class SharedCache:
     # multiprocessing's resource sharer: a descriptor pinned in this process until it exits,
     # and a pickle that no other process can load. That is refused with a TypeError instead.
 
+    # What a process that receives the cache needs to map it (see _rebuild_cache).
+    _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields")
+
     def __reduce__(self) -> tuple:
         if self._closed:
             raise ValueError("a closed SharedCache cannot be sent to another process")
@@ -1574,9 +1648,8 @@ class SharedCache:
                 "one, leave the cache out in __getstate__ and construct it again in "
                 "__setstate__; copy.copy(cache) is the same cache, copy.deepcopy(cache) a "
                 "private copy")
-        state = (self._layout, self._world, self._dims, self._dtype, self._name, self._path,
-                 self._staging, self._fields)
-        return _rebuild_cache, (DupFd(self._fd), state)
+        state = {k: self.__dict__[k] for k in self._STATE}
+        return _rebuild_cache, (DupFd(self._fd), type(self), state)
 
     def __copy__(self) -> "SharedCache":
         """A shallow copy is the cache itself: a handle on shared memory, like a file."""
@@ -2270,19 +2343,20 @@ class SharedCache:
             those, indices without a slot here), ``writes`` (set_slot calls that stored, or
             found the same value there already),
             ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
+            ``full`` (with open sizes: writes that found no room in the arena),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
             segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
             reads, nan without reads) and ``processes`` (live processes that have used it).
         """
         self._check_open()
-        counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages")
+        counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages", "full")
         if since is not None and (not isinstance(since, Mapping) or
                                   not all(_is_int(since.get(k)) for k in counters)):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
         with self._header_locked():
             rows = self._stats_np.copy()
-        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
+        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_FULL + 1].sum(0))))
         if since is not None:
             counts = {k: v - int(since[k]) for k, v in counts.items()}
         reads = counts["hits"] + counts["misses"]
@@ -2402,6 +2476,18 @@ class _FieldsCache(SharedCache):
         """Raise unless ``value`` is a dict of exactly the cache's fields, each of which
         ``SharedCache._checked`` accepts (a number is taken for a field of shape ``()``);
         return the checked tensors. Nothing is stored."""
+        value = self._check_keys(value)
+        out = {}
+        for f in self._fields:
+            v = value[f.name]
+            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
+                v = torch.tensor(v)  # a label as a number (bool too)
+            out[f.name] = self._checked(v, f.dims, f.dtype, f"value[{f.name!r}]",
+                                        f"data_dims[{f.name!r}]")
+        return out
+
+    def _check_keys(self, value: Any) -> Mapping:
+        """``value`` if it is a dict with exactly the cache's fields as keys, or raise."""
         names = list(self._dims)
         if not isinstance(value, Mapping):
             raise TypeError(f"value should be a dict with the fields {names} (the keys of "
@@ -2413,14 +2499,7 @@ class _FieldsCache(SharedCache):
                             ([f"unknown {extra}"] if extra else []))
             raise ValueError(f"value should be a dict with the fields {names} (the keys of "
                              f"data_dims), but got value with keys {list(value)} ({why})")
-        out = {}
-        for f in self._fields:
-            v = value[f.name]
-            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
-                v = torch.tensor(v)  # a label as a number (bool too)
-            out[f.name] = self._checked(v, f.dims, f.dtype, f"value[{f.name!r}]",
-                                        f"data_dims[{f.name!r}]")
-        return out
+        return value
 
     def _source_array(self, value: Any) -> np.ndarray:
         """The bytes of a slot: every field of ``value``, checked, packed at its offset."""
@@ -2464,6 +2543,365 @@ class _FieldsCache(SharedCache):
         with self._writing(first, count):
             for n, t in self._array.items():
                 t[slot] = value[n]
+
+
+_ARENA_LOCK = _LOCK_BASE - 2  # lockf offset of a cache of open sizes' arena allocator
+_ARENA_ALIGN = 16  # every sample's bytes start at a multiple of this in the arena
+_REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the open sizes
+
+
+def _arena_bytes(size_limit_gib: float, dataset_len: int, record_words: int) -> int:
+    """The arena that ``size_limit_gib`` buys once the aux array (1 byte) and the record
+    (``record_words`` int64) of every index are paid, in whole units of _ARENA_ALIGN."""
+    rest = int(size_limit_gib * BYTES_PER_GIB) - dataset_len * (1 + 8 * record_words)
+    return max(0, rest // _ARENA_ALIGN * _ARENA_ALIGN)
+
+
+def _candidates(dataset_len: int, num_nodes: int, arena: int, mean: int | None) -> int:
+    """How many indices a node of a cache of open sizes may admit (its CacheLayout subset):
+    every index with one node; with several, an even share (the nodes' subsets are then
+    disjoint and cover the dataset), or as many as ``arena`` holds of samples of ``mean`` bytes
+    if that is more (the subsets then overlap, which the sampler can use)."""
+    if num_nodes == 1:
+        return dataset_len
+    share = -(-dataset_len // num_nodes)
+    if mean:
+        share = max(share, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
+    return min(dataset_len, share)
+
+
+class _ArenaCache(SharedCache):
+    """A SharedCache of samples whose sizes vary (None in ``data_dims``): ``SharedCache(...)``
+    makes one.
+
+    There are no slots. After the aux array comes one record per dataset index (int64 words:
+    sequence number, offset in the arena, bytes, bytes reserved, then the open sizes of the
+    sample in the order of the Nones), then the arena: one run of bytes where each admitted
+    sample's fields lie packed (each at a multiple of its itemsize) at its offset, 16-aligned.
+    The arena is handed out from the bottom up (the header's ``arena_top``, under a lock):
+    samples are admitted while there is room; a write that does not fit stores nothing and is
+    counted in ``stats()["full"]``, and the index stays a miss. An overwrite keeps the
+    sample's place when the new value fits in what it reserved, and takes new room otherwise
+    (the old place is lost until ``clear()``, which gives back the whole arena); if there is no
+    room, the index becomes a miss. Readers and writers use the record's sequence number and
+    a per-index lock exactly as slots do, so every guarantee of the fixed-size cache holds."""
+
+    _STATE = SharedCache._STATE + ("_vf", "_arena", "_rec_words", "_mean", "_limit_gib")
+
+    # -- sizing and layout ------------------------------------------------------------------
+
+    def _size_arena(self, size_limit_gib: float, dataset_len: int, num_nodes: int,
+                    mean: int | None) -> int:
+        """Called by __init__: set the arena's size and the record's, return the candidates."""
+        dims, dtype = self._dims_arg, self._dtype_arg
+        self._vf = _pack(dims, dtype)[0] if isinstance(dims, Mapping) else \
+            (_Field("", dims, dtype, 0, 0),)
+        self._rec_words = 4 + sum(d is None for f in self._vf for d in f.dims)
+        self._arena = _arena_bytes(size_limit_gib, dataset_len, self._rec_words)
+        self._mean, self._limit_gib = mean or 0, float(size_limit_gib)
+        if not self._arena:
+            warnings.warn(f"size_limit_gib={size_limit_gib} leaves no room for samples: the "
+                          f"aux array and the records alone need "
+                          f"{_fmt_bytes(dataset_len * (1 + 8 * self._rec_words))}",
+                          RuntimeWarning, stacklevel=3)
+        return _candidates(dataset_len, num_nodes, self._arena, mean)
+
+    def __init__(self, size_limit_gib: float, dataset_len: int, data_dims: Any,
+                 dtype: Any = torch.uint8, **kwargs: Any) -> None:
+        if isinstance(data_dims, Mapping):
+            self._dims_arg = {f.name: f.dims for f in _check_fields(data_dims, dtype)[0]}
+            self._dtype_arg = {f.name: f.dtype for f in _check_fields(data_dims, dtype)[0]}
+        else:
+            self._dims_arg, self._dtype_arg = _check_dims(data_dims), _check_dtype(dtype)
+        super().__init__(size_limit_gib, dataset_len, data_dims, dtype, **kwargs)
+        del self._dims_arg, self._dtype_arg
+
+    @property
+    def _slot_bytes(self) -> int:
+        return 0
+
+    def _expected_header(self) -> dict:
+        h = super()._expected_header()
+        lay = self._layout
+        rec_off = h["aux_off"] + (lay.dataset_len + 7) // 8 * 8
+        data_off = rec_off + lay.dataset_len * self._rec_words * 8
+        data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        h.update(seq_off=rec_off, stage_off=0, map_off=0, data_off=data_off,
+                 total_bytes=data_off + max(1, self._arena), arena_bytes=self._arena,
+                 arena_top=0, record_words=self._rec_words, mean_bytes=self._mean)
+        return h
+
+    def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
+        fit_gib = max(0, free - (total - self._arena)) / BYTES_PER_GIB
+        return CacheCapacityError(
+            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
+            f"(an arena of {_fmt_bytes(self._arena)}). Give it more room (docker run "
+            f"--shm-size, or mount -o remount,size=... {shm_dir}) or pass a smaller "
+            f"size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+
+    def _map_slots(self, data_off: int, n_slots: int) -> None:
+        n, words = self._layout.dataset_len, self._rec_words
+        rec_off = self._header_get("seq_off")
+        self._rec_np = np.frombuffer(self._mm, np.int64, n * words, rec_off).reshape(n, words)
+        self._rec_mv = memoryview(self._mm)[rec_off: rec_off + n * words * 8].cast("q")
+        self._arena_np = np.frombuffer(self._mm, np.uint8, self._arena, data_off)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            self._ro_arena = torch.from_numpy(np.frombuffer(self._ro_mm, np.uint8, self._arena,
+                                                            data_off))
+        self._np_slots = self._array = self._ro_slots = None
+        self._view_as = self._fast_dtype = None
+        self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._vf]
+
+    def _unmap(self) -> None:
+        self._rec_np = self._rec_mv = self._arena_np = self._ro_arena = _CLOSED  # type: ignore
+        super()._unmap()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
+                 copy: bool = True) -> Any:
+        """The cached sample of ``idx`` in its own sizes (a dict with fields), or None; as
+        ``SharedCache.get_slot``."""
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read(self, idx: int, copy: bool) -> Any:
+        """The seqlock read of the record and bytes of ``idx``: a sample, or None."""
+        rec, base = self._rec_mv, idx * self._rec_words
+        seq = rec[base]
+        if seq & 1 or self._aux_mv[idx] != SET:
+            return None
+        off, nbytes = rec[base + _REC_OFF], rec[base + _REC_BYTES]
+        sizes = rec[base + 4: base + self._rec_words].tolist()
+        data = self._arena_np[off: off + nbytes].copy() if copy else \
+            self._ro_arena[off: off + nbytes]
+        if rec[base] != seq:
+            return None
+        self._ctr[_HITS] += 1
+        return self._unpack(data if copy else data.numpy(), sizes, copy)
+
+    def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
+        it = iter(sizes)
+        return [tuple(next(it) if d is None else d for d in f.dims) for f in self._vf]
+
+    def _unpack(self, data: np.ndarray, sizes: Sequence[int], copy: bool = True) -> Any:
+        """The sample in ``data`` (its packed bytes) with these open sizes."""
+        if not self._fields:  # one tensor
+            f = self._vf[0]
+            shape = self._shapes(sizes)[0]
+            arr = data.view(self._np_dtypes[0]).reshape(shape)
+            return _torch_of(arr, f.dtype)
+        fields, _ = _pack({f.name: s for f, s in zip(self._vf, self._shapes(sizes))},
+                          {f.name: f.dtype for f in self._vf})
+        return {f.name: _torch_of(data[f.offset: f.offset + f.nbytes].view(dt).reshape(f.dims),
+                                  f.dtype) for f, dt in zip(fields, self._np_dtypes)}
+
+    def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
+        """Not for open sizes: samples of different sizes do not stack. Raises ValueError."""
+        opened = [f"{f.name!r}: {f.dims}" if f.name else str(f.dims) for f in self._vf
+                  if None in f.dims]
+        raise ValueError(f"get_batch stacks samples of fixed sizes, but this cache's "
+                         f"data_dims leave sizes open ({', '.join(opened)}); read its samples "
+                         "with get_slot")
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _check_value(self, value: Any) -> Any:
+        """Check ``value`` against the fields with their open sizes; return the checked
+        tensor (or dict of them) and the open sizes, in the order of the Nones."""
+        if self._fields:
+            value = _FieldsCache._check_keys(self, value)
+        checked, sizes = {}, []
+        for f in self._vf:
+            v, what = (value[f.name], f"value[{f.name!r}]") if f.name else (value, "value")
+            where = f"data_dims[{f.name!r}]" if f.name else "data_dims"
+            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
+                v = torch.tensor(v)
+            shape = tuple(getattr(v, "shape", ()))
+            while len(shape) > len(f.dims) and shape[0] == 1:  # (1, ...) as 0.2.1 took it
+                shape = shape[1:]
+            if isinstance(v, (torch.Tensor, np.ndarray)) and (
+                    len(shape) != len(f.dims) or
+                    any(d is not None and d != s for d, s in zip(f.dims, shape))):
+                raise ValueError(f"{what} should have shape {f.dims} (the cache's {where}; None "
+                                 f"is any size), but got {what}.shape={tuple(v.shape)}")
+            checked[f.name] = self._checked(v, shape if isinstance(v, (torch.Tensor,
+                                                                       np.ndarray)) else f.dims,
+                                            f.dtype, what, where)
+            sizes += [s for d, s in zip(f.dims, shape) if d is None]
+        return checked, sizes
+
+    def _source_array(self, value: Any) -> tuple[np.ndarray, list[int]]:
+        """The packed bytes of a sample and its open sizes, checked."""
+        checked, sizes = self._check_value(value)
+        if not self._fields:
+            a = self._slot_array(checked[""], self._vf[0].dtype)
+            return np.ascontiguousarray(a).reshape(-1).view(np.uint8), sizes
+        fields, total = _pack({f.name: tuple(checked[f.name].shape) for f in self._vf},
+                              {f.name: f.dtype for f in self._vf})
+        row = np.zeros(total, np.uint8)
+        for f in fields:
+            a = np.ascontiguousarray(self._slot_array(checked[f.name], f.dtype))
+            row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
+        return row, sizes
+
+    def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
+                 allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
+        """Store ``value`` (in its own sizes) as the sample of ``idx`` if the arena has room;
+        as ``SharedCache.set_slot`` otherwise. A sample that does not fit in what is left of
+        the arena is not stored (``stats()["full"]`` counts it; the index stays a miss); one
+        larger than the whole arena raises ValueError. An overwrite that does not fit leaves
+        the index empty."""
+        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        src, sizes = self._source_array(value)
+        if src.size > self._arena:
+            raise ValueError(f"value should fit in the cache's arena ({self._arena} bytes, "
+                             f"from size_limit_gib={self._limit_gib}), but got a sample of "
+                             f"{src.size} bytes")
+        if self._aux_mv[idx] == OOB:
+            if not allow_oob_idx:
+                raise self._oob_error(idx)
+            return
+        lock = _slot_lock_offset(idx)
+        with self._tlock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, lock)
+            try:
+                if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
+                    return
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
+        self._ctr[_WRITES] += 1
+
+    def _store(self, idx: int, src: np.ndarray, sizes: list[int], allow_overwrite: bool,
+               exist_ok: bool) -> bool:
+        """set_slot under the index's lock; True when the write counts as one."""
+        rec, base, state = self._rec_mv, idx * self._rec_words, self._aux_mv[idx]
+        if state == SET and not allow_overwrite and not rec[base] & 1:
+            if exist_ok:
+                return False
+            off, nbytes = rec[base + _REC_OFF], rec[base + _REC_BYTES]
+            if nbytes == src.size and rec[base + 4: base + self._rec_words].tolist() == sizes \
+                    and np.array_equal(self._arena_np[off: off + nbytes], src):
+                return True  # a second load of one index: done already
+            raise RuntimeError(
+                f"the sample of idx={idx} is already set to a different value; pass "
+                "allow_overwrite=True to replace it, or exist_ok=True to keep it. (Two loads "
+                "of one index that give different values mean that the load is not "
+                "deterministic, most often random augmentation before the cache.)")
+        if state in (SET, WRITING) and rec[base + _REC_CAP] >= src.size:
+            off, cap = rec[base + _REC_OFF], rec[base + _REC_CAP]  # its place, reused
+        else:
+            cap = -(-src.size // _ARENA_ALIGN) * _ARENA_ALIGN
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+            try:
+                off = self._header_get("arena_top")
+                if off + cap <= self._arena:
+                    self._header_set("arena_top", off + cap)
+                else:
+                    off = -1
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+            if off < 0:  # full: nothing stored; an overwritten sample is dropped
+                if state != EMPTY:
+                    self._drop(idx)
+                self._ctr[_FULL] += 1
+                return False
+        seq = rec[base]
+        seq += seq & 1  # an odd number left by a writer that died: round up
+        rec[base] = seq + 1
+        self._aux_mv[idx] = WRITING
+        rec[base + _REC_OFF], rec[base + _REC_BYTES], rec[base + _REC_CAP] = off, src.size, cap
+        for k, size in enumerate(sizes):
+            rec[base + 4 + k] = size
+        self._arena_np[off: off + src.size] = src
+        self._aux_mv[idx] = SET
+        rec[base] = seq + 2
+        return True
+
+    def _drop(self, idx: int) -> None:
+        """Empty ``idx`` (its lock held): readers see a miss, its place is given up."""
+        rec, base = self._rec_mv, idx * self._rec_words
+        seq = rec[base] + (rec[base] & 1)
+        rec[base] = seq + 1
+        self._aux_mv[idx] = EMPTY
+        for k in range(1, self._rec_words):
+            rec[base + k] = 0
+        rec[base] = seq + 2
+
+    def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
+        raise ValueError("this cache has open sizes and no staging slots (not supported yet)")
+
+    def clear(self) -> None:
+        """Empty every index and give back the whole arena. Safe while other processes read
+        (they see misses) or write (they finish first)."""
+        self._check_open()
+        with self._locked(_slot_lock_offset(0), self._n):
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+            try:
+                seq = self._rec_np[:, _REC_SEQ]
+                seq |= 1
+                aux = self._aux_np
+                aux[aux != OOB] = EMPTY
+                self._rec_np[:, 1:] = 0
+                self._arena_np[: self._header_get("arena_top")].fill(0)
+                self._header_set("arena_top", 0)
+                seq += 1
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+
+    def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """As ``SharedCache.stats``, plus ``arena_bytes`` (the arena's size) and ``arena_used``
+        (bytes handed out since the last ``clear()``, overwritten places included); ``full``
+        counts writes that found no room. ``slots`` is the number of indices this node may
+        admit."""
+        out = super().stats(since=since)
+        out.update(arena_bytes=self._arena, arena_used=self._header_get("arena_top"))
+        return out
+
+    # -- copies and raw access ----------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict) -> "SharedCache":
+        """An independent private cache with this one's configuration and contents (an entry
+        whose writer died mid-write is copied as empty)."""
+        self._check_open()
+        w, lay = self._world, self._layout
+        twin = SharedCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
+                           name=f"copy{next(_COPY_COUNTER)}",
+                           world=World(rank=w.node_rank, world_size=w.num_nodes,
+                                       node_rank=w.node_rank, num_nodes=w.num_nodes),
+                           shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
+                           mean_sample_bytes=self._mean or None)
+        memo[id(self)] = twin
+        with self._locked(_slot_lock_offset(0), self._n):
+            aux = self._aux_np.copy()
+            aux[(aux == SET) & (self._rec_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
+            aux[aux == WRITING] = EMPTY
+            top = self._header_get("arena_top")
+            twin._arena_np[:top] = self._arena_np[:top]
+            twin._rec_np[:] = self._rec_np
+            twin._rec_np[:, _REC_SEQ] = 0
+            twin._header_set("arena_top", top)
+            twin._aux_np[:] = aux
+        return twin
+
+    @property
+    def array(self) -> torch.Tensor:
+        raise TypeError("a cache with open sizes has no fixed slots to view; read its "
+                        "samples with get_slot")
+
+    def __getitem__(self, slot: Any) -> torch.Tensor:
+        return self.array
+
+    def __setitem__(self, slot: Any, value: Any) -> None:
+        self.array
 
 
 def _a_local_rank_may_come() -> bool:
@@ -2548,16 +2986,12 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
         delay = min(delay * 2, 0.1)
 
 
-def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
+def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> SharedCache:
     """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
-    layout, world, dims, dtype, name, path, staging, fields = state
     fd = dupfd.detach()
-    cls = _FieldsCache if fields else SharedCache
     cache = cls.__new__(cls)
-    cache._layout, cache._world, cache._dims, cache._dtype = layout, world, dims, dtype
-    cache._staging, cache._fields = staging, fields
-    cache._name, cache._path, cache._fd = name, path, fd
-    cache._finalizer = None
+    cache.__dict__.update(state)
+    cache._fd, cache._finalizer = fd, None
     try:
         cache._map_existing(fd)
     except BaseException:
@@ -2575,12 +3009,16 @@ def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
 def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]],
          dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8,
          size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
-         staging_slots: int = 0) -> dict:
+         staging_slots: int = 0, mean_sample_bytes: int | None = None) -> dict:
     """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
-    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample).
+    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample, None
+    for an open size).
 
     Args:
         staging_slots: staging slots for a prefetcher (see ``SharedCache``), paid first.
+        mean_sample_bytes: with open sizes (required then): the mean bytes of a sample (or a
+            higher percentile, for a margin); ``slots`` is then how many such samples the
+            arena holds.
 
     Returns:
         A dict with ``slots``, ``fraction`` (of the dataset), ``size_limit_gib`` used,
@@ -2590,10 +3028,20 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
     if isinstance(data_dims, Mapping):
-        slot_bytes = _check_fields(data_dims, dtype)[1]
+        fields, slot_bytes = _check_fields(data_dims, dtype)
+        opened = sum(d is None for f in fields for d in f.dims)
     else:
-        slot_bytes = _slot_bytes(_check_dims(data_dims), _check_dtype(dtype))
+        dims = _check_dims(data_dims)
+        opened = sum(d is None for d in dims)
+        slot_bytes = 0 if opened else _slot_bytes(dims, _check_dtype(dtype))
+        _check_dtype(dtype)
     staging = check_int("staging_slots", staging_slots, low=0)
+    if opened:
+        return _plan_arena(dataset_len, opened, size_limit_gib, shm_dir, staging,
+                           mean_sample_bytes)
+    if mean_sample_bytes is not None:
+        raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
+                         f"data_dims), but got mean_sample_bytes={mean_sample_bytes!r}")
     free = _free_bytes(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
@@ -2609,6 +3057,37 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
             "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
 
 
+def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
+                staging: int, mean: Any) -> dict:
+    """``plan`` for a cache of open sizes: the arena's size, and how many samples of ``mean``
+    bytes it holds (each padded to 16 bytes)."""
+    if mean is None:
+        raise ValueError("mean_sample_bytes should be given to plan a cache with open sizes "
+                         "(None in data_dims), but got mean_sample_bytes=None")
+    mean = check_int("mean_sample_bytes", mean, low=1)
+    if staging:
+        raise ValueError(f"staging_slots should be 0 for a cache with open sizes, but got "
+                         f"staging_slots={staging}")
+    words = 4 + opened
+    meta = dataset_len * (1 + 8 * words)
+    free = _free_bytes(shm_dir)
+    if size_limit_gib is not None:
+        limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
+    else:  # the whole segment in what is free: header, stats and page rounding come on top
+        limit = max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 - 2 * mmap.PAGESIZE
+                    ) / BYTES_PER_GIB
+    arena = _arena_bytes(limit, dataset_len, words)
+    slots = min(dataset_len, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
+    return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
+            "arena_gib": arena / BYTES_PER_GIB,
+            "dataset_gib": (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN * dataset_len + meta) /
+            BYTES_PER_GIB,
+            "segment_gib": (arena + meta + _HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 +
+                            mmap.PAGESIZE) / BYTES_PER_GIB,
+            "shm_free_gib": free / BYTES_PER_GIB,
+            "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m stocaching [info|plan|clean]``: see the shared memory, size a cache, clean up."""
     parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
@@ -2620,7 +3099,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("info", help="/dev/shm, RAM and live caches (the default)")
     p = sub.add_parser("plan", help="how many samples of a shape fit")
     p.add_argument("--dataset-len", type=int, required=True, help="samples in the dataset")
-    p.add_argument("--dims", help="sample shape, e.g. 3,256,256 or 3x256x256")
+    p.add_argument("--dims", help="sample shape, e.g. 3,256,256 or 3x256x256; None for an "
+                                  "open size, e.g. None,3 (with --mean-bytes)")
+    p.add_argument("--mean-bytes", type=int, default=None,
+                   help="with open sizes: the mean bytes of a sample (or a percentile)")
     p.add_argument("--dtype", default="uint8",
                    help="sample dtype, e.g. uint8 or torch.float16 (default: uint8)")
     p.add_argument("--field", action="append", default=[], metavar="NAME=DIMS[:DTYPE]",
@@ -2643,7 +3125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def dims_of(text: str, flag: str) -> tuple[int, ...]:
             try:
-                return tuple(int(d) for d in text.replace("x", ",").split(",") if d != "")
+                return tuple(None if d == "None" else int(d)
+                             for d in text.replace("x", ",").split(",") if d != "")
             except ValueError:
                 parser.error(f"{flag} should be ints separated by ',' or 'x', e.g. 3,256,256, "
                              f"but got {flag}={text}")
@@ -2667,14 +3150,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             dims = dims_of(args.dims, "--dims")
         try:
             r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir,
-                     staging_slots=args.staging_slots)
+                     staging_slots=args.staging_slots, mean_sample_bytes=args.mean_bytes)
         except (TypeError, ValueError) as e:
             msg = re.sub(r"\bdata_dims\['(\w+)'\]", r"--field \1", str(e))
             msg = re.sub(r"\bdtype\['(\w+)'\]", r"the DTYPE of --field \1", msg)
             for param, flag in (("dataset_len", "--dataset-len"),
                                 ("data_dims", "--field" if args.field else "--dims"),
                                 ("size_limit_gib", "--size-gib"), ("dtype", "--dtype"),
-                                ("staging_slots", "--staging-slots")):
+                                ("staging_slots", "--staging-slots"),
+                                ("mean_sample_bytes", "--mean-bytes")):
                 msg = re.sub(rf"\b{param}\b", flag, msg)
             parser.error(msg)
         what = f"{dims} {args.dtype}" if not args.field else " + ".join(args.field)

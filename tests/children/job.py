@@ -55,6 +55,9 @@ LWS = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 # FT_FIELDS=1: a cache of two fields a sample, {"x": (D,) uint8, "label": () int64}
 # (create, write, writehang, writehang_late, check, fill, batch and exit only).
 FIELDS = os.environ.get("FT_FIELDS", "") == "1"
+# FT_VARIABLE=1: a cache of open sizes, (None,) uint8, sample i of D - 7 i bytes (the same
+# commands but batch; writehang stops in the arena's copy).
+VARIABLE = os.environ.get("FT_VARIABLE", "") == "1"
 # SIGINT and SIGTERM act as in a terminal even when the test runner was started with them
 # ignored (a shell does that to SIGINT of a command run with '&'), a disposition children
 # inherit. At module level, so that spawned DataLoader workers (which import this module) set
@@ -69,6 +72,8 @@ def say(*a):
 
 
 def pattern(i):
+    if VARIABLE:  # D - 7 * i bytes: every sample its own size
+        return value_of(i, (D - 7 * i,))
     if FIELDS:
         return {"x": value_of(i, (D,)), "label": torch.tensor(i * 1000 + 7)}
     return value_of(i, (D,))
@@ -251,9 +256,11 @@ def main():
                 arm_attach()
             say("CONSTRUCTING", os.getpid())
             try:
-                dims = {"x": (D,), "label": ()} if FIELDS else (D,)
+                dims = {"x": (D,), "label": ()} if FIELDS else (None,) if VARIABLE else (D,)
                 dtype = {"x": torch.uint8, "label": torch.int64} if FIELDS else torch.uint8
-                cache = SharedCache(1, N, dims, dtype, name="f", timeout=TIMEOUT)
+                # (open sizes: the whole budget is the arena, reserved: 1 MiB is plenty)
+                cache = SharedCache(1 / 1024 if VARIABLE else 1, N, dims, dtype, name="f",
+                                    timeout=TIMEOUT)
             except Exception as e:
                 say("ERROR", type(e).__name__, str(e).replace("\n", " "))
                 sys.exit(3)
@@ -265,6 +272,9 @@ def main():
                     cache.set_slot(i, pattern(i))
                     n += 1
             say("WROTE", n)
+        elif cmd == "writehang" and VARIABLE:
+            cache._arena_np = MidCopy(cache._arena_np, "INSIDE")
+            cache.set_slot(int(args[0]), pattern(int(args[0])))
         elif cmd == "writehang":
             cache._np_slots = MidCopy(cache._np_slots, "INSIDE")
             cache.set_slot(int(args[0]), pattern(int(args[0])))
