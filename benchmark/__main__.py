@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality] ...`` (``run`` when
+"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality|mixture] ...`` (``run`` when
 omitted).
 
     python -m benchmark                                   # the default run, a few minutes
@@ -9,6 +9,7 @@ omitted).
     torchrun --nproc_per_node=2 -m benchmark              # DDP, one cache per node
     python -m benchmark latency                           # EMULATED storage latency, Prefetcher
     python -m benchmark quality                           # accuracy and batch diversity, digits
+    python -m benchmark mixture                           # weighted mixtures: shares, hits, build
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality")
+SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture")
 
 
 def _default_start_method() -> str:
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fraction of the dataset cached, with no-cache and in-RAM baselines.",
         epilog="Without a subcommand, 'run' is assumed.  Under torchrun every rank runs the same "
                "command; rank 0 prints and writes the results.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality,mixture}")
     run = sub.add_parser("run", help="one loader setup, a few cache fractions (the default)",
                          description="One loader setup: no cache, each cache fraction, in-RAM.")
     _add_common(run, sweep=False)
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("csv", type=Path)
     an.add_argument("--out", type=Path, default=None,
                     help="where the PNGs go (default: next to the CSV)")
-    from . import latency, quality
+    from . import latency, mixture, quality
 
     lat = sub.add_parser("latency", help="EMULATED storage latency: plain DataLoader vs the "
                                          "Prefetcher (plain, fixed and adaptive window)",
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "sklearn's digits: accuracy and batch diversity",
                           description=quality.__doc__.split("\n\n")[0])
     quality.add_arguments(qual)
+    mix = sub.add_parser("mixture", help="weighted mixtures: realised shares and per-sub-dataset "
+                                         "hit rates, and the epoch build time for 10 M indices",
+                         description=mixture.__doc__.split("\n\n")[0])
+    mixture.add_arguments(mix)
     return parser
 
 
@@ -286,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "quality":
         from . import quality
         return quality.main(args, argv, _say)
+    if args.command == "mixture":
+        from . import mixture
+        return mixture.main(args, argv, _say)
     return _run(args, argv)
 
 

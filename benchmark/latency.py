@@ -570,8 +570,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "law about twice the reads in flight at 1,500 samples/s, f = 0.5 and "
                         "a 32.6 ms mean latency)")
     p.add_argument("--prefetch-processes", type=_non_negative_int, default=0,
-                   help="Prefetcher processes: load in this many processes instead of threads "
-                        "(default: %(default)s, threads)")
+                   help="Prefetcher processes: load in this many processes, each with --threads "
+                        "threads (default: %(default)s, threads of the trainer)")
     p.add_argument("--cpu-bound-only", action="store_true",
                    help="run only the configurations without latency (the CPU-bound check)")
     p.add_argument("--window", type=_positive_int, default=None,
@@ -579,7 +579,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "covers the consumption rate x the p99 latency: 384 positions against "
                         "1,500 samples/s x 200 ms = 300)")
     p.add_argument("--lookahead", type=_positive_int, default=None,
-                   help="Prefetcher lookahead (default: the Prefetcher's, 4 x threads)")
+                   help="Prefetcher lookahead (default: the Prefetcher's, 4 x the loads in flight)")
     p.add_argument("--staging-slots", type=_positive_int, default=None,
                    help="staging slots of the prefetching arms' caches (default: 2 x "
                         "(window + lookahead))")
@@ -598,7 +598,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace) -> Options:
     window = args.window or 4 * args.batch_size
-    lookahead = args.lookahead or 4 * args.threads
+    lookahead = args.lookahead or 4 * args.threads * max(1, args.prefetch_processes)
     return Options(
         data_dir=args.data_dir, num_images=args.num_images, image_size=args.image_size,
         decoded_size=args.decoded_size, num_classes=10,

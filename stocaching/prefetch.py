@@ -629,6 +629,23 @@ class PrefetchError(RuntimeError):
         return type(self), (str(self), self.index)
 
 
+def _start_context(ctx: Any) -> Any:
+    """The multiprocessing context named by ``multiprocessing_context`` (checked)."""
+    if ctx is None:
+        return multiprocessing.get_context()
+    if isinstance(ctx, str):
+        if ctx not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"multiprocessing_context should be one of "
+                             f"{multiprocessing.get_all_start_methods()}, a context or None, "
+                             f"but got multiprocessing_context={ctx!r}")
+        return multiprocessing.get_context(ctx)
+    if not isinstance(ctx, multiprocessing.context.BaseContext):
+        raise TypeError(f"multiprocessing_context should be a start method name, a "
+                        f"multiprocessing context or None, but got multiprocessing_context of "
+                        f"type {type(ctx).__name__}")
+    return ctx
+
+
 class Prefetcher(torch.utils.data.Sampler[int]):
     """Loads the samples the ``DataLoader`` will ask for next, before it asks, with many
     loads in flight; yields an index only once its sample is in the cache.
@@ -654,16 +671,22 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     which the ``DataLoader``'s main loop leaves idle while it waits. That suits slow reads
     (files on network storage, sockets) and decoders that release the GIL; the threads start
     with each epoch's iterator and stop with it, and none outlives the process. When decoding
-    is what costs, pass ``processes=N``: the loads then run in N processes (started with
-    "spawn" on the first epoch, kept for the next ones like ``persistent_workers``, stopped by
-    ``close()`` or with the prefetcher), each storing what it loads itself; each loads one
-    sample at a time, so N is also the number of loads in flight. ``load`` must then be
-    picklable: a function or a bound method of a picklable dataset, defined at the top level
-    of a module (the main script's top level works when the training code runs under
-    ``if __name__ == "__main__":``). The processes die with this process, also by SIGKILL
-    (``PR_SET_PDEATHSIG``; it follows the thread that started them, so iterate from a thread
-    that lives as long as the training). A loader process that died is reported by the
-    epoch that meets it; the next epoch starts new ones.
+    is what costs, pass ``processes=N``: the loads then run in N processes, started when the
+    prefetcher is made (so that starting them overlaps the rest of the setup), kept for every
+    epoch like ``persistent_workers`` and stopped by ``close()`` or with the prefetcher; each
+    runs ``threads`` loader threads and stores what they load itself, so N x ``threads``
+    loads are in flight: slow reads overlap as with threads, and decoding uses N cores.
+    (For decoding in pure Python, which holds the GIL, a few threads per process suffice.)
+    They start as ``multiprocessing_context`` says, like a ``DataLoader``'s
+    workers: by default the platform's default ("fork" on Linux up to Python 3.13, which
+    starts in milliseconds and takes ``load`` as it is). With "spawn" or "forkserver",
+    ``load`` must be picklable: a function or a bound method of a picklable dataset, defined
+    at the top level of a module (the main script's top level works when the training code
+    runs under ``if __name__ == "__main__":``), and each process takes a second or more to
+    import torch. The processes die with this process, also by SIGKILL
+    (``PR_SET_PDEATHSIG``; it follows the thread that started them, so make the prefetcher in
+    a thread that lives as long as the training). A loader process that died is reported by
+    the epoch that meets it; the next epoch starts new ones.
 
     Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
     by the iterator as :class:`PrefetchError` naming the index, with the original exception
@@ -677,12 +700,17 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             None to keep the base order. Default: None.
         mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window).
             Default: "adaptive".
-        threads: loads in flight, in threads of this process, an int >= 1. Default: 16.
-        processes: when an int >= 1, load in this many processes instead of threads (and
-            ``threads`` only sets the default ``lookahead``). Default: 0 (threads).
+        threads: loads in flight, in threads of this process (or of each loader process
+            with ``processes``), an int >= 1. Default: 16.
+        processes: when an int >= 1, load in this many loader processes, each with
+            ``threads`` threads, instead of threads of this process. Default: 0.
         lookahead: positions of the base order kept loading ahead of the ``DataLoader``
-            (beyond the window), an int >= 1. Default: ``4 * threads``.
+            (beyond the window), an int >= 1. Default: 4 x the loads in flight
+            (``threads``, or ``processes * threads``).
         timeout: seconds to wait for one load before raising. Default: 120.
+        multiprocessing_context: how loader processes start (``processes=N``): "fork",
+            "spawn", "forkserver", a context from ``multiprocessing.get_context``, or None
+            for the platform's default. Default: None.
 
     Attributes:
         loaded: loads this prefetcher finished, over all epochs.
@@ -694,7 +722,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "adaptive", threads: int = 16,
                  lookahead: int | None = None, timeout: float = 120.0,
-                 processes: int = 0) -> None:
+                 processes: int = 0, multiprocessing_context: Any = None) -> None:
         if not isinstance(cache, SharedCache):
             raise TypeError(f"cache should be a SharedCache, but got cache of type "
                             f"{type(cache).__name__}")
@@ -703,7 +731,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                             f"load of type {type(load).__name__}")
         self.threads = check_int("threads", threads, low=1)
         self.processes = check_int("processes", processes, low=0)
-        self.lookahead = 4 * self.threads if lookahead is None else \
+        self.lookahead = 4 * self.threads * max(1, self.processes) if lookahead is None else \
             check_int("lookahead", lookahead, low=1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout should be a positive number of seconds, but got "
@@ -715,6 +743,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             raise (ValueError if isinstance(mode, str) else TypeError)(
                 f"mode should be 'fixed' or 'adaptive', but got mode={mode!r}")
         self.timeout = float(timeout)
+        self._mp_context = _start_context(multiprocessing_context)
         self.cache, self.load = cache, load
         self._tap = _Tap(sampler)
         self.window = None if window is None else check_int("window", window, low=1)
@@ -732,7 +761,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._lock = threading.Lock()  # guards the two above and the counters
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
         self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
-        self._procs: _ProcessLoaderPool | None = None  # with processes=N, from the 1st epoch
+        self._procs: _ProcessLoaderPool | None = None  # with processes=N
+        if self.processes:
+            self._procs = self._start_processes()
+
+    def _start_processes(self) -> "_ProcessLoaderPool":
+        flags = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive, as a rule
+        return _ProcessLoaderPool(self, flags, self._mp_context)
 
     def close(self) -> None:
         """Stop the loader processes (``processes=N``); a later epoch starts new ones.
@@ -768,8 +803,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         with self._lock:
             staged, self._staged = self._staged, set()
-        for idx in staged:  # staged last epoch, yielded and never read: give them back
-            self.cache.unstage(idx, tag=self._tag)
+        if staged:  # staged last epoch, yielded and never read: give them back
+            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
+            for idx in staged_idx[self.cache.ready_mask(staged_idx)].tolist():
+                self.cache.unstage(idx, tag=self._tag)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
         # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
@@ -783,8 +820,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             if self._procs is not None and self._procs.dead():
                 self.close()  # an epoch raised that one died: start afresh
             if self._procs is None:
-                ring = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive at once
-                self._procs = _ProcessLoaderPool(self, ring)
+                self._procs = self._start_processes()
             pool: Any = self._procs
         else:
             pool = _LoaderPool(self.threads, self._fetch)
@@ -936,14 +972,14 @@ class _Job:
     """One load: the index, whether its sample goes to a staging slot, its future, and
     ``due``, set (by ``mark_due``) once the iterator needs the index now."""
 
-    __slots__ = ("idx", "staged", "future", "due", "flag", "started")
+    __slots__ = ("idx", "staged", "future", "due", "flag", "due_flag")
 
     def __init__(self, idx: int, staged: bool, flag: Callable[[], None] | None = None) -> None:
         self.idx, self.staged = idx, staged
         self.future: Future = Future()
         self.due = threading.Event()
         self.flag = flag  # tells a loader process too
-        self.started = False  # a loader process said it began (processes=N)
+        self.due_flag = -1  # its entry in the loader processes' due flags (processes=N)
 
     def mark_due(self) -> None:
         self.due.set()
@@ -1001,11 +1037,14 @@ class _ProcessLoaderPool:
     started are cancelled (an epoch counter in shared memory); the processes stay for the
     next epoch."""
 
-    def __init__(self, owner: "Prefetcher", ring: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._ring = ring
+    def __init__(self, owner: "Prefetcher", flags: int, ctx: Any) -> None:
         self._jobs, self._results = ctx.SimpleQueue(), ctx.SimpleQueue()
-        self._due = ctx.RawArray("b", ring)  # job id % ring -> due now
+        # A live job's "due now" flag, one entry each: an entry is taken at submit and given
+        # back when the job's last message has come (its process reads it no more by then).
+        # A job submitted while all are taken gets none and counts as due from the start.
+        # Beside it, whether a loader process has begun the job (for ``live``).
+        self._due, self._started = ctx.RawArray("b", flags), ctx.RawArray("b", flags)
+        self._free_flags = list(range(flags))
         self._epoch = ctx.RawValue("q", 0)
         self._next_id = 0
         self._live: dict[int, _Job] = {}  # job id -> job, until its result came
@@ -1014,8 +1053,9 @@ class _ProcessLoaderPool:
         self._owner = weakref.ref(owner)
         self._procs = [ctx.Process(target=_load_in_process, name=f"stocaching-prefetch-{k}",
                                    args=(owner.cache, owner.load, owner._tag, self._jobs,
-                                         self._results, self._due, self._epoch, ring,
-                                         os.getpid()), daemon=True)
+                                         self._results, self._due, self._started,
+                                         self._epoch, owner.threads, os.getpid()),
+                                   daemon=True)
                        for k in range(owner.processes)]
         for p in self._procs:
             p.start()
@@ -1023,16 +1063,19 @@ class _ProcessLoaderPool:
                                         daemon=True)
         self._reader.start()
         self._finalizer = weakref.finalize(owner, _ProcessLoaderPool._shut, self._procs,
-                                           self._jobs, self._results)
+                                           owner.threads, self._jobs, self._results)
 
     def submit(self, idx: int, staged: bool) -> _Job:
         with self._lock:
             j, self._next_id = self._next_id, self._next_id + 1
-            slot = j % self._ring
-            self._due[slot] = 0
-            job = _Job(idx, staged, lambda: self._due.__setitem__(slot, 1))
+            flag = self._free_flags.pop() if self._free_flags else -1
+            if flag >= 0:
+                self._due[flag] = self._started[flag] = 0
+            job = _Job(idx, staged, None if flag < 0 else
+                       lambda: self._due.__setitem__(flag, 1))
+            job.due_flag = flag
             self._live[j] = self._by_idx[idx] = job
-        self._jobs.put((j, idx, staged, self._epoch.value))
+        self._jobs.put((j, idx, staged, self._epoch.value, flag))
         return job
 
     def _read(self) -> None:
@@ -1045,14 +1088,11 @@ class _ProcessLoaderPool:
     def _settle(self, j: int, kind: str, payload: Any) -> None:
         """Turn one result of a loader process into its job's future."""
         with self._lock:
-            if kind == "started":
-                job = self._live.get(j)
-                if job is not None:
-                    job.started = True
-                return
             job = self._live.pop(j, None)
             if job is not None and self._by_idx.get(job.idx) is job:
                 del self._by_idx[job.idx]
+            if job is not None and job.due_flag >= 0:
+                self._free_flags.append(job.due_flag)
         if job is None:
             return
         if kind == "cancelled":
@@ -1076,10 +1116,13 @@ class _ProcessLoaderPool:
 
     def live(self, idx: int) -> _Job | None:
         """The latest job of ``idx`` if a loader process has started it and its result has
-        not come yet (a job only queued by an abandoned epoch will be cancelled: not that)."""
+        not come yet (a job only queued by an abandoned epoch will be cancelled: not that;
+        nor a job without a due flag, whose start is not known)."""
         with self._lock:
             job = self._by_idx.get(idx)
-        return job if job is not None and job.started else None
+            if job is not None and job.due_flag >= 0 and self._started[job.due_flag]:
+                return job
+        return None
 
     def stop(self) -> None:
         """The epoch's iterator ended: jobs not started yet are cancelled."""
@@ -1095,8 +1138,8 @@ class _ProcessLoaderPool:
         self._finalizer()
 
     @staticmethod
-    def _shut(procs: list, jobs: Any, results: Any) -> None:
-        for _ in procs:
+    def _shut(procs: list, threads: int, jobs: Any, results: Any) -> None:
+        for _ in range(len(procs) * threads):  # one for each loader thread
             with contextlib.suppress(OSError, ValueError):
                 jobs.put(None)
         for p in procs:
@@ -1109,20 +1152,35 @@ class _ProcessLoaderPool:
 
 
 def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
-                     results: Any, due: Any, epoch: Any, ring: int, parent: int) -> None:
-    """A loader process of ``Prefetcher(processes=N)``."""
+                     results: Any, due: Any, started: Any, epoch: Any, threads: int,
+                     parent: int) -> None:
+    """A loader process of ``Prefetcher(processes=N)``: ``threads`` loader threads that take
+    jobs from the shared queue, each until it takes a None."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process
     torch.set_num_threads(1)
+    loaders = [threading.Thread(target=_load_jobs, name=f"stocaching-prefetch-{k}",
+                                args=(cache, load, tag, jobs, results, due, started, epoch),
+                                daemon=True) for k in range(threads)]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join()
+
+
+def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
+               results: Any, due: Any, started: Any, epoch: Any) -> None:
+    """One loader thread of a loader process."""
     while True:
         msg = jobs.get()
         if msg is None:
             return
-        j, idx, staged, ep = msg
+        j, idx, staged, ep, flag = msg
         if ep != epoch.value:
             results.put((j, "cancelled", None))
             continue
-        results.put((j, "started", None))
+        if flag >= 0:
+            started[flag] = 1
         try:
             value = load(idx)
             if not staged:
@@ -1131,8 +1189,9 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
             else:
                 kind = "staged"
                 while not cache.stage(idx, value, tag=tag):
-                    if due[j % ring] or ep != epoch.value:
-                        kind = "dropped" if due[j % ring] else "cancelled"
+                    is_due = flag < 0 or due[flag]
+                    if is_due or ep != epoch.value:
+                        kind = "dropped" if is_due else "cancelled"
                         break
                     time.sleep(0.002)
             results.put((j, kind, None))

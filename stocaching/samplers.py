@@ -88,12 +88,35 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         batch_size: indices per batch on each rank (the ``DataLoader``'s ``batch_size``);
             keyword-only and required, since it fixes the global batches.
         local_world_size: ranks per node. Default: ``num_replicas // num_nodes``.
+        order: where the global order comes from instead of a shuffle of the dataset: an
+            object with ``global_order(epoch)`` (the epoch's dataset indices, before padding)
+            and ``num_samples`` (their number), such as a ``WeightedMixtureSampler`` over the
+            sub-datasets whose concatenation the cache covers. Its order is padded, cut into
+            global batches and routed as the shuffle would be; ``shuffle`` is then unused.
+            ``set_epoch`` is forwarded to it, and its ``state_dict`` is part of this sampler's,
+            so resuming restores it too (with its rule for changed weights). Default: None
+            (the shuffle).
     """
 
     def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
-                 batch_size: int, local_world_size: int | None = None) -> None:
+                 batch_size: int, local_world_size: int | None = None,
+                 order: Any = None) -> None:
         self.layout, world, self._positions, length = self._resolve(dataset)
+        if order is not None:
+            if not (callable(getattr(order, "global_order", None))
+                    and hasattr(order, "num_samples")):
+                raise TypeError(f"order should have global_order(epoch) and num_samples (a "
+                                f"WeightedMixtureSampler, say), but got order of type "
+                                f"{type(order).__name__}")
+            lengths = getattr(order, "lengths", None)
+            if lengths is not None and sum(lengths) != length:
+                raise ValueError(f"order should draw from the {length} indices of dataset, but "
+                                 f"its sub-datasets have sum(lengths)={sum(lengths)}")
+            length = check_int("order.num_samples", order.num_samples, low=0)
+            if hasattr(order, "set_epoch"):
+                order.set_epoch(0)  # this sampler's epoch; set_epoch is forwarded
+        self.order = order
         if num_replicas is None or rank is None:
             dist = torch.distributed
             if dist.is_available() and dist.is_initialized():
@@ -192,6 +215,8 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
                               f"consumed)", stacklevel=2)
             self._resume = 0
         self.epoch = epoch
+        if self.order is not None and hasattr(self.order, "set_epoch"):
+            self.order.set_epoch(epoch)  # so that its state_dict is the epoch's
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices for the current epoch, from the loaded position if any."""
@@ -215,7 +240,13 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         if self.total_size == 0:
             return np.zeros(0, dtype=np.int64)
         t0 = time.perf_counter()
-        if self.shuffle:
+        if self.order is not None:
+            order = np.asarray(self.order.global_order(epoch), dtype=np.int64)
+            if order.size != self.dataset_len:
+                raise ValueError(f"order.global_order({epoch}) should have num_samples="
+                                 f"{self.dataset_len} indices (as when this sampler was made), "
+                                 f"but got {order.size}")
+        elif self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
             order = torch.randperm(self.dataset_len, generator=g).numpy()
@@ -265,7 +296,12 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
                 "local_world_size": self.local_world_size,
                 "num_nodes": layout.num_nodes if layout is not None else 1,
                 "slots": layout.slots if layout is not None else 0,
-                "layout_seed": layout.seed if layout is not None else 0}
+                "layout_seed": layout.seed if layout is not None else 0,
+                "order": self._order_state()}
+
+    def _order_state(self) -> Any:
+        sd = getattr(self.order, "state_dict", None)
+        return None if sd is None else sd(consumed=0)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``: the next iterator yields the rest of its epoch.
@@ -274,6 +310,8 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         num_replicas, batch_size) must match. The node layout (local_world_size, num_nodes,
         slots, layout_seed) may differ when ``consumed`` is at a batch boundary: then only the
         split of the remaining global batches over ranks changes. ``rank`` is not checked.
+        With an ``order``, its saved state is loaded into it (a ``WeightedMixtureSampler``
+        checks its own fields, and finishes the saved epoch with the saved weights).
 
         Args:
             state: a dict from ``state_dict()``.
@@ -282,7 +320,7 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             raise TypeError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
                             f"got {type(state).__name__}")
         mine = self.state_dict()
-        missing = sorted(set(mine) - set(state))
+        missing = sorted(set(mine) - set(state) - {"order"})
         if missing:
             raise ValueError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
                              f"it lacks {missing}")
@@ -297,7 +335,16 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
                 raise ValueError(f"state['{field}'] should be this sampler's {field}="
                                  f"{mine[field]!r}, but got state['{field}']={state[field]!r}; "
                                  f"the rest of the epoch would differ")
-        self.epoch = check_int("state['epoch']", state["epoch"], low=0)
+        epoch = check_int("state['epoch']", state["epoch"], low=0)
+        saved_order = state.get("order")  # states saved before order= existed have none
+        if (saved_order is None) != (mine["order"] is None):
+            expect = "None" if mine["order"] is None else \
+                f"a state of this sampler's order ({type(self.order).__name__})"
+            raise ValueError(f"state['order'] should be {expect}, but got state['order'] of "
+                             f"type {type(saved_order).__name__}")
+        if saved_order is not None:
+            self.order.load_state_dict(saved_order)  # may refuse; nothing changed yet
+        self.epoch = epoch
         self._resume, self._it = consumed, None
 
 

@@ -671,7 +671,8 @@ MAX_STAGE_TAG = (1 << (63 - _STAGE_TAG_SHIFT)) - 1
 
 def _staged_entries(table: np.ndarray, idx: int) -> np.ndarray:
     """Positions in a staging map (or a piece of one) whose entry holds ``idx``."""
-    return np.flatnonzero((table >= 0) & (table & _STAGE_INDEX_MASK == idx))
+    found = np.flatnonzero(table & _STAGE_INDEX_MASK == idx)  # a free (-1) or filling
+    return found[table[found] >= 0]  # (-2 - pid) entry may match too: dropped here
 
 
 def _slot_lock_offset(slot: int) -> int:
@@ -2268,10 +2269,15 @@ class SharedCache:
         if seq & 1:
             return None
         row = self._np_slots[slot].copy()
-        if self._seq_mv[slot] != seq or not _staged_entries(table[k:k + 1], idx).size:
+
+        def still_there() -> bool:  # one entry: plain ints are faster than numpy here
+            entry = int(table[k])
+            return entry >= 0 and entry & _STAGE_INDEX_MASK == idx
+
+        if self._seq_mv[slot] != seq or not still_there():
             return None
         with self._locked(_STAGE_LOCK):
-            if _staged_entries(table[k:k + 1], idx).size:
+            if still_there():
                 table[k] = -1
         self._ctr[_HITS] += 1
         self._ctr[_STAGED_HITS] += 1

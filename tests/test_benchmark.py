@@ -357,3 +357,32 @@ def test_quality_command_runs(tmp_path, shm_dir, capsys):
     assert sorted(r["arm"] for r in saved["runs"]) == ["adaptive"] * 2 + ["fixed"] * 2 + \
         ["random"] * 2
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.timeout(120)
+def test_mixture_command_prints_shares_hits_and_the_build_target(shm_dir, capsys):
+    """Tiny sizes: per-epoch rows for each sub-dataset whose counters add up, realised shares
+    equal to the weights' (the counts are exact here), and one [PASS]/[MISS] line per
+    weighting with the build time and the randperm baseline."""
+    rc = main(["mixture", "--sizes", "60", "30", "10", "--epochs", "2", "--workers", "1",
+               "--batch-size", "8", "--build-total", "3000", "--repeats", "1"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines()
+            if len(line.split()) == 12 and line.split()[0].isdigit()]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(e, k) for e in range(2) for k in range(3)]
+    for r in rows:
+        assert float(r[3]) == float(r[4]) == float(r[5])  # weight = realised = read share
+        assert int(r[9]) == int(r[6])  # the cache saw one read per position of the sub-dataset
+    # epoch 1's hits: sub-dataset 0 (all cached, 50 of 60 read per epoch) hits what epoch 0
+    # read; sub-dataset 1 (read once, half cached) its 15 slots; 2 (read twice, 2 slots) 4
+    from stocaching import WeightedMixtureSampler
+    s = WeightedMixtureSampler([60, 30, 10], [0.5, 0.3, 0.2], seed=0, num_replicas=1, rank=0)
+    again = len(set(s.global_order(0).tolist()) & set(s.global_order(1).tolist()) &
+                set(range(60)))
+    assert [int(r[8]) for r in rows] == [0, 0, 2, again, 15, 4]
+    checks = [line.strip() for line in text.splitlines() if line.strip().startswith("[")]
+    assert len(checks) == 3 and all(c[:6] in ("[PASS]", "[MISS]") for c in checks)
+    assert all("torch.randperm baseline" in c and "target <= 1.0 s" in c for c in checks)
+    assert "load average" in text
+    assert os.listdir(shm_dir) == []

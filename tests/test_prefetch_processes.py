@@ -1,5 +1,5 @@
-"""Prefetcher(processes=N): the loads run in spawned loader processes that store what they
-load themselves. The invariants of tests/test_prefetch.py for that mode: every index once per
+"""Prefetcher(processes=N): the loads run in loader processes (started with the prefetcher, by
+fork or spawn) that store what they load themselves. The invariants of tests/test_prefetch.py for that mode: every index once per
 epoch with its value, every miss loaded once per epoch and never by the training process or
 twice at once, errors with the index and the loader process's traceback, the processes kept
 across epochs and stopped by close(), and none outliving a killed trainer.
@@ -7,11 +7,14 @@ across epochs and stopped by close(), and none outliving a killed trainer.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 from torch.utils.data import DataLoader
 
@@ -45,13 +48,18 @@ class FailsAt:
 
 
 @pytest.mark.timeout(300)
-def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_path):
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_path, start):
     loads = tmp_path / "loads"
     loads.mkdir()
     cache = make_cache(shm_dir)
     oob = oob_of(cache)
     base = Shuffled(N, seed=5)
-    pf = Prefetcher(base, cache, PidLoads(loads), window=8, processes=2)
+    pf = Prefetcher(base, cache, PidLoads(loads), window=8, processes=2,
+                    multiprocessing_context=start)
+    # The loader processes start with the prefetcher, before its first epoch.
+    assert [p.is_alive() for p in pf._procs._procs] == [True, True]
+    assert {p.pid for p in pf._procs._procs} <= {c.pid for c in psutil.Process().children()}
     loader = DataLoader(PrefetchedDataset(cache, N, PidLoads(loads)), batch_size=BATCH,
                         sampler=pf, num_workers=2, multiprocessing_context="fork")
     try:
@@ -104,6 +112,87 @@ def test_an_error_in_a_loader_process_names_the_index_and_carries_its_traceback(
         cache.close()
 
 
+class HeldAt(Loads):
+    """``Loads`` whose first load of ``held`` creates the file ``entered`` and then waits
+    until the file ``release`` exists (files: it runs in a loader process)."""
+
+    def __init__(self, directory, held: int) -> None:
+        super().__init__(directory, "")
+        self.held = held
+
+    def __call__(self, i):
+        entered = os.path.join(self.directory, "entered")
+        if i == self.held and not os.path.exists(entered):
+            open(entered, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(self.directory, "release")):
+                assert time.monotonic() < deadline, "never released"
+                time.sleep(0.01)
+        return super().__call__(i)
+
+
+@pytest.mark.timeout(300)
+def test_load_left_running_by_an_abandoned_epoch_is_not_loaded_again(shm_dir, tmp_path):
+    """One loader process with one thread. Epoch 0 yields 0..4 and is abandoned while the process is in the
+    load of 5; epoch 1 needs 5 too and must wait for that load, not queue a second one (which
+    the process would run after the first; with more threads, at the same time). The load is released once epoch 1 has yielded
+    0..4, by when it has submitted its first 8 positions, 5 among them."""
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 5), processes=1, threads=1,
+                    lookahead=8)
+    try:
+        it = iter(pf)
+        assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+        deadline = time.monotonic() + 120
+        while not (loads / "entered").exists():
+            assert time.monotonic() < deadline, "the load of 5 never started"
+            time.sleep(0.01)
+        del it
+        gc.collect()
+        got = []
+        for i in pf:
+            got.append(i)
+            if i == 4:
+                (loads / "release").touch()
+            assert cache.get_slot(i) is not None
+        assert got == list(range(N))
+        assert len(load_counts(loads)[5]) == 1 and overlaps(loads) == []
+    finally:
+        pf.close()
+        cache.close()
+
+
+@pytest.mark.timeout(300)
+def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
+    """Jobs queued behind a slow load (here: more than there are due flags) never share a
+    flag: marking one due tells its loader process about that job only (a shared flag could
+    leave a staged load waiting for a staging slot until its timeout). Jobs beyond the flags
+    get none and count as due; every flag is given back when its job has finished."""
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 0), processes=1, threads=1,
+                    lookahead=1)
+    pool = pf._procs
+    flags = len(pool._due)
+    try:
+        jobs = [pool.submit(i % N, False) for i in range(flags + 2)]  # 0 is held meanwhile
+        given = [j.due_flag for j in jobs]
+        assert sorted(given[:flags]) == list(range(flags)) and given[flags:] == [-1, -1]
+        jobs[1].mark_due()
+        assert [pool._due[f] for f in range(flags)] == [int(f == given[1]) for f in range(flags)]
+        (loads / "release").touch()
+        for j in jobs:
+            j.future.result(timeout=120)
+        assert sorted(pool._free_flags) == list(range(flags))
+    finally:
+        (loads / "release").touch()
+        pf.close()
+        cache.close()
+
+
 @pytest.mark.timeout(300)
 def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_path):
     err = open(tmp_path / "train.stderr", "w")
@@ -134,9 +223,17 @@ def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_pa
 
 def test_bad_processes_argument_names_it(shm_dir):
     cache = make_cache(shm_dir)
+    children = {c.pid for c in psutil.Process().children()}  # e.g. a resource tracker
     try:
         for bad, exc in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
             with pytest.raises(exc, match="processes"):
                 Prefetcher(list(range(N)), cache, value_of, processes=bad)
+        for bad, exc in (("thread", ValueError), (3, TypeError)):
+            with pytest.raises(exc, match=f"multiprocessing_context.*{bad!r}|"
+                                          f"multiprocessing_context of type int"):
+                Prefetcher(list(range(N)), cache, value_of, processes=1,
+                           multiprocessing_context=bad)
+        # A refused prefetcher started nothing.
+        assert {c.pid for c in psutil.Process().children()} == children
     finally:
         cache.close()

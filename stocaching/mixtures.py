@@ -1,0 +1,654 @@
+"""Weighted mixtures of datasets: ``WeightedMixtureSampler`` and ``MixtureDataset``.
+
+An epoch draws from several sub-datasets in proportion to their weights. With weights
+proportional to their lengths (the default), it sees every element of every sub-dataset exactly
+once, randomly interleaved; an up-weighted sub-dataset repeats (spread over the epoch), a
+down-weighted one is subsampled without repetition. The order is a pure function of
+``(seed, epoch)``, split over ranks as ``DistributedSampler`` does, and one ``state_dict()`` of
+any rank restores every rank. ``MixtureDataset`` concatenates the sub-datasets (each may hold its
+own ``SharedCache``) and reports each one's hit rate.
+
+Example::
+
+    from stocaching import MixtureDataset, WeightedMixtureSampler
+
+    mix = MixtureDataset([imagenet, lsun, cifar])      # each with its own .cache, or none
+    sampler = WeightedMixtureSampler(mix, [0.7, 0.25, 0.05], seed=0)
+    loader = torch.utils.data.DataLoader(mix, batch_size=64, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        before = mix.stats()
+        for batch in loader:
+            ...
+        print(sampler.shares(epoch), [s["hit_rate"] for s in mix.stats(since=before)])
+
+An opt-in part of stocaching: it imports only public names of the core module
+(``stocaching.py``), so copying the two files side by side into a project also works.
+See docs/mixtures.md.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MixtureDataset", "WeightedMixtureSampler"]
+
+import logging
+import math
+import time
+import warnings
+from fractions import Fraction
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+try:  # inside the package
+    from .stocaching import SharedCache, World, check_int
+except ImportError:  # copied beside stocaching.py
+    from stocaching import SharedCache, World, check_int  # type: ignore[no-redef]
+
+logger = logging.getLogger("stocaching")
+
+#: Weights must be above this (conveyer's bound): a smaller one is almost surely a mistake.
+MIN_WEIGHT = 0.001
+# Positions per block of the interleave: at most this (a block is shuffled in place, so it
+# should fit in the CPU's cache: 256 KiB of int32), and at most 1/64 of the epoch, so that an
+# up-weighted sub-dataset's passes stay apart in epochs of any size.
+_BLOCK = 65536
+_MIN_BLOCKS = 64
+# Weights within this relative distance of proportional to the lengths count as proportional.
+_PROPORTIONAL_RTOL = 1e-9
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _lengths_of(source: Any) -> tuple[int, ...]:
+    """The sub-dataset lengths of a ``MixtureDataset`` or of a sequence of sized objects or
+    ints, checked: at least one, none empty."""
+    if isinstance(source, MixtureDataset):
+        return source.lengths
+    if isinstance(source, (str, bytes)) or not isinstance(source, Sequence):
+        raise TypeError(f"datasets should be a MixtureDataset or a sequence of datasets (or of "
+                        f"their lengths), but got datasets of type {type(source).__name__}")
+    if len(source) == 0:
+        raise ValueError("datasets should hold at least one dataset, but got datasets=[]")
+    lengths = []
+    for k, d in enumerate(source):
+        if hasattr(d, "__len__"):
+            n = len(d)
+        elif isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+            n = int(d)
+        else:
+            raise TypeError(f"datasets[{k}] should be a dataset with a length, or a length, but "
+                            f"got datasets[{k}] of type {type(d).__name__}")
+        if n < 1:
+            raise ValueError(f"datasets[{k}] should have at least one element, but got "
+                             f"len(datasets[{k}])={n}")
+        lengths.append(n)
+    return tuple(lengths)
+
+
+def _check_weights(weights: Any, count: int) -> tuple[float, ...]:
+    """``count`` finite numbers above ``MIN_WEIGHT``, as floats."""
+    if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
+        raise TypeError(f"weights should be a sequence of {count} numbers > {MIN_WEIGHT}, but "
+                        f"got weights of type {type(weights).__name__}")
+    weights = list(weights)
+    if len(weights) != count:
+        raise ValueError(f"weights should have one number per dataset ({count}), but got "
+                         f"{len(weights)}: weights={weights!r}")
+    out = []
+    for k, w in enumerate(weights):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, float, np.integer,
+                                                                  np.floating)):
+            raise TypeError(f"weights[{k}] should be a finite number > {MIN_WEIGHT}, but got "
+                            f"weights[{k}]={w!r} (type {type(w).__name__})")
+        w = float(w)
+        if not math.isfinite(w) or w <= MIN_WEIGHT:
+            raise ValueError(f"weights[{k}] should be a finite number > {MIN_WEIGHT}, but got "
+                             f"weights[{k}]={w!r}")
+        out.append(w)
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The epoch: counts, then the order
+# ----------------------------------------------------------------------------------------------
+
+
+def _quotas(lengths: Sequence[int], weights: Sequence[float], total: int) -> list[Fraction]:
+    """Each sub-dataset's exact share of ``total`` positions. Weights proportional to the
+    lengths (within a relative 1e-9) are taken as exactly proportional, so that float weights
+    such as (0.5, 0.3, 0.2) for lengths (50, 30, 20) still give every element once."""
+    n = np.asarray(lengths, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if np.allclose(w / w.sum(), n / n.sum(), rtol=_PROPORTIONAL_RTOL, atol=0):
+        exact = [Fraction(int(x)) for x in lengths]
+    else:
+        exact = [Fraction(x) for x in weights]  # a float is an exact fraction
+    s = sum(exact)
+    return [total * x / s for x in exact]
+
+
+def _round_counts(quotas: Sequence[Fraction], u: float) -> np.ndarray:
+    """Round ``quotas`` (summing to an int) to ints with the same sum: each is its floor plus
+    at most one, and the extra units go to sub-dataset k with probability equal to its
+    remainder (systematic sampling with the offset ``u`` in [0, 1)), so over epochs the mean
+    count is the quota exactly."""
+    floors = [math.floor(q) for q in quotas]
+    acc, prev, out = Fraction(u), math.floor(Fraction(u)), []
+    for q, f in zip(quotas, floors):
+        acc += q - f
+        now = math.floor(acc)
+        out.append(f + now - prev)
+        prev = now
+    return np.asarray(out, dtype=np.int64)
+
+
+def _subset(n: int, r: int, rng: np.random.Generator) -> np.ndarray:
+    """``r`` distinct elements of ``range(n)``, uniformly among subsets, ascending: a
+    Bernoulli(r/n) draw, then a few removed or added at random to make exactly ``r``."""
+    pick = rng.random(n) < r / n
+    sel = np.flatnonzero(pick)
+    extra = sel.size - r
+    if extra > 0:
+        sel = np.delete(sel, rng.choice(sel.size, extra, replace=False))
+    elif extra < 0:
+        rest = np.flatnonzero(~pick)
+        sel = np.sort(np.concatenate([sel, rest[rng.choice(rest.size, -extra, replace=False)]]))
+    return sel
+
+
+def _stream(n: int, count: int, offset: int, rng: np.random.Generator, dtype: type
+            ) -> np.ndarray:
+    """A sub-dataset's ``count`` positions of an epoch, in the order they will be spread over
+    it: ``count // n`` whole passes (each a random permutation), then a random subset of
+    ``count % n`` distinct elements in random order. Values are global indices (+ offset)."""
+    passes, rest = divmod(count, n)
+    out = np.empty(count, dtype=dtype)
+    g = torch.Generator()
+    g.manual_seed(int(rng.integers(2**63)))
+    tdtype = torch.int32 if dtype == np.int32 else torch.int64
+    for p in range(passes):
+        out[p * n:(p + 1) * n] = torch.randperm(n, generator=g, dtype=tdtype).numpy()
+    if rest:
+        sel = _subset(n, rest, rng).astype(dtype, copy=False)
+        out[passes * n:] = sel[torch.randperm(rest, generator=g).numpy()]
+    out += offset
+    return out
+
+
+def _one_pass(lengths: Sequence[int], counts: np.ndarray, offsets: np.ndarray,
+              rng: np.random.Generator, dtype: type) -> np.ndarray:
+    """The order of an epoch where no sub-dataset repeats (every count at most its length):
+    the chosen elements (all of a sub-dataset, or a random subset) in a uniformly random
+    order, by one ``torch.randperm`` as ``DistributedSampler`` does; with every element
+    chosen, that permutation is the order itself."""
+    g = torch.Generator()
+    g.manual_seed(int(rng.integers(2**63)))
+    total = int(counts.sum())
+    perm = torch.randperm(total, generator=g,
+                          dtype=torch.int32 if dtype == np.int32 else torch.int64).numpy()
+    if all(int(c) == n for c, n in zip(counts, lengths)):
+        return perm
+    chosen = np.concatenate([
+        (np.arange(n, dtype=dtype) if c == n else _subset(n, int(c), rng).astype(dtype)) + o
+        for n, c, o in zip(lengths, counts.tolist(), offsets[:-1].tolist())])
+    return chosen[perm]
+
+
+def _interleave(streams: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """A random interleave of the streams that keeps each stream's order across blocks (of
+    ``_BLOCK`` positions, or 1/64 of the epoch if that is less): each block takes the next items of every stream in numbers drawn as
+    a uniformly random interleave would put there (multivariate hypergeometric), and is then
+    shuffled. With streams that are random permutations this is a uniformly random order of
+    their union; an up-weighted stream's passes follow one another through the epoch."""
+    left = np.asarray([s.size for s in streams], dtype=np.int64)
+    total = int(left.sum())
+    out = np.empty(total, dtype=streams[0].dtype)
+    pos = np.zeros(len(streams), dtype=np.int64)
+    step = max(1, min(_BLOCK, -(-total // _MIN_BLOCKS)))
+    for start in range(0, total, step):
+        size = min(step, total - start)
+        take = rng.multivariate_hypergeometric(left, size) if len(streams) > 1 else \
+            np.asarray([size])
+        block = out[start:start + size]
+        at = 0
+        for k, m in enumerate(take.tolist()):
+            if m:
+                block[at:at + m] = streams[k][pos[k]:pos[k] + m]
+                at += m
+        rng.shuffle(block)
+        pos += take
+        left -= take
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The sampler
+# ----------------------------------------------------------------------------------------------
+
+
+class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
+    """Sampler of a weighted mixture of datasets; also a drop-in for ``DistributedSampler``.
+
+    It yields global indices of the concatenation of the sub-datasets (``MixtureDataset``'s
+    indices: sub-dataset k's element j is ``sum(lengths[:k]) + j``).
+
+    **Epoch length**: ``num_samples`` positions per epoch (all ranks together, before the
+    padding below); default: the sum of the sub-datasets' lengths.
+
+    **Counts**: sub-dataset k gets ``quota_k = num_samples * w_k / sum(w)`` positions, rounded
+    so that the counts sum to ``num_samples`` exactly: each count is the floor of its quota or
+    one more, and the extra units go to sub-dataset k with probability equal to its quota's
+    fractional part, drawn from ``(seed, epoch)`` (systematic sampling). So every epoch is
+    within one position of the quotas, and over epochs the mean count equals the quota.
+    Weights proportional to the lengths (within a relative 1e-9) count as exactly proportional.
+
+    **Elements**: a sub-dataset with count ``c`` and length ``n`` gives ``c // n`` whole passes
+    (every element once each) and then ``c % n`` distinct elements drawn at random, so each
+    element comes ``c // n`` or ``ceil(c / n)`` times. Hence: weights proportional to the
+    lengths with the default length = every element of every sub-dataset exactly once; a
+    down-weighted sub-dataset (``c < n``) is subsampled without repetition, a new random subset
+    each epoch (independent across epochs); an up-weighted one repeats at most
+    ``ceil(c / n)`` times. The passes are spread over the epoch: the p-th copy of an element
+    lies in about the fraction ``[p n / c, (p + 1) n / c)`` of it.
+
+    **Order**: the sub-datasets are interleaved at random (in each block of
+    ``min(65536, ceil(num_samples / 64))`` positions exactly as a uniformly random shuffle
+    would), a pure function of ``(seed, epoch)``
+    through local generators. Ranks get ``order[rank::num_replicas]`` after padding by
+    repeating the order's start up to a multiple of ``num_replicas`` (or truncating, with
+    ``drop_last``), as ``DistributedSampler`` does; padding may repeat an element once more.
+
+    **Resume**: ``state_dict()`` records the epoch, how many indices of it this rank has
+    yielded and everything that fixes the order; since every rank consumes the same number
+    per step, the state of *any* rank restores *every* rank (``load_state_dict`` on each).
+    With ``num_workers > 0`` the loader prefetches, so pass what the model consumed:
+    ``state_dict(consumed=steps * batch_size)``. The seed, ``num_replicas``, ``drop_last`` and
+    the sub-dataset lengths must match. **Weights or num_samples may differ**: the saved epoch
+    then finishes with the weights and length it was saved with (the rest of the same order,
+    so its guarantees hold), and the new ones apply from the next epoch on.
+
+    .. warning::
+        Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: without it
+        every epoch repeats the same order (iterating an epoch twice issues a warning).
+
+    Args:
+        datasets: a ``MixtureDataset``, or a sequence of the sub-datasets (anything with a
+            length) or of their lengths; at least one, none empty.
+        weights: one finite number > 0.001 per sub-dataset, relative (they need not sum to
+            1). Default: the lengths (every element once per epoch).
+        num_replicas: number of ranks. Default: ``torch.distributed``'s world size if it is
+            initialised, else ``World.from_env()``'s (the launcher's variables, else 1).
+        rank: this rank, in ``[0, num_replicas)``. Default: from the same source.
+        seed: seed of the order, in ``[0, 2**63)``; identical on every rank. Default: 0.
+        drop_last: truncate instead of pad, as in ``DistributedSampler``. Default: False.
+        num_samples: positions per epoch over all ranks, an int >= 1. Default: the sum of the
+            lengths.
+    """
+
+    def __init__(self, datasets: Any, weights: Sequence[float] | None = None, *,
+                 num_replicas: int | None = None, rank: int | None = None, seed: int = 0,
+                 drop_last: bool = False, num_samples: int | None = None) -> None:
+        lengths = _lengths_of(datasets)
+        weights = tuple(float(n) for n in lengths) if weights is None else \
+            _check_weights(weights, len(lengths))
+        if num_replicas is None or rank is None:
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized():
+                ws, r = dist.get_world_size(), dist.get_rank()
+            else:
+                here = World.from_env()
+                ws, r = here.world_size, here.rank
+            num_replicas = ws if num_replicas is None else num_replicas
+            rank = r if rank is None else rank
+        self.num_replicas = check_int("num_replicas", num_replicas, low=1)
+        self.rank = check_int("rank", rank, low=0, high=self.num_replicas - 1)
+        self.seed = check_int("seed", seed, low=0, high=2**63 - 1)
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise TypeError(f"drop_last should be a bool, but got drop_last={drop_last!r}")
+        self.drop_last = bool(drop_last)
+        self.num_samples = sum(lengths) if num_samples is None else \
+            check_int("num_samples", num_samples, low=1)
+        if self.drop_last and self.num_samples < self.num_replicas:
+            raise ValueError(f"num_samples should be at least num_replicas={self.num_replicas} "
+                             f"with drop_last=True (else every rank gets nothing), but got "
+                             f"num_samples={self.num_samples}")
+        self.lengths = lengths
+        self.weights = weights
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.epoch = 0
+        # The recipe (weights, num_samples) of an epoch loaded from a state saved with others.
+        self._saved: tuple[int, tuple[float, ...], int] | None = None
+        self._resume = 0  # indices of self.epoch to skip at the next __iter__
+        self._it: Iterator[int] | None = None  # the latest iterator, and what it covers:
+        self._it_epoch = self._it_start = self._it_len = 0
+
+    # -- what an epoch is ----------------------------------------------------------------------
+
+    def _recipe(self, epoch: int) -> tuple[tuple[float, ...], int]:
+        if self._saved is not None and self._saved[0] == epoch:
+            return self._saved[1], self._saved[2]
+        return self.weights, self.num_samples
+
+    def _per_rank(self, total: int) -> int:
+        return total // self.num_replicas if self.drop_last else \
+            math.ceil(total / self.num_replicas)
+
+    def counts(self, epoch: int | None = None) -> np.ndarray:
+        """Positions of each sub-dataset in ``epoch`` (default: the current one), over all
+        ranks and before padding: the realised shares are ``counts / counts.sum()``.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        epoch = self.epoch if epoch is None else check_int("epoch", epoch, low=0)
+        weights, total = self._recipe(epoch)
+        rng = np.random.default_rng([self.seed, epoch, 0])
+        return _round_counts(_quotas(self.lengths, weights, total), float(rng.random()))
+
+    def shares(self, epoch: int | None = None) -> np.ndarray:
+        """The realised share of each sub-dataset in ``epoch`` (default: the current one):
+        ``counts(epoch) / num_samples``, floats summing to 1."""
+        c = self.counts(epoch)
+        return c / c.sum()
+
+    def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The sub-dataset and the index in it of each global index.
+
+        Args:
+            indices: global indices, in ``[0, sum(lengths))``.
+
+        Returns:
+            ``(sub, local)``, two int64 arrays of the shape of ``indices``.
+        """
+        return _locate(self.offsets, indices)
+
+    def global_order(self, epoch: int) -> np.ndarray:
+        """The whole order of ``epoch`` (every rank's indices before the split and padding),
+        int64, without changing the sampler's state.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        epoch = check_int("epoch", epoch, low=0)
+        t0 = time.perf_counter()
+        counts = self.counts(epoch)
+        rng = np.random.default_rng([self.seed, epoch, 1])
+        total = int(self.offsets[-1])
+        dtype = np.int32 if max(total, int(counts.sum())) < 2**31 else np.int64
+        if all(int(c) <= n for c, n in zip(counts, self.lengths)):
+            order = _one_pass(self.lengths, counts, self.offsets, rng, dtype)
+        else:
+            streams = [_stream(n, int(c), int(o), rng, dtype)
+                       for n, c, o in zip(self.lengths, counts, self.offsets[:-1])]
+            order = _interleave(streams, rng)
+        logger.debug("mixture epoch %d: counts %s, built in %.3f s", epoch, counts.tolist(),
+                     time.perf_counter() - t0)
+        return order
+
+    def epoch_indices(self, epoch: int) -> np.ndarray:
+        """This rank's indices for ``epoch`` (int64, ``len(self)`` of them for the current
+        epoch), without changing the sampler's state.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        order = self.global_order(epoch)
+        per_rank = self._per_rank(order.size)
+        # position rank + j * num_replicas of the order repeated from its start (padding), or
+        # cut (drop_last), as DistributedSampler does
+        mine = order[self.rank:per_rank * self.num_replicas:self.num_replicas]
+        if mine.size < per_rank:
+            pos = np.arange(self.rank + mine.size * self.num_replicas,
+                            per_rank * self.num_replicas, self.num_replicas) % order.size
+            mine = np.concatenate([mine, order[pos]])
+        return mine.astype(np.int64)
+
+    # -- the Sampler protocol ------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Indices per rank in the current epoch (the whole epoch, also right after a resume)."""
+        return self._per_rank(self._recipe(self.epoch)[1])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch``; call it on every rank before each epoch.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        epoch = check_int("epoch", epoch, low=0)
+        if epoch != self.epoch:
+            if 0 < self._resume < len(self):
+                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for epoch "
+                              f"{self.epoch} ({self._resume} of {len(self)} indices consumed)",
+                              stacklevel=2)
+            self._resume = 0
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's indices for the current epoch, from the loaded position if any."""
+        if self._it is not None and self._it_epoch == self.epoch:
+            warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
+                          f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
+        start, self._resume = self._resume, 0
+        indices = self.epoch_indices(self.epoch)[start:].tolist()
+        self._it = iter(indices)
+        self._it_epoch, self._it_start, self._it_len = self.epoch, start, len(indices)
+        return self._it
+
+    # -- resume --------------------------------------------------------------------------------
+
+    def _consumed(self) -> int:
+        if self._it is None or self._it_epoch != self.epoch:
+            return self._resume
+        # A list iterator's length hint is exactly the number of items it has left.
+        return self._it_start + self._it_len - self._it.__length_hint__()  # type: ignore
+
+    def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
+        """The position in the current epoch, with everything that fixes the order.
+
+        Args:
+            consumed: indices of this epoch this rank has used. Default: the number the
+                latest iterator has yielded (plus the resumed position it started from).
+
+        Returns:
+            A dict of plain values: ``epoch``, ``consumed``, ``seed``, ``num_replicas``,
+            ``drop_last``, ``lengths``, ``weights`` and ``num_samples`` (those the epoch is
+            built with), and ``rank`` (informative: any rank's state fits every rank).
+        """
+        consumed = self._consumed() if consumed is None else \
+            check_int("consumed", consumed, low=0, high=len(self))
+        weights, total = self._recipe(self.epoch)
+        return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
+                "num_replicas": self.num_replicas, "drop_last": self.drop_last,
+                "lengths": list(self.lengths), "weights": list(weights),
+                "num_samples": total, "rank": self.rank}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (of any rank): the next iterator yields the rest of its epoch.
+
+        ``seed``, ``num_replicas``, ``drop_last`` and ``lengths`` must match this sampler's.
+        ``weights`` and ``num_samples`` may differ: the saved epoch finishes with the saved
+        ones, later epochs use this sampler's. Nothing changes when the state is refused.
+
+        Args:
+            state: a dict from ``state_dict()``.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict from WeightedMixtureSampler.state_dict(), "
+                            f"but got {type(state).__name__}")
+        mine = self.state_dict(consumed=0)
+        missing = sorted(set(mine) - set(state))
+        if missing:
+            raise ValueError(f"state should be a dict from WeightedMixtureSampler.state_dict(), "
+                             f"but it lacks {missing}")
+        for field in ("seed", "num_replicas", "drop_last"):
+            if state[field] != mine[field]:
+                raise ValueError(f"state['{field}'] should be this sampler's {field}="
+                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}; "
+                                 f"the rest of the epoch would differ")
+        if list(state["lengths"]) != mine["lengths"]:
+            raise ValueError(f"state['lengths'] should be this sampler's sub-dataset lengths "
+                             f"{mine['lengths']} (the same sub-datasets in the same order), but "
+                             f"got state['lengths']={list(state['lengths'])!r}")
+        epoch = check_int("state['epoch']", state["epoch"], low=0)
+        weights = _check_weights(state["weights"], len(self.lengths))
+        total = check_int("state['num_samples']", state["num_samples"], low=1)
+        consumed = check_int("state['consumed']", state["consumed"], low=0,
+                             high=self._per_rank(total))
+        if weights != self.weights or total != self.num_samples:
+            logger.info("resuming epoch %d with its saved weights %s and num_samples %d; the "
+                        "new weights %s and num_samples %d apply from epoch %d", epoch,
+                        list(weights), total, list(self.weights), self.num_samples, epoch + 1)
+            self._saved = (epoch, weights, total)
+        else:
+            self._saved = None
+        self.epoch, self._resume, self._it = epoch, consumed, None
+
+
+def _locate(offsets: np.ndarray, indices: Any) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.asarray(indices)
+    if idx.size and not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"indices should be ints, but got an array of dtype {idx.dtype}")
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and (idx.min() < 0 or idx.max() >= offsets[-1]):
+        raise ValueError(f"indices should be in [0, {offsets[-1]}), but got "
+                         f"{idx.min()}..{idx.max()}")
+    sub = np.searchsorted(offsets, idx, side="right") - 1
+    return sub, idx - offsets[sub]
+
+
+# ----------------------------------------------------------------------------------------------
+# The dataset
+# ----------------------------------------------------------------------------------------------
+
+
+class MixtureDataset(torch.utils.data.Dataset):
+    """The concatenation of several datasets, with each one's cache at hand.
+
+    Index ``sum(lengths[:k]) + j`` is element j of sub-dataset k (as
+    ``torch.utils.data.ConcatDataset``). Each sub-dataset may have its own ``SharedCache``:
+    by default its ``.cache`` attribute (the README's pattern), or the ones given in
+    ``caches``. ``stats()`` gives each cache's counters and hit rate, ``ready_mask()`` tells
+    which samples are in their caches (the ``ready`` of ``ReadyFirstSampler``).
+
+    Args:
+        datasets: the sub-datasets, a non-empty sequence of datasets with a length >= 1.
+        caches: one ``SharedCache`` or None per sub-dataset, for datasets that keep their cache
+            elsewhere than ``.cache``. Default: each dataset's ``.cache`` if it is a
+            ``SharedCache``, else None.
+        check_samples: require the caches' ``data_dims`` and ``dtype`` to be the same (what
+            the default ``collate_fn`` needs to batch samples of different sub-datasets
+            together); pass False if your ``collate_fn`` handles different ones. Default: True.
+    """
+
+    def __init__(self, datasets: Sequence[Any], *, caches: Sequence[Any] | None = None,
+                 check_samples: bool = True) -> None:
+        if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence):
+            raise TypeError(f"datasets should be a sequence of datasets, but got datasets of "
+                            f"type {type(datasets).__name__}")
+        for k, d in enumerate(datasets):
+            if not (hasattr(d, "__len__") and hasattr(d, "__getitem__")):
+                raise TypeError(f"datasets[{k}] should be a dataset (with __len__ and "
+                                f"__getitem__), but got datasets[{k}] of type "
+                                f"{type(d).__name__}")
+        self.lengths = _lengths_of(list(datasets))
+        if caches is None:
+            caches = [c if isinstance(c := getattr(d, "cache", None), SharedCache) else None
+                      for d in datasets]
+        else:
+            if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
+                raise TypeError(f"caches should be a sequence of SharedCache or None, one per "
+                                f"dataset, but got caches of type {type(caches).__name__}")
+            caches = list(caches)
+            if len(caches) != len(datasets):
+                raise ValueError(f"caches should have one entry per dataset ({len(datasets)}), "
+                                 f"but got {len(caches)}")
+            for k, c in enumerate(caches):
+                if c is not None and not isinstance(c, SharedCache):
+                    raise TypeError(f"caches[{k}] should be a SharedCache or None, but got "
+                                    f"caches[{k}] of type {type(c).__name__}")
+        for k, c in enumerate(caches):
+            if c is not None and c.dataset_len != self.lengths[k]:
+                raise ValueError(f"caches[{k}].dataset_len should be len(datasets[{k}])="
+                                 f"{self.lengths[k]}, but got {c.dataset_len}")
+        if check_samples:
+            kinds = [(k, tuple(c.data_dims), c.dtype) for k, c in enumerate(caches)
+                     if c is not None]
+            for k, dims, dtype in kinds[1:]:
+                k0, dims0, dtype0 = kinds[0]
+                if (dims, dtype) != (dims0, dtype0):
+                    raise ValueError(
+                        f"datasets[{k}] should hold samples like datasets[{k0}] (its cache has "
+                        f"data_dims={dims0}, dtype={dtype0}), but its cache has "
+                        f"data_dims={dims}, dtype={dtype}; pass check_samples=False if your "
+                        f"collate_fn batches different samples")
+        self.datasets = list(datasets)
+        self.caches: list[SharedCache | None] = caches
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> Any:
+        i = check_int("index", index, low=-len(self), high=len(self) - 1,
+                      expect=f"an int in [-{len(self)}, {len(self)})")
+        if i < 0:
+            i += len(self)
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return self.datasets[k][i - int(self.offsets[k])]
+
+    def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The sub-dataset and the index in it of each global index.
+
+        Args:
+            indices: global indices, in ``[0, len(self))``.
+
+        Returns:
+            ``(sub, local)``, two int64 arrays of the shape of ``indices``.
+        """
+        return _locate(self.offsets, indices)
+
+    def counts(self, indices: Any) -> np.ndarray:
+        """How many of ``indices`` fall in each sub-dataset (e.g. what one rank read in an
+        epoch): one int per sub-dataset.
+
+        Args:
+            indices: global indices, in ``[0, len(self))``.
+        """
+        sub, _ = self.locate(np.asarray(indices).ravel())
+        return np.bincount(sub, minlength=len(self.lengths)).astype(np.int64)
+
+    def ready_mask(self, indices: Any = None) -> np.ndarray:
+        """True where the sample is in its sub-dataset's cache now (``SharedCache.ready_mask``;
+        always False for a sub-dataset without a cache), for ``indices`` (default: all). Pass
+        this method as ``ReadyFirstSampler``'s ``ready``."""
+        idx = np.arange(len(self)) if indices is None else np.asarray(indices)
+        sub, local = self.locate(idx)
+        out = np.zeros(idx.shape, dtype=bool)
+        for k, c in enumerate(self.caches):
+            if c is not None:
+                here = sub == k
+                if here.any():
+                    out[here] = c.ready_mask(local[here])
+        return out
+
+    def stats(self, *, since: Sequence[Any] | None = None) -> list[dict[str, Any] | None]:
+        """Each sub-dataset's cache counters (``SharedCache.stats()``), None where it has no
+        cache; ``hit_rate`` in each is that sub-dataset's.
+
+        Args:
+            since: an earlier ``stats()`` of this dataset: counters of the time between, e.g.
+                of one epoch. Default: None, since each cache was made.
+        """
+        if since is not None:
+            if isinstance(since, (str, bytes, Mapping)) or not isinstance(since, Sequence) \
+                    or len(since) != len(self.caches):
+                raise TypeError(f"since should be a list from this dataset's stats() (one "
+                                f"entry per sub-dataset), but got since={since!r}")
+        return [None if c is None else c.stats(since=None if since is None else since[k])
+                for k, c in enumerate(self.caches)]
