@@ -651,7 +651,7 @@ _HEADER_FIELDS = (
     "num_nodes", "node_rank", "layout_seed", "creator_pid", "creator_start", "uid",
     "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
     "attached", "ready", "staging", "stage_off", "nfields",
-    "arena_bytes", "arena_top", "record_words", "mean_bytes",  # a cache of open sizes
+    "arena_bytes", "arena_top", "record_words", "mean_bytes", "arena_full",  # open sizes
 )
 _HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
 _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
@@ -660,8 +660,8 @@ _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
 _FIELDS_OFF = 1024
 _FIELD_RECORD = struct.Struct(f"<{_FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
 _STATS_ROWS = 1024
-_STATS_COLS = 9  # pid, start, hits, misses, oob misses, writes, staged hits, stages, full
-_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES, _FULL = range(9)
+_STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
+_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES = range(8)
 _LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, then one byte per slot
 _STAGE_LOCK = _LOCK_BASE - 1  # the staging map
 _STAGE_TAG_SHIFT = 40  # a staging map entry: index | tag << 40
@@ -1250,7 +1250,7 @@ class SharedCache:
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
              "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS,
              "staging": self._staging, "nfields": len(self._fields), "arena_bytes": 0,
-             "arena_top": 0, "record_words": 0, "mean_bytes": 0}
+             "arena_top": 0, "record_words": 0, "mean_bytes": 0, "arena_full": 0}
         for i in range(_MAX_DIMS):
             h[f"dim{i}"] = (-1 if one[i] is None else one[i]) if i < len(one) else 0
         h.update(_segment_offsets(lay, self._slot_bytes, self._staging))
@@ -2355,14 +2355,14 @@ class SharedCache:
             reads, nan without reads) and ``processes`` (live processes that have used it).
         """
         self._check_open()
-        counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages", "full")
+        counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages")
         if since is not None and (not isinstance(since, Mapping) or
                                   not all(_is_int(since.get(k)) for k in counters)):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
         with self._header_locked():
             rows = self._stats_np.copy()
-        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_FULL + 1].sum(0))))
+        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
         if since is not None:
             counts = {k: v - int(since[k]) for k, v in counts.items()}
         reads = counts["hits"] + counts["misses"]
@@ -2518,7 +2518,7 @@ class _FieldsCache(SharedCache):
 
     def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
         names = list(self._dims)
-        if out is not None and (not isinstance(out, Mapping) or sorted(out) != sorted(names)):
+        if out is not None and (not isinstance(out, Mapping) or set(out) != set(names)):
             got = f"keys {list(out)}" if isinstance(out, Mapping) else \
                 f"type {type(out).__name__}"
             raise TypeError(f"out should be a dict of tensors with the fields {names}, but "
@@ -2542,9 +2542,11 @@ class _FieldsCache(SharedCache):
         """Raw slot write of a dict of every field, with torch's assignment rules per field
         (as ``SharedCache.__setitem__``)."""
         self._check_open()
-        if not isinstance(value, Mapping) or sorted(value) != sorted(self._dims):
+        if not isinstance(value, Mapping) or set(value) != set(self._dims):
+            got = f"keys {list(value)}" if isinstance(value, Mapping) else \
+                f"type {type(value).__name__}"
             raise TypeError(f"value should be a dict with the fields {list(self._dims)}, but "
-                            f"got {value!r}"[:300])
+                            f"got value of {got}")
         slot, first, count = self._raw_slots(slot)
         with self._writing(first, count):
             for n, t in self._array.items():
@@ -2847,14 +2849,14 @@ class _ArenaCache(SharedCache):
                 off = self._header_get("arena_top")
                 if off + cap <= self._arena:
                     self._header_set("arena_top", off + cap)
-                else:
+                else:  # counted here, under the lock: one counter for the node
                     off = -1
+                    self._header_set("arena_full", self._header_get("arena_full") + 1)
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
             if off < 0:  # full: nothing stored; an overwritten sample is dropped
                 if state != EMPTY:
                     self._drop(idx)
-                self._ctr[_FULL] += 1
                 return False
         seq = rec[base]
         seq += seq & 1  # an odd number left by a writer that died: round up
@@ -2904,8 +2906,13 @@ class _ArenaCache(SharedCache):
         (bytes handed out since the last ``clear()``, overwritten places included); ``full``
         counts writes that found no room. ``slots`` is the number of indices this node may
         admit."""
+        full = self._header_get("arena_full")
+        if since is not None and not _is_int(since.get("full")):
+            raise TypeError(f"since should be a dict from this cache's stats(), but got "
+                            f"since={since!r}")
         out = super().stats(since=since)
-        out.update(arena_bytes=self._arena, arena_used=self._header_get("arena_top"))
+        out.update(full=full - (int(since["full"]) if since is not None else 0),
+                   arena_bytes=self._arena, arena_used=self._header_get("arena_top"))
         return out
 
     # -- copies and raw access ----------------------------------------------------------------
