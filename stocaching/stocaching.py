@@ -1228,7 +1228,8 @@ class SharedCache:
         self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
         self._world = world
         self._dims, self._dtype, self._staging = dims, dtype, staging
-        self._fields = fields
+        if fields:  # (else the class's (): see _fields below)
+            self._fields = fields
         self._name = name
         self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
                                                                     name))
@@ -1523,9 +1524,8 @@ class SharedCache:
             dt = _slot_map_dtype(lay)
             self._slot_map = view[head["map_off"]: head["map_off"] + dt.itemsize *
                                   lay.dataset_len].cast(dt.char)
-            self._slot_map_np = np.frombuffer(mm, dt, lay.dataset_len, head["map_off"])
         else:
-            self._slot_map = self._slot_map_np = None
+            self._slot_map = None
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -1634,6 +1634,12 @@ class SharedCache:
     # What a process that receives the cache needs to map it (see _rebuild_cache).
     _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields")
 
+    # Class-level defaults, set on the instance only where they differ: a single-tensor cache
+    # keeps the 30 instance attributes it had, which CPython 3.11 stores inline (more than 30
+    # turn the instance's __dict__ into a plain dict, and every attribute read of the hit
+    # path got a few per cent slower).
+    _fields: tuple = ()  # the fields of a sample (_FieldsCache, _ArenaCache with a dict)
+
     def __reduce__(self) -> tuple:
         if self._closed:
             raise ValueError("a closed SharedCache cannot be sent to another process")
@@ -1649,7 +1655,7 @@ class SharedCache:
                 "one, leave the cache out in __getstate__ and construct it again in "
                 "__setstate__; copy.copy(cache) is the same cache, copy.deepcopy(cache) a "
                 "private copy")
-        state = {k: self.__dict__[k] for k in self._STATE}
+        state = {k: getattr(self, k) for k in self._STATE}
         return _rebuild_cache, (DupFd(self._fd), type(self), state)
 
     def __copy__(self) -> "SharedCache":
@@ -1917,7 +1923,8 @@ class SharedCache:
         # states, then the copy, then the sequence numbers again, unchanged.
         aux = self._aux_np[idx]
         cand = aux == SET
-        slots = idx if self._slot_map_np is None else self._slot_map_np[idx]
+        slots = idx if self._slot_map is None else \
+            np.frombuffer(self._slot_map, self._slot_map.format)[idx]
         hit = cand.copy()
         if cand.any():  # (a cache without slots has no slot 0)
             slots = np.where(cand, slots, 0)  # a miss copies slot 0, then is zeroed
@@ -2391,7 +2398,7 @@ class SharedCache:
         _LIVE_CACHES.discard(self)
         self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
         self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
-        self._stage_np = self._slot_map_np = _CLOSED  # type: ignore
+        self._stage_np = _CLOSED  # type: ignore
         self._array = self._ro_slots = _CLOSED  # type: ignore
         for mm in (self._mm, getattr(self, "_ro_mm", None)):
             if mm is not None:
