@@ -1,11 +1,16 @@
-"""Per-call cost of SharedCache: get_slot hit / miss, set_slot, construction.
+"""Per-call cost of SharedCache: get_slot hit / miss, set_slot, construction, batched reads.
 
 Run: ``python -m benchmark.microbench [--ref-dir DIR] [--construct-gib 1 8]``, or
 ``python -m benchmark.microbench --ref-dir DIR --before OLD_stocaching.py`` for the hit and write
 paths of two versions of the core side by side.
 
 Every figure is printed next to references measured in the same run (a bare ``clone()`` of one
-slot, torch and numpy indexing), because a shared machine is noisy: compare ratios. With
+slot, torch and numpy indexing), because a shared machine is noisy: compare ratios. Both modes
+end with target lines, each ``[PASS]`` or ``[MISS]`` with the two figures compared: a batch of 64
+hits read by ``get_batch`` against 64 ``get_slot`` calls and a ``torch.stack``; a hit of a
+cache of open sizes against a bare ``clone()`` of the same bytes; how many images of varied
+sizes fit in a budget against the sum of their sizes; and, with ``--before``, this core's
+``get_slot`` hit against the older core's. With
 ``--ref-dir`` pointing at ``pip install --target DIR stocaching==0.2.1``, stocaching 0.2.1 is
 measured too, imported under another name.
 """
@@ -130,6 +135,90 @@ def bench_side_by_side(dims: tuple[int, ...], ref, before, rounds: int = 25
     return [(k, min(v), float(np.median(v))) for k, v in times.items()]
 
 
+def bench_batch(dims: tuple[int, ...] = (3, 128, 128), batch: int = 64, rounds: int = 15,
+                n: int = 2048) -> dict[str, list[float]]:
+    """A batch of ``batch`` hits read by one ``get_batch`` against ``batch`` ``get_slot`` calls
+    and a ``torch.stack``, interleaved round by round. The batches are random indices of ``n``
+    filled slots (100 MB at the default sizes, more than a CPU cache holds, as in an epoch).
+
+    Returns microseconds per sample of every round, by method."""
+    x = torch.randint(0, 255, dims, dtype=torch.uint8)
+    gib = (np.prod(dims) + 1) * n * 1.01 / 2**30
+    rng = np.random.default_rng(0)
+    batches = [rng.choice(n, batch, replace=False).tolist() for _ in range(64)]
+    times: dict[str, list[float]] = {"get_batch": [], "get_slot + stack": []}
+    with stocaching.SharedCache(gib, n, dims, name="microbench-batch") as c:
+        for i in range(n):
+            c.set_slot(i, x)
+        k = itertools.count()
+
+        def batched():
+            out, hit = c.get_batch(batches[next(k) % 64])
+            assert hit.all()
+
+        def looped():
+            rows = [c.get_slot(i) for i in batches[next(k) % 64]]
+            return torch.stack(rows)
+
+        for _ in range(rounds):
+            for name, fn in (("get_batch", batched), ("get_slot + stack", looped)):
+                times[name].append(timeit.timeit(fn, number=20) / 20 / batch * 1e6)
+    return times
+
+
+def bench_variable(n: int = 512, rounds: int = 15) -> dict[str, list[float]]:
+    """A hit of a cache of open sizes, (3, None, None) uint8 images of 96-160 pixels a side
+    (about 45 KB each, 23 MB in all), against a bare ``clone()`` of the same bytes (a tensor
+    view of the sample in the cache's arena, as "bare clone() of one slot" above is of the
+    slot), and of a private copy of each image; the same index sequence for all, interleaved
+    round by round.
+
+    Returns microseconds per call of every round, by method."""
+    rng = np.random.default_rng(1)
+    images = [torch.randint(0, 255, (3, int(h), int(w)), dtype=torch.uint8)
+              for h, w in rng.integers(96, 161, (n, 2))]
+    gib = (sum(x.numel() for x in images) + 16 * n + 64 * n) * 1.01 / 2**30
+    order = rng.integers(0, n, 4096).tolist()
+    times: dict[str, list[float]] = {}
+    with stocaching.SharedCache(gib, n, (3, None, None), name="microbench-var") as c:
+        for i, x in enumerate(images):
+            c.set_slot(i, x)
+        assert c.stats()["filled"] == n
+        arena = torch.from_numpy(c._arena_np)
+        same = [arena[o: o + b].view(x.shape) for (o, b), x in
+                zip(c._rec_np[:, 1:3].tolist(), images)]  # the samples in the arena
+        k = itertools.count()
+        for _ in range(rounds):
+            for name, fn in (("get_slot hit, open sizes",
+                              lambda: c.get_slot(order[next(k) % 4096])),
+                             ("bare clone() of the same bytes",
+                              lambda: same[order[next(k) % 4096]].clone()),
+                             ("bare clone() of a private copy",
+                              lambda: images[order[next(k) % 4096]].clone())):
+                times.setdefault(name, []).append(timeit.timeit(fn, number=1000) / 1000 * 1e6)
+    return times
+
+
+def bench_memory(budget_mib: float = 64, n: int = 4096) -> dict[str, int]:
+    """How many variable-size images (3 x 64-256 x 64-256 uint8, in a fixed random order) a
+    cache of open sizes admits in ``budget_mib``, against the most whose actual sizes sum to
+    at most the budget, and against padding every image to the largest size."""
+    rng = np.random.default_rng(2)
+    sides = rng.integers(64, 257, (n, 2))
+    sizes = [3 * int(h) * int(w) for h, w in sides]
+    budget = int(budget_mib * 2**20)
+    with stocaching.SharedCache(budget / 2**30, n, (3, None, None), name="microbench-mem") as c:
+        for i, (h, w) in enumerate(sides):
+            c.set_slot(i, torch.zeros((3, int(h), int(w)), dtype=torch.uint8))
+        admitted = c.stats()["filled"]
+    ideal = int(np.searchsorted(np.cumsum(sizes), budget, side="right"))
+    return {"admitted": admitted, "ideal": ideal, "padded": budget // max(sizes)}
+
+
+def _verdict(ok: bool) -> str:
+    return "[PASS]" if ok else "[MISS]"
+
+
 def bench_construct(gib: float, ref) -> list[tuple[str, float]]:
     dims = (3, 256, 256)
     n = int(gib * 2**30 / (np.prod(dims) + 1))
@@ -178,22 +267,58 @@ def main(argv=None) -> None:
     ref = load_ref(args.ref_dir) if args.ref_dir else None
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    targets = []
     if args.before:
         before = load_core(args.before)
         for dims in [(3, 32, 32), (3, 256, 256)]:
             print(f"\n{dims} uint8, interleaved rounds: min / median per call")
-            for name, lo, med in bench_side_by_side(dims, ref, before):
+            rows = bench_side_by_side(dims, ref, before)
+            for name, lo, med in rows:
                 print(f"  {name:34s} {lo:7.2f} / {med:7.2f} us")
-        print(f"\nload average {os.getloadavg()[0]:.2f}")
-        return
-    for dims in [(3, 32, 32), (3, 256, 256)]:
-        print(f"\n{dims} uint8, median per call")
-        for name, us in bench_calls(dims, ref):
-            print(f"  {name:34s} {us:9.2f} us")
-    print("\nconstruction (wall time)")
-    for gib in args.construct_gib:
-        for name, us in bench_construct(gib, ref):
-            print(f"  {name:34s} {us / 1e6:9.3f} s")
+            got = {name.split()[0]: (lo, med) for name, lo, med in rows
+                   if name.endswith("get_slot hit")}
+            (now, now_med), (old, old_med) = got["now"], got["before"]
+            targets.append(f"{_verdict(now <= 1.05 * old)} get_slot hit {dims} uint8 within 5 % "
+                           f"of {args.before}'s: {now:.2f} vs {old:.2f} us (min of rounds; "
+                           f"medians {now_med:.2f} vs {old_med:.2f} us), ratio {now / old:.3f}")
+    else:
+        for dims in [(3, 32, 32), (3, 256, 256)]:
+            print(f"\n{dims} uint8, median per call")
+            for name, us in bench_calls(dims, ref):
+                print(f"  {name:34s} {us:9.2f} us")
+        print("\nconstruction (wall time)")
+        for gib in args.construct_gib:
+            for name, us in bench_construct(gib, ref):
+                print(f"  {name:34s} {us / 1e6:9.3f} s")
+    times = bench_batch()
+    print("\n64 hits of (3, 128, 128) uint8, interleaved rounds: min / median per sample")
+    for name, ts in times.items():
+        print(f"  {name:34s} {min(ts):7.2f} / {np.median(ts):7.2f} us")
+    b, s = float(np.median(times["get_batch"])), float(np.median(times["get_slot + stack"]))
+    targets.append(f"{_verdict(s >= 1.5 * b)} get_batch of 64 hits >= 1.5 x faster per sample "
+                   f"than 64 get_slot + torch.stack: {b:.2f} vs {s:.2f} us (medians), "
+                   f"{s / b:.2f} x")
+    times = bench_variable()
+    print("\nopen sizes, (3, 96-160, 96-160) uint8, interleaved rounds: min / median per call")
+    for name, ts in times.items():
+        print(f"  {name:34s} {min(ts):7.2f} / {np.median(ts):7.2f} us")
+    v = float(np.median(times["get_slot hit, open sizes"]))
+    b = float(np.median(times["bare clone() of the same bytes"]))
+    targets.append(f"{_verdict(v <= 1.5 * b)} open-size get_slot hit <= 1.5 x a bare clone() of "
+                   f"the same bytes: {v:.2f} vs {b:.2f} us (medians), {v / b:.2f} x")
+    mem = bench_memory()
+    print(f"\nopen sizes, 3 x 64-256 x 64-256 uint8 images in 64 MiB: {mem['admitted']} "
+          f"admitted, {mem['ideal']} by the sum of their sizes, {mem['padded']} padded to the "
+          f"largest")
+    targets.append(f"{_verdict(mem['admitted'] >= 0.98 * mem['ideal'])} samples of varied size "
+                   f"that fit in a budget within 2 % of the sum of their sizes: "
+                   f"{mem['admitted']} vs {mem['ideal']} "
+                   f"({100 * (1 - mem['admitted'] / mem['ideal']):.2f} % fewer; padded to the "
+                   f"largest: {mem['padded']})")
+    if not args.before:
+        targets.append("(the get_slot hit path against an older core: pass --before CORE.py)")
+    print(f"\nload average {os.getloadavg()[0]:.2f}; targets:")
+    print("\n".join(targets))
     sys.stdout.flush()
 
 

@@ -578,8 +578,8 @@ class MixtureDataset(torch.utils.data.Dataset):
                 raise ValueError(f"caches[{k}].dataset_len should be len(datasets[{k}])="
                                  f"{self.lengths[k]}, but got {c.dataset_len}")
         if check_samples:
-            kinds = [(k, tuple(c.data_dims), c.dtype) for k, c in enumerate(caches)
-                     if c is not None]
+            kinds = [(k, c.data_dims if isinstance(c.data_dims, dict) else tuple(c.data_dims),
+                      c.dtype) for k, c in enumerate(caches) if c is not None]  # (dicts: fields)
             for k, dims, dtype in kinds[1:]:
                 k0, dims0, dtype0 = kinds[0]
                 if (dims, dtype) != (dims0, dtype0):

@@ -75,7 +75,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import psutil
@@ -105,6 +105,8 @@ class SlotState(enum.Enum):
 SEGMENT_PREFIX = "stocaching"
 DEFAULT_SHM_DIR = "/dev/shm"
 _MAX_DIMS = 8
+_MAX_FIELDS = 16  # fields of one sample (a dict data_dims)
+_FIELD_NAME_BYTES = 32
 
 #: Free RAM (available, per psutil) that a new cache should leave, below which we warn.
 RAM_MARGIN_BYTES = 2 * BYTES_PER_GIB
@@ -231,29 +233,120 @@ def _check_positive(name: str, value: Any, unit: str) -> float:
     return value
 
 
-def _check_dims(data_dims: Any) -> tuple[int, ...]:
-    expect = "a non-empty tuple of positive ints"
+def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
+                ) -> tuple[Any, ...]:
+    """``data_dims`` (or a field's dims, ``name``) as a tuple of ints, None for a size left
+    open; ``()`` only if ``scalar``."""
+    expect = ("a tuple of positive ints or None (() for a scalar)" if scalar else
+              "a non-empty tuple of positive ints or None (an open size)")
     if isinstance(data_dims, torch.Size):
         data_dims = tuple(data_dims)
-    if not isinstance(data_dims, (tuple, list)) or len(data_dims) == 0:
+    if not isinstance(data_dims, (tuple, list)) or (len(data_dims) == 0 and not scalar):
+        if name == "data_dims" and not isinstance(data_dims, (tuple, list)):
+            expect += ", or a dict of fields {name: dims}"
         raise (TypeError if not isinstance(data_dims, (tuple, list)) else ValueError)(
-            f"data_dims should be {expect}, but got data_dims={data_dims!r}")
-    if not all(_is_int(d) for d in data_dims):
-        raise TypeError(f"data_dims should be {expect}, but got data_dims={tuple(data_dims)!r}")
-    dims = tuple(int(d) for d in data_dims)
-    if any(d <= 0 for d in dims) or len(dims) > _MAX_DIMS:
-        raise ValueError(f"data_dims should be {expect} (at most {_MAX_DIMS} of them), "
-                         f"but got data_dims={dims!r}")
+            f"{name} should be {expect}, but got {name}={data_dims!r}")
+    if not all(_is_int(d) or d is None for d in data_dims):
+        raise TypeError(f"{name} should be {expect}, but got {name}={tuple(data_dims)!r}")
+    dims = tuple(None if d is None else int(d) for d in data_dims)
+    if any(d is not None and d <= 0 for d in dims) or len(dims) > _MAX_DIMS:
+        raise ValueError(f"{name} should be {expect} (at most {_MAX_DIMS} of them), "
+                         f"but got {name}={dims!r}")
     return dims
 
 
-def _check_dtype(dtype: Any) -> torch.dtype:
+def _check_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
     if dtype not in _DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
         raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
-            f"dtype should be one of the fixed-size torch dtypes ({names}), "
-            f"but got dtype={dtype!r}")
+            f"{name} should be one of the fixed-size torch dtypes ({names}), "
+            f"but got {name}={dtype!r}")
     return dtype
+
+
+class _Field(NamedTuple):
+    """One field of a sample: where it sits in a slot (``offset``, ``nbytes``)."""
+
+    name: str
+    dims: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+def _check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[_Field, ...], int]:
+    """The fields of ``data_dims={name: dims}`` and ``dtype`` (one dtype for every field, or a
+    dict with the same keys), packed in the order given, each at a multiple of its itemsize
+    (as a C struct); returns them and the bytes of one slot (a multiple of the largest
+    itemsize, so every slot is aligned too)."""
+    if not 1 <= len(data_dims) <= _MAX_FIELDS:
+        raise ValueError(f"data_dims should be a tuple of positive ints, or a dict of 1 to "
+                         f"{_MAX_FIELDS} fields, but got data_dims={dict(data_dims)!r}")
+    for name in data_dims:
+        if not isinstance(name, str):
+            raise TypeError(f"data_dims keys should be field names (str), but got "
+                            f"{name!r} (type {type(name).__name__})")
+        if not (name.isascii() and name.isidentifier() and len(name) <= _FIELD_NAME_BYTES):
+            raise ValueError(f"data_dims keys should be field names of 1 to "
+                             f"{_FIELD_NAME_BYTES} ASCII letters, digits and '_', not starting "
+                             f"with a digit, but got {name!r}")
+    dims = {n: _check_dims(d, f"data_dims[{n!r}]", scalar=True) for n, d in data_dims.items()}
+    if isinstance(dtype, Mapping):
+        if list(dtype) != list(dims):
+            missing = [n for n in dims if n not in dtype]
+            extra = [n for n in dtype if n not in dims]
+            why = (f"missing {missing}" if missing else "") + \
+                (", " if missing and extra else "") + (f"unknown {extra}" if extra else "")
+            raise ValueError(f"dtype should be a torch dtype, or a dict with the keys of "
+                             f"data_dims in its order {list(dims)}, but got dtype with keys "
+                             f"{list(dtype)}" + (f" ({why})" if why else ""))
+        dtypes = {n: _check_dtype(dtype[n], f"dtype[{n!r}]") for n in dims}
+    else:
+        one = _check_dtype(dtype)
+        dtypes = {n: one for n in dims}
+    return _pack(dims, dtypes)
+
+
+def _pack(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
+          ) -> tuple[tuple[_Field, ...], int]:
+    """Fields of these sizes packed in their order, each at a multiple of its itemsize (as a
+    C struct), and the bytes of the whole (a multiple of the largest itemsize). A field with
+    an open size (None) gets offset and nbytes 0: a cache of open sizes packs each sample as it
+    comes (``_ArenaCache``)."""
+    if any(None in d for d in dims.values()):
+        return tuple(_Field(n, d, dtypes[n], 0, 0) for n, d in dims.items()), 0
+    fields, end, align = [], 0, 1
+    for n, d in dims.items():
+        size = dtypes[n].itemsize
+        offset = -(-end // size) * size
+        fields.append(_Field(n, d, dtypes[n], offset, math.prod(d) * size))
+        end, align = offset + fields[-1].nbytes, max(align, size)
+    return tuple(fields), -(-end // align) * align
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``out`` (or a field of it, ``what``) of ``get_batch`` if it can take a batch of
+    ``shape`` and ``dtype``, or raise naming it."""
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.layout != torch.strided:
+        got = f"dtype {out.dtype}, layout {out.layout}" if isinstance(out, torch.Tensor) \
+            else f"type {type(out).__name__}"
+        raise TypeError(f"{what} should be a dense tensor of dtype {dtype} (the cache's), but "
+                        f"got {what} of {got}")
+    if tuple(out.shape) != shape or out.device.type != "cpu" or not out.is_contiguous() or \
+            out.requires_grad:
+        raise ValueError(
+            f"{what} should be a contiguous CPU tensor of shape {shape} (len(indices), "
+            f"*data_dims) without requires_grad, but got {what} of shape {tuple(out.shape)} "
+            f"on {out.device}, contiguous={out.is_contiguous()}, "
+            f"requires_grad={out.requires_grad}")
+    return out
+
+
+def _torch_of(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A numpy array of the cache's storage as a tensor of ``dtype`` (bfloat16 is stored as
+    uint16)."""
+    t = torch.from_numpy(arr)
+    return t.view(dtype) if dtype is torch.bfloat16 else t
 
 
 def _check_name(param: str, value: Any) -> str:
@@ -566,17 +659,22 @@ class CacheTimeoutError(TimeoutError):
 # flock() held by every process using the segment tells a live segment from a stale one.
 
 _MAGIC = b"STOCACH1"
-_LAYOUT_VERSION = 3
+_LAYOUT_VERSION = 4  # 4: the field table (nfields, and one record per field at _FIELDS_OFF)
 _HEADER_BYTES = 4096
 _HEADER_FIELDS = (
     "version", "total_bytes", "dataset_len", "slots", "dtype_code", "ndim",
     *(f"dim{i}" for i in range(_MAX_DIMS)),
     "num_nodes", "node_rank", "layout_seed", "creator_pid", "creator_start", "uid",
     "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
-    "attached", "ready", "staging", "stage_off",
+    "attached", "ready", "staging", "stage_off", "nfields",
+    "arena_bytes", "arena_top", "record_words", "mean_bytes", "arena_full",  # open sizes
 )
 _HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
 _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
+# The field table of a cache of several fields per sample, in the header after the fields
+# above: per field, its name, dtype code, ndim, byte offset in the slot and dims.
+_FIELDS_OFF = 1024
+_FIELD_RECORD = struct.Struct(f"<{_FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
 _STATS_ROWS = 1024
 _STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
 _PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES = range(8)
@@ -750,7 +848,34 @@ def _read_header(buf: Any) -> dict:
     if magic != _MAGIC:
         raise CacheConfigError("the segment is not a stocaching segment (bad magic)", "magic",
                                _MAGIC, magic)
-    return dict(zip(_HEADER_FIELDS, values))
+    head = dict(zip(_HEADER_FIELDS, values))
+    head["fields"] = tuple(_read_field(buf, k) for k in range(min(head["nfields"], _MAX_FIELDS)))
+    return head
+
+
+def _head_dims(head: dict) -> tuple[Any, ...]:
+    """The single tensor's dims in a header (None for an open size)."""
+    return tuple(None if head[f"dim{i}"] < 0 else head[f"dim{i}"]
+                 for i in range(min(head["ndim"], _MAX_DIMS)))
+
+
+def _has_open_size(dims: Any) -> bool:
+    """True when ``data_dims`` (a tuple, or a dict of them) leaves a size open (None)."""
+    try:
+        if isinstance(dims, Mapping):
+            return any(d is None for v in dims.values() for d in v)
+        return any(d is None for d in dims)
+    except TypeError:  # not iterable: the checks say what is wrong with it
+        return False
+
+
+def _read_field(buf: Any, k: int) -> tuple:
+    """Record ``k`` of a segment's field table: (name, dims, dtype or its code, offset)."""
+    name, code, ndim, offset, *dims = _FIELD_RECORD.unpack_from(
+        buf, _FIELDS_OFF + k * _FIELD_RECORD.size)
+    return (name.rstrip(b"\0").decode("ascii", "replace"),
+            tuple(None if d < 0 else d for d in dims[:min(ndim, _MAX_DIMS)]),
+            _DTYPE_BY_CODE.get(code, code), offset)
 
 
 def _names(path: str, ino: int, dev: int) -> bool:
@@ -993,8 +1118,17 @@ class SharedCache:
     Args:
         size_limit_gib: budget in GiB (int or float) for the slots and the aux array.
         dataset_len: number of samples in the full dataset.
-        data_dims: shape of one sample, e.g. ``(3, 256, 256)``.
-        dtype: torch dtype of the samples; any fixed-size dtype. Default: ``torch.uint8``.
+        data_dims: shape of one sample, e.g. ``(3, 256, 256)``; or, for samples of several
+            tensors, a dict of 1 to 16 fields ``{name: shape}`` (``()`` for a scalar), e.g.
+            ``{"image": (3, 256, 256), "label": ()}``: then ``set_slot`` takes a dict with
+            those keys, ``get_slot`` returns one and ``get_batch`` a dict of batches. The
+            fields are packed in one slot in this order, each at a multiple of its itemsize.
+            A None leaves a size open (``(None, 3)``, ``(3, None, None)``, for one tensor or a
+            field): samples of any size in that dimension are stored at their own size in an
+            arena (see "Open sizes" below).
+        dtype: torch dtype of the samples; any fixed-size dtype. With fields: one dtype for
+            all of them, or a dict with the keys of ``data_dims``, in its order, e.g.
+            ``{"image": torch.uint8, "label": torch.int64}``. Default: ``torch.uint8``.
         name: name of this cache within the job, to tell several caches apart (e.g.
             ``"train"``, ``"val"``). Default: ``"c<k>"`` for the k-th cache this process makes,
             which matches across ranks that make their caches in the same order.
@@ -1010,7 +1144,21 @@ class SharedCache:
             for them. Default: 300.
         staging_slots: extra slots where a prefetcher holds samples of indices without a slot
             until they are read once (see ``stage`` and ``stocaching.prefetch``); they are
-            paid from ``size_limit_gib`` first. Default: 0.
+            paid from ``size_limit_gib`` first. Not with open sizes. Default: 0.
+        mean_sample_bytes: with open sizes and several nodes, the expected bytes of a sample:
+            each node's candidate set (its ``CacheLayout`` subset) is then as many indices as
+            its arena holds of such samples, if that is more than an even share of the
+            dataset. Default: None (an even share: the nodes' subsets are disjoint).
+
+    Open sizes: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
+    number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
+    size (16-byte aligned), while the arena has room; a ``set_slot`` that does not fit stores
+    nothing, counts in ``stats()["full"]``, and the index stays a miss. An overwrite keeps
+    the sample's place if it fits there, else takes new room (the old place is lost until
+    ``clear()``, which gives back the whole arena) or, without room, empties the index.
+    ``len(cache)`` is the number of indices this node may admit (every index with one node),
+    ``stats()["filled"]`` how many are stored, ``stats()["arena_used"]`` the bytes handed out.
+    ``get_batch``, staging and raw slot access (``array``, ``cache[s]``) are not available.
 
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
@@ -1019,15 +1167,44 @@ class SharedCache:
         PermissionError: a file under the segment's name is not ours or not private.
     """
 
-    def __init__(self, size_limit_gib: float, dataset_len: int, data_dims: Sequence[int],
-                 dtype: torch.dtype = torch.uint8, *, name: str | None = None,
-                 job_key: str | None = None, world: World | None = None,
-                 shm_dir: str | None = None, layout_seed: int = 0,
-                 timeout: float = 300.0, staging_slots: int = 0) -> None:
+    def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
+        # A cache of several fields per sample is a _FieldsCache: its own get_slot and
+        # set_slot, so that the single-tensor ones keep their speed (no branch on the hit path).
+        # A cache with open sizes (None in data_dims) is an _ArenaCache.
+        dims = args[2] if len(args) > 2 else kwargs.get("data_dims")
+        if cls is SharedCache:
+            if _has_open_size(dims):
+                cls = _ArenaCache
+            elif isinstance(dims, Mapping):
+                cls = _FieldsCache
+        return super().__new__(cls)
+
+    def __init__(self, size_limit_gib: float, dataset_len: int,
+                 data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
+                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
+                 name: str | None = None, job_key: str | None = None,
+                 world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
+                 timeout: float = 300.0, staging_slots: int = 0,
+                 mean_sample_bytes: int | None = None) -> None:
         size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
-        dims = _check_dims(data_dims)
-        dtype = _check_dtype(dtype)
+        if isinstance(data_dims, Mapping):
+            fields, slot_bytes = _check_fields(data_dims, dtype)
+            dims: Any = {f.name: f.dims for f in fields}
+            dtype = {f.name: f.dtype for f in fields}
+        else:
+            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
+            slot_bytes = 0 if None in dims else _slot_bytes(dims, dtype)
+        variable = _has_open_size(dims)
+        if variable != isinstance(self, _ArenaCache):  # SharedCache.__new__ chose the class
+            raise TypeError(f"construct the cache as SharedCache(...), not as "
+                            f"{type(self).__name__}(...)")
+        if mean_sample_bytes is not None:
+            mean_sample_bytes = check_int("mean_sample_bytes", mean_sample_bytes, low=1)
+            if not variable:
+                raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
+                                 f"data_dims), but got mean_sample_bytes={mean_sample_bytes} "
+                                 f"with data_dims={dims}")
         world = World.discover() if world is None else world
         if not isinstance(world, World):
             raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
@@ -1042,16 +1219,23 @@ class SharedCache:
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
 
         staging = check_int("staging_slots", staging_slots, low=0)
+        if staging and variable:
+            raise ValueError(f"staging_slots should be 0 for a cache with open sizes (None in "
+                             f"data_dims={dims}): not supported yet, but got "
+                             f"staging_slots={staging}")
         if staging and dataset_len > _STAGE_INDEX_MASK:
             raise ValueError(f"staging_slots should be 0 for a dataset_len above "
                              f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
                              f"dataset_len={dataset_len}")
-        slot_bytes = _slot_bytes(dims, dtype)
         if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB:
             raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
                              f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
                              f"staging_slots={staging}")
-        slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
+        if variable:
+            slots = self._size_arena(size_limit_gib, dataset_len, world.num_nodes,
+                                     mean_sample_bytes)
+        else:
+            slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
         if slots == 0:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
                           f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
@@ -1060,6 +1244,8 @@ class SharedCache:
         self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
         self._world = world
         self._dims, self._dtype, self._staging = dims, dtype, staging
+        if fields:  # (else the class's (): see _fields below)
+            self._fields = fields
         self._name = name
         self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
                                                                     name))
@@ -1075,19 +1261,30 @@ class SharedCache:
 
     def _expected_header(self) -> dict:
         lay = self._layout
+        one = () if self._fields else self._dims  # a fields cache: the field table instead
         h = {"version": _LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
-             "dtype_code": _DTYPES[self._dtype][0], "ndim": len(self._dims),
+             "dtype_code": 0 if self._fields else _DTYPES[self._dtype][0], "ndim": len(one),
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
              "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS,
-             "staging": self._staging}
+             "staging": self._staging, "nfields": len(self._fields), "arena_bytes": 0,
+             "arena_top": 0, "record_words": 0, "mean_bytes": 0, "arena_full": 0}
         for i in range(_MAX_DIMS):
-            h[f"dim{i}"] = self._dims[i] if i < len(self._dims) else 0
+            h[f"dim{i}"] = (-1 if one[i] is None else one[i]) if i < len(one) else 0
         h.update(_segment_offsets(lay, self._slot_bytes, self._staging))
         return h
 
     @property
     def _slot_bytes(self) -> int:
+        if self._fields:
+            return _check_fields(self._dims, self._dtype)[1]
         return _slot_bytes(self._dims, self._dtype)
+
+    def _describe(self) -> str:
+        """The samples, for messages: "(3, 256, 256) uint8", or each field's."""
+        if self._fields:
+            return ", ".join(f"{f.name} {f.dims} {str(f.dtype).replace('torch.', '')}"
+                             for f in self._fields)
+        return f"{tuple(self._dims)} {str(self._dtype).replace('torch.', '')}"
 
     def _create(self) -> None:
         head = self._expected_header()
@@ -1113,10 +1310,9 @@ class SharedCache:
                                            st.st_ino, st.st_dev, os.getpid(), wait)
         lay = self._layout
         logger.info(
-            "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s %s on node %d: "
+            "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s on node %d: "
             "%s in %s, %s free there afterwards", self._name, lay.slots, lay.dataset_len,
-            100.0 * lay.slots / lay.dataset_len, tuple(self._dims),
-            str(self._dtype).replace("torch.", ""), self._world.node_rank,
+            100.0 * lay.slots / lay.dataset_len, self._describe(), self._world.node_rank,
             _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
 
     def _preflight(self, shm_dir: str, total: int) -> None:
@@ -1162,6 +1358,11 @@ class SharedCache:
         head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
                     local_world_size=self._world.local_world_size, attached=1, ready=0)
         _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
+        for k, f in enumerate(self._fields):
+            _FIELD_RECORD.pack_into(mm, _FIELDS_OFF + k * _FIELD_RECORD.size, f.name.encode(),
+                                    _DTYPES[f.dtype][0], len(f.dims), f.offset,
+                                    *(-1 if d is None else d for d in f.dims),
+                                    *[0] * (_MAX_DIMS - len(f.dims)))
         self._map(fd, mm, head)
         lay = self._layout
         if self._slot_map is not None or lay.slots < lay.dataset_len:
@@ -1277,13 +1478,32 @@ class SharedCache:
 
     def _check_header(self, head: dict, size: int) -> None:
         want = self._expected_header()
+        # One of them has fields (and the same layout version): compare those first, in order.
+        if (head["nfields"] or self._fields) and head["version"] == _LAYOUT_VERSION:
+            theirs = [(n, d, t) for n, d, t, _ in head["fields"]]
+            mine = [(f.name, f.dims, f.dtype) for f in self._fields]
+            if not head["nfields"] or not self._fields or \
+                    [(n, d) for n, d, _ in theirs] != [(n, d) for n, d, _ in mine]:
+                label, exp = "data_dims", self._dims
+                got: Any = {n: d for n, d, _ in theirs} if head["nfields"] else \
+                    _head_dims(head)
+            else:
+                label, exp, got = "dtype", self._dtype, {n: t for n, _, t in theirs}
+            if theirs != mine:
+                order = " (the same fields in another order: another layout)" \
+                    if isinstance(got, dict) and got == exp else ""
+                raise CacheConfigError(
+                    f"the cache {self._path} made by local rank 0 has {label}={got}, but this "
+                    f"process asked for {label}={exp}{order}; construct the cache with the same "
+                    "arguments on every local rank", label, exp, got)
         names = {"dataset_len": "dataset_len", "dtype_code": "dtype", "ndim": "data_dims",
                  "slots": "slot count (from size_limit_gib)", "num_nodes": "num_nodes",
                  "staging": "staging_slots",
                  "node_rank": "node_rank", "layout_seed": "layout_seed", "version": "version"}
         found = [(label, want[field], head[field]) for field, label in names.items()]
-        found.append(("data_dims", self._dims,  # after ndim, so a damaged ndim is named first
-                      tuple(head[f"dim{i}"] for i in range(min(head["ndim"], _MAX_DIMS)))))
+        if not self._fields:  # (a fields cache has ndim 0 and its dims in the field table)
+            found.append(("data_dims", self._dims,  # after ndim: a damaged ndim is named first
+                          _head_dims(head)))
         for label, exp, got in found:
             if got != exp:
                 if label == "dtype":
@@ -1307,7 +1527,6 @@ class SharedCache:
         self._file_id = (st.st_dev, st.st_ino)
         self._total = head["total_bytes"]
         self._n = lay.dataset_len
-        np_dtype = _DTYPES[self._dtype][1]
         view = memoryview(mm)
         self._aux_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
         self._aux_mv = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
@@ -1323,23 +1542,10 @@ class SharedCache:
                                   lay.dataset_len].cast(dt.char)
         else:
             self._slot_map = None
-        def slots_of(buf: mmap.mmap) -> np.ndarray:
-            return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
-                                 head["data_off"]).reshape(n_slots, *self._dims)
-
-        self._np_slots = slots_of(mm)
-        self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
-        # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
-        # tensor may carry a conjugate bit that numpy cannot see)
-        self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
-            else self._dtype
-        self._array = self._to_torch(self._np_slots[:lay.slots])
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
+        self._map_slots(head["data_off"], n_slots)
         self._tlock = threading.Lock()
         self._closed = False
         self._claim_stats_row()
@@ -1347,6 +1553,26 @@ class SharedCache:
         if not _FORK_HOOK_REGISTERED:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _FORK_HOOK_REGISTERED = True
+
+    def _map_slots(self, data_off: int, n_slots: int) -> None:
+        """The views of the slots: ``_np_slots`` (one row per slot, written by ``_write``),
+        ``array`` and the read-only ``_ro_slots``."""
+        np_dtype = _DTYPES[self._dtype][1]
+
+        def slots_of(buf: mmap.mmap) -> np.ndarray:
+            return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
+                                 data_off).reshape(n_slots, *self._dims)
+
+        self._np_slots = slots_of(self._mm)
+        self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
+        # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
+        # tensor may carry a conjugate bit that numpy cannot see)
+        self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
+            else self._dtype
+        self._array = self._to_torch(self._np_slots[:self._layout.slots])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
 
     def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(arr)
@@ -1421,6 +1647,15 @@ class SharedCache:
     # multiprocessing's resource sharer: a descriptor pinned in this process until it exits,
     # and a pickle that no other process can load. That is refused with a TypeError instead.
 
+    # What a process that receives the cache needs to map it (see _rebuild_cache).
+    _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields")
+
+    # Class-level defaults, set on the instance only where they differ: a single-tensor cache
+    # keeps the 30 instance attributes it had, which CPython 3.11 stores inline (more than 30
+    # turn the instance's __dict__ into a plain dict, and every attribute read of the hit
+    # path got a few per cent slower).
+    _fields: tuple = ()  # the fields of a sample (_FieldsCache, _ArenaCache with a dict)
+
     def __reduce__(self) -> tuple:
         if self._closed:
             raise ValueError("a closed SharedCache cannot be sent to another process")
@@ -1436,9 +1671,8 @@ class SharedCache:
                 "one, leave the cache out in __getstate__ and construct it again in "
                 "__setstate__; copy.copy(cache) is the same cache, copy.deepcopy(cache) a "
                 "private copy")
-        state = (self._layout, self._world, self._dims, self._dtype, self._name, self._path,
-                 self._staging)
-        return _rebuild_cache, (DupFd(self._fd), state)
+        state = {k: getattr(self, k) for k in self._STATE}
+        return _rebuild_cache, (DupFd(self._fd), type(self), state)
 
     def __copy__(self) -> "SharedCache":
         """A shallow copy is the cache itself: a handle on shared memory, like a file."""
@@ -1477,7 +1711,8 @@ class SharedCache:
 
     @property
     def array(self) -> torch.Tensor:
-        """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory.
+        """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory;
+        with fields, a dict of such tensors, one per field.
 
         .. warning::
             This is a raw view: writing into it bypasses the slot states and the protection of
@@ -1499,14 +1734,19 @@ class SharedCache:
         return self._layout.dataset_len
 
     @property
-    def data_dims(self) -> tuple[int, ...]:
-        """Shape of one sample."""
+    def data_dims(self) -> Any:
+        """Shape of one sample (a tuple); with fields, a dict of the shape of each field."""
         return self._dims
 
     @property
-    def dtype(self) -> torch.dtype:
-        """dtype of the samples."""
+    def dtype(self) -> Any:
+        """dtype of the samples; with fields, a dict of the dtype of each field."""
         return self._dtype
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Names of the fields of a sample, in their order; ``()`` for one tensor a sample."""
+        return tuple(f.name for f in self._fields)
 
     @property
     def world(self) -> World:
@@ -1540,17 +1780,21 @@ class SharedCache:
         the aux state is not changed. Concurrent ``get_slot`` readers of the slots written see
         a miss rather than a half-written sample."""
         self._check_open()
+        slot, first, count = self._raw_slots(slot)
+        with self._writing(first, count):
+            self._array[slot] = value
+
+    def _raw_slots(self, slot: Any) -> tuple[Any, int, int]:
+        """``slot`` of ``cache[slot] = v`` (an int made non-negative, or as it is) and the
+        range of slots it may write."""
         n = len(self)
         if _is_int(slot):
             if not -n <= int(slot) < n:  # as cache[slot] and 0.2.1 do
                 raise IndexError(f"slot should be an int in [-{n}, {n - 1}], "
                                  f"but got slot={int(slot)}")
             slot = int(slot) % n
-            first, count = slot, 1
-        else:
-            first, count = 0, n
-        with self._writing(first, count):
-            self._array[slot] = value
+            return slot, slot, 1
+        return slot, 0, n
 
     def _oob_error(self, idx: int) -> IndexError:
         return IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
@@ -1653,18 +1897,146 @@ class SharedCache:
         self._ctr[_MISSES] += 1
         return None
 
+    def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
+        """The cached samples of several dataset indices, gathered into one batch tensor, and
+        which of them were cached: what ``get_slot`` gives for each index, in one call.
+
+        Made for a Dataset's ``__getitems__``, which a DataLoader calls with the indices of a
+        whole batch (see the README's recipe): one vectorised copy of every row instead of a
+        ``get_slot`` call per index and a ``torch.stack``. Each row keeps ``get_slot``'s
+        guarantee: a row whose slot was being written, or was written or cleared during the
+        copy, is read again on its own and otherwise reported as a miss, never half-written.
+        A staged sample (see ``stage``) is taken as ``get_slot`` takes it: its staging slot
+        is freed, so a second occurrence of that index in ``indices`` is a miss. Hits and
+        misses are counted in ``stats()`` as ``get_slot`` counts them; an index without a slot
+        on this node is a miss, counted in ``oob_misses`` too.
+
+        Args:
+            indices: dataset indices in ``[0, dataset_len)``: a sequence of ints (the list a
+                DataLoader's batch sampler gives ``__getitems__``, a tuple, a range) or a 1-D
+                integer numpy array or tensor. Repeats are allowed.
+            out: where to gather: a contiguous CPU tensor of shape ``(len(indices),
+                *data_dims)`` and the cache's dtype, returned as the batch (with fields: a dict
+                of such tensors, one per field). Default: new tensors.
+
+        Returns:
+            ``(batch, hit)``: ``batch`` of shape ``(len(indices), *data_dims)`` and the
+            cache's dtype, whose row ``k`` is the cached sample of ``indices[k]`` where
+            ``hit[k]`` and zeros elsewhere (with fields: a dict of such batches, one per
+            field); ``hit``, a bool tensor of shape ``(len(indices),)``.
+
+        Raises:
+            TypeError: ``indices`` is not a sequence or 1-D array of integers (bool and float
+                included), or ``out`` is not a tensor of the cache's dtype.
+            IndexError: an index outside ``[0, dataset_len)`` (as ``get_slot``).
+            ValueError: ``out`` has another shape, or is not a contiguous CPU tensor.
+            Nothing is read or counted when one of these is raised.
+        """
+        self._check_open()
+        idx = self._batch_indices(indices)
+        batch, pairs = self._batch_buffers(len(idx), out)
+        # The seqlock of _read, for every row at once: sequence numbers (even), then the
+        # states, then the copy, then the sequence numbers again, unchanged.
+        aux = self._aux_np[idx]
+        cand = aux == SET
+        slots = idx if self._slot_map is None else \
+            np.frombuffer(self._slot_map, self._slot_map.format)[idx]
+        hit = cand.copy()
+        if cand.any():  # (a cache without slots has no slot 0)
+            slots = np.where(cand, slots, 0)  # a miss copies slot 0, then is zeroed
+            seq = self._seq_np[slots]
+            hit = cand & (seq & 1 == 0) & (self._aux_np[idx] == SET)
+            for src, dst in pairs:  # (mode="clip" does not buffer; they are in range)
+                np.take(src, slots, axis=0, out=dst, mode="clip")
+            hit &= self._seq_np[slots] == seq
+        hits = int(np.count_nonzero(hit))  # the rows after this count themselves
+        if hits < len(idx):
+            for k in np.flatnonzero(~hit).tolist():  # raced rows and staged samples: alone
+                i = int(idx[k])
+                if cand[k]:
+                    row = self._read_again(i, True)
+                elif aux[k] == OOB and self._staging:
+                    row = self._take_staged(i)
+                else:
+                    continue
+                if row is not None:  # (counted as a hit by _read or _take_staged)
+                    self._put_row(batch, k, row)
+                    hit[k] = True
+            for _, dst in pairs:
+                dst[~hit] = 0
+            miss = ~hit
+            self._ctr[_MISSES] += int(np.count_nonzero(miss))
+            self._ctr[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
+        self._ctr[_HITS] += hits
+        return batch, torch.from_numpy(hit)
+
+    def _batch_indices(self, indices: Any) -> np.ndarray:
+        """``indices`` of ``get_batch`` as a 1-D int64 array in range, or raise naming them."""
+        expect = (f"a sequence or 1-D array of dataset indices (ints in [0, {self._n - 1}])")
+        if isinstance(indices, torch.Tensor):
+            if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
+                raise TypeError(f"indices should be {expect}, but got a tensor of shape "
+                                f"{tuple(indices.shape)} and dtype {indices.dtype}")
+            idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
+        elif isinstance(indices, np.ndarray):
+            if indices.ndim != 1 or indices.dtype.kind not in "iu":
+                raise TypeError(f"indices should be {expect}, but got an array of shape "
+                                f"{indices.shape} and dtype {indices.dtype}")
+            idx = indices.astype(np.int64, copy=False)
+        elif isinstance(indices, (list, tuple, range)):
+            if not all(type(i) is int for i in indices):
+                for k, i in enumerate(indices):
+                    if not _is_int(i):
+                        raise TypeError(f"indices should be {expect}, but got "
+                                        f"indices[{k}]={i!r} (type {type(i).__name__})")
+                indices = [int(i) for i in indices]
+            try:
+                idx = np.array(indices, dtype=np.int64)
+            except OverflowError:  # an int past int64: out of range whatever the dataset
+                k = next(k for k, i in enumerate(indices) if not -2**63 <= i < 2**63)
+                raise IndexError(f"indices should be dataset indices in [0, {self._n - 1}], "
+                                 f"but got indices[{k}]={indices[k]}") from None
+            if idx.ndim != 1:  # an empty nested sequence
+                raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
+        else:
+            raise TypeError(f"indices should be {expect}, but got indices={indices!r} "
+                            f"(type {type(indices).__name__})")
+        bad = np.flatnonzero((idx < 0) | (idx >= self._n))
+        if bad.size:
+            k = int(bad[0])
+            raise IndexError(f"indices should be dataset indices in [0, {self._n - 1}], but "
+                             f"got indices[{k}]={int(idx[k])}")
+        return idx
+
+    def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
+        """The batch that ``get_batch`` returns (``out``, checked, or new) and the pairs
+        (rows of every slot, numpy view of the batch) that it gathers from and into."""
+        shape = (k, *self._dims)
+        batch = torch.empty(shape, dtype=self._dtype) if out is None else \
+            _check_out(out, shape, self._dtype, "out")
+        dst = (batch if self._view_as is None else batch.view(torch.uint16)).numpy()
+        return batch, [(self._np_slots, dst)]
+
+    def _put_row(self, batch: Any, k: int, row: Any) -> None:
+        batch[k] = row
+
     def _check_value(self, value: Any) -> torch.Tensor:
         """Raise unless ``value`` may be stored; return it as a tensor (a numpy array wrapped,
-        not copied). Nothing is stored and nothing of the cache changes.
+        not copied). Nothing is stored and nothing of the cache changes. See ``_checked``."""
+        return self._checked(value, self._dims, self._dtype, "value", "data_dims")
+
+    def _checked(self, value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
+                 where: str) -> torch.Tensor:
+        """``value`` (called ``what`` in messages) checked against ``dims`` (``where``) and
+        ``dst``, as a tensor; raise if it cannot be stored.
 
         Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
         without loss (uint8 into float32), is a float or complex rounded into a narrower one
         (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
         uint8). Tensors on other devices are accepted (and copied when stored)."""
-        dst = self._dtype
         if isinstance(value, np.ndarray):
             if value.dtype == np.uint16 and dst is torch.bfloat16:
-                raise TypeError("value should be a torch.bfloat16 tensor or float values, but "
+                raise TypeError(f"{what} should be a torch.bfloat16 tensor or float values, but "
                                 "got a numpy uint16 array, which would be taken as numbers, not "
                                 "as bfloat16 bits (numpy has no bfloat16; pass "
                                 "torch.from_numpy(a).view(torch.bfloat16) for bits)")
@@ -1673,24 +2045,24 @@ class SharedCache:
                     value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
                 value = torch.from_numpy(value)
             except TypeError:
-                raise TypeError(f"value should be a tensor of dtype {dst}, but got a "
+                raise TypeError(f"{what} should be a tensor of dtype {dst}, but got a "
                                 f"numpy array of dtype {value.dtype}") from None
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"value should be a torch.Tensor of shape {self._dims} and dtype "
-                            f"{dst}, but got value of type {type(value).__name__}")
-        if tuple(value.shape) != self._dims:
-            extra = value.ndim - len(self._dims)
-            if extra <= 0 or tuple(value.shape[extra:]) != self._dims or \
+            raise TypeError(f"{what} should be a torch.Tensor of shape {dims} and dtype "
+                            f"{dst}, but got {what} of type {type(value).__name__}")
+        if tuple(value.shape) != dims:
+            extra = value.ndim - len(dims)
+            if extra <= 0 or tuple(value.shape[extra:]) != dims or \
                     any(d != 1 for d in value.shape[:extra]):
-                raise ValueError(f"value should have shape {self._dims} (the cache's data_dims; "
+                raise ValueError(f"{what} should have shape {dims} (the cache's {where}; "
                                  f"extra leading dimensions of size 1 are dropped, as 0.2.1 "
-                                 f"did), but got value.shape={tuple(value.shape)}")
-            value = value.reshape(self._dims)  # (1, C, H, W) from a loader's unsqueeze(0)
+                                 f"did), but got {what}.shape={tuple(value.shape)}")
+            value = value.reshape(dims)  # (1, C, H, W) from a loader's unsqueeze(0)
         src = value.dtype
         if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
-            raise TypeError(f"value should be a dense tensor with data and a dtype the cache "
+            raise TypeError(f"{what} should be a dense tensor with data and a dtype the cache "
                             f"can store ({dst} or one that casts to it), but got "
-                            f"value.dtype={src}, layout={value.layout}, device={value.device}")
+                            f"{what}.dtype={src}, layout={value.layout}, device={value.device}")
         if src == dst or dst in _LOSSLESS.get(src, ()):
             return value
         if (src.is_floating_point or src.is_complex) and \
@@ -1704,17 +2076,17 @@ class SharedCache:
         if src.is_complex and not dst.is_complex:
             if cpu.imag.count_nonzero():
                 raise ValueError(
-                    f"value should have dtype {dst}, or values that it holds exactly, but "
-                    f"got value.dtype={src} with imaginary parts that are not 0")
+                    f"{what} should have dtype {dst}, or values that it holds exactly, but "
+                    f"got {what}.dtype={src} with imaginary parts that are not 0")
             if dst.is_floating_point:
                 return value
             cpu = cpu.real
         bad = self._first_changed(cpu, dst)
         if bad is not None:
             raise ValueError(
-                f"value should have dtype {dst}, or values that it holds exactly, but "
-                f"got value.dtype={src} with values that change in {dst}, e.g. "
-                f"value[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
+                f"{what} should have dtype {dst}, or values that it holds exactly, but "
+                f"got {what}.dtype={src} with values that change in {dst}, e.g. "
+                f"{what}[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
         return value
 
     @staticmethod
@@ -1735,15 +2107,17 @@ class SharedCache:
         return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]),
                                                       tuple(value.shape)))
 
-    def _slot_array(self, value: torch.Tensor) -> np.ndarray:
+    def _slot_array(self, value: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
         """A value that passed ``_check_value`` as the array to copy into a slot: on the CPU,
-        in the cache's dtype (the rounding or exact cast that the check allowed)."""
+        in the cache's dtype (or ``dtype``: the rounding or exact cast that the check
+        allowed)."""
+        dtype = self._dtype if dtype is None else dtype
         value = value.detach().to("cpu").resolve_conj().resolve_neg()
-        if value.is_complex() and not self._dtype.is_complex:
+        if value.is_complex() and not dtype.is_complex:
             value = value.real  # its imaginary parts were checked to be 0
-        if value.dtype != self._dtype:
-            value = value.to(self._dtype)
-        if self._view_as is not None:
+        if value.dtype != dtype:
+            value = value.to(dtype)
+        if dtype is torch.bfloat16:
             value = value.view(torch.uint16)
         return value.numpy()
 
@@ -1787,7 +2161,10 @@ class SharedCache:
                 only if every imaginary part is 0); or holds values that the cache's dtype
                 represents exactly (int64 masks of 0..255 into uint8; checked, as 0.2.1 code
                 may rely on it). A value that would change (0.7 or 300 into uint8) is refused
-                with ValueError. Tensors on another device are copied.
+                with ValueError. Tensors on another device are copied. With fields: a dict
+                with exactly the fields as keys (in any order), each value as above for its
+                field's dims and dtype (a number for a field of shape ``()``); a missing or
+                unknown key is a ValueError that names it.
             allow_oob_idx: when False, an index without a slot raises IndexError. Default:
                 True.
             allow_overwrite: when False, writing a slot that is already set to a different
@@ -1914,7 +2291,7 @@ class SharedCache:
         seq = self._seq_mv[slot]
         if seq & 1:
             return None
-        out = torch.from_numpy(self._np_slots[slot].copy())
+        row = self._np_slots[slot].copy()
 
         def still_there() -> bool:  # one entry: plain ints are faster than numpy here
             entry = int(table[k])
@@ -1927,6 +2304,11 @@ class SharedCache:
                 table[k] = -1
         self._ctr[_HITS] += 1
         self._ctr[_STAGED_HITS] += 1
+        return self._from_row(row)
+
+    def _from_row(self, row: np.ndarray) -> Any:
+        """The sample in a copy of a slot's row (a tensor; a dict of them with fields)."""
+        out = torch.from_numpy(row)
         return out if self._view_as is None else out.view(self._view_as)
 
     def unstage(self, idx: int, *, tag: int | None = None) -> bool:
@@ -1990,6 +2372,7 @@ class SharedCache:
             those, indices without a slot here), ``writes`` (set_slot calls that stored, or
             found the same value there already),
             ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
+            ``full`` (with open sizes: writes that found no room in the arena),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
             segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
             reads, nan without reads) and ``processes`` (live processes that have used it).
@@ -2049,6 +2432,548 @@ class SharedCache:
         return (f"SharedCache(name={self._name!r}, dataset_len={self._layout.dataset_len}, "
                 f"data_dims={self._dims}, dtype={self._dtype}, {state}, "
                 f"node={self._world.node_rank})")
+
+class _FieldsCache(SharedCache):
+    """A SharedCache of several fields per sample (``data_dims`` a dict): ``SharedCache(...)``
+    makes one. A slot holds the fields packed one after the other (``_Field.offset``), and is
+    read and written whole under the slot's sequence number and lock, as a single tensor is;
+    ``get_slot`` returns a dict of tensors and ``set_slot`` takes one. The single-tensor class
+    keeps its own hit path, untouched by this one."""
+
+    def _map_slots(self, data_off: int, n_slots: int) -> None:
+        self._row_bytes = row_bytes = _check_fields(self._dims, self._dtype)[1]
+
+        def rows_of(buf: mmap.mmap) -> np.ndarray:
+            return np.frombuffer(buf, np.uint8, n_slots * row_bytes, data_off).reshape(
+                n_slots, row_bytes)
+
+        def fields_of(rows: np.ndarray) -> dict[str, np.ndarray]:  # views, never copies
+            return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(
+                _DTYPES[f.dtype][1]).reshape(n_slots, *f.dims) for f in self._fields}
+
+        self._np_slots = rows_of(self._mm)  # what _write, clear() and deepcopy copy
+        self._view_as = self._fast_dtype = None
+        self._field_np = fields_of(self._np_slots)
+        self._array = {f.name: _torch_of(self._field_np[f.name][:self._layout.slots], f.dtype)
+                       for f in self._fields}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            ro = fields_of(rows_of(self._ro_mm))
+            self._ro_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
+
+    def _unmap(self) -> None:
+        self._field_np = self._ro_fields = _CLOSED  # type: ignore
+        super()._unmap()
+
+    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
+                 copy: bool = True) -> dict[str, torch.Tensor] | None:
+        """The cached sample of dataset index ``idx`` as a dict ``{field: tensor}``, or None
+        if it is not cached; otherwise as ``SharedCache.get_slot``."""
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        elif self._staging and self._aux_mv[idx] == OOB:
+            out = self._take_staged(idx)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read(self, idx: int, copy: bool) -> Any:
+        """The seqlock read of ``SharedCache._read``, of the whole slot."""
+        slot = idx if self._slot_map is None else self._slot_map[idx]
+        seq = self._seq_mv[slot]
+        if seq & 1 or self._aux_mv[idx] != SET:
+            return None
+        out = self._np_slots[slot].copy() if copy else \
+            {n: t[slot] for n, t in self._ro_fields.items()}
+        if self._seq_mv[slot] != seq:
+            return None
+        self._ctr[_HITS] += 1
+        return self._from_row(out) if copy else out
+
+    def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
+        """The fields in a copy of a slot's bytes: tensors that share that one copy."""
+        return {f.name: _torch_of(row[f.offset: f.offset + f.nbytes].view(
+            _DTYPES[f.dtype][1]).reshape(f.dims), f.dtype) for f in self._fields}
+
+    def _check_value(self, value: Any) -> dict[str, torch.Tensor]:
+        """Raise unless ``value`` is a dict of exactly the cache's fields, each of which
+        ``SharedCache._checked`` accepts (a number is taken for a field of shape ``()``);
+        return the checked tensors. Nothing is stored."""
+        value = self._check_keys(value)
+        out = {}
+        for f in self._fields:
+            v = value[f.name]
+            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
+                v = torch.tensor(v)  # a label as a number (bool too)
+            out[f.name] = self._checked(v, f.dims, f.dtype, f"value[{f.name!r}]",
+                                        f"data_dims[{f.name!r}]")
+        return out
+
+    def _check_keys(self, value: Any) -> Mapping:
+        """``value`` if it is a dict with exactly the cache's fields as keys, or raise."""
+        names = list(self._dims)
+        if not isinstance(value, Mapping):
+            raise TypeError(f"value should be a dict with the fields {names} (the keys of "
+                            f"data_dims), but got value of type {type(value).__name__}")
+        missing = [n for n in names if n not in value]
+        extra = [k for k in value if k not in self._dims]
+        if missing or extra:
+            why = ", ".join(([f"missing {missing}"] if missing else []) +
+                            ([f"unknown {extra}"] if extra else []))
+            raise ValueError(f"value should be a dict with the fields {names} (the keys of "
+                             f"data_dims), but got value with keys {list(value)} ({why})")
+        return value
+
+    def _source_array(self, value: Any) -> np.ndarray:
+        """The bytes of a slot: every field of ``value``, checked, packed at its offset."""
+        checked = self._check_value(value)
+        row = np.zeros(self._row_bytes, np.uint8)  # the padding is 0 too
+        for f in self._fields:
+            a = np.ascontiguousarray(self._slot_array(checked[f.name], f.dtype))
+            row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
+        return row
+
+    def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
+        names = list(self._dims)
+        if out is not None and (not isinstance(out, Mapping) or set(out) != set(names)):
+            got = f"keys {list(out)}" if isinstance(out, Mapping) else \
+                f"type {type(out).__name__}"
+            raise TypeError(f"out should be a dict of tensors with the fields {names}, but "
+                            f"got out of {got}")
+        batch = {f.name: torch.empty((k, *f.dims), dtype=f.dtype) if out is None else
+                 _check_out(out[f.name], (k, *f.dims), f.dtype, f"out[{f.name!r}]")
+                 for f in self._fields}
+        views = {n: b.view(torch.uint16) if b.dtype is torch.bfloat16 else b
+                 for n, b in batch.items()}
+        return batch, [(self._field_np[n], views[n].numpy()) for n in names]
+
+    def _put_row(self, batch: Any, k: int, row: Any) -> None:
+        for n, t in row.items():
+            batch[n][k] = t
+
+    def __getitem__(self, slot: Any) -> dict[str, torch.Tensor]:
+        """Raw slot access: ``cache[s]`` is a dict of views of slot ``s``'s fields."""
+        return {n: t[slot] for n, t in self._array.items()}
+
+    def __setitem__(self, slot: Any, value: Any) -> None:
+        """Raw slot write of a dict of every field, with torch's assignment rules per field
+        (as ``SharedCache.__setitem__``)."""
+        self._check_open()
+        if not isinstance(value, Mapping) or set(value) != set(self._dims):
+            got = f"keys {list(value)}" if isinstance(value, Mapping) else \
+                f"type {type(value).__name__}"
+            raise TypeError(f"value should be a dict with the fields {list(self._dims)}, but "
+                            f"got value of {got}")
+        slot, first, count = self._raw_slots(slot)
+        with self._writing(first, count):
+            for n, t in self._array.items():
+                t[slot] = value[n]
+
+
+_ARENA_LOCK = _LOCK_BASE - 2  # lockf offset of a cache of open sizes' arena allocator
+_ARENA_ALIGN = 16  # every sample's bytes start at a multiple of this in the arena
+_REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the open sizes
+
+
+def _arena_bytes(size_limit_gib: float, dataset_len: int, record_words: int) -> int:
+    """The arena that ``size_limit_gib`` buys once the aux array (1 byte) and the record
+    (``record_words`` int64) of every index are paid, in whole units of _ARENA_ALIGN."""
+    rest = int(size_limit_gib * BYTES_PER_GIB) - dataset_len * (1 + 8 * record_words)
+    return max(0, rest // _ARENA_ALIGN * _ARENA_ALIGN)
+
+
+def _candidates(dataset_len: int, num_nodes: int, arena: int, mean: int | None) -> int:
+    """How many indices a node of a cache of open sizes may admit (its CacheLayout subset):
+    every index with one node; with several, an even share (the nodes' subsets are then
+    disjoint and cover the dataset), or as many as ``arena`` holds of samples of ``mean`` bytes
+    if that is more (the subsets then overlap, which the sampler can use)."""
+    if num_nodes == 1:
+        return dataset_len
+    share = -(-dataset_len // num_nodes)
+    if mean:
+        share = max(share, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
+    return min(dataset_len, share)
+
+
+class _ArenaCache(SharedCache):
+    """A SharedCache of samples whose sizes vary (None in ``data_dims``): ``SharedCache(...)``
+    makes one.
+
+    There are no slots. After the aux array comes one record per dataset index (int64 words:
+    sequence number, offset in the arena, bytes, bytes reserved, then the open sizes of the
+    sample in the order of the Nones), then the arena: one run of bytes where each admitted
+    sample's fields lie packed (each at a multiple of its itemsize) at its offset, 16-aligned.
+    The arena is handed out from the bottom up (the header's ``arena_top``, under a lock):
+    samples are admitted while there is room; a write that does not fit stores nothing and is
+    counted in ``stats()["full"]``, and the index stays a miss. An overwrite keeps the
+    sample's place when the new value fits in what it reserved, and takes new room otherwise
+    (the old place is lost until ``clear()``, which gives back the whole arena); if there is no
+    room, the index becomes a miss. Readers and writers use the record's sequence number and
+    a per-index lock exactly as slots do, so every guarantee of the fixed-size cache holds."""
+
+    _STATE = SharedCache._STATE + ("_vf", "_arena", "_rec_words", "_mean", "_limit_gib")
+
+    # -- sizing and layout ------------------------------------------------------------------
+
+    def _size_arena(self, size_limit_gib: float, dataset_len: int, num_nodes: int,
+                    mean: int | None) -> int:
+        """Called by __init__: set the arena's size and the record's, return the candidates."""
+        dims, dtype = self._dims_arg, self._dtype_arg
+        self._vf = _pack(dims, dtype)[0] if isinstance(dims, Mapping) else \
+            (_Field("", dims, dtype, 0, 0),)
+        self._rec_words = 4 + sum(d is None for f in self._vf for d in f.dims)
+        self._arena = _arena_bytes(size_limit_gib, dataset_len, self._rec_words)
+        self._mean, self._limit_gib = mean or 0, float(size_limit_gib)
+        if not self._arena:
+            warnings.warn(f"size_limit_gib={size_limit_gib} leaves no room for samples: the "
+                          f"aux array and the records alone need "
+                          f"{_fmt_bytes(dataset_len * (1 + 8 * self._rec_words))}",
+                          RuntimeWarning, stacklevel=3)
+        return _candidates(dataset_len, num_nodes, self._arena, mean)
+
+    def __init__(self, size_limit_gib: float, dataset_len: int, data_dims: Any,
+                 dtype: Any = torch.uint8, **kwargs: Any) -> None:
+        if isinstance(data_dims, Mapping):
+            self._dims_arg = {f.name: f.dims for f in _check_fields(data_dims, dtype)[0]}
+            self._dtype_arg = {f.name: f.dtype for f in _check_fields(data_dims, dtype)[0]}
+        else:
+            self._dims_arg, self._dtype_arg = _check_dims(data_dims), _check_dtype(dtype)
+        super().__init__(size_limit_gib, dataset_len, data_dims, dtype, **kwargs)
+        del self._dims_arg, self._dtype_arg
+
+    @property
+    def _slot_bytes(self) -> int:
+        return 0
+
+    def _expected_header(self) -> dict:
+        h = super()._expected_header()
+        lay = self._layout
+        rec_off = h["aux_off"] + (lay.dataset_len + 7) // 8 * 8
+        data_off = rec_off + lay.dataset_len * self._rec_words * 8
+        data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        h.update(seq_off=rec_off, stage_off=0, map_off=0, data_off=data_off,
+                 total_bytes=data_off + max(1, self._arena), arena_bytes=self._arena,
+                 arena_top=0, record_words=self._rec_words, mean_bytes=self._mean)
+        return h
+
+    def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
+        fit_gib = max(0, free - (total - self._arena)) / BYTES_PER_GIB
+        return CacheCapacityError(
+            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
+            f"(an arena of {_fmt_bytes(self._arena)}). Give it more room (docker run "
+            f"--shm-size, or mount -o remount,size=... {shm_dir}) or pass a smaller "
+            f"size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+
+    def _map_slots(self, data_off: int, n_slots: int) -> None:
+        n, words = self._layout.dataset_len, self._rec_words
+        rec_off = self._header_get("seq_off")
+        self._rec_np = np.frombuffer(self._mm, np.int64, n * words, rec_off).reshape(n, words)
+        self._rec_mv = memoryview(self._mm)[rec_off: rec_off + n * words * 8].cast("q")
+        self._arena_np = np.frombuffer(self._mm, np.uint8, self._arena, data_off)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            self._ro_arena = torch.from_numpy(np.frombuffer(self._ro_mm, np.uint8, self._arena,
+                                                            data_off))
+        self._np_slots = self._array = self._ro_slots = None
+        self._fast_dtype = None
+        self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._vf]
+        # One tensor: the read path fills the open positions of this shape (a list).
+        self._one = None if self._fields else [d or 0 for d in self._vf[0].dims]
+        self._open_pos = [k for k, d in enumerate(self._vf[0].dims) if d is None]
+        self._view_as = self._vf[0].dtype if self._vf[0].dtype is torch.bfloat16 else None
+
+    def _unmap(self) -> None:
+        self._rec_np = self._rec_mv = self._arena_np = self._ro_arena = _CLOSED  # type: ignore
+        super()._unmap()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
+                 copy: bool = True) -> Any:
+        """The cached sample of ``idx`` in its own sizes (a dict with fields), or None; as
+        ``SharedCache.get_slot``."""
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            if self._one is not None and copy:  # _read's first path inlined (keep in step)
+                rec, base = self._rec_mv, idx * self._rec_words
+                seq = rec[base]
+                if not seq & 1 and self._aux_mv[idx] == SET:
+                    off = rec[base + _REC_OFF]
+                    shape = self._one[:]
+                    for k, pos in enumerate(self._open_pos):
+                        shape[pos] = rec[base + 4 + k]
+                    try:  # a record read while a writer changes it may not fit its bytes
+                        arr = self._arena_np[off: off + rec[base + _REC_BYTES]].view(
+                            self._np_dtypes[0]).reshape(shape).copy()
+                    except ValueError:
+                        arr = None
+                    if arr is not None and rec[base] == seq:
+                        self._ctr[_HITS] += 1
+                        return torch.from_numpy(arr) if self._view_as is None else \
+                            torch.from_numpy(arr).view(self._view_as)
+                out = None
+            else:
+                out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read(self, idx: int, copy: bool) -> Any:
+        """The seqlock read of the record and bytes of ``idx``: a sample, or None."""
+        rec, base = self._rec_mv, idx * self._rec_words
+        seq = rec[base]
+        if seq & 1 or self._aux_mv[idx] != SET:
+            return None
+        off = rec[base + _REC_OFF]
+        end = off + rec[base + _REC_BYTES]
+        if self._one is not None and copy:  # one tensor: the shape, then a single copy
+            shape = self._one[:]
+            for k, pos in enumerate(self._open_pos):
+                shape[pos] = rec[base + 4 + k]
+            try:  # a record read while a writer changes it may not fit its bytes
+                arr = self._arena_np[off: end].view(self._np_dtypes[0]).reshape(shape).copy()
+            except ValueError:
+                return None
+            if rec[base] != seq:
+                return None
+            self._ctr[_HITS] += 1
+            return torch.from_numpy(arr) if self._view_as is None else \
+                torch.from_numpy(arr).view(self._view_as)
+        sizes = rec[base + 4: base + self._rec_words].tolist()
+        data = self._arena_np[off: end].copy() if copy else self._ro_arena[off: end]
+        if rec[base] != seq:
+            return None
+        self._ctr[_HITS] += 1
+        return self._unpack(data if copy else data.numpy(), sizes)
+
+    def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
+        it = iter(sizes)
+        return [tuple(next(it) if d is None else d for d in f.dims) for f in self._vf]
+
+    def _unpack(self, data: np.ndarray, sizes: Sequence[int]) -> Any:
+        """The sample in ``data`` (its packed bytes) with these open sizes."""
+        if not self._fields:  # one tensor
+            f = self._vf[0]
+            shape = self._shapes(sizes)[0]
+            arr = data.view(self._np_dtypes[0]).reshape(shape)
+            return _torch_of(arr, f.dtype)
+        fields, _ = _pack({f.name: s for f, s in zip(self._vf, self._shapes(sizes))},
+                          {f.name: f.dtype for f in self._vf})
+        return {f.name: _torch_of(data[f.offset: f.offset + f.nbytes].view(dt).reshape(f.dims),
+                                  f.dtype) for f, dt in zip(fields, self._np_dtypes)}
+
+    def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
+        """Not for open sizes: samples of different sizes do not stack. Raises ValueError."""
+        opened = [f"{f.name!r}: {f.dims}" if f.name else str(f.dims) for f in self._vf
+                  if None in f.dims]
+        raise ValueError(f"get_batch stacks samples of fixed sizes, but this cache's "
+                         f"data_dims leave sizes open ({', '.join(opened)}); read its samples "
+                         "with get_slot")
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _check_value(self, value: Any) -> Any:
+        """Check ``value`` against the fields with their open sizes; return the checked
+        tensor (or dict of them) and the open sizes, in the order of the Nones."""
+        if self._fields:
+            value = _FieldsCache._check_keys(self, value)
+        checked, sizes = {}, []
+        for f in self._vf:
+            v, what = (value[f.name], f"value[{f.name!r}]") if f.name else (value, "value")
+            where = f"data_dims[{f.name!r}]" if f.name else "data_dims"
+            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
+                v = torch.tensor(v)
+            shape = tuple(getattr(v, "shape", ()))
+            while len(shape) > len(f.dims) and shape[0] == 1:  # (1, ...) as 0.2.1 took it
+                shape = shape[1:]
+            if isinstance(v, (torch.Tensor, np.ndarray)) and (
+                    len(shape) != len(f.dims) or
+                    any(d is not None and d != s for d, s in zip(f.dims, shape))):
+                raise ValueError(f"{what} should have shape {f.dims} (the cache's {where}; None "
+                                 f"is any size), but got {what}.shape={tuple(v.shape)}")
+            checked[f.name] = self._checked(v, shape if isinstance(v, (torch.Tensor,
+                                                                       np.ndarray)) else f.dims,
+                                            f.dtype, what, where)
+            sizes += [s for d, s in zip(f.dims, shape) if d is None]
+        return checked, sizes
+
+    def _source_array(self, value: Any) -> tuple[np.ndarray, list[int]]:
+        """The packed bytes of a sample and its open sizes, checked."""
+        checked, sizes = self._check_value(value)
+        if not self._fields:
+            a = self._slot_array(checked[""], self._vf[0].dtype)
+            return np.ascontiguousarray(a).reshape(-1).view(np.uint8), sizes
+        fields, total = _pack({f.name: tuple(checked[f.name].shape) for f in self._vf},
+                              {f.name: f.dtype for f in self._vf})
+        row = np.zeros(total, np.uint8)
+        for f in fields:
+            a = np.ascontiguousarray(self._slot_array(checked[f.name], f.dtype))
+            row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
+        return row, sizes
+
+    def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
+                 allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
+        """Store ``value`` (in its own sizes) as the sample of ``idx`` if the arena has room;
+        as ``SharedCache.set_slot`` otherwise. A sample that does not fit in what is left of
+        the arena is not stored (``stats()["full"]`` counts it; the index stays a miss); one
+        larger than the whole arena raises ValueError. An overwrite that does not fit leaves
+        the index empty."""
+        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        src, sizes = self._source_array(value)
+        if src.size > self._arena:
+            raise ValueError(f"value should fit in the cache's arena ({self._arena} bytes, "
+                             f"from size_limit_gib={self._limit_gib}), but got a sample of "
+                             f"{src.size} bytes")
+        if self._aux_mv[idx] == OOB:
+            if not allow_oob_idx:
+                raise self._oob_error(idx)
+            return
+        lock = _slot_lock_offset(idx)
+        with self._tlock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, lock)
+            try:
+                if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
+                    return
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
+        self._ctr[_WRITES] += 1
+
+    def _store(self, idx: int, src: np.ndarray, sizes: list[int], allow_overwrite: bool,
+               exist_ok: bool) -> bool:
+        """set_slot under the index's lock; True when the write counts as one."""
+        rec, base, state = self._rec_mv, idx * self._rec_words, self._aux_mv[idx]
+        if state == SET and not allow_overwrite and not rec[base] & 1:
+            if exist_ok:
+                return False
+            off, nbytes = rec[base + _REC_OFF], rec[base + _REC_BYTES]
+            if nbytes == src.size and rec[base + 4: base + self._rec_words].tolist() == sizes \
+                    and np.array_equal(self._arena_np[off: off + nbytes], src):
+                return True  # a second load of one index: done already
+            raise RuntimeError(
+                f"the sample of idx={idx} is already set to a different value; pass "
+                "allow_overwrite=True to replace it, or exist_ok=True to keep it. (Two loads "
+                "of one index that give different values mean that the load is not "
+                "deterministic, most often random augmentation before the cache.)")
+        if state in (SET, WRITING) and rec[base + _REC_CAP] >= src.size:
+            off, cap = rec[base + _REC_OFF], rec[base + _REC_CAP]  # its place, reused
+        else:
+            cap = -(-src.size // _ARENA_ALIGN) * _ARENA_ALIGN
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+            try:
+                off = self._header_get("arena_top")
+                if off + cap <= self._arena:
+                    self._header_set("arena_top", off + cap)
+                else:  # counted here, under the lock: one counter for the node
+                    off = -1
+                    self._header_set("arena_full", self._header_get("arena_full") + 1)
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+            if off < 0:  # full: nothing stored; an overwritten sample is dropped
+                if state != EMPTY:
+                    self._drop(idx)
+                return False
+        seq = rec[base]
+        seq += seq & 1  # an odd number left by a writer that died: round up
+        rec[base] = seq + 1
+        self._aux_mv[idx] = WRITING
+        rec[base + _REC_OFF], rec[base + _REC_BYTES], rec[base + _REC_CAP] = off, src.size, cap
+        for k, size in enumerate(sizes):
+            rec[base + 4 + k] = size
+        self._arena_np[off: off + src.size] = src
+        self._aux_mv[idx] = SET
+        rec[base] = seq + 2
+        return True
+
+    def _drop(self, idx: int) -> None:
+        """Empty ``idx`` (its lock held): readers see a miss, its place is given up."""
+        rec, base = self._rec_mv, idx * self._rec_words
+        seq = rec[base] + (rec[base] & 1)
+        rec[base] = seq + 1
+        self._aux_mv[idx] = EMPTY
+        for k in range(1, self._rec_words):
+            rec[base + k] = 0
+        rec[base] = seq + 2
+
+    def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
+        raise ValueError("this cache has open sizes and no staging slots (not supported yet)")
+
+    def clear(self) -> None:
+        """Empty every index and give back the whole arena. Safe while other processes read
+        (they see misses) or write (they finish first)."""
+        self._check_open()
+        with self._locked(_slot_lock_offset(0), self._n):
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+            try:
+                seq = self._rec_np[:, _REC_SEQ]
+                seq |= 1
+                aux = self._aux_np
+                aux[aux != OOB] = EMPTY
+                self._rec_np[:, 1:] = 0
+                self._arena_np[: self._header_get("arena_top")].fill(0)
+                self._header_set("arena_top", 0)
+                seq += 1
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+
+    def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """As ``SharedCache.stats``, plus ``arena_bytes`` (the arena's size) and ``arena_used``
+        (bytes handed out since the last ``clear()``, overwritten places included); ``full``
+        counts writes that found no room. ``slots`` is the number of indices this node may
+        admit."""
+        full = self._header_get("arena_full")
+        if since is not None and not _is_int(since.get("full")):
+            raise TypeError(f"since should be a dict from this cache's stats(), but got "
+                            f"since={since!r}")
+        out = super().stats(since=since)
+        out.update(full=full - (int(since["full"]) if since is not None else 0),
+                   arena_bytes=self._arena, arena_used=self._header_get("arena_top"))
+        return out
+
+    # -- copies and raw access ----------------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict) -> "SharedCache":
+        """An independent private cache with this one's configuration and contents (an entry
+        whose writer died mid-write is copied as empty)."""
+        self._check_open()
+        w, lay = self._world, self._layout
+        twin = SharedCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
+                           name=f"copy{next(_COPY_COUNTER)}",
+                           world=World(rank=w.node_rank, world_size=w.num_nodes,
+                                       node_rank=w.node_rank, num_nodes=w.num_nodes),
+                           shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
+                           mean_sample_bytes=self._mean or None)
+        memo[id(self)] = twin
+        with self._locked(_slot_lock_offset(0), self._n):
+            aux = self._aux_np.copy()
+            aux[(aux == SET) & (self._rec_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
+            aux[aux == WRITING] = EMPTY
+            top = self._header_get("arena_top")
+            twin._arena_np[:top] = self._arena_np[:top]
+            twin._rec_np[:] = self._rec_np
+            twin._rec_np[:, _REC_SEQ] = 0
+            twin._header_set("arena_top", top)
+            twin._aux_np[:] = aux
+        return twin
+
+    @property
+    def array(self) -> torch.Tensor:
+        raise TypeError("a cache with open sizes has no fixed slots to view; read its "
+                        "samples with get_slot")
+
+    def __getitem__(self, slot: Any) -> torch.Tensor:
+        return self.array
+
+    def __setitem__(self, slot: Any, value: Any) -> None:
+        self.array
 
 
 def _a_local_rank_may_come() -> bool:
@@ -2133,15 +3058,12 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
         delay = min(delay * 2, 0.1)
 
 
-def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
+def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> SharedCache:
     """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
-    layout, world, dims, dtype, name, path, staging = state
     fd = dupfd.detach()
-    cache = SharedCache.__new__(SharedCache)
-    cache._layout, cache._world, cache._dims, cache._dtype = layout, world, dims, dtype
-    cache._staging = staging
-    cache._name, cache._path, cache._fd = name, path, fd
-    cache._finalizer = None
+    cache = cls.__new__(cls)
+    cache.__dict__.update(state)
+    cache._fd, cache._finalizer = fd, None
     try:
         cache._map_existing(fd)
     except BaseException:
@@ -2156,13 +3078,19 @@ def _rebuild_cache(dupfd: Any, state: tuple) -> SharedCache:
 # ----------------------------------------------------------------------------------------------
 
 
-def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.uint8,
+def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]],
+         dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8,
          size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
-         staging_slots: int = 0) -> dict:
+         staging_slots: int = 0, mean_sample_bytes: int | None = None) -> dict:
     """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
+    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample, None
+    for an open size).
 
     Args:
         staging_slots: staging slots for a prefetcher (see ``SharedCache``), paid first.
+        mean_sample_bytes: with open sizes (required then): the mean bytes of a sample (or a
+            higher percentile, for a margin); ``slots`` is then how many such samples the
+            arena holds.
 
     Returns:
         A dict with ``slots``, ``fraction`` (of the dataset), ``size_limit_gib`` used,
@@ -2171,10 +3099,21 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
         ``ram_available_gib``.
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
-    dims = _check_dims(data_dims)
-    dtype = _check_dtype(dtype)
+    if isinstance(data_dims, Mapping):
+        fields, slot_bytes = _check_fields(data_dims, dtype)
+        opened = sum(d is None for f in fields for d in f.dims)
+    else:
+        dims = _check_dims(data_dims)
+        opened = sum(d is None for d in dims)
+        slot_bytes = 0 if opened else _slot_bytes(dims, _check_dtype(dtype))
+        _check_dtype(dtype)
     staging = check_int("staging_slots", staging_slots, low=0)
-    slot_bytes = _slot_bytes(dims, dtype)
+    if opened:
+        return _plan_arena(dataset_len, opened, size_limit_gib, shm_dir, staging,
+                           mean_sample_bytes)
+    if mean_sample_bytes is not None:
+        raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
+                         f"data_dims), but got mean_sample_bytes={mean_sample_bytes!r}")
     free = _free_bytes(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
@@ -2190,6 +3129,37 @@ def plan(dataset_len: int, data_dims: Sequence[int], dtype: torch.dtype = torch.
             "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
 
 
+def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
+                staging: int, mean: Any) -> dict:
+    """``plan`` for a cache of open sizes: the arena's size, and how many samples of ``mean``
+    bytes it holds (each padded to 16 bytes)."""
+    if mean is None:
+        raise ValueError("mean_sample_bytes should be given to plan a cache with open sizes "
+                         "(None in data_dims), but got mean_sample_bytes=None")
+    mean = check_int("mean_sample_bytes", mean, low=1)
+    if staging:
+        raise ValueError(f"staging_slots should be 0 for a cache with open sizes, but got "
+                         f"staging_slots={staging}")
+    words = 4 + opened
+    meta = dataset_len * (1 + 8 * words)
+    free = _free_bytes(shm_dir)
+    if size_limit_gib is not None:
+        limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
+    else:  # the whole segment in what is free: header, stats and page rounding come on top
+        limit = max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 - 2 * mmap.PAGESIZE
+                    ) / BYTES_PER_GIB
+    arena = _arena_bytes(limit, dataset_len, words)
+    slots = min(dataset_len, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
+    return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
+            "arena_gib": arena / BYTES_PER_GIB,
+            "dataset_gib": (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN * dataset_len + meta) /
+            BYTES_PER_GIB,
+            "segment_gib": (arena + meta + _HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 +
+                            mmap.PAGESIZE) / BYTES_PER_GIB,
+            "shm_free_gib": free / BYTES_PER_GIB,
+            "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m stocaching [info|plan|clean]``: see the shared memory, size a cache, clean up."""
     parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
@@ -2201,9 +3171,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("info", help="/dev/shm, RAM and live caches (the default)")
     p = sub.add_parser("plan", help="how many samples of a shape fit")
     p.add_argument("--dataset-len", type=int, required=True, help="samples in the dataset")
-    p.add_argument("--dims", required=True, help="sample shape, e.g. 3,256,256 or 3x256x256")
+    p.add_argument("--dims", help="sample shape, e.g. 3,256,256 or 3x256x256; None for an "
+                                  "open size, e.g. None,3 (with --mean-bytes)")
+    p.add_argument("--mean-bytes", type=int, default=None,
+                   help="with open sizes: the mean bytes of a sample (or a percentile)")
     p.add_argument("--dtype", default="uint8",
                    help="sample dtype, e.g. uint8 or torch.float16 (default: uint8)")
+    p.add_argument("--field", action="append", default=[], metavar="NAME=DIMS[:DTYPE]",
+                   help="instead of --dims, one field of a sample, e.g. --field image=3x256x256 "
+                        "--field label=:int64 (empty dims: a scalar; DTYPE default: --dtype)")
     p.add_argument("--size-gib", type=float, default=None,
                    help="budget in GiB, as size_limit_gib (default: what --shm-dir has free)")
     p.add_argument("--staging-slots", type=int, default=0,
@@ -2216,23 +3192,49 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"but got --shm-dir={args.shm_dir}")
     out = sys.stdout.write
     if args.cmd == "plan":
-        dtype = getattr(torch, args.dtype.removeprefix("torch."), args.dtype)
-        try:
-            dims = tuple(int(d) for d in args.dims.replace("x", ",").split(","))
-        except ValueError:
-            parser.error(f"--dims should be ints separated by ',' or 'x', e.g. 3,256,256, but "
-                         f"got --dims={args.dims}")
+        def dtype_of(name: str) -> Any:
+            return getattr(torch, name.removeprefix("torch."), name)
+
+        def dims_of(text: str, flag: str) -> tuple[int, ...]:
+            try:
+                return tuple(None if d == "None" else int(d)
+                             for d in text.replace("x", ",").split(",") if d != "")
+            except ValueError:
+                parser.error(f"{flag} should be ints separated by ',' or 'x', e.g. 3,256,256, "
+                             f"but got {flag}={text}")
+
+        dtype: Any = dtype_of(args.dtype)
+        if (args.dims is None) == (not args.field):
+            parser.error("give either --dims (one tensor a sample) or --field (once per field)"
+                         f", but got --dims={args.dims} and --field={args.field}")
+        if args.field:
+            dims: Any = {}
+            dtype = {}
+            for spec in args.field:
+                name, eq, rest = spec.partition("=")
+                if not eq:
+                    parser.error(f"--field should be NAME=DIMS[:DTYPE], e.g. image=3x256x256 "
+                                 f"or label=:int64, but got --field={spec}")
+                shape, _, dt = rest.partition(":")
+                dims[name] = dims_of(shape, "--field")
+                dtype[name] = dtype_of(dt) if dt else dtype_of(args.dtype)
+        else:
+            dims = dims_of(args.dims, "--dims")
         try:
             r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir,
-                     staging_slots=args.staging_slots)
+                     staging_slots=args.staging_slots, mean_sample_bytes=args.mean_bytes)
         except (TypeError, ValueError) as e:
-            msg = str(e)
-            for param, flag in (("dataset_len", "--dataset-len"), ("data_dims", "--dims"),
+            msg = re.sub(r"\bdata_dims\['(\w+)'\]", r"--field \1", str(e))
+            msg = re.sub(r"\bdtype\['(\w+)'\]", r"the DTYPE of --field \1", msg)
+            for param, flag in (("dataset_len", "--dataset-len"),
+                                ("data_dims", "--field" if args.field else "--dims"),
                                 ("size_limit_gib", "--size-gib"), ("dtype", "--dtype"),
-                                ("staging_slots", "--staging-slots")):
+                                ("staging_slots", "--staging-slots"),
+                                ("mean_sample_bytes", "--mean-bytes")):
                 msg = re.sub(rf"\b{param}\b", flag, msg)
             parser.error(msg)
-        out(f"{r['slots']} of {args.dataset_len} samples of {dims} {args.dtype} fit in "
+        what = f"{dims} {args.dtype}" if not args.field else " + ".join(args.field)
+        out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
             f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
             f"the whole dataset needs {r['dataset_gib']:.2f} GiB; {args.shm_dir} has "
             f"{r['shm_free_gib']:.2f} GiB free, RAM {r['ram_available_gib']:.2f} GiB "

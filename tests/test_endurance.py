@@ -41,12 +41,14 @@ WORKERS = 2
 
 
 def _workers() -> list[psutil.Process]:
-    """Children of this process, but multiprocessing's resource tracker (one per session,
-    started by the first spawn context that needs it)."""
+    """Children of this process, but multiprocessing's helpers that live as long as the
+    session: its resource tracker (started by the first spawn context that needs it) and its
+    forkserver (started by the first forkserver DataLoader of any earlier test)."""
     out = []
     for p in psutil.Process().children():
         try:
-            if not any("resource_tracker" in a for a in p.cmdline()):
+            if not any("resource_tracker" in a or "multiprocessing.forkserver" in a
+                       for a in p.cmdline()):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

@@ -1,5 +1,5 @@
-"""Model-based fuzzing: random sequences of construct / set_slot / get_slot / ``cache[i]`` /
-clear / stats, with valid and invalid arguments, against a plain in-memory model.
+"""Model-based fuzzing: random sequences of construct / set_slot / get_slot / get_batch /
+``cache[i]`` / clear / stats, with valid and invalid arguments, against a plain in-memory model.
 
 The model is a torch tensor of the slots, a list of slot states and four counters, with the
 rules written here from the docstrings and the house style (not from the code): which index
@@ -186,6 +186,19 @@ class Model:
         self.writes += 1
         return None
 
+    def get_batch(self, idx: list):
+        """Every index checked first (its type, then its range): a bad one raises and reads
+        nothing; then the get_slot of each, a row of zeros for a miss."""
+        if not all(is_index(i) for i in idx):
+            raise TypeError
+        if not all(0 <= int(i) < self.n for i in idx):
+            raise IndexError
+        rows = [self.get_slot(i, True, True) for i in idx]
+        zero = torch.zeros(self.dims, dtype=self.dtype)
+        batch = torch.stack([zero if r is None else r for r in rows]) if rows else \
+            torch.zeros((0, *self.dims), dtype=self.dtype)
+        return batch, torch.tensor([r is not None for r in rows], dtype=torch.bool)
+
     def clear(self):
         self.array.zero_()
         self.aux = [EMPTY if a == SET else a for a in self.aux]
@@ -206,6 +219,8 @@ def outcome(fn):
 
 
 def same(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):  # get_batch: (batch, hit)
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
     return a is None and b is None
@@ -400,6 +415,16 @@ class CacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.cache is not None)
     @rule(data=st.data())
+    def get_batch(self, data) -> None:
+        idx = data.draw(st.lists(indices(self.model.n), max_size=6), "indices")
+        arg = data.draw(st.sampled_from([list, tuple]), "form")(idx)
+        hits = self.model.hits
+        self.expect(lambda: self.cache.get_batch(arg), lambda: self.model.get_batch(idx),
+                    "get_batch")
+        HITS[0] += self.model.hits - hits
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(data=st.data())
     def getitem(self, data) -> None:
         s = self.model.slots
         k = data.draw(st.integers(-s - 2, s + 1), "k")
@@ -460,7 +485,7 @@ def test_cache_matches_model(tmpfs, capsys):
         print(f"\n[fuzz] {total} calls ({HITS[0]} get_slot hits): " + ", ".join(
             f"{op} {kind} {n}" for (op, kind), n in sorted(CALLS.items())))
     assert total >= 3000 and HITS[0] >= 100
-    for op in ("construct", "get_slot", "set_slot", "cache[i]"):
+    for op in ("construct", "get_slot", "set_slot", "cache[i]", "get_batch"):
         assert CALLS[op, "ok"] > 50 and CALLS[op, "err"] > 50, CALLS
 
 

@@ -11,6 +11,7 @@ in its environment, see ``rank_env``). Commands:
   readloop              read everything forever, checking every value
   fill                  set every index that reads as a miss, without allow_overwrite
   check                 read everything: "CHECK hits misses bad missing..."
+  batch                 read everything with one get_batch: "BATCH hits misses bad missing..."
   loader CTX PHASE      one DataLoader epoch, 2 workers; worker 0 stops at PHASE
   epoch                 one clean DataLoader epoch (fork), checking every sample
   exit                  close and exit 0
@@ -51,6 +52,12 @@ ITER_READY = os.environ.get("FT_ITER_READY", "")
 TIMEOUT = float(os.environ.get("FT_TIMEOUT", "60"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 LWS = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+# FT_FIELDS=1: a cache of two fields a sample, {"x": (D,) uint8, "label": () int64}
+# (create, write, writehang, writehang_late, check, fill, batch and exit only).
+FIELDS = os.environ.get("FT_FIELDS", "") == "1"
+# FT_VARIABLE=1: a cache of open sizes, (None,) uint8, sample i of D - 7 i bytes (the same
+# commands but batch; writehang stops in the arena's copy).
+VARIABLE = os.environ.get("FT_VARIABLE", "") == "1"
 # SIGINT and SIGTERM act as in a terminal even when the test runner was started with them
 # ignored (a shell does that to SIGINT of a command run with '&'), a disposition children
 # inherit. At module level, so that spawned DataLoader workers (which import this module) set
@@ -65,7 +72,28 @@ def say(*a):
 
 
 def pattern(i):
+    if VARIABLE:  # D - 7 * i bytes: every sample its own size
+        return value_of(i, (D - 7 * i,))
+    if FIELDS:
+        return {"x": value_of(i, (D,)), "label": torch.tensor(i * 1000 + 7)}
     return value_of(i, (D,))
+
+
+def same(a, b):
+    """Equal samples: tensors, or dicts of tensors (a cache of fields)."""
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b)
+
+
+def row(batch, i):
+    """Row i of a get_batch result (a dict of batches for a cache of fields)."""
+    return {k: v[i] for k, v in batch.items()} if isinstance(batch, dict) else batch[i]
+
+
+def zero_like(x):
+    return {k: torch.zeros_like(v) for k, v in x.items()} if isinstance(x, dict) else \
+        torch.zeros_like(x)
 
 
 def wait_iter_ready():
@@ -142,7 +170,7 @@ def scan(cache):
         if v is None:
             misses += 1
             missing.append(i)
-        elif torch.equal(v, pattern(i)):
+        elif same(v, pattern(i)):
             hits += 1
         else:
             bad += 1
@@ -228,7 +256,11 @@ def main():
                 arm_attach()
             say("CONSTRUCTING", os.getpid())
             try:
-                cache = SharedCache(1, N, (D,), name="f", timeout=TIMEOUT)
+                dims = {"x": (D,), "label": ()} if FIELDS else (None,) if VARIABLE else (D,)
+                dtype = {"x": torch.uint8, "label": torch.int64} if FIELDS else torch.uint8
+                # (open sizes: the whole budget is the arena, reserved: 1 MiB is plenty)
+                cache = SharedCache(1 / 1024 if VARIABLE else 1, N, dims, dtype, name="f",
+                                    timeout=TIMEOUT)
             except Exception as e:
                 say("ERROR", type(e).__name__, str(e).replace("\n", " "))
                 sys.exit(3)
@@ -240,6 +272,9 @@ def main():
                     cache.set_slot(i, pattern(i))
                     n += 1
             say("WROTE", n)
+        elif cmd == "writehang" and VARIABLE:
+            cache._arena_np = MidCopy(cache._arena_np, "INSIDE")
+            cache.set_slot(int(args[0]), pattern(int(args[0])))
         elif cmd == "writehang":
             cache._np_slots = MidCopy(cache._np_slots, "INSIDE")
             cache.set_slot(int(args[0]), pattern(int(args[0])))
@@ -266,6 +301,12 @@ def main():
         elif cmd == "check":
             hits, misses, bad, missing = scan(cache)
             say("CHECK", hits, misses, bad, *missing)
+        elif cmd == "batch":
+            rows, hit = cache.get_batch(range(N))
+            bad = sum(not same(row(rows, i), pattern(i) if hit[i] else zero_like(pattern(i)))
+                      for i in range(N))
+            missing = [i for i in range(N) if not hit[i]]
+            say("BATCH", N - len(missing), len(missing), bad, *missing)
         elif cmd == "loader":
             ctx, phase = args
             try:

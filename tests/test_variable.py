@@ -1,0 +1,389 @@
+"""Open sizes: a None in ``data_dims`` stores each sample at its own size in an arena inside
+the segment, with a record per index (offset, bytes, open sizes); samples are admitted while
+there is room, and every guarantee of the fixed-size cache holds."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from _helpers import assert_no_leak, free_port, rank_env, value_of
+from stocaching import BYTES_PER_GIB, CacheConfigError, SharedCache, World, plan
+from stocaching import stocaching as core
+
+N = 40
+
+
+def cloud(i: int, points: int | None = None) -> torch.Tensor:
+    """A point cloud of ``i % 7 + 1`` (or ``points``) points: (points, 3) float32, values of i."""
+    p = i % 7 + 1 if points is None else points
+    return torch.arange(p * 3, dtype=torch.float32).reshape(p, 3) + i * 1000
+
+
+def limit_for(arena: int, n: int = N, words: int = 5) -> float:
+    """size_limit_gib that leaves an arena of exactly ``arena`` bytes (a multiple of 16)."""
+    return (arena + n * (1 + 8 * words)) / BYTES_PER_GIB
+
+
+def test_samples_of_any_size_round_trip(shm_dir):
+    with SharedCache(0.001, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+        assert type(c).__name__ == "_ArenaCache" and len(c) == N
+        for i in range(N):
+            c.set_slot(i, cloud(i))
+        for i in range(N):
+            assert torch.equal(c.get_slot(i), cloud(i))
+        view = c.get_slot(5, copy=False)
+        assert torch.equal(view, cloud(5))
+        got = c.get_slot(5)
+        got += 1  # a copy
+        assert torch.equal(c.get_slot(5), cloud(5))
+        s = c.stats()
+        assert (s["filled"], s["writes"], s["hits"], s["full"]) == (N, N, N + 3, 0)
+        # the bytes handed out are the samples', each rounded up to 16
+        assert s["arena_used"] == sum(-(-cloud(i).numel() * 4 // 16) * 16 for i in range(N))
+
+
+def test_images_of_many_sizes_and_fields_with_open_and_fixed_sizes(shm_dir):
+    dims = {"image": (3, None, None), "label": (), "boxes": (None, 4)}
+    dtype = {"image": torch.uint8, "label": torch.int64, "boxes": torch.float32}
+    rng = np.random.default_rng(0)
+    samples = {}
+    with SharedCache(0.001, N, dims, dtype, shm_dir=shm_dir) as c:
+        assert c.fields == ("image", "label", "boxes") and c.data_dims == dims
+        for i in range(N):
+            h, w, b = (int(x) for x in rng.integers(1, 12, 3))
+            samples[i] = {"image": value_of(i, (3, h, w)), "label": torch.tensor(i),
+                          "boxes": torch.rand(b, 4, generator=torch.Generator().manual_seed(i))}
+            c.set_slot(i, {**samples[i], "label": i})  # a number for the scalar
+        for i in range(N):
+            got = c.get_slot(i)
+            assert list(got) == list(dims)
+            assert all(torch.equal(got[k], samples[i][k]) for k in dims)
+
+
+def test_the_budget_is_honoured_exactly_and_a_full_arena_makes_misses(shm_dir):
+    arena = 16 * 20  # room for 20 samples of 1-4 points padded to 16 B... or fewer bigger ones
+    limit = limit_for(arena)
+    sizes = [cloud(i, 3).numel() * 4 for i in range(N)]  # 36 B each: 48 with padding
+    with SharedCache(limit, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+        s = c.stats()
+        assert s["arena_bytes"] == arena
+        # the budget: aux (1 B) and a record (5 int64) per index, and the arena
+        assert N * (1 + 8 * 5) + arena == round(limit * BYTES_PER_GIB)
+        for i in range(N):
+            c.set_slot(i, cloud(i, 3))
+        fits = arena // 48
+        assert [c.get_slot(i) is not None for i in range(N)] == [True] * fits + \
+            [False] * (N - fits)
+        s = c.stats()
+        assert (s["filled"], s["full"], s["writes"], s["arena_used"]) == \
+            (fits, N - fits, fits, fits * 48)
+        assert sum(sizes[:fits]) <= s["arena_used"] <= arena
+        # a smaller sample still fits in what is left
+        assert arena - fits * 48 == 32
+        c.set_slot(N - 1, cloud(N - 1, 2))  # 24 B: 32 with padding
+        assert torch.equal(c.get_slot(N - 1), cloud(N - 1, 2))
+        assert c.stats()["arena_used"] == arena
+
+
+def test_overwrite_keeps_its_place_or_moves_or_empties_and_clear_gives_all_back(shm_dir):
+    arena = 16 * 12
+    with SharedCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+        c.set_slot(0, cloud(0, 4))  # 48 B
+        c.set_slot(1, cloud(1, 4))  # 48 B: 96 used
+        c.set_slot(0, cloud(0, 2), allow_overwrite=True)  # 24 B fits its 48: in place
+        assert torch.equal(c.get_slot(0), cloud(0, 2)) and c.stats()["arena_used"] == 96
+        c.set_slot(0, cloud(0, 5), allow_overwrite=True)  # 60 B: moves to new room (64)
+        assert torch.equal(c.get_slot(0), cloud(0, 5)) and c.stats()["arena_used"] == 160
+        c.set_slot(1, cloud(1, 8), allow_overwrite=True)  # 96 B: no room left (32): emptied
+        assert c.get_slot(1) is None
+        s = c.stats()
+        assert (s["filled"], s["full"], s["arena_used"]) == (1, 1, 160)
+        with pytest.raises(RuntimeError, match="already set to a different value"):
+            c.set_slot(0, cloud(0, 1))
+        c.set_slot(0, cloud(0, 5))  # the same value again: a no-op
+        c.set_slot(0, cloud(0, 1), exist_ok=True)
+        assert torch.equal(c.get_slot(0), cloud(0, 5))
+        c.clear()
+        s = c.stats()
+        assert (s["filled"], s["arena_used"]) == (0, 0) and c.get_slot(0) is None
+        assert not c._arena_np.any()
+        for i in range(4):  # the whole arena is back
+            c.set_slot(i, cloud(i, 4))
+        assert c.stats()["arena_used"] == 4 * 48
+
+
+def _bad_values():
+    yield torch.zeros(4, 4), ValueError, r"value should have shape \(None, 3\).*None is any " \
+        r"size.* value\.shape=\(4, 4\)"
+    yield torch.zeros(3), ValueError, r"value\.shape=\(3,\)"
+    yield torch.full((2, 3), 0.5, dtype=torch.float64).to(torch.complex64) + 1j, ValueError, \
+        "imaginary parts"
+    yield [[1.0, 2.0, 3.0]], TypeError, r"value should be a torch\.Tensor"
+    yield torch.zeros(1000, 3), ValueError, r"value should fit in the cache's arena \(320 " \
+        r"bytes.*a sample of 12000 bytes"
+
+
+@pytest.mark.parametrize("value,exc,match", list(_bad_values()))
+def test_bad_values_are_refused_and_change_nothing(shm_dir, value, exc, match):
+    with SharedCache(limit_for(320), N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+        c.set_slot(2, cloud(2))
+        def state():
+            s = c.stats()
+            del s["hit_rate"]  # nan without reads
+            return c._arena_np.tobytes(), c._rec_np.tobytes(), c._aux_np.tobytes(), s
+
+        before = state()
+        for idx in (2, 3):
+            with pytest.raises(exc, match=match):
+                c.set_slot(idx, value, allow_overwrite=True)
+        assert state() == before
+
+
+def test_a_field_dict_that_does_not_match_is_refused(shm_dir):
+    dims = {"points": (None, 3), "label": ()}
+    with SharedCache(0.001, N, dims, {"points": torch.float32, "label": torch.int64},
+                     shm_dir=shm_dir) as c:
+        with pytest.raises(ValueError, match=r"missing \['label'\]"):
+            c.set_slot(0, {"points": cloud(0)})
+        with pytest.raises(ValueError, match=r"value\['points'\] should have shape \(None, 3\)"):
+            c.set_slot(0, {"points": torch.zeros(2, 2), "label": 1})
+        with pytest.raises(TypeError, match="value should be a dict"):
+            c.set_slot(0, (cloud(0), 1))
+        assert c.stats()["writes"] == 0 and c.stats()["arena_used"] == 0
+
+
+@pytest.mark.parametrize("call", ["get_batch", "array", "getitem", "stage"])
+def test_what_needs_fixed_sizes_says_so(shm_dir, call):
+    with SharedCache(0.001, N, {"points": (None, 3), "label": ()}, shm_dir=shm_dir) as c:
+        with pytest.raises((ValueError, TypeError)) as e:
+            {"get_batch": lambda: c.get_batch([0, 1]), "array": lambda: c.array,
+             "getitem": lambda: c[0], "stage": lambda: c.stage(0, cloud(0))}[call]()
+        assert {"get_batch": "'points': (None, 3)", "array": "open sizes",
+                "getitem": "open sizes", "stage": "open sizes"}[call] in str(e.value)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(data_dims=(None, 0)), ValueError, r"positive ints or None .* data_dims=\(None, 0\)"),
+    (dict(data_dims=(None, 3), staging_slots=2), ValueError, "staging_slots should be 0"),
+    (dict(data_dims=(4, 3), mean_sample_bytes=100), ValueError,
+     "mean_sample_bytes is for a cache with open sizes"),
+    (dict(data_dims=(None, 3), mean_sample_bytes=0), ValueError, "mean_sample_bytes=0"),
+    (dict(data_dims=(None, 3), mean_sample_bytes=True), TypeError, "mean_sample_bytes=True"),
+])
+def test_bad_arguments_name_the_parameter(shm_dir, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        SharedCache(0.001, N, shm_dir=shm_dir, **kw)
+    assert os.listdir(shm_dir) == []
+
+
+def test_ranks_must_agree_on_the_open_sizes(shm_dir):
+    worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
+    key = f"var{os.getpid()}"
+    with SharedCache(0.001, N, (None, 3), name="v", job_key=key, world=worlds[0],
+                     shm_dir=shm_dir, timeout=60) as lead:
+        with pytest.raises(CacheConfigError, match=r"has data_dims=\(None, 3\), but this "
+                                                   r"process asked for data_dims=\(3, None\)"):
+            SharedCache(0.001, N, (3, None), name="v", job_key=key, world=worlds[1],
+                        shm_dir=shm_dir, timeout=60)
+        with SharedCache(0.001, N, (None, 3), name="v", job_key=key, world=worlds[1],
+                         shm_dir=shm_dir, timeout=60) as other:
+            lead.set_slot(3, cloud(3).to(torch.uint8))
+            assert torch.equal(other.get_slot(3), cloud(3).to(torch.uint8))
+
+
+@pytest.mark.parametrize("mean,share", [(None, N // 2), (48, N)])
+def test_nodes_admit_only_their_subset(shm_dir, mean, share):
+    """Without a size hint each of two nodes may admit an even, disjoint half; with a mean
+    size whose samples the arena holds for more, the subsets grow (and overlap)."""
+    held = []
+    for node in range(2):
+        w = World(rank=node, world_size=2, node_rank=node, num_nodes=2)
+        with SharedCache(limit_for(48 * N), N, (None, 3), torch.float32, world=w,
+                         shm_dir=shm_dir, mean_sample_bytes=mean) as c:
+            mine = set(c.cached_indices().tolist())
+            assert len(c) == len(mine) == share
+            for i in range(N):
+                c.set_slot(i, cloud(i, 3))  # a no-op outside the subset
+            assert {i for i in range(N) if c.get_slot(i) is not None} == mine
+            s = c.stats()
+            assert (s["filled"], s["oob_misses"]) == (share, N - share)
+            held.append(mine)
+    if mean is None:
+        assert not held[0] & held[1] and held[0] | held[1] == set(range(N))
+
+
+def test_plan_sizes_from_a_mean_and_matches_the_cache(shm_dir):
+    limit = limit_for(48 * 25)
+    p = plan(N, (None, 3), torch.float32, size_limit_gib=limit, shm_dir=shm_dir,
+             mean_sample_bytes=36)
+    assert p["slots"] == 25 and p["arena_gib"] * BYTES_PER_GIB == 48 * 25
+    with SharedCache(limit, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+        for i in range(N):
+            c.set_slot(i, cloud(i, 3))  # 36 B each
+        assert c.stats()["filled"] == 25
+        assert c.stats()["bytes"] <= p["segment_gib"] * BYTES_PER_GIB
+    with pytest.raises(ValueError, match="mean_sample_bytes should be given"):
+        plan(N, (None, 3), size_limit_gib=limit)
+    out = core.main(["--shm-dir", shm_dir, "plan", "--dataset-len", str(N), "--dims", "None,3",
+                     "--dtype", "float32", "--mean-bytes", "36", "--size-gib", repr(limit)])
+    assert out == 0
+
+
+def test_a_deep_copy_is_private_and_equal(shm_dir):
+    with SharedCache(0.001, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+        for i in range(5):
+            c.set_slot(i, cloud(i))
+        with copy.deepcopy(c) as twin:
+            assert all(torch.equal(twin.get_slot(i), cloud(i)) for i in range(5))
+            twin.set_slot(0, cloud(0, 7), allow_overwrite=True)
+            twin.set_slot(6, cloud(6))
+            assert twin.stats()["arena_used"] > c.stats()["arena_used"]
+        assert torch.equal(c.get_slot(0), cloud(0)) and c.get_slot(6) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes: racing writers and clears, workers of every start method, a writer killed
+# ----------------------------------------------------------------------------------------------
+
+
+def _version(i: int, v: int) -> torch.Tensor:
+    """Index i at version v: (v % 5 + 1) * 8 bytes, byte 0 = v, byte 1 = i, the rest a pattern
+    of both, so a torn read (bytes of two versions, or a record of one and bytes of another)
+    is caught."""
+    n = (v % 5 + 1) * 8
+    t = (torch.arange(n) * 7 + i * 31 + v * 17 + 3) % 251 + 1
+    t[0], t[1] = v, i
+    return t.to(torch.uint8)
+
+
+def _overwrite(cache: SharedCache, seed: int, writing, stop) -> None:
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(seed)
+    while not stop.is_set():
+        for i, v, p in zip(*(rng.integers(0, m, 500).tolist() for m in (N, 256, 400))):
+            if p == 0:
+                cache.clear()
+            cache.set_slot(i, _version(i, v), allow_overwrite=True)
+            writing.set()
+
+
+@pytest.mark.timeout(300)
+def test_writers_and_clears_never_give_a_torn_sample(tmpfs):
+    ctx = mp.get_context("fork")
+    stop, writing = ctx.Event(), [ctx.Event() for _ in range(2)]
+    with SharedCache(limit_for(16 * 5 * N, words=5), N, (None,), shm_dir=tmpfs) as c:
+        writers = [ctx.Process(target=_overwrite, args=(c, s, writing[s], stop))
+                   for s in range(2)]
+        for w in writers:
+            w.start()
+        try:
+            assert all(e.wait(120) for e in writing), "a writer did not start within 120 s"
+            torn, hits, reads = [], 0, 0
+            before = c.stats()["writes"]
+            deadline = time.monotonic() + 120  # a ceiling for a hang; the loop counts writes
+            while reads < 20000 or c.stats()["writes"] - before < 20000:
+                assert time.monotonic() < deadline, "writers stalled"
+                for i in range(N):
+                    got = c.get_slot(i)
+                    reads += 1
+                    if got is not None:
+                        hits += 1
+                        if got.numel() < 2 or not torch.equal(got, _version(i, int(got[0]))):
+                            torn.append((i, got.tolist()))
+        finally:
+            stop.set()
+            for w in writers:
+                w.join(60)
+                if w.is_alive():
+                    w.kill()
+        assert [w.exitcode for w in writers] == [0, 0]
+        assert torn == [] and hits > 0
+    assert_no_leak(tmpfs)
+
+
+def keep_list(batch):
+    """collate_fn: the samples as they are (they do not stack)."""
+    return batch
+
+
+class CloudDataset(torch.utils.data.Dataset):
+    """The two-line pattern with point clouds of varying length; items (i, cloud, hit)."""
+
+    def __init__(self, cache: SharedCache, n: int):
+        self.cache, self.n = cache, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = self.cache.get_slot(i)
+        hit = x is not None
+        if x is None:
+            x = cloud(i)
+            self.cache.set_slot(i, x)
+        return i, x, hit
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers_share_a_cache_of_open_sizes(tmpfs, method):
+    arena = sum(-(-cloud(i).numel() * 4 // 16) * 16 for i in range(N - 6))  # all but 6 fit
+    with SharedCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
+        dl = DataLoader(CloudDataset(c, N), batch_size=4, num_workers=2, collate_fn=keep_list,
+                        multiprocessing_context=method)
+        stored = 0
+        for epoch in range(2):
+            seen = []
+            for batch in dl:
+                for i, x, hit in batch:
+                    assert torch.equal(x, cloud(i)), (epoch, i)
+                    seen.append((i, hit))
+            assert sorted(i for i, _ in seen) == list(range(N))
+            assert sum(h for _, h in seen) == stored  # what the epoch before stored
+            s = c.stats()
+            if epoch == 0:  # every index was written once: stored, or refused for want of room
+                assert s["filled"] + s["full"] == N and 0 < s["full"] < N
+            stored = s["filled"]
+            assert s["arena_used"] <= s["arena_bytes"] == arena
+    assert_no_leak(tmpfs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("late", [False, True], ids=["mid-copy", "after-state-set"])
+def test_a_writer_killed_mid_write_leaves_a_miss(tmpfs, children, late):
+    """Two local ranks (processes); rank 1 dies inside set_slot of the last index, halfway
+    through copying its bytes into the arena or right after its state became SET: rank 0
+    reads it as a miss and writes it again; nothing leaks."""
+    key = f"vkill{int(late)}{os.getpid()}"
+    port = free_port()
+    lead = children("rank0", rank_env(tmpfs, key, rank=0, port=port, FT_VARIABLE="1"))
+    other = children("rank1", rank_env(tmpfs, key, rank=1, port=port, FT_VARIABLE="1"))
+    n = 32
+    for ch in (lead, other):
+        ch.send("create")
+    for ch in (lead, other):
+        ch.expect("ATTACHED")
+        ch.send("write")
+    for ch in (lead, other):
+        ch.expect("WROTE")
+    other.send(f"{'writehang_late' if late else 'writehang'} {n - 1}")
+    other.expect("INSIDE")
+    other.signal(9)
+    assert other.wait() == -9
+    lead.send("check")
+    assert lead.expect("CHECK").split()[1:] == [str(n - 1), "1", "0", str(n - 1)]
+    lead.send("fill")
+    assert lead.expect("FILLED").split()[2:] == [str(n - 1)]
+    lead.send("check")
+    assert lead.expect("CHECK").split()[1:] == [str(n), "0", "0"]
+    lead.send("exit")
+    assert lead.wait() == 0
+    assert_no_leak(tmpfs)
