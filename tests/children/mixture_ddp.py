@@ -34,8 +34,8 @@ result = {"rank": sampler.rank, "num_replicas": sampler.num_replicas, "sizes": S
           "slots": [len(p.cache) for p in parts], "epochs": [], "hits": [], "reads": []}
 for epoch in range(2):
     sampler.set_epoch(epoch)
+    before = mix.stats()  # before the barrier: once past it, the other rank reads at once
     dist.barrier()
-    before = mix.stats()
     expected = sampler.epoch_indices(epoch)
     seen = [i for idx, _, _ in loader for i in idx.tolist()]
     assert seen == mix.locate(expected)[1].tolist(), "the loader read what the sampler yielded"
