@@ -761,6 +761,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # back only its own samples (another rank's prefetcher may stage the same index).
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
         self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
+        # Given back when the prefetcher goes: another rank's prefetcher does not take them
+        # (each counts only its own tag as ready), so they would hold staging slots.
+        self._give_back = weakref.finalize(self, _give_back_staged, cache, self._tag,
+                                           self._staged)
         # Loads running in a loader thread, over epochs: an epoch abandoned mid-load leaves
         # its loads running, and the next epoch waits for those instead of starting again.
         self._running: dict[int, _Job] = {}
@@ -776,11 +780,14 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         return _ProcessLoaderPool(self, flags, self._mp_context)
 
     def close(self) -> None:
-        """Stop the loader processes (``processes=N``); a later epoch starts new ones.
-        Idempotent; also done when the prefetcher is collected or the program exits."""
+        """Stop the loader processes (``processes=N``; a later epoch starts new ones) and
+        give back the staging slots of samples it staged that were not read. Idempotent;
+        also done when the prefetcher is collected or the program exits."""
         if self._procs is not None:
             self._procs.close()
             self._procs = None
+        with self._lock:
+            _give_back_staged(self.cache, self._tag, self._staged)
 
     def __len__(self) -> int:
         return len(self._tap)
@@ -808,10 +815,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         with self._lock:
-            staged, self._staged = self._staged, set()
+            staged = set(self._staged)
+            self._staged.clear()
         if staged:  # staged last epoch, yielded and never read: give them back
             staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
-            for idx in staged_idx[self.cache.ready_mask(staged_idx)].tolist():
+            for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
                 self.cache.unstage(idx, tag=self._tag)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
@@ -842,7 +850,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     end = nxt  # refill half a span at a time: one ready_mask call per chunk
                 while nxt < end:  # submit the misses among the next positions, in order
                     chunk = base[nxt:end]
-                    need = ~self.cache.ready_mask(chunk)
+                    need = ~self.cache.ready_mask(chunk, tag=self._tag)
                     if nxt < skip.size:
                         need[:skip.size - nxt] &= ~skip[nxt:end]
                     oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
@@ -950,6 +958,14 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             except BaseException as e:
                 raise PrefetchError(f"load({idx}) failed in the prefetcher: "
                                     f"{type(e).__name__}: {e}", idx) from e
+
+
+def _give_back_staged(cache: SharedCache, tag: int, staged: set[int]) -> None:
+    """Free the staging slots of ``staged`` that still hold this prefetcher's samples."""
+    with contextlib.suppress(ValueError):  # the cache may be closed by now
+        for idx in list(staged):
+            cache.unstage(idx, tag=tag)
+    staged.clear()
 
 
 class _Tap:

@@ -2231,11 +2231,13 @@ class SharedCache:
             idx: dataset index without a slot here (``aux_array[idx] == 2``).
             value: as for ``set_slot``.
             tag: who stages it, an int in ``[0, MAX_STAGE_TAG]``, for ``unstage(idx,
-                tag=...)``; staging an index that is already staged gives it this tag.
+                tag=...)``; staging an index already staged with the same tag replaces that
+                sample; staged with another tag (another rank's prefetcher), both are kept,
+                and each ``get_slot`` of the index takes one.
                 Default: 0.
 
         Returns:
-            True when the sample is staged (or already was); False when every staging slot
+            True when the sample is staged; False when every staging slot
             is taken (nothing changed: try again once some were read).
 
         Raises:
@@ -2255,7 +2257,8 @@ class SharedCache:
         table = self._stage_np
         entry = idx | tag << _STAGE_TAG_SHIFT
         with self._locked(_STAGE_LOCK):
-            same = _staged_entries(table, idx)
+            same = _staged_entries(table, idx)  # restaged by the same stager: replaced;
+            same = same[table[same] >> _STAGE_TAG_SHIFT == tag]  # another's stays its own
             if same.size:
                 table[same] = entry
                 return True
@@ -2329,16 +2332,28 @@ class SharedCache:
             table[found] = -1
         return bool(found.size)
 
-    def ready_mask(self, indices: Any = None) -> np.ndarray:
+    def ready_mask(self, indices: Any = None, *, tag: int | None = None) -> np.ndarray:
         """True where ``get_slot`` would return a sample now (its slot is set, or it is
         staged), for ``indices`` (default: every dataset index). A snapshot: it may change
-        right after."""
+        right after.
+
+        Args:
+            indices: dataset indices. Default: None, every index.
+            tag: when given, a staged sample counts only if it was staged with this tag (a
+                prefetcher asks what *it* staged: a sample another rank staged is that rank's
+                to read). Default: None, any staged sample.
+        """
+        if tag is not None:
+            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
         aux = self._aux_np
         idx = np.arange(self._n) if indices is None else np.asarray(indices, dtype=np.int64)
         ready = aux[idx] == SET
         if self._staging:
             table = self._stage_np.copy()  # a snapshot: fillers change it meanwhile
-            ready |= np.isin(idx, table[table >= 0] & _STAGE_INDEX_MASK)
+            table = table[table >= 0]
+            if tag is not None:
+                table = table[table >> _STAGE_TAG_SHIFT == tag]
+            ready |= np.isin(idx, table & _STAGE_INDEX_MASK)
         return ready
 
     def clear(self) -> None:

@@ -213,8 +213,11 @@ def test_dataloader_every_index_once_loaded_once_by_the_prefetcher(
 @pytest.mark.parametrize("staging", [0, 8])
 def test_small_or_no_staging_area_still_loads_each_index_once(shm_dir, loads_dir, staging):
     """With a staging area smaller than the lookahead (8 slots: 4 ahead) the prefetcher stops
-    at it and still loads every miss before it is yielded; without one (0) the workers load the
-    indices without a slot, as without a prefetcher. Either way each index once per epoch."""
+    at it and loads every miss before it is yielded; 8 slots are also fewer than the DataLoader
+    holds (docs/prefetch.md's rule), so a loaded sample may find no free slot by the time it is
+    due and is dropped: then, and only then, the worker loads it again, and ``dropped`` counts
+    exactly those. Without staging (0) the workers load the indices without a slot, as without
+    a prefetcher. Never two loads of one index at once."""
     cache = make_cache(shm_dir, staging=staging)
     oob = oob_of(cache)
     base = Shuffled(N, seed=2)
@@ -225,12 +228,14 @@ def test_small_or_no_staging_area_still_loads_each_index_once(shm_dir, loads_dir
                         multiprocessing_context="fork")
     for epoch in range(2):
         pf.set_epoch(epoch)
-        loaded = load_counts(loads_dir)
+        loaded, dropped = load_counts(loads_dir), pf.dropped
         check_epoch(read_epoch(loader), base.order(epoch), 8)
         new = loads_since(loads_dir, loaded)
         who_oob = "prefetcher" if staging else "worker"
-        assert new == {i: [who_oob if i in oob else "prefetcher"] for i in range(N)
-                       if epoch == 0 or i in oob}
+        again = {i for i, who in new.items() if who == ["prefetcher", "worker"]}
+        assert again <= oob and len(again) == pf.dropped - dropped
+        assert {i: ["prefetcher"] if i in again else who for i, who in new.items()} == \
+            {i: [who_oob if i in oob else "prefetcher"] for i in range(N) if epoch == 0 or i in oob}
     assert overlaps(loads_dir) == [] and cache.stats()["staged"] == 0
 
 
@@ -595,7 +600,9 @@ def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
         if step == 4:
             break
     state = pf.state_dict(consumed=len(first))
-    del loader
+    del loader, pf  # what it staged and nobody read is given back as it goes
+    gc.collect()
+    assert cache.stats()["staged"] == 0
     assert state["consumed"] == 20 and state["epoch"] == 1 and state["mode"] == mode
 
     pf2 = Prefetcher(Shuffled(N, seed=6), cache, value_of, window=8, mode=mode, threads=4)
@@ -678,3 +685,28 @@ def test_ddp_two_ranks_one_cache_each_index_once(shm_dir, tmp_path):
     assert all(again[i] == [f"prefetcher{reader[1][i]}"] for i in oob)
     assert ranks[0]["staged_after"] == 0
     assert os.listdir(shm_dir) == [] and users(shm_dir) == {}
+
+
+def test_a_sample_another_ranks_prefetcher_staged_is_not_taken_for_this_ranks(shm_dir,
+                                                                             tmp_path):
+    """Two prefetchers on one node's cache (two ranks whose epochs drift apart: one has staged
+    index i for its epoch and not read it yet, the other's next epoch holds i too). The second
+    must load i itself instead of counting the first's copy as ready, or one rank's worker
+    takes the other's copy and that rank loads i again in its DataLoader. Each read then takes
+    one of the two copies."""
+    cache = make_cache(shm_dir)
+    i = min(oob_of(cache))
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    a = Prefetcher([i], cache, Loads(loads, "rank0"), threads=1)
+    b = Prefetcher([i], cache, Loads(loads, "rank1"), threads=1)
+    try:
+        assert list(a) == [i]  # staged by a, not read yet
+        assert cache.ready_mask([i]).tolist() == [True]
+        assert list(b) == [i]
+        assert load_counts(loads) == {i: ["rank0", "rank1"]}
+        assert cache.stats()["staged"] == 2
+        assert all(torch.equal(cache.get_slot(i), value_of(i)) for _ in range(2))
+        assert cache.get_slot(i) is None and cache.stats()["staged"] == 0
+    finally:
+        cache.close()

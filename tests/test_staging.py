@@ -70,20 +70,32 @@ def test_a_reservation_of_a_dead_filler_is_taken_back(shm_dir):
         assert torch.equal(c.get_slot(50), value_of(50, DIMS))
 
 
-def test_unstage_with_a_tag_frees_only_what_that_tag_staged_last(shm_dir):
+def test_unstage_with_a_tag_frees_only_what_that_tag_staged(shm_dir):
+    """Two stagers (two ranks' prefetchers) each keep their own copy of an index; a tag
+    frees and asks about its own copies only; each read takes one copy."""
     with staged_cache(shm_dir) as c:
         assert c.stage(50, value_of(50, DIMS), tag=7) and c.stage(51, value_of(51, DIMS), tag=7)
-        assert c.stage(51, value_of(51, DIMS), tag=9)  # staged again by another: now tag 9's
-        assert c.stats()["staged"] == 2 and c.ready_mask([50, 51]).all()
-        assert not c.unstage(51, tag=7) and c.unstage(50, tag=7)
+        assert c.stage(51, value_of(51, DIMS), tag=7)  # the same stager again: replaced
+        assert c.stats()["staged"] == 2
+        assert c.stage(51, value_of(51, DIMS), tag=9)  # another stager: a copy of its own
+        assert c.stats()["staged"] == 3 and c.ready_mask([50, 51]).all()
+        assert c.ready_mask([50, 51], tag=9).tolist() == [False, True]
+        assert c.ready_mask([50, 51], tag=8).tolist() == [False, False]
+        assert c.unstage(51, tag=7) and c.unstage(50, tag=7) and not c.unstage(50, tag=7)
         assert c.ready_mask([50, 51]).tolist() == [False, True]
+        assert c.ready_mask([50, 51], tag=7).tolist() == [False, False]
         assert torch.equal(c.get_slot(51), value_of(51, DIMS)) and c.stats()["staged"] == 0
+        assert c.stage(52, value_of(52, DIMS), tag=1) and c.stage(52, value_of(52, DIMS), tag=2)
+        assert c.get_slot(52) is not None and c.get_slot(52) is not None  # one copy each
+        assert c.get_slot(52) is None
         assert c.stage(52, value_of(52, DIMS), tag=MAX_STAGE_TAG) and c.unstage(52)  # any tag
         for bad in (-1, MAX_STAGE_TAG + 1, True):
             with pytest.raises((ValueError, TypeError), match="tag"):
                 c.stage(53, value_of(53, DIMS), tag=bad)
             with pytest.raises((ValueError, TypeError), match="tag"):
                 c.unstage(53, tag=bad)
+            with pytest.raises((ValueError, TypeError), match="tag"):
+                c.ready_mask([53], tag=bad)
         assert c.stats()["staged"] == 0
 
 
