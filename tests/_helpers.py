@@ -286,6 +286,32 @@ def rank_env(shm_dir: str | None = None, job_key: str | None = None, *, rank: in
     return env
 
 
+def ranks_with_a_killed_writer(children, shm_dir: str, job_key: str, idx: int, *,
+                               late: bool = False, write_first: bool = True, sig: int = 9,
+                               **env: str):
+    """Two local ranks of tests/children/job.py (``children`` is the fixture) make one cache;
+    both write their share first (unless ``write_first`` is False); then rank 1 stops inside
+    its write of ``idx`` (mid-copy, or with ``late`` between setting the state and the even
+    sequence number) and is killed by ``sig``. Returns rank 0's child, still running."""
+    port = free_port()
+    lead = children("rank0", rank_env(shm_dir, job_key, rank=0, port=port, **env))
+    other = children("rank1", rank_env(shm_dir, job_key, rank=1, port=port, **env))
+    for c in (lead, other):
+        c.send("create")
+    for c in (lead, other):
+        c.expect("ATTACHED")
+    if write_first:
+        for c in (lead, other):
+            c.send("write")
+        for c in (lead, other):
+            c.expect("WROTE")
+    other.send(f"{'writehang_late' if late else 'writehang'} {idx}")
+    other.expect("INSIDE")
+    other.signal(sig)
+    assert other.wait() == -sig
+    return lead
+
+
 def _command(program: str, args) -> list[str]:
     return [sys.executable, str(CHILDREN / program), *map(str, args)]
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import BatchedDataset, assert_no_leak, budget_for, free_port, rank_env, value_of
+from _helpers import (BatchedDataset, assert_no_leak, budget_for, ranks_with_a_killed_writer,
+                      value_of)
 from stocaching import BYTES_PER_GIB, SharedCache, World
 
 DIMS = (3, 4, 4)
@@ -287,21 +288,7 @@ FT_N, FT_D = 32, 1024  # tests/children/job.py's defaults
 def test_a_writer_killed_mid_copy_leaves_a_miss_in_a_batch(tmpfs, children):
     """Rank 1 stops halfway through copying index N-1 and is killed: rank 0's get_batch of
     every index hits the others and misses that one, which can then be written."""
-    key = f"batchkill{os.getpid()}"
-    port = free_port()
-    lead = children("rank0", rank_env(tmpfs, key, rank=0, port=port))
-    other = children("rank1", rank_env(tmpfs, key, rank=1, port=port))
-    for c in (lead, other):
-        c.send("create")
-    for c in (lead, other):
-        c.expect("ATTACHED")
-        c.send("write")
-    for c in (lead, other):
-        c.expect("WROTE")
-    other.send(f"writehang {FT_N - 1}")
-    other.expect("INSIDE")
-    other.signal(9)
-    assert other.wait() == -9
+    lead = ranks_with_a_killed_writer(children, tmpfs, f"batchkill{os.getpid()}", FT_N - 1)
     lead.send("batch")
     assert lead.expect("BATCH").split()[1:] == [str(FT_N - 1), "1", "0", str(FT_N - 1)]
     lead.send("fill")

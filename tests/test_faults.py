@@ -40,7 +40,8 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import age, assert_no_leak, free_port, named, rank_env, rerun, wait_until_unmapped
+from _helpers import (age, assert_no_leak, free_port, named, rank_env, ranks_with_a_killed_writer,
+                      rerun, wait_until_unmapped)
 from stocaching import SharedCache, clean_segments, list_segments
 
 N, D = 32, 1024  # the children's FT_N, FT_D defaults
@@ -232,18 +233,8 @@ def test_writer_dying_after_state_set_leaves_slot_writable(sig, tmpfs, children,
     """The docstring: "a slot whose writer died mid-write reads as empty and can be written
     again". Stop a writer between its last two stores (aux[i] = SET, then the even seq
     number), kill it, and write the slot from the other rank."""
-    key = f"late{sig}{os.getpid()}"
-    port = free_port()
-    lead = children("rank0", rank_env(tmpfs, key, rank=0, port=port))
-    other = children("rank1", rank_env(tmpfs, key, rank=1, port=port))
-    for c in (lead, other):
-        c.send("create")
-    for c in (lead, other):
-        c.expect("ATTACHED")
-    other.send(f"writehang_late {N - 1}")
-    other.expect("INSIDE")
-    other.signal(SIGNALS[sig])
-    assert other.wait() == -SIGNALS[sig]
+    lead = ranks_with_a_killed_writer(children, tmpfs, f"late{sig}{os.getpid()}", N - 1,
+                                      late=True, write_first=False, sig=SIGNALS[sig])
     lead.send("check")
     assert lead.expect("CHECK").split()[1:] == ["0", str(N), "0", *map(str, range(N))]
     lead.send("fill")

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from _helpers import (FIELD_DTYPES, FIELDS, BatchedFieldsDataset, FieldsDataset, assert_no_leak,
-                      fields_of, free_port, rank_env)
+                      fields_of, ranks_with_a_killed_writer)
 from stocaching import (BYTES_PER_GIB, CacheConfigError, Prefetcher, SharedCache, World, plan)
 from stocaching import stocaching as core
 
@@ -357,23 +357,9 @@ def test_a_writer_of_a_fields_sample_killed_mid_write_leaves_a_miss(tmpfs, child
     fields; rank 1 is killed inside set_slot (halfway through copying the packed bytes, or
     right after the state became SET); rank 0 sees that index as a miss, through get_slot and
     get_batch, and writes it again; nothing leaks."""
-    key = f"fkill{int(late)}{os.getpid()}"
-    port = free_port()
-    env = dict(FT_FIELDS="1")
-    lead = children("rank0", rank_env(tmpfs, key, rank=0, port=port, **env))
-    other = children("rank1", rank_env(tmpfs, key, rank=1, port=port, **env))
     n = 32
-    for c in (lead, other):
-        c.send("create")
-    for c in (lead, other):
-        c.expect("ATTACHED")
-        c.send("write")
-    for c in (lead, other):
-        c.expect("WROTE")
-    other.send(f"{'writehang_late' if late else 'writehang'} {n - 1}")
-    other.expect("INSIDE")
-    other.signal(9)
-    assert other.wait() == -9
+    lead = ranks_with_a_killed_writer(children, tmpfs, f"fkill{int(late)}{os.getpid()}", n - 1,
+                                      late=late, FT_FIELDS="1")
     lead.send("check")
     assert lead.expect("CHECK").split()[1:] == [str(n - 1), "1", "0", str(n - 1)]
     lead.send("batch")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import assert_no_leak, free_port, rank_env, value_of
+from _helpers import assert_no_leak, ranks_with_a_killed_writer, value_of
 from stocaching import BYTES_PER_GIB, CacheConfigError, SharedCache, World, plan
 from stocaching import stocaching as core
 
@@ -362,22 +362,9 @@ def test_a_writer_killed_mid_write_leaves_a_miss(tmpfs, children, late):
     """Two local ranks (processes); rank 1 dies inside set_slot of the last index, halfway
     through copying its bytes into the arena or right after its state became SET: rank 0
     reads it as a miss and writes it again; nothing leaks."""
-    key = f"vkill{int(late)}{os.getpid()}"
-    port = free_port()
-    lead = children("rank0", rank_env(tmpfs, key, rank=0, port=port, FT_VARIABLE="1"))
-    other = children("rank1", rank_env(tmpfs, key, rank=1, port=port, FT_VARIABLE="1"))
     n = 32
-    for ch in (lead, other):
-        ch.send("create")
-    for ch in (lead, other):
-        ch.expect("ATTACHED")
-        ch.send("write")
-    for ch in (lead, other):
-        ch.expect("WROTE")
-    other.send(f"{'writehang_late' if late else 'writehang'} {n - 1}")
-    other.expect("INSIDE")
-    other.signal(9)
-    assert other.wait() == -9
+    lead = ranks_with_a_killed_writer(children, tmpfs, f"vkill{int(late)}{os.getpid()}", n - 1,
+                                      late=late, FT_VARIABLE="1")
     lead.send("check")
     assert lead.expect("CHECK").split()[1:] == [str(n - 1), "1", "0", str(n - 1)]
     lead.send("fill")
