@@ -13,7 +13,7 @@ It provides
 
 * values: ``value_of(i, dims)``, the sample of index ``i`` in every process,
   ``CachedDataset``, the README's two-line pattern, and ``BatchedDataset``, its
-  ``__getitems__`` recipe; ``fields_of(i)``, ``FieldsDataset`` and ``BatchedFieldsDataset`` for a cache of several
+  ``__getitems__`` recipe; ``fields_of(i)`` (a ``load`` for them) for a cache of several
   fields a sample;
 * sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots;
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
@@ -60,34 +60,43 @@ def value_of(i: int, dims=(3, 8, 8)) -> torch.Tensor:
 
 
 class CachedDataset(torch.utils.data.Dataset):
-    """The two-line pattern of the README, with a 'decode' that records misses: items are
-    ``(i, sample, hit)``."""
+    """The two-line pattern of the README over ``load`` (a module-level function of the index,
+    so spawn workers can pickle it; default: ``value_of(i, cache.data_dims)``): items are
+    ``(i, sample, hit)``, where hit says whether the cache had it."""
 
-    def __init__(self, cache: SharedCache, n: int):
-        self.cache, self.n = cache, n
+    def __init__(self, cache: SharedCache, n: int, load=None):
+        self.cache, self.n, self.load = cache, n, load
 
     def __len__(self) -> int:
         return self.n
+
+    def _load(self, i: int):
+        return value_of(i, self.cache.data_dims) if self.load is None else self.load(i)
 
     def __getitem__(self, i: int):
         x = self.cache.get_slot(i)
         hit = x is not None
         if x is None:
-            x = value_of(i, self.cache.data_dims)
+            x = self._load(i)
             self.cache.set_slot(i, x)
         return i, x, hit
 
 
 class BatchedDataset(CachedDataset):
     """The README's ``__getitems__`` recipe on top of ``CachedDataset``: a whole batch with one
-    ``get_batch``, the misses loaded and stored one by one; items as ``CachedDataset``'s."""
+    ``get_batch`` (a tensor, or a dict of them for a cache of fields), the misses loaded and
+    stored one by one; items as ``CachedDataset``'s."""
 
     def __getitems__(self, indices):
         batch, hit = self.cache.get_batch(indices)
+        fields = batch if isinstance(batch, dict) else {None: batch}
         for k in torch.nonzero(~hit).flatten().tolist():
-            batch[k] = value_of(indices[k], self.cache.data_dims)
-            self.cache.set_slot(indices[k], batch[k])
-        return [(i, x, bool(h)) for i, x, h in zip(indices, batch, hit)]
+            x = self._load(indices[k])
+            self.cache.set_slot(indices[k], x)
+            for name, b in fields.items():
+                b[k] = x if name is None else x[name]
+        return [(i, batch[k] if None in fields else {n: b[k] for n, b in fields.items()},
+                 bool(hit[k])) for k, i in enumerate(indices)]
 
 
 FIELDS = {"image": (3, 8, 8), "label": (), "box": (4,)}
@@ -99,39 +108,6 @@ def fields_of(i: int, dims=FIELDS) -> dict:
     box that all depend on ``i`` (so a row of another index, or a mix, is caught)."""
     return {"image": value_of(i, dims["image"]), "label": torch.tensor(i * 1000 + 7),
             "box": torch.arange(4, dtype=torch.float32) + i / 4}
-
-
-class FieldsDataset(torch.utils.data.Dataset):
-    """The two-line pattern with a cache of ``FIELDS``: items are ``(i, sample dict, hit)``."""
-
-    def __init__(self, cache: SharedCache, n: int):
-        self.cache, self.n = cache, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        x = self.cache.get_slot(i)
-        hit = x is not None
-        if x is None:
-            x = fields_of(i)
-            self.cache.set_slot(i, x)
-        return i, x, hit
-
-
-class BatchedFieldsDataset(FieldsDataset):
-    """``FieldsDataset`` with the ``__getitems__`` recipe: one ``get_batch`` (a dict of
-    batches), the misses loaded and stored one by one."""
-
-    def __getitems__(self, indices):
-        batch, hit = self.cache.get_batch(indices)
-        for k in torch.nonzero(~hit).flatten().tolist():
-            x = fields_of(indices[k])
-            self.cache.set_slot(indices[k], x)
-            for name, v in x.items():
-                batch[name][k] = v
-        return [(i, {n: b[k] for n, b in batch.items()}, bool(hit[k]))
-                for k, i in enumerate(indices)]
 
 
 def budget_for(n_slots: int, dims, dtype: torch.dtype = torch.uint8, *,

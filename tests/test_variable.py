@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import assert_no_leak, ranks_with_a_killed_writer, value_of
+from _helpers import CachedDataset, assert_no_leak, ranks_with_a_killed_writer, value_of
 from stocaching import BYTES_PER_GIB, CacheConfigError, SharedCache, World, plan
 from stocaching import stocaching as core
 
@@ -314,30 +314,12 @@ def keep_list(batch):
     return batch
 
 
-class CloudDataset(torch.utils.data.Dataset):
-    """The two-line pattern with point clouds of varying length; items (i, cloud, hit)."""
-
-    def __init__(self, cache: SharedCache, n: int):
-        self.cache, self.n = cache, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        x = self.cache.get_slot(i)
-        hit = x is not None
-        if x is None:
-            x = cloud(i)
-            self.cache.set_slot(i, x)
-        return i, x, hit
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_dataloader_workers_share_a_cache_of_open_sizes(tmpfs, method):
     arena = sum(-(-cloud(i).numel() * 4 // 16) * 16 for i in range(N - 6))  # all but 6 fit
     with SharedCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
-        dl = DataLoader(CloudDataset(c, N), batch_size=4, num_workers=2, collate_fn=keep_list,
+        dl = DataLoader(CachedDataset(c, N, cloud), batch_size=4, num_workers=2, collate_fn=keep_list,
                         multiprocessing_context=method)
         stored = 0
         for epoch in range(2):
