@@ -95,9 +95,11 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             and ``num_samples`` (their number), such as a ``WeightedMixtureSampler`` over the
             sub-datasets whose concatenation the cache covers. Its order is padded, cut into
             global batches and routed as the shuffle would be; ``shuffle`` is then unused.
-            ``set_epoch`` is forwarded to it, and its ``state_dict`` is part of this sampler's,
-            so resuming restores it too (with its rule for changed weights). Default: None
-            (the shuffle).
+            This sampler starts at the order's ``epoch`` (if it has one), ``set_epoch`` is
+            forwarded to it, and its ``state_dict`` is part of this sampler's, so resuming
+            restores it too (with its rule for changed weights); load a mid-epoch state into
+            this sampler, not into the order (whose own position it does not use). Default:
+            None (the shuffle).
     """
 
     def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
@@ -121,8 +123,6 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
                                  f"lengths {self.layout.lengths}, but its sub-datasets have "
                                  f"lengths={list(lengths)}")
             length = check_int("order.num_samples", order.num_samples, low=0)
-            if hasattr(order, "set_epoch"):
-                order.set_epoch(0)  # this sampler's epoch; set_epoch is forwarded
         self.order = order
         if num_replicas is None or rank is None:
             dist = torch.distributed
@@ -162,7 +162,9 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             else math.ceil(length / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
         self.dataset_len = length
-        self.epoch = 0
+        # With an order, start at its epoch: a state loaded into it before it was wrapped keeps
+        # its epoch (and, for a mixture, the weights that epoch was saved with).
+        self.epoch = check_int("order.epoch", getattr(order, "epoch", 0), low=0)
         self._router = None
         if self.layout is not None:
             rows = self.layout.owner_rows()

@@ -568,6 +568,22 @@ def test_cache_aware_over_a_mixture_resumes_with_the_saved_weights():
         CacheAwareSampler(layout, 4, 0, batch_size=8, local_world_size=2).load_state_dict(state)
 
 
+def test_cache_aware_starts_at_the_epoch_of_a_mixture_that_was_resumed_before_wrapping():
+    """A mixture whose state (epoch 2, weights (1, 1, 2)) was loaded before it was wrapped:
+    the wrapper starts at epoch 2 with the saved weights, as if it had been resumed itself at
+    the epoch's start, instead of resetting the mixture to epoch 0."""
+    layout = CacheLayout(600, 300, 2, seed=1)
+    saved = sampler((300, 200, 100), (1, 1, 2), seed=5)
+    saved.set_epoch(2)
+    mix = sampler((300, 200, 100), (3, 1, 1), seed=5)
+    mix.load_state_dict(saved.state_dict(consumed=0))
+    wrapped = CacheAwareSampler(layout, 4, 1, batch_size=8, local_world_size=2, order=mix)
+    assert wrapped.epoch == 2 and mix.epoch == 2
+    assert list(wrapped) == routed(layout, (1, 1, 2))[1].epoch_indices(2).tolist()
+    wrapped.set_epoch(3)  # the new weights from the next epoch on
+    assert list(wrapped) == routed(layout, (3, 1, 1))[1].epoch_indices(3).tolist()
+
+
 def test_cache_aware_refuses_an_order_of_other_indices():
     layout = CacheLayout(600, 300, 2, seed=1)
     with pytest.raises(ValueError, match=r"order should draw from the 600 indices of dataset, "
