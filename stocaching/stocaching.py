@@ -1029,7 +1029,8 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
     is already gone but that processes still map.
 
     Returns:
-        Dicts with ``path`` (for an unlinked segment, the name it was created under),
+        Dicts with ``path`` (for an unlinked segment, its name as it was or, for one that
+        never had it, as it would have been),
         ``named``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as /proc shows)
         and ``state``: "live" (in use), "starting" (being created) or "stale" (nobody holds
         it: ``clean_segments`` removes it).
@@ -1054,7 +1055,10 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
                     "pids": pids, "state": state})
     for m in mapped.values():
         info = _parse_segment_name(os.path.basename(m["path"])) or {}
-        out.append({"path": m["path"], "named": False, "uid": info.get("uid", -1),
+        # A segment of a single-process job never had its name: it was mapped under the
+        # leader's temporary ``<name>.<pid>.<hex>.init``; show the name it stands for.
+        path = re.sub(r"\.\d+\.[0-9a-f]+\.init$", "", m["path"])
+        out.append({"path": path, "named": False, "uid": info.get("uid", -1),
                     "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live"})
     return out
 

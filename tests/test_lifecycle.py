@@ -80,6 +80,8 @@ def test_cli_info_lists_live_segments(shm_dir):
     line = [ln for ln in r.stdout.splitlines() if "_shown" in ln]
     assert len(line) == 1 and "live" in line[0] and str(os.getpid()) in line[0] \
         and "(unlinked)" in line[0]
+    # shown under the segment's name, not the leader's temporary one (<name>.<pid>.<hex>.init)
+    assert line[0].endswith(f" {c._path} (unlinked)") and ".init" not in line[0]
     c.close()
 
 
