@@ -18,7 +18,8 @@ It provides
 * sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots;
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
   ``run_child``/``start_child`` for a program of ``tests/children/``, and ``Child``, a job driven
-  one command per line (``tests/children/job.py``);
+  one command per line (``tests/children/job.py``); ``ranks_with_a_killed_writer`` (two ranks,
+  one killed inside a write) and ``assert_the_killed_write_is_a_miss`` (what rank 0 then sees);
 * leak probes that read /proc: which names are left in a directory, who maps or holds a file of
   it, and how much of a tmpfs is still in use.
 """
@@ -286,6 +287,23 @@ def ranks_with_a_killed_writer(children, shm_dir: str, job_key: str, idx: int, *
     other.signal(sig)
     assert other.wait() == -sig
     return lead
+
+
+def assert_the_killed_write_is_a_miss(lead, n: int, probes=("check",)) -> None:
+    """After ``ranks_with_a_killed_writer`` of index ``n - 1`` (its other indices written):
+    each probe of rank 0 (``check``: get_slot of every index, ``batch``: get_batch) sees that
+    index as the one miss; ``fill`` writes it again; then each probe hits all ``n``; rank 0
+    exits cleanly."""
+    for probe in probes:
+        lead.send(probe)
+        assert lead.expect(probe.upper()).split()[1:] == [str(n - 1), "1", "0", str(n - 1)]
+    lead.send("fill")
+    assert lead.expect("FILLED").split()[2:] == [str(n - 1)]
+    for probe in probes:
+        lead.send(probe)
+        assert lead.expect(probe.upper()).split()[1:] == [str(n), "0", "0"]
+    lead.send("exit")
+    assert lead.wait() == 0
 
 
 def _command(program: str, args) -> list[str]:

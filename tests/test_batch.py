@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import (BatchedDataset, assert_no_leak, budget_for, ranks_with_a_killed_writer,
-                      value_of)
+from _helpers import (BatchedDataset, assert_no_leak, assert_the_killed_write_is_a_miss,
+                      budget_for, ranks_with_a_killed_writer, value_of)
 from stocaching import BYTES_PER_GIB, SharedCache, World
 
 DIMS = (3, 4, 4)
@@ -289,14 +289,7 @@ def test_a_writer_killed_mid_copy_leaves_a_miss_in_a_batch(tmpfs, children):
     """Rank 1 stops halfway through copying index N-1 and is killed: rank 0's get_batch of
     every index hits the others and misses that one, which can then be written."""
     lead = ranks_with_a_killed_writer(children, tmpfs, f"batchkill{os.getpid()}", FT_N - 1)
-    lead.send("batch")
-    assert lead.expect("BATCH").split()[1:] == [str(FT_N - 1), "1", "0", str(FT_N - 1)]
-    lead.send("fill")
-    assert lead.expect("FILLED").split()[2:] == [str(FT_N - 1)]
-    lead.send("batch")
-    assert lead.expect("BATCH").split()[1:] == [str(FT_N), "0", "0"]
-    lead.send("exit")
-    assert lead.wait() == 0
+    assert_the_killed_write_is_a_miss(lead, FT_N, probes=("batch",))
     assert_no_leak(tmpfs)
 
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from _helpers import (FIELD_DTYPES, FIELDS, BatchedDataset, CachedDataset, assert_no_leak,
-                      fields_of, ranks_with_a_killed_writer)
+                      assert_the_killed_write_is_a_miss, fields_of, ranks_with_a_killed_writer)
 from stocaching import (BYTES_PER_GIB, CacheConfigError, Prefetcher, SharedCache, World, plan)
 from stocaching import stocaching as core
 
@@ -360,16 +360,7 @@ def test_a_writer_of_a_fields_sample_killed_mid_write_leaves_a_miss(tmpfs, child
     n = 32
     lead = ranks_with_a_killed_writer(children, tmpfs, f"fkill{int(late)}{os.getpid()}", n - 1,
                                       late=late, FT_FIELDS="1")
-    lead.send("check")
-    assert lead.expect("CHECK").split()[1:] == [str(n - 1), "1", "0", str(n - 1)]
-    lead.send("batch")
-    assert lead.expect("BATCH").split()[1:] == [str(n - 1), "1", "0", str(n - 1)]
-    lead.send("fill")
-    assert lead.expect("FILLED").split()[2:] == [str(n - 1)]
-    lead.send("batch")
-    assert lead.expect("BATCH").split()[1:] == [str(n), "0", "0"]
-    lead.send("exit")
-    assert lead.wait() == 0
+    assert_the_killed_write_is_a_miss(lead, n, probes=("check", "batch"))
     assert_no_leak(tmpfs)
 
 
