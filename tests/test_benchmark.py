@@ -386,3 +386,17 @@ def test_mixture_command_prints_shares_hits_and_the_build_target(shm_dir, capsys
     assert all("torch.randperm baseline" in c and "target <= 1.0 s" in c for c in checks)
     assert "load average" in text
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.timeout(300)
+def test_cpu_roles_counts_each_process_kind(tmp_path, capsys):
+    """``python -m benchmark.cpu_roles`` on 32 JPEGs, one epoch: the plain arm has no loader
+    processes and its workers did the decoding; the prefetching arm's loader processes loaded
+    every sample (half into slots, half staged)."""
+    from benchmark import cpu_roles
+    rows = cpu_roles.main(["--data-dir", str(tmp_path / "jpegs"), "--num-images", "32",
+                           "--epochs", "1", "--repeats", "1", "--staging-slots", "32"])
+    (plain,), (pf,) = rows["plain"], rows["prefetcher"]
+    assert plain["loaders"] == 0.0 and plain["loaded"] == 0 and plain["workers"] > 0
+    assert pf["loaded"] == 32 and pf["loaders"] >= 0 and pf["trainer"] > 0
+    assert "medians:" in capsys.readouterr().out
