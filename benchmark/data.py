@@ -261,11 +261,14 @@ class Augment:
             if h + 2 * p < c or w + 2 * p < c:
                 raise ValueError(f"Augment(size={c}, pad={p}) needs inputs of at least "
                                  f"{c - 2 * p}x{c - 2 * p}, but got {h}x{w}")
-            if p:
-                x = F.pad(x, (p, p, p, p))
-            i = int(torch.randint(0, h + 2 * p - c + 1, ()))
-            j = int(torch.randint(0, w + 2 * p - c + 1, ()))
-            x = x[:, i:i + c, j:j + c]
+            # The window (i, j) of the padded image, cut from the image first and padded where
+            # it leaves it: the same pixels as padding the whole image, without copying it.
+            i = int(torch.randint(0, h + 2 * p - c + 1, ())) - p
+            j = int(torch.randint(0, w + 2 * p - c + 1, ())) - p
+            x = x[:, max(0, i):min(h, i + c), max(0, j):min(w, j + c)]
+            edges = (max(0, -j), max(0, j + c - w), max(0, -i), max(0, i + c - h))
+            if any(edges):
+                x = F.pad(x, edges)
         elif p:
             x = F.pad(x, (p, p, p, p))
             i, j = (int(v) for v in torch.randint(0, 2 * p + 1, (2,)))

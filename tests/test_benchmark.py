@@ -476,3 +476,21 @@ def test_varied_sizes_options():
     assert parse([]).num_images == 6000
     with pytest.raises(SystemExit):
         parse(["--sizes", "varied", "--sides", "96", "320"])  # smaller than --decoded-size 128
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_crop_of_varied_sizes_equals_pad_then_crop(seed):
+    """Augment(size=c) cuts its window before padding; the pixels are those of padding the
+    whole image and cropping at the same draw (every border case shows up over the seeds)."""
+    import torch.nn.functional as F
+
+    h, w, c, p = 37, 45, 40, 4
+    x = torch.randint(0, 256, (3, h, w), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    y = D.Augment(size=c, flip=False)(x)
+    torch.manual_seed(seed)
+    i = int(torch.randint(0, h + 2 * p - c + 1, ()))
+    j = int(torch.randint(0, w + 2 * p - c + 1, ()))
+    ref = F.pad(x, (p, p, p, p))[:, i:i + c, j:j + c]
+    torch.testing.assert_close(y, D.Augment(pad=0, flip=False)(ref.contiguous()))
