@@ -73,10 +73,11 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
                         "the cache; varied: height and width each drawn from --sides, cached "
                         "at native size (data_dims=(3, None, None)) and cropped to "
                         "--decoded-size after the cache (default: %(default)s)")
-    d.add_argument("--sides", type=_positive_int, nargs=2, default=[128, 320],
+    d.add_argument("--sides", type=_positive_int, nargs=2, default=[192, 512],
                    metavar=("LO", "HI"),
                    help="with --sizes varied: range of the sides in pixels, both included; LO "
-                        "at least --decoded-size (default: 128 320)")
+                        "at least --decoded-size (default: 192 512, about the sizes of ImageNet's "
+                        "photos)")
     d.add_argument("--image-size", type=_positive_int, default=512,
                    help="side of the source JPEGs in pixels, with --sizes fixed "
                         "(default: %(default)s)")

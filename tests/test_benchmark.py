@@ -472,7 +472,7 @@ def test_run_varied_sizes_end_to_end(tmp_path, varied_dir, shm_dir, capsys):
 
 def test_varied_sizes_options():
     a = parse(["--sizes", "varied"])
-    assert a.num_images == 1500 and a.sides == [128, 320] and a.decoded_size == 128
+    assert a.num_images == 1500 and a.sides == [192, 512] and a.decoded_size == 128
     assert parse([]).num_images == 6000
     with pytest.raises(SystemExit):
         parse(["--sizes", "varied", "--sides", "96", "320"])  # smaller than --decoded-size 128
