@@ -66,13 +66,24 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
     d = p.add_argument_group("dataset (generated once, then reused)")
     d.add_argument("--data-dir", type=Path, default=None,
                    help="where the JPEGs live (default: ~/.cache/stocaching-benchmark/<params>)")
-    d.add_argument("--num-images", type=_positive_int, default=6000,
-                   help="dataset size (default: %(default)s)")
+    d.add_argument("--num-images", type=_positive_int, default=None,
+                   help="dataset size (default: 6000, or 1500 with --sizes varied)")
+    d.add_argument("--sizes", choices=("fixed", "varied"), default="fixed",
+                   help="fixed: square JPEGs of --image-size, resized to --decoded-size before "
+                        "the cache; varied: height and width each drawn from --sides, cached "
+                        "at native size (data_dims=(3, None, None)) and cropped to "
+                        "--decoded-size after the cache (default: %(default)s)")
+    d.add_argument("--sides", type=_positive_int, nargs=2, default=[192, 512],
+                   metavar=("LO", "HI"),
+                   help="with --sizes varied: range of the sides in pixels, both included; LO "
+                        "at least --decoded-size (default: 192 512, about the sizes of ImageNet's "
+                        "photos)")
     d.add_argument("--image-size", type=_positive_int, default=512,
-                   help="side of the source JPEGs in pixels (default: %(default)s)")
-    d.add_argument("--decoded-size", type=_positive_int, default=128,
-                   help="side of the decoded, resized uint8 image that is cached "
+                   help="side of the source JPEGs in pixels, with --sizes fixed "
                         "(default: %(default)s)")
+    d.add_argument("--decoded-size", type=_positive_int, default=128,
+                   help="side of the decoded, resized uint8 image that is cached; with --sizes "
+                        "varied, the side of the crop after the cache (default: %(default)s)")
     d.add_argument("--jpeg-quality", type=int, default=90, help="default: %(default)s")
     d.add_argument("--num-classes", type=_positive_int, default=10, help="default: %(default)s")
     d.add_argument("--gen-processes", type=_positive_int, default=None,
@@ -175,7 +186,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     argv = list(argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv.insert(0, "run")
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("run", "sweep"):
+        if args.num_images is None:
+            args.num_images = 1500 if args.sizes == "varied" else 6000
+        lo, hi = args.sides
+        if args.sizes == "varied" and not args.decoded_size <= lo <= hi:
+            parser.error(f"--sides should be LO HI with --decoded-size <= LO <= HI, but got "
+                         f"--sides {lo} {hi} with --decoded-size {args.decoded_size}")
+    return args
 
 
 def _say(msg: str) -> None:
@@ -214,7 +234,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                      jpeg_quality=args.jpeg_quality, num_classes=args.num_classes,
                      epochs=args.epochs, threads=args.threads, lr=args.lr, seed=args.seed,
                      warm_page_cache=args.warm_page_cache, gen_processes=args.gen_processes,
-                     repeats=args.repeats)
+                     repeats=args.repeats,
+                     sides=tuple(args.sides) if args.sizes == "varied" else None)
     is_main = World.from_env().rank == 0
     out = args.out or R.timestamp_dir()
     stem = "sweep" if sweep else "results"

@@ -46,15 +46,22 @@ def plot_epoch_time(rows: Sequence[dict[str, Any]], path: str | Path,
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=9)
-    r0 = rows[0]
-    head = (f"{r0.get('num_images')} JPEGs {r0.get('image_size')}px -> cached "
-            f"{r0.get('decoded_size')}px")
-    ax.set_title(f"{head}\n{title or report.group_title(rows)}", fontsize=9)
+    ax.set_title(f"{_head(rows[0])}\n{title or report.group_title(rows)}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _head(r0: dict[str, Any]) -> str:
+    """The dataset in a plot's title."""
+    sizes = r0.get("sizes") or "fixed"
+    if sizes == "fixed":
+        return (f"{r0.get('num_images')} JPEGs {r0.get('image_size')}px -> cached "
+                f"{r0.get('decoded_size')}px")
+    return (f"{r0.get('num_images')} JPEGs, sides {sizes.split()[-1]}px, cached at native "
+            f"size -> {r0.get('decoded_size')}px crop after the cache")
 
 
 def plot_throughput(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -83,10 +90,7 @@ def plot_throughput(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    r0 = rows[0]
-    ax.set_title(f"{r0.get('num_images')} JPEGs {r0.get('image_size')}px -> cached "
-                 f"{r0.get('decoded_size')}px; {report.group_title(rows, only=fixed)}",
-                 fontsize=9)
+    ax.set_title(f"{_head(rows[0])}; {report.group_title(rows, only=fixed)}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

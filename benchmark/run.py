@@ -8,6 +8,13 @@ is the loader around it (workers, batch size, start method, sampler, emulated re
 seed (same model initialisation, same sample order), and its cache is closed, and its memory
 handed back, before the next one starts.
 
+With varied sizes (``Options.sides``, ``--sizes varied``) the JPEGs have sides drawn from a
+range and are cached at their native size (``data_dims=(3, None, None)``, an arena); phase two
+crops every read to ``decoded_size``. ``cache N%`` is then a budget that holds N% of the
+dataset's decoded bytes, and the ``slots`` and ``cached`` columns say how many samples it held
+at the end of each epoch (``stats()["filled"]``); ``in-RAM`` is a :class:`~benchmark.data.
+PackedImages` (one flat shared tensor plus offsets).
+
 Threads: the training process runs ``torch.set_num_threads(--threads)``; the default is one
 thread per core left after the DataLoader workers, at least one
 (``max(1, cores // local ranks - workers)``). Workers run one thread each (the DataLoader sets
@@ -109,6 +116,17 @@ class Options:
     warm_page_cache: bool
     gen_processes: int | None
     repeats: int = 1
+    sides: tuple[int, int] | None = None  # varied sizes: each side drawn from this range
+
+    @property
+    def sizes(self) -> str:
+        """``fixed``, or ``varied LO-HI``: the ``sizes`` column of every row."""
+        return "fixed" if self.sides is None else f"varied {self.sides[0]}-{self.sides[1]}"
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """``(H, W)`` of every image of a varied-size dataset."""
+        assert self.sides is not None
+        return [D.varied_shape(i, self.seed, self.sides) for i in range(self.num_images)]
 
 
 def specs_from(fractions: Sequence[float] | None, gibs: Sequence[float] | None,
@@ -135,6 +153,19 @@ def gib_for_slots(slots: int, dataset_len: int, slot_bytes: int) -> float:
     covers the slots plus one byte per sample, as in stocaching 0.2.1); half a byte of slack
     against float rounding."""
     return (slots * slot_bytes + dataset_len + 0.5) / GIB
+
+
+ARENA_ALIGN = 16  # an open-size cache stores each sample at a multiple of 16 bytes
+
+
+def gib_for_arena(sample_bytes: Sequence[int], fraction: float, open_sizes: int) -> float:
+    """``size_limit_gib`` of an open-size cache whose arena holds ``fraction`` of the bytes the
+    samples take there (each padded to 16), under the documented sizing rule: the budget covers
+    1 byte and a record of 32 + 8 x ``open_sizes`` bytes per index, then the arena. Eight bytes
+    of slack against float rounding (less than the 16 that would hold more)."""
+    n = len(sample_bytes)
+    padded = sum(-(-b // ARENA_ALIGN) * ARENA_ALIGN for b in sample_bytes)
+    return (n * (1 + 8 * (4 + open_sizes)) + int(fraction * padded) + 8) / GIB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,6 +239,7 @@ class Columns:
     shm_construct_bytes: int | None = None
     cache_bytes: int | None = None
     sampler_used: str = "random"
+    arena: bool = False  # open sizes: slots and cached_pct come from stats()["filled"]
 
 
 @dataclasses.dataclass
@@ -240,7 +272,10 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
                 say: Callable[[str], None], info: dict[str, Any]) -> ConfigData:
     """The files read through a new ``SharedCache`` of ``spec``'s size, measured as it is built."""
     n, d = opts.num_images, opts.decoded_size
-    if spec.fraction is not None:
+    varied = opts.sides is not None
+    if spec.fraction is not None and varied:
+        gib = gib_for_arena([3 * h * w for h, w in opts.shapes()], spec.fraction, 2)
+    elif spec.fraction is not None:
         target = min(n, round(spec.fraction * n))
         gib = gib_for_slots(target, n, 3 * d * d)
         info["target_slots"] = target
@@ -249,7 +284,8 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
     dw.barrier()
     before = shm_used_bytes()
     t0 = time.perf_counter()
-    cache = stocaching.SharedCache(gib, n, (3, d, d), torch.uint8, name=name)
+    dims = (3, None, None) if varied else (3, d, d)
+    cache = stocaching.SharedCache(gib, n, dims, torch.uint8, name=name)
     info["construct_s"] = time.perf_counter() - t0
     dw.barrier()
     after = shm_used_bytes()
@@ -261,11 +297,23 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
         info["slots_note"] = (f"size_limit_gib={gib!r} gave {slots} slots; the documented "
                               f"sizing rule gives {info['target_slots']}")
         say(f"  NOTE: {info['slots_note']}")
-    ds = D.JpegDataset(root, n, d, opts.num_classes, cache=cache,
-                       read_latency_ms=setup.read_latency_ms, copy=setup.get_slot == "copy")
+    if varied:
+        info["arena_bytes"] = cache.stats().get("arena_bytes")
+    ds = jpeg_dataset(opts, root, cache=cache, read_latency_ms=setup.read_latency_ms,
+                      copy=setup.get_slot == "copy")
     columns = Columns(spec, 100.0 * slots / n, cache_gib=gib, slots=slots,
-                      shm_construct_bytes=shm_construct, cache_bytes=info["cache_bytes"])
+                      shm_construct_bytes=shm_construct, cache_bytes=info["cache_bytes"],
+                      arena=varied)
     return ConfigData(columns, info, ds, cache=cache)
+
+
+def jpeg_dataset(opts: Options, root: Path, **kw: Any) -> D.JpegDataset:
+    """The files as ``opts`` describes them: resized to ``decoded_size``, or, with varied sizes,
+    decoded at their native size and cropped to ``decoded_size`` after the cache."""
+    if opts.sides is None:
+        return D.JpegDataset(root, opts.num_images, opts.decoded_size, opts.num_classes, **kw)
+    return D.JpegDataset(root, opts.num_images, None, opts.num_classes,
+                         augment=D.Augment(size=opts.decoded_size), **kw)
 
 
 def _in_ram_data(opts: Options, setup: Setup, spec: Spec, root: Path, dw: Dist,
@@ -273,6 +321,18 @@ def _in_ram_data(opts: Options, setup: Setup, spec: Spec, root: Path, dw: Dist,
     """Every decoded sample in one shared tensor, built before timing."""
     n, d = opts.num_images, opts.decoded_size
     t0 = time.perf_counter()
+    if opts.sides is not None:
+        packed = D.PackedImages(opts.shapes())
+        D.build_in_ram_packed(root, packed, workers=setup.workers,
+                              start_method=setup.start_method,
+                              indices=range(dw.world.rank, n, dw.world.world_size))
+        if dw.enabled:  # every rank decoded a disjoint share: the sum is the whole dataset
+            dist.all_reduce(packed.flat)
+        packed.share_memory_()
+        info["build_s"] = time.perf_counter() - t0
+        info["bytes"] = packed.flat.numel()
+        ds = D.InRamDataset(packed, opts.num_classes, augment=D.Augment(size=d))
+        return ConfigData(Columns(spec, 100.0), info, ds, in_ram=packed.flat)
     data = torch.zeros((n, 3, d, d), dtype=torch.uint8)
     D.build_in_ram(root, n, d, workers=setup.workers, start_method=setup.start_method,
                    indices=range(dw.world.rank, n, dw.world.world_size), out=data)
@@ -311,8 +371,7 @@ def build_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, d
     elif spec.kind == "ram":
         data = _in_ram_data(opts, setup, spec, root, dw, info)
     else:
-        ds = D.JpegDataset(root, opts.num_images, opts.decoded_size, opts.num_classes,
-                           cache=None, read_latency_ms=setup.read_latency_ms)
+        ds = jpeg_dataset(opts, root, cache=None, read_latency_ms=setup.read_latency_ms)
         data = ConfigData(Columns(spec, 0.0), info, ds)
     info["config"] = spec.label
     torch.manual_seed(opts.seed)  # the same initial model and augmentations in every config
@@ -390,8 +449,10 @@ def _row(opts: Options, setup: Setup, columns: Columns, epoch: int,
         "read_latency_ms": setup.read_latency_ms,
         "world_size": world_size, "threads": torch.get_num_threads(),
         "num_images": opts.num_images, "image_size": opts.image_size,
-        "decoded_size": opts.decoded_size,
+        "decoded_size": opts.decoded_size, "sizes": opts.sizes,
     }
+    if opts.sides is not None:
+        row["image_size"] = None  # the sides vary: see ``sizes``
     if columns.spec.kind == "cache":
         # cache.stats() counts every process attached to the node's cache: sum one view per node.
         leaders = [r["stats"] for r in per_rank if r["local_rank"] == 0 and r["stats"]]
@@ -402,6 +463,9 @@ def _row(opts: Options, setup: Setup, columns: Columns, epoch: int,
                    bench_hits=sum(r["hits"] for r in per_rank),
                    rank_hit_rates=[r["hits"] / r["samples"] if r["samples"] else None
                                    for r in per_rank])
+        if columns.arena:  # what the budget held at the end of this epoch
+            filled = sum(s["filled"] for s in leaders)
+            row.update(slots=filled, cached_pct=100.0 * filled / opts.num_images)
     return row
 
 
@@ -413,6 +477,9 @@ def release(data: ConfigData, dw: Dist) -> None:
     info = data.info
     if data.cache is not None:
         info["shm_after_epochs_bytes"] = shm_used_bytes()
+        st = data.cache.stats()
+        if "arena_used" in st:
+            info.update(filled=st["filled"], arena_used=st["arena_used"], full=st["full"])
         data.cache.close()
         data.cache = None
         gc.collect()
@@ -497,7 +564,7 @@ def warm_up(opts: Options, setup: Setup, root: Path, dw: Dist) -> float:
     costs (first worker start, first allocations of the model) land on no configuration."""
     t0 = time.perf_counter()
     n = min(opts.num_images, 4 * setup.batch_size)
-    ds = D.JpegDataset(root, opts.num_images, opts.decoded_size, opts.num_classes)
+    ds = jpeg_dataset(opts, root)
     kw: dict[str, Any] = {}
     if setup.workers > 0:
         kw["multiprocessing_context"] = setup.start_method
@@ -557,15 +624,25 @@ def _run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
     if any(s.kind == "cache" for s in specs) and any(st.sampler == "cache-aware" for st in setups):
         _cache_aware_class()  # fail before any work when it is missing
     root = opts.data_dir or D.default_data_dir(opts.num_images, opts.image_size,
-                                               opts.jpeg_quality, opts.seed, opts.num_classes)
+                                               opts.jpeg_quality, opts.seed, opts.num_classes,
+                                               opts.sides)
     gen_s = 0.0
     if dw.world.is_local_leader:
         _, gen_s = D.ensure_dataset(root, opts.num_images, opts.image_size,
                                     quality=opts.jpeg_quality, seed=opts.seed,
                                     num_classes=opts.num_classes, processes=opts.gen_processes,
-                                    progress=dw.is_main)
+                                    progress=dw.is_main, sides=opts.sides)
     dw.barrier()
-    say(f"dataset: {opts.num_images} JPEGs of {opts.image_size}x{opts.image_size} in {root}"
+    if opts.sides is None:
+        what = f"{opts.image_size}x{opts.image_size}"
+    else:
+        shapes = opts.shapes()
+        mean = sum(3 * h * w for h, w in shapes) / len(shapes)
+        what = (f"varied sizes (height and width each {opts.sides[0]}..{opts.sides[1]}), "
+                f"cached at native size (3, None, None), {mean / 1024:.0f} KiB a sample on "
+                f"average, {sum(3 * h * w for h, w in shapes) / MIB:.0f} MiB in all; random "
+                f"{opts.decoded_size}x{opts.decoded_size} crop after the cache")
+    say(f"dataset: {opts.num_images} JPEGs of {what}, in {root}"
         + (f" (generated in {gen_s:.1f} s)" if gen_s else " (reused)"))
     if opts.warm_page_cache:
         ws, nbytes = D.warm_page_cache(root, opts.num_images)
@@ -634,7 +711,10 @@ def describe_shm(results: dict[str, Any]) -> str:
         def mib(v: Any) -> str:
             return "?" if v is None else f"{v / MIB:.1f} MiB"
 
-        lines.append(f"  {where}{info['config']:>12}: {info.get('slots')} slots, "
+        held = (f"{info['filled']} samples held ({mib(info['arena_used'])} of the "
+                f"{mib(info.get('arena_bytes'))} arena, {info['full']} writes refused), "
+                if "arena_used" in info else f"{info.get('slots')} slots, ")
+        lines.append(f"  {where}{info['config']:>12}: {held}"
                      f"stats()['bytes'] {mib(b)}, /dev/shm used +{mib(c)} after construction, "
                      f"+{mib(filled)} after the epochs, {mib(na)} left after close(); "
                      f"construction {info.get('construct_s', math.nan):.2f} s")

@@ -400,3 +400,111 @@ def test_cpu_roles_counts_each_process_kind(tmp_path, capsys):
     assert plain["loaders"] == 0.0 and plain["loaded"] == 0 and plain["workers"] > 0
     assert pf["loaded"] == 32 and pf["loaders"] >= 0 and pf["trainer"] > 0
     assert "medians:" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# python -m benchmark --sizes varied
+# ----------------------------------------------------------------------------------------------
+
+SIDES = (40, 80)  # heights and widths of the varied-size JPEGs; crops of DEC = 32 after the cache
+
+
+@pytest.fixture
+def varied_dir(tmp_path):
+    root, _ = D.ensure_dataset(tmp_path / "varied", N, SRC, seed=0, num_classes=10,
+                               progress=False, sides=SIDES)
+    return root
+
+
+def _padded(shapes) -> int:
+    return sum(-(-3 * h * w // 16) * 16 for h, w in shapes)
+
+
+def test_varied_sizes_are_cached_at_native_size_and_cropped_after(varied_dir, shm_dir):
+    import stocaching
+
+    shapes = [D.varied_shape(i, 0, SIDES) for i in range(N)]
+    assert len(set(shapes)) > N // 2 and all(SIDES[0] <= s <= SIDES[1] for hw in shapes
+                                            for s in hw)
+    from benchmark.run import gib_for_arena
+    cache = stocaching.SharedCache(gib_for_arena([3 * h * w for h, w in shapes], 1.0, 2), N,
+                                   (3, None, None), torch.uint8)
+    try:
+        ds = D.JpegDataset(varied_dir, N, None, 10, cache=cache, augment=D.Augment(size=DEC))
+        first = [ds[i] for i in range(N)]
+        assert all(x.shape == (3, DEC, DEC) and not hit for x, _, hit in first)
+        assert all(hit for _, _, hit in (ds[i] for i in range(N)))  # the budget held them all
+        stored = [cache.get_slot(i) for i in range(N)]
+        assert [tuple(x.shape) for x in stored] == [(3, h, w) for h, w in shapes]
+        st = cache.stats()
+        assert st["filled"] == N and st["full"] == 0 and st["arena_used"] == _padded(shapes)
+        packed = D.build_in_ram_packed(varied_dir, D.PackedImages(shapes), workers=0,
+                                       start_method=None)
+        assert packed.flat.numel() == sum(3 * h * w for h, w in shapes)
+        assert all(torch.equal(packed[i], stored[i]) for i in range(N))
+    finally:
+        cache.close()
+    with pytest.raises(ValueError, match=r"Augment\(size=90, pad=4\) needs inputs of at least "
+                                         r"82x82, but got"):
+        D.Augment(size=90)(stored[0])
+
+
+@pytest.mark.timeout(90)
+def test_run_varied_sizes_end_to_end(tmp_path, varied_dir, shm_dir, capsys):
+    out = tmp_path / "out"
+    rc = main(["--sizes", "varied", "--sides", *map(str, SIDES), "--data-dir", str(varied_dir),
+               "--num-images", str(N), "--decoded-size", str(DEC), "--batch-size", "8",
+               "--cache-fraction", "0", "0.5", "1", "--epochs", "2", "--workers", "1",
+               "--threads", "1", "--no-plot", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = report.read_csv(out / "results.csv")
+    assert [(r["config"], r["epoch"]) for r in rows] == [
+        (c, e) for c in ("no cache", "cache 50%", "cache 100%", "in-RAM") for e in (1, 2)]
+    assert all(r["samples"] == N and r["sizes"] == "varied 40-80" and r["image_size"] is None
+               for r in rows)
+    full = [r for r in rows if r["config"] == "cache 100%"]
+    assert [r["hit_rate"] for r in full] == [0.0, 1.0] and full[0]["writes"] == N
+    assert [(r["slots"], r["cached_pct"]) for r in full] == [(N, 100.0)] * 2
+    half = [r for r in rows if r["config"] == "cache 50%"]
+    assert 0 < half[0]["slots"] < N and half[1]["hit_rate"] == half[0]["slots"] / N
+
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["stats_mismatches"] == []
+    info = {c["config"]: c for c in saved["configs"]}
+    shapes = [D.varied_shape(i, 0, SIDES) for i in range(N)]
+    assert (info["cache 100%"]["filled"], info["cache 100%"]["full"]) == (N, 0)
+    assert info["cache 100%"]["arena_used"] == _padded(shapes)  # native sizes, not padded ones
+    assert info["cache 50%"]["arena_used"] <= info["cache 50%"]["arena_bytes"] \
+        <= _padded(shapes) // 2 and info["cache 50%"]["full"] > 0
+    assert info["in-RAM"]["bytes"] == sum(3 * h * w for h, w in shapes)
+    checks = [line.strip() for line in text.splitlines() if line.strip().startswith("[")]
+    assert len(checks) == 3 and all(c[:6] in ("[PASS]", "[MISS]") for c in checks)
+    assert "sizes varied 40-80" in text and "cached at native size" in text
+    assert os.listdir(shm_dir) == []  # every configuration's cache was released
+
+
+def test_varied_sizes_options():
+    a = parse(["--sizes", "varied"])
+    assert a.num_images == 1500 and a.sides == [192, 512] and a.decoded_size == 128
+    assert parse([]).num_images == 6000
+    with pytest.raises(SystemExit):
+        parse(["--sizes", "varied", "--sides", "96", "320"])  # smaller than --decoded-size 128
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_crop_of_varied_sizes_equals_pad_then_crop(seed):
+    """Augment(size=c) cuts its window before padding; the pixels are those of padding the
+    whole image and cropping at the same draw (every border case shows up over the seeds)."""
+    import torch.nn.functional as F
+
+    h, w, c, p = 37, 45, 40, 4
+    x = torch.randint(0, 256, (3, h, w), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    y = D.Augment(size=c, flip=False)(x)
+    torch.manual_seed(seed)
+    i = int(torch.randint(0, h + 2 * p - c + 1, ()))
+    j = int(torch.randint(0, w + 2 * p - c + 1, ()))
+    ref = F.pad(x, (p, p, p, p))[:, i:i + c, j:j + c]
+    torch.testing.assert_close(y, D.Augment(pad=0, flip=False)(ref.contiguous()))
