@@ -1081,6 +1081,15 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False) -> 
     return removed
 
 
+def _more_room(shm_dir: str, total: int) -> str:
+    """The capacity error's first fix: the size ``shm_dir`` should have to hold ``total`` more
+    bytes than it holds now, as a docker option and a remount."""
+    vfs = os.statvfs(shm_dir)
+    need_gib = math.ceil(((vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + total) / BYTES_PER_GIB)
+    return (f"Give it more room (docker run --shm-size={need_gib}g, or mount -o "
+            f"remount,size={need_gib}G {shm_dir})")
+
+
 # ----------------------------------------------------------------------------------------------
 # SharedCache
 # ----------------------------------------------------------------------------------------------
@@ -1385,13 +1394,10 @@ class SharedCache:
         lay, per_slot = self._layout, self._slot_bytes
         fits = _slots_fitting(free, lay.dataset_len, per_slot, lay.num_nodes, self._staging)
         fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging)
-        vfs = os.statvfs(shm_dir)
-        need_gib = math.ceil(((vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + total) / BYTES_PER_GIB)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
-            f"({lay.slots} slots of {_fmt_bytes(per_slot)}). Give it more room (docker run "
-            f"--shm-size={need_gib}g, or mount -o remount,size={need_gib}G {shm_dir}) or pass "
-            f"a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+            f"({lay.slots} slots of {_fmt_bytes(per_slot)}). {_more_room(shm_dir, total)} or "
+            f"pass a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
 
     def _publish(self, tmp: str, fd: int) -> None:
         """Give the finished segment its public name so the other local ranks can attach."""
@@ -2685,9 +2691,8 @@ class _ArenaCache(SharedCache):
         fit_gib = max(0, free - (total - self._arena)) / BYTES_PER_GIB
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
-            f"(an arena of {_fmt_bytes(self._arena)}). Give it more room (docker run "
-            f"--shm-size, or mount -o remount,size=... {shm_dir}) or pass a smaller "
-            f"size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+            f"(an arena of {_fmt_bytes(self._arena)}). {_more_room(shm_dir, total)} or pass "
+            f"a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
 
     def _map_slots(self, data_off: int, n_slots: int) -> None:
         n, words = self._layout.dataset_len, self._rec_words

@@ -5,8 +5,10 @@ there is room, and every guarantee of the fixed-size cache holds."""
 from __future__ import annotations
 
 import copy
+import math
 import multiprocessing as mp
 import os
+import re
 import time
 
 import numpy as np
@@ -16,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from _helpers import (CachedDataset, assert_no_leak, assert_the_killed_write_is_a_miss,
                       ranks_with_a_killed_writer, value_of)
-from stocaching import BYTES_PER_GIB, CacheConfigError, SharedCache, World, plan
+from stocaching import (BYTES_PER_GIB, CacheCapacityError, CacheConfigError, SharedCache, World,
+                        plan)
 from stocaching import stocaching as core
 
 N = 40
@@ -349,4 +352,20 @@ def test_a_writer_killed_mid_write_leaves_a_miss(tmpfs, children, late):
     lead = ranks_with_a_killed_writer(children, tmpfs, f"vkill{int(late)}{os.getpid()}", n - 1,
                                       late=late, FT_VARIABLE="1")
     assert_the_killed_write_is_a_miss(lead, n)
+    assert_no_leak(tmpfs)
+
+
+def test_an_arena_too_big_for_the_tmpfs_says_what_would_fit(tmpfs):
+    """A 0.1 GiB open-size cache in a 64 MiB tmpfs: CacheCapacityError names the arena, the
+    tmpfs size that would hold it (as the fixed-size error does) and a size_limit_gib that fits
+    now; that size does fit; nothing is left behind by the refusal."""
+    with pytest.raises(CacheCapacityError) as info:
+        SharedCache(0.1, N, (None, 3), torch.float32, shm_dir=tmpfs)
+    e, msg = info.value, str(info.value)
+    assert e.path == tmpfs and e.needed > e.free
+    assert "(an arena of " in msg and f"--shm-size={math.ceil(e.needed / 2**30)}g" in msg, msg
+    assert os.listdir(tmpfs) == []
+    fit = float(re.search(r"about ([0-9.]+) fits now", msg).group(1))
+    with SharedCache(fit, N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
+        assert c.stats()["arena_bytes"] > 0.9 * e.free - 8 * 5 * N
     assert_no_leak(tmpfs)
