@@ -2363,7 +2363,12 @@ class SharedCache:
             table = table[table >= 0]
             if tag is not None:
                 table = table[table >> _STAGE_TAG_SHIFT == tag]
-            ready |= np.isin(idx, table & _STAGE_INDEX_MASK)
+            if table.size:
+                # Binary search in the sorted staged indices (a few hundred): np.isin sorts
+                # both arrays on every call, 0.5 ms per prefetcher chunk in a profile.
+                staged = np.sort(table & _STAGE_INDEX_MASK)
+                pos = np.minimum(np.searchsorted(staged, idx), staged.size - 1)
+                ready |= staged[pos] == idx
         return ready
 
     def clear(self) -> None:
