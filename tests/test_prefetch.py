@@ -600,7 +600,12 @@ def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
         if step == 4:
             break
     state = pf.state_dict(consumed=len(first))
-    del loader, pf  # what it staged and nobody read is given back as it goes
+    # What it staged and nobody read is given back when it is collected, which is once its
+    # loader threads have finished the loads the abandoned epoch left running (they hold
+    # it): a load may stage its sample after the iterator has stopped (a suite run saw 1).
+    del loader, pf
+    gc.collect()
+    assert wait_prefetch_threads_gone() == []
     gc.collect()
     assert cache.stats()["staged"] == 0
     assert state["consumed"] == 20 and state["epoch"] == 1 and state["mode"] == mode
