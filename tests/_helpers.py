@@ -14,12 +14,13 @@ It provides
 * values: ``value_of(i, dims)``, the sample of index ``i`` in every process,
   ``CachedDataset``, the README's two-line pattern, and ``BatchedDataset``, its
   ``__getitems__`` recipe; ``fields_of(i)`` (a ``load`` for them) for a cache of several
-  fields a sample;
+  fields a sample; ``outcome``, ``bits`` and ``same``, how the fuzz tests compare results;
 * sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots;
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
   ``run_child``/``start_child`` for a program of ``tests/children/``, and ``Child``, a job driven
   one command per line (``tests/children/job.py``); ``ranks_with_a_killed_writer`` (two ranks,
   one killed inside a write) and ``assert_the_killed_write_is_a_miss`` (what rank 0 then sees);
+  ``racing_writers``, writer processes that overwrite a cache while a test reads it;
 * leak probes that read /proc: which names are left in a directory, who maps or holds a file of
   it, and how much of a tmpfs is still in use.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing as mp
 import os
 import queue
 import signal
@@ -98,6 +100,33 @@ class BatchedDataset(CachedDataset):
                 b[k] = x if name is None else x[name]
         return [(i, batch[k] if None in fields else {n: b[k] for n, b in fields.items()},
                  bool(hit[k])) for k, i in enumerate(indices)]
+
+
+def outcome(fn):
+    """``("ok", result)`` of ``fn()``, or ``("err", type of the exception)``: what the fuzz
+    tests compare between the cache and their models."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return "err", type(e)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """The bytes of ``t`` (a 0-dim tensor too)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def same(a, b) -> bool:
+    """Equal as the fuzz tests mean it: tensors of the same dtype, shape and bits (so NaNs
+    compare), tuples (``get_batch``'s) and dicts (samples of fields) item by item, or both
+    None."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
+    return a is None and b is None
 
 
 FIELDS = {"image": (3, 8, 8), "label": (), "box": (4,)}
@@ -304,6 +333,29 @@ def assert_the_killed_write_is_a_miss(lead, n: int, probes=("check",)) -> None:
         assert lead.expect(probe.upper()).split()[1:] == [str(n), "0", "0"]
     lead.send("exit")
     assert lead.wait() == 0
+
+
+@contextlib.contextmanager
+def racing_writers(target, cache: SharedCache, method: str = "fork", count: int = 2):
+    """Run the block while ``count`` processes (started with ``method``) run
+    ``target(cache, k, writing, stop)``: it starts once each has set its ``writing`` event;
+    afterwards ``stop`` is set, each is joined (killed if still running after 60 s, a hang)
+    and must have exited with 0."""
+    ctx = mp.get_context(method)
+    stop, writing = ctx.Event(), [ctx.Event() for _ in range(count)]
+    procs = [ctx.Process(target=target, args=(cache, k, writing[k], stop)) for k in range(count)]
+    for p in procs:
+        p.start()
+    try:
+        assert all(e.wait(120) for e in writing), "a writer did not start within 120 s"
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * count
 
 
 def _command(program: str, args) -> list[str]:

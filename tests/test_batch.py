@@ -4,7 +4,6 @@ says which were cached; every row is what ``get_slot`` would give, never a half-
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import time
 
@@ -14,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from _helpers import (BatchedDataset, assert_no_leak, assert_the_killed_write_is_a_miss,
-                      budget_for, ranks_with_a_killed_writer, value_of)
+                      budget_for, racing_writers, ranks_with_a_killed_writer, value_of)
 from stocaching import BYTES_PER_GIB, SharedCache, World
 
 DIMS = (3, 4, 4)
@@ -233,18 +232,11 @@ def _overwrite(cache: SharedCache, seed: int, writing, stop) -> None:
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_writers_and_clears_never_give_a_torn_row(tmpfs, method):
     table = _versions()
-    ctx = mp.get_context(method)
-    stop, writing = ctx.Event(), [ctx.Event() for _ in range(2)]
     with SharedCache(budget_for(SLOTS, (WIDTH,), dataset_len=SLOTS), SLOTS, (WIDTH,),
                      shm_dir=tmpfs) as c:
         for i in range(SLOTS):
             c.set_slot(i, torch.from_numpy(table[i, 0]))
-        writers = [ctx.Process(target=_overwrite, args=(c, s, writing[s], stop))
-                   for s in range(2)]
-        for w in writers:
-            w.start()
-        try:
-            assert all(e.wait(120) for e in writing), "a writer did not start within 120 s"
+        with racing_writers(_overwrite, c, method):
             rng = np.random.default_rng(1)
             hits = misses = batches = 0
             torn = []
@@ -265,13 +257,6 @@ def test_writers_and_clears_never_give_a_torn_row(tmpfs, method):
                 hits += int(h.sum())
                 misses += int((~h).sum())
             written = c.stats()["writes"] - writes_before
-        finally:
-            stop.set()
-            for w in writers:
-                w.join(60)
-                if w.is_alive():
-                    w.kill()
-        assert [w.exitcode for w in writers] == [0, 0]
         assert torn == []
         assert hits > 0 and written > 0, (hits, misses, written)  # it did race real writes
     assert_no_leak(tmpfs)

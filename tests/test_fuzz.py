@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
-from _helpers import assert_no_leak, budget_for
+from _helpers import assert_no_leak, bits, budget_for, outcome, same
 from stocaching import SharedCache, World
 
 EMPTY, SET, OOB = 0, 1, 2
@@ -95,10 +95,6 @@ def is_index(x) -> bool:
         return True
     return isinstance(x, torch.Tensor) and x.ndim == 0 and x.dtype in _INFO and \
         _INFO[x.dtype][0] in "ui"
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
@@ -209,21 +205,6 @@ class Model:
                 "writes": self.writes, "filled": self.aux.count(SET), "slots": self.slots,
                 "dataset_len": self.n, "processes": 1,
                 "hit_rate": self.hits / reads if reads else float("nan")}
-
-
-def outcome(fn):
-    try:
-        return "ok", fn()
-    except Exception as e:  # noqa: BLE001 - the type is what is compared
-        return "err", type(e)
-
-
-def same(a, b) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):  # get_batch: (batch, hit)
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
-    return a is None and b is None
 
 
 # -- strategies ----------------------------------------------------------------------------

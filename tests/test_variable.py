@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import math
-import multiprocessing as mp
 import os
 import re
 import time
@@ -17,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from _helpers import (CachedDataset, assert_no_leak, assert_the_killed_write_is_a_miss,
-                      ranks_with_a_killed_writer, value_of)
+                      racing_writers, ranks_with_a_killed_writer, value_of)
 from stocaching import (BYTES_PER_GIB, CacheCapacityError, CacheConfigError, SharedCache, World,
                         plan)
 from stocaching import stocaching as core
@@ -281,15 +280,8 @@ def _overwrite(cache: SharedCache, seed: int, writing, stop) -> None:
 
 @pytest.mark.timeout(300)
 def test_writers_and_clears_never_give_a_torn_sample(tmpfs):
-    ctx = mp.get_context("fork")
-    stop, writing = ctx.Event(), [ctx.Event() for _ in range(2)]
     with SharedCache(limit_for(16 * 5 * N, words=5), N, (None,), shm_dir=tmpfs) as c:
-        writers = [ctx.Process(target=_overwrite, args=(c, s, writing[s], stop))
-                   for s in range(2)]
-        for w in writers:
-            w.start()
-        try:
-            assert all(e.wait(120) for e in writing), "a writer did not start within 120 s"
+        with racing_writers(_overwrite, c):
             torn, hits, reads = [], 0, 0
             before = c.stats()["writes"]
             deadline = time.monotonic() + 120  # a ceiling for a hang; the loop counts writes
@@ -302,13 +294,6 @@ def test_writers_and_clears_never_give_a_torn_sample(tmpfs):
                         hits += 1
                         if got.numel() < 2 or not torch.equal(got, _version(i, int(got[0]))):
                             torn.append((i, got.tolist()))
-        finally:
-            stop.set()
-            for w in writers:
-                w.join(60)
-                if w.is_alive():
-                    w.kill()
-        assert [w.exitcode for w in writers] == [0, 0]
         assert torn == [] and hits > 0
     assert_no_leak(tmpfs)
 
