@@ -303,7 +303,7 @@ def test_fields_and_open_sizes_match_model(tmpfs, capsys):
                                             for (op, kind), n in sorted(CALLS.items())))
     for kind in set(KINDS):
         assert CALLS["construct", kind] >= 10, CALLS
-    assert CALLS["set_slot", "ok"] >= 300 and CALLS["set_slot", "err"] >= 10, CALLS
+    assert CALLS["set_slot", "ok"] >= 300 and CALLS["set_slot", "err"] >= 5, CALLS  # 13-27 seen
     assert CALLS["set_slot bad", "err"] >= 100, CALLS
     if "open" in KINDS:  # get_batch refuses an open field
         assert CALLS["get_batch", "err"] >= 30, CALLS
