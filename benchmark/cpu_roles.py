@@ -69,7 +69,8 @@ def run_arm(arm: str, root: str, args: argparse.Namespace) -> dict[str, float]:
     return {"trainer": (t1.user - t0.user) + (t1.system - t0.system),
             "workers": (t1.children_user - t0.children_user)
             + (t1.children_system - t0.children_system),
-            "loaders": l1 - l0, "wall": wall, "loaded": getattr(sampler, "loaded", 0)}
+            "loaders": l1 - l0, "wall": wall, "loaded": getattr(sampler, "loaded", 0),
+            "left": getattr(sampler, "left", 0)}
 
 
 def main(argv=None) -> dict[str, list[dict[str, float]]]:
@@ -97,7 +98,7 @@ def main(argv=None) -> dict[str, list[dict[str, float]]]:
             print(f"  {arm:10s} trainer {r['trainer']:5.2f}  workers {r['workers']:5.2f}  "
                   f"loader processes {r['loaders']:5.2f}  total "
                   f"{r['trainer'] + r['workers'] + r['loaders']:5.2f} CPU s; wall "
-                  f"{r['wall']:5.2f} s", flush=True)
+                  f"{r['wall']:5.2f} s; prefetched {r['loaded']}, left {r['left']}", flush=True)
     print("medians:")
     for arm, rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 __all__ = ["PrefetchError", "Prefetcher", "ReadyFirstSampler", "ready_first_order"]
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -648,6 +649,85 @@ def _start_context(ctx: Any) -> Any:
     return ctx
 
 
+# Loads are CPU-bound while they wait (for storage, a socket, a sleep) less than this share of
+# the CPU time they use.
+_CPU_BOUND_WAIT_SHARE = 0.25
+# While the loads are CPU-bound, one miss in this many is still loaded, to keep measuring.
+_PROBE_EVERY = 16
+
+
+class _WaitMeter:
+    """Times the loads of one thread: how long a load waited neither running nor ready to run
+    (on storage, a socket, a sleep, or the GIL) and how much CPU it used, from Linux's
+    per-thread scheduler statistics, so that time spent waiting for a core, as on a machine
+    busy with the loads themselves, counts as neither. Where that file does not exist it
+    measures nothing (and the prefetcher never stands aside). Made by the thread it times."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = -1
+
+    def now(self) -> tuple[int, int, int] | None:
+        """(wall, CPU, ready to run) in nanoseconds, or None. The CPU time is the clock's:
+        the file's lags behind for a thread that is running (it reads it)."""
+        if self._fd < 0:
+            return None
+        try:
+            ready = int(os.pread(self._fd, 128, 0).split()[1])
+            return time.monotonic_ns(), time.thread_time_ns(), ready
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def since(self, t0: tuple[int, int, int] | None) -> tuple[int, int] | None:
+        """(waited, CPU) in nanoseconds since ``t0`` from :meth:`now`, or None."""
+        t1 = self.now()
+        if t0 is None or t1 is None:
+            return None
+        wall, cpu, ready = (b - a for a, b in zip(t0, t1))
+        return max(0, wall - cpu - ready), cpu
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _LoadTimes:
+    """The waiting and CPU times of a prefetcher's latest loads (a :class:`_WaitMeter`'s).
+    Loads are CPU-bound when they waited less than ``_CPU_BOUND_WAIT_SHARE`` of their CPU
+    time: loading such samples ahead cannot shorten an epoch, since the ``DataLoader``'s
+    workers would spend the same CPU on them, and it costs the prefetcher's own work."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self._recent: collections.deque = collections.deque()
+        self._keep = keep
+        self._waited = self._cpu = 0  # sums over _recent
+        self._lock = threading.Lock()
+
+    def add(self, times: tuple[int, int] | None) -> None:
+        if times is None:
+            return
+        with self._lock:
+            self._recent.append(times)
+            self._waited, self._cpu = self._waited + times[0], self._cpu + times[1]
+            if len(self._recent) > self._keep:
+                waited, cpu = self._recent.popleft()
+                self._waited, self._cpu = self._waited - waited, self._cpu - cpu
+
+    def cpu_bound(self) -> bool:
+        with self._lock:
+            return len(self._recent) == self._keep and \
+                self._waited < _CPU_BOUND_WAIT_SHARE * self._cpu
+
+    def __str__(self) -> str:
+        with self._lock:
+            n = max(1, len(self._recent))
+            return (f"the latest {len(self._recent)} waited {self._waited / n / 1e6:.2f} ms "
+                    f"a load for {self._cpu / n / 1e6:.2f} ms of CPU")
+
+
 class Prefetcher(torch.utils.data.Sampler[int]):
     """Loads the samples the ``DataLoader`` will ask for next, before it asks, with many
     loads in flight; yields an index only once its sample is in the cache.
@@ -717,18 +797,25 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         multiprocessing_context: how loader processes start (``processes=N``): "fork",
             "spawn", "forkserver", a context from ``multiprocessing.get_context``, or None
             for the platform's default. Default: None.
+        stand_aside: while the loads are CPU-bound (they wait on storage for less than a
+            quarter of their CPU time, as measured on Linux), leave the misses to the
+            ``DataLoader``'s workers, as without a prefetcher, and load only one in 16 to
+            keep measuring; loading them ahead would cost CPU and save none. Default: True.
 
     Attributes:
         loaded: loads this prefetcher finished, over all epochs.
         dropped: loads whose sample found no free staging slot by the time its index was
             due, and which were left to the DataLoader (not counted in ``loaded``), over all
             epochs.
+        left: misses left to the ``DataLoader`` because the loads were CPU-bound
+            (``stand_aside``), over all epochs.
     """
 
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "adaptive", threads: int = 16,
                  lookahead: int | None = None, timeout: float = 120.0,
-                 processes: int = 0, multiprocessing_context: Any = None) -> None:
+                 processes: int = 0, multiprocessing_context: Any = None,
+                 stand_aside: bool = True) -> None:
         if not isinstance(cache, SharedCache):
             raise TypeError(f"cache should be a SharedCache, but got cache of type "
                             f"{type(cache).__name__}")
@@ -748,7 +835,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         if mode not in ("fixed", "adaptive"):
             raise (ValueError if isinstance(mode, str) else TypeError)(
                 f"mode should be 'fixed' or 'adaptive', but got mode={mode!r}")
+        if not isinstance(stand_aside, bool):
+            raise TypeError(f"stand_aside should be True or False, but got "
+                            f"stand_aside={stand_aside!r}")
         self.timeout = float(timeout)
+        self.stand_aside = stand_aside
         self._mp_context = _start_context(multiprocessing_context)
         self.cache, self.load = cache, load
         self._tap = _Tap(sampler)
@@ -771,6 +862,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._lock = threading.Lock()  # guards the two above and the counters
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
         self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
+        self.left = 0  # misses left to the DataLoader while the loads were CPU-bound
+        self._load_times = _LoadTimes()
         self._procs: _ProcessLoaderPool | None = None  # with processes=N
         if self.processes:
             self._procs = self._start_processes()
@@ -842,7 +935,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         ahead = 0  # staged loads submitted and not yet yielded
         nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
         span = (self.window or 0) + self.lookahead
-        dropped_before = self.dropped
+        dropped_before, left_before, aside = self.dropped, self.left, 0
         try:
             for idx in order_it:
                 end = min(len(base), pos + span)
@@ -858,6 +951,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                         i = int(chunk[j])
                         if i in pending:
                             continue
+                        if self.stand_aside and self._load_times.cpu_bound() and \
+                                self._live(pool, i) is None:
+                            aside += 1  # one miss in _PROBE_EVERY is still loaded, to measure
+                            if aside % _PROBE_EVERY:
+                                self.left += 1  # the workers load it, as without a prefetcher
+                                continue
                         if oob[j]:
                             if not self._stage_ahead:
                                 continue  # no staging slots: the workers load it
@@ -881,6 +980,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 for i, (_, staged) in pending.items():  # loaded ahead and never yielded
                     if staged:
                         self.cache.unstage(i, tag=self._tag)
+            if self.left > left_before:
+                logger.info(
+                    "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
+                    "its loads were CPU-bound (%s), so loading them ahead could not save time, "
+                    "only cost it; see 'Standing aside' in docs/prefetch.md",
+                    self.left - left_before, self._load_times)
             if self.dropped > dropped_before:
                 logger.warning(
                     "stocaching: %d samples the prefetcher loaded this epoch found no free "
@@ -892,24 +997,29 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     "prefetch_factor + 1) x batch_size)", self.dropped - dropped_before,
                     self.cache.stats()["staging_slots"], self.cache.world.local_world_size)
 
-    def _submit(self, pool: "_LoaderPool", idx: int, staged: bool) -> "_Job":
-        """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
+    def _live(self, pool: Any, idx: int) -> "_Job | None":
+        """The load of ``idx`` still running from an earlier epoch, if any."""
         if isinstance(pool, _ProcessLoaderPool):
-            job = pool.live(idx)
-        else:
-            with self._lock:
-                job = self._running.get(idx)
+            return pool.live(idx)
+        with self._lock:
+            return self._running.get(idx)
+
+    def _submit(self, pool: Any, idx: int, staged: bool) -> "_Job":
+        """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
+        job = self._live(pool, idx)
         if job is not None and job.staged == staged:
             return job
         return pool.submit(idx, staged)
 
-    def _fetch(self, job: "_Job", stop: threading.Event) -> None:
+    def _fetch(self, job: "_Job", stop: threading.Event, meter: "_WaitMeter") -> None:
         """Load one sample and store it; runs in a loader thread."""
         idx = job.idx
         with self._lock:
             self._running[idx] = job
         try:
+            t0 = meter.now()
             value = self.load(idx)
+            self._load_times.add(meter.since(t0))
             if not job.staged:
                 self.cache.set_slot(idx, value, exist_ok=True)
             else:
@@ -1014,7 +1124,8 @@ class _LoaderPool:
     submitted; ``stop()`` lets each finish its current load and go, and cancels the jobs
     that no thread has started."""
 
-    def __init__(self, n: int, fetch: Callable[[_Job, threading.Event], None]) -> None:
+    def __init__(self, n: int, fetch: Callable[[_Job, threading.Event, "_WaitMeter"], None]
+                 ) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._fetch = fetch
@@ -1029,21 +1140,25 @@ class _LoaderPool:
         return job
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if self._stop.is_set():
-                job.future.cancel()
-                continue
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            try:
-                self._fetch(job, self._stop)
-            except BaseException as e:  # handed to the iterator, which raises it
-                job.future.set_exception(e)
-            else:
-                job.future.set_result(None)
+        meter = _WaitMeter()
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                if self._stop.is_set():
+                    job.future.cancel()
+                    continue
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    self._fetch(job, self._stop, meter)
+                except BaseException as e:  # handed to the iterator, which raises it
+                    job.future.set_exception(e)
+                else:
+                    job.future.set_result(None)
+        finally:
+            meter.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -1144,6 +1259,8 @@ class _ProcessLoaderPool:
             return
         owner = self._owner()
         if owner is not None:
+            if kind in ("stored", "staged", "dropped"):
+                owner._load_times.add(payload)
             with owner._lock:
                 if kind in ("stored", "staged"):
                     owner.loaded += 1
@@ -1214,10 +1331,13 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
 
 def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
                results: Any, due: Any, started: Any, epoch: Any) -> None:
-    """One loader thread of a loader process."""
+    """One loader thread of a loader process. A result message carries how long the load
+    waited and the CPU it used (see :class:`_WaitMeter`)."""
+    meter = _WaitMeter()
     while True:
         msg = jobs.get()
         if msg is None:
+            meter.close()
             return
         j, idx, staged, ep, flag = msg
         if ep != epoch.value:
@@ -1226,7 +1346,9 @@ def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: A
         if flag >= 0:
             started[flag] = 1
         try:
+            t0 = meter.now()
             value = load(idx)
+            times = meter.since(t0)
             if not staged:
                 cache.set_slot(idx, value, exist_ok=True)
                 kind = "stored"
@@ -1238,7 +1360,7 @@ def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: A
                         kind = "dropped" if is_due else "cancelled"
                         break
                     time.sleep(0.002)
-            results.put((j, kind, None))
+            results.put((j, kind, times))
         except BaseException as e:  # noqa: B902 - handed to the training process
             results.put((j, "error", (type(e).__name__, str(e), traceback.format_exc())))
 

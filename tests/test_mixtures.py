@@ -489,7 +489,7 @@ def test_prefetcher_over_one_cache_of_the_concatenation(shm_dir):
 
     try:
         base = WeightedMixtureSampler(list(lengths), (1, 2), seed=4, num_replicas=1, rank=0)
-        pf = Prefetcher(base, cache, load, threads=2)
+        pf = Prefetcher(base, cache, load, threads=2, stand_aside=False)
         for epoch in range(2):
             pf.set_epoch(epoch)
             got = list(pf)

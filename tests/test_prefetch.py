@@ -191,7 +191,7 @@ def test_dataloader_every_index_once_loaded_once_by_the_prefetcher(
     assert len(oob) == N - SLOTS
     base = Shuffled(N, seed=1)
     pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=window, mode=mode,
-                    threads=4, lookahead=8)
+                    threads=4, lookahead=8, stand_aside=False)
     ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context=method, persistent_workers=persistent)
@@ -222,7 +222,7 @@ def test_small_or_no_staging_area_still_loads_each_index_once(shm_dir, loads_dir
     oob = oob_of(cache)
     base = Shuffled(N, seed=2)
     pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4,
-                    lookahead=16)
+                    lookahead=16, stand_aside=False)
     ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork")
@@ -255,7 +255,8 @@ def load_that_fails(bad: int):
 @pytest.mark.parametrize("bad", [10, 40])  # with a slot, without one (staged)
 def test_load_that_raises_is_a_prefetch_error_with_index_and_cause(shm_dir, bad):
     cache = make_cache(shm_dir)
-    pf = Prefetcher(list(range(N)), cache, load_that_fails(bad), threads=2, lookahead=4)
+    pf = Prefetcher(list(range(N)), cache, load_that_fails(bad), threads=2, lookahead=4,
+                    stand_aside=False)
     got = []
     with pytest.raises(PrefetchError, match=rf"load\({bad}\) failed.*OSError.*disk gone") as e:
         for i in pf:
@@ -275,7 +276,8 @@ def test_load_that_raises_is_a_prefetch_error_with_index_and_cause(shm_dir, bad)
 @pytest.mark.timeout(300)
 def test_load_that_raises_reaches_the_training_loop(shm_dir):
     cache = make_cache(shm_dir)
-    pf = Prefetcher(Shuffled(N, seed=3), cache, load_that_fails(45), window=8, threads=4)
+    pf = Prefetcher(Shuffled(N, seed=3), cache, load_that_fails(45), window=8, threads=4,
+                    stand_aside=False)
     ds = PrefetchedDataset(cache, N, value_of)
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork")
@@ -304,7 +306,7 @@ def test_load_returning_a_wrong_value_changes_nothing(shm_dir, bad, kind):
 
     # One thread, one position ahead: the bad index (first in the order) is the only load.
     pf = Prefetcher([bad] + [i for i in range(N) if i != bad], cache, load, threads=1,
-                    lookahead=1)
+                    lookahead=1, stand_aside=False)
     with pytest.raises(PrefetchError, match=rf"load\({bad}\) failed") as e:
         next(iter(pf))
     assert e.value.index == bad and isinstance(e.value.__cause__, (TypeError, ValueError))
@@ -326,7 +328,8 @@ def test_load_that_hangs_times_out_naming_the_index(shm_dir):
             never.wait()
         return value_of(i)
 
-    pf = Prefetcher(list(range(N)), cache, load, threads=2, lookahead=4, timeout=1)
+    pf = Prefetcher(list(range(N)), cache, load, threads=2, lookahead=4, timeout=1,
+                    stand_aside=False)
     got = []
     try:
         with pytest.raises(PrefetchError, match=rf"load\({hang}\) did not finish within "
@@ -365,7 +368,7 @@ def test_bad_arguments_name_the_parameter_and_value(shm_dir, kwargs, error, matc
         if k in kwargs:
             args[k] = kwargs.pop(k)
     with pytest.raises(error, match=match):
-        Prefetcher(args["sampler"], args["cache"], args["load"], **kwargs)
+        Prefetcher(args["sampler"], args["cache"], args["load"], **kwargs, stand_aside=False)
 
 
 @pytest.mark.parametrize("kwargs, error", [({"timeout": True}, TypeError),
@@ -373,7 +376,7 @@ def test_bad_arguments_name_the_parameter_and_value(shm_dir, kwargs, error, matc
 def test_bool_timeout_and_bad_mode_are_refused(shm_dir, kwargs, error):
     cache = make_cache(shm_dir)
     with pytest.raises(error, match=next(iter(kwargs))):
-        Prefetcher(list(range(N)), cache, value_of, **kwargs)
+        Prefetcher(list(range(N)), cache, value_of, **kwargs, stand_aside=False)
 
 
 def test_staging_area_smaller_than_a_batch_is_not_a_load_timeout(shm_dir, caplog):
@@ -383,7 +386,7 @@ def test_staging_area_smaller_than_a_batch_is_not_a_load_timeout(shm_dir, caplog
     the time its index is due is left to the dataset, and the prefetcher says so once."""
     cache = make_cache(shm_dir, staging=2)
     order = sorted(oob_of(cache))
-    pf = Prefetcher(order, cache, value_of, threads=2, timeout=30)
+    pf = Prefetcher(order, cache, value_of, threads=2, timeout=30, stand_aside=False)
     loader = DataLoader(PrefetchedDataset(cache, N, value_of), batch_size=BATCH, sampler=pf)
     with caplog.at_level("WARNING", logger="stocaching"):
         seen = read_epoch(loader)
@@ -402,7 +405,7 @@ def test_threads_start_and_stop_with_the_epoch(shm_dir):
     epoch after an abandoned one yields every index once and leaves nothing staged."""
     cache = make_cache(shm_dir)
     base = Shuffled(N, seed=4)
-    pf = Prefetcher(base, cache, value_of, window=8, threads=3)
+    pf = Prefetcher(base, cache, value_of, window=8, threads=3, stand_aside=False)
     others = set(prefetch_threads())  # (none, unless another test leaked some)
     it = iter(pf)
     assert set(prefetch_threads()) == others  # nothing before the first step
@@ -440,7 +443,8 @@ def test_abandoned_dataloader_epoch_then_a_full_one(shm_dir, loads_dir, persiste
     abandoned iterator until the next epoch starts, which stops its prefetcher.)"""
     cache = make_cache(shm_dir)
     base = Shuffled(N, seed=5)
-    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4,
+                    stand_aside=False)
     ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork", persistent_workers=persistent)
@@ -490,7 +494,7 @@ def test_load_left_running_by_an_abandoned_epoch_is_not_started_again(shm_dir):
             with lock:
                 running.discard(i)
 
-    pf = Prefetcher(list(range(N)), cache, load, threads=1, lookahead=8)
+    pf = Prefetcher(list(range(N)), cache, load, threads=1, lookahead=8, stand_aside=False)
     it = iter(pf)
     assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
     assert entered.wait(60)
@@ -560,10 +564,10 @@ def test_a_prefetcher_unstages_only_what_it_staged(shm_dir):
             return iter([40, 41] if self.epoch == 0 else [42, 43])
 
     cache = make_cache(shm_dir)
-    a = Prefetcher(Split(), cache, value_of, threads=1)
+    a = Prefetcher(Split(), cache, value_of, threads=1, stand_aside=False)
     for i in a:
         assert cache.get_slot(i) is not None  # A's worker reads 40 and 41
-    b = Prefetcher([40], cache, value_of, threads=1)
+    b = Prefetcher([40], cache, value_of, threads=1, stand_aside=False)
     a.set_epoch(1)
     it_b, it_a = iter(b), iter(a)
     try:
@@ -592,7 +596,7 @@ def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
         return DataLoader(PrefetchedDataset(cache, N, value_of), batch_size=BATCH, sampler=pf,
                           num_workers=2, multiprocessing_context="fork")
 
-    pf = Prefetcher(base, cache, value_of, window=8, mode=mode, threads=4)
+    pf = Prefetcher(base, cache, value_of, window=8, mode=mode, threads=4, stand_aside=False)
     pf.set_epoch(1)
     first, loader = [], loader_of(pf)
     for step, (idx, x) in enumerate(loader):
@@ -610,7 +614,8 @@ def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
     assert cache.stats()["staged"] == 0
     assert state["consumed"] == 20 and state["epoch"] == 1 and state["mode"] == mode
 
-    pf2 = Prefetcher(Shuffled(N, seed=6), cache, value_of, window=8, mode=mode, threads=4)
+    pf2 = Prefetcher(Shuffled(N, seed=6), cache, value_of, window=8, mode=mode, threads=4,
+                     stand_aside=False)
     pf2.load_state_dict(state)
     pf2.set_epoch(1)  # a training loop's set_epoch for the same epoch keeps the position
     rest = read_epoch(loader_of(pf2))
@@ -623,7 +628,8 @@ def test_resumed_epoch_prefetches_its_rest(shm_dir, loads_dir):
     (so that each is ready when yielded) and nothing that was consumed before."""
     base = Shuffled(N, seed=7)
     cache = make_cache(shm_dir, name="before")
-    pf = Prefetcher(base, cache, value_of, window=4, mode="fixed", threads=2, lookahead=4)
+    pf = Prefetcher(base, cache, value_of, window=4, mode="fixed", threads=2, lookahead=4,
+                    stand_aside=False)
     it = iter(pf)
     first = [next(it) for _ in range(48)]
     state = pf.state_dict()
@@ -632,7 +638,7 @@ def test_resumed_epoch_prefetches_its_rest(shm_dir, loads_dir):
 
     fresh = make_cache(shm_dir, name="after")  # a new process: nothing cached
     pf2 = Prefetcher(Shuffled(N, seed=7), fresh, Loads(loads_dir, "prefetcher"), window=4,
-                     mode="fixed", threads=2, lookahead=4)
+                     mode="fixed", threads=2, lookahead=4, stand_aside=False)
     pf2.load_state_dict(state)
     rest, ready = [], []
     for i in pf2:
@@ -703,8 +709,8 @@ def test_a_sample_another_ranks_prefetcher_staged_is_not_taken_for_this_ranks(sh
     i = min(oob_of(cache))
     loads = tmp_path / "loads"
     loads.mkdir()
-    a = Prefetcher([i], cache, Loads(loads, "rank0"), threads=1)
-    b = Prefetcher([i], cache, Loads(loads, "rank1"), threads=1)
+    a = Prefetcher([i], cache, Loads(loads, "rank0"), threads=1, stand_aside=False)
+    b = Prefetcher([i], cache, Loads(loads, "rank1"), threads=1, stand_aside=False)
     try:
         assert list(a) == [i]  # staged by a, not read yet
         assert cache.ready_mask([i]).tolist() == [True]
@@ -715,3 +721,35 @@ def test_a_sample_another_ranks_prefetcher_staged_is_not_taken_for_this_ranks(sh
         assert cache.get_slot(i) is None and cache.stats()["staged"] == 0
     finally:
         cache.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Standing aside (the CPU-bound side is tested in test_prefetch_processes.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def waits_on_storage(i):
+    """A load that waits 2 ms, as for a read from slow storage, and computes next to nothing."""
+    time.sleep(0.002)
+    return value_of(i)
+
+
+def test_loads_that_wait_on_storage_are_all_prefetched(shm_dir):
+    n = 128
+    cache = SharedCache(budget(n, 0, n), n, DIMS, shm_dir=shm_dir)
+    pf = Prefetcher(Shuffled(n, seed=8), cache, waits_on_storage, threads=4)
+    try:
+        for i in pf:
+            assert cache.get_slot(i).equal(value_of(i))  # loaded before it was yielded
+        assert (pf.loaded, pf.left) == (n, 0)
+        assert not pf._load_times.cpu_bound(), str(pf._load_times)
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_stand_aside_must_be_a_bool(shm_dir, bad):
+    cache = make_cache(shm_dir)
+    with pytest.raises(TypeError, match=rf"stand_aside should be True or False, but got "
+                                        rf"stand_aside={bad!r}"):
+        Prefetcher(list(range(N)), cache, value_of, stand_aside=bad)

@@ -8,6 +8,7 @@ across epochs and stopped by close(), and none outliving a killed trainer.
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import signal
 import subprocess
@@ -20,8 +21,9 @@ from torch.utils.data import DataLoader
 
 from test_prefetch import (CHILDREN, N, BATCH, child_env, make_cache, oob_of, read_epoch,
                            users, wait_exit)
-from prefetch_common import Loads, PrefetchedDataset, Shuffled, load_counts, overlaps, value_of
-from stocaching import PrefetchError, Prefetcher
+from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled, budget, load_counts,
+                             overlaps, value_of)
+from stocaching import PrefetchError, Prefetcher, SharedCache
 
 
 class PidLoads(Loads):
@@ -56,7 +58,7 @@ def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_p
     oob = oob_of(cache)
     base = Shuffled(N, seed=5)
     pf = Prefetcher(base, cache, PidLoads(loads), window=8, processes=2,
-                    multiprocessing_context=start)
+                    multiprocessing_context=start, stand_aside=False)
     # The loader processes start with the prefetcher, before its first epoch.
     assert [p.is_alive() for p in pf._procs._procs] == [True, True]
     assert {p.pid for p in pf._procs._procs} <= {c.pid for c in psutil.Process().children()}
@@ -89,7 +91,7 @@ def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_p
 def test_an_error_in_a_loader_process_names_the_index_and_carries_its_traceback(shm_dir):
     cache = make_cache(shm_dir)
     bad = 45
-    pf = Prefetcher(list(range(N)), cache, FailsAt(bad), processes=1)
+    pf = Prefetcher(list(range(N)), cache, FailsAt(bad), processes=1, stand_aside=False)
     try:
         got = []
         with pytest.raises(PrefetchError, match=f"load\\({bad}\\) failed") as info:
@@ -102,7 +104,7 @@ def test_an_error_in_a_loader_process_names_the_index_and_carries_its_traceback(
         assert "Traceback in the loader process" in cause and "in __call__" in cause
         assert cache.get_slot(bad) is None  # nothing stored for it
         assert all(p.is_alive() for p in pf._procs._procs)  # an error does not end them
-        other = Prefetcher(list(range(bad)), cache, FailsAt(bad), processes=1)
+        other = Prefetcher(list(range(bad)), cache, FailsAt(bad), processes=1, stand_aside=False)
         assert list(other) == list(range(bad))
         procs = list(other._procs._procs)
         del other  # a prefetcher that is collected stops its loader processes
@@ -141,7 +143,7 @@ def test_load_left_running_by_an_abandoned_epoch_is_not_loaded_again(shm_dir, tm
     loads.mkdir()
     cache = make_cache(shm_dir)
     pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 5), processes=1, threads=1,
-                    lookahead=8)
+                    lookahead=8, stand_aside=False)
     try:
         it = iter(pf)
         assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
@@ -174,7 +176,7 @@ def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
     loads.mkdir()
     cache = make_cache(shm_dir)
     pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 0), processes=1, threads=1,
-                    lookahead=1)
+                    lookahead=1, stand_aside=False)
     pool = pf._procs
     flags = len(pool._due)
     try:
@@ -216,7 +218,8 @@ def test_processes_times_threads_loads_run_at_once_and_close_ends_every_thread(s
     close() ends every loader thread with its sentinel, so the processes exit by themselves
     (exit code 0) instead of being killed after the join timeout."""
     cache = make_cache(shm_dir)
-    pf = Prefetcher(list(range(N)), cache, Together(tmp_path, 6), processes=2, threads=3)
+    pf = Prefetcher(list(range(N)), cache, Together(tmp_path, 6), processes=2, threads=3,
+                    stand_aside=False)
     procs = pf._procs._procs
     try:
         jobs = [pf._procs.submit(i, False) for i in range(6)]
@@ -241,7 +244,7 @@ def test_a_finished_job_marked_due_leaves_its_reused_flag_alone(shm_dir, tmp_pat
     loads.mkdir()
     cache = make_cache(shm_dir)
     pf = Prefetcher(list(range(N)), cache, HeldAt(loads, 1), processes=1, threads=1,
-                    lookahead=1)
+                    lookahead=1, stand_aside=False)
     pool = pf._procs
     try:
         done = pool.submit(0, False)
@@ -293,18 +296,71 @@ def test_bad_processes_argument_names_it(shm_dir):
     try:
         for bad, exc in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
             with pytest.raises(exc, match="processes"):
-                Prefetcher(list(range(N)), cache, value_of, processes=bad)
+                Prefetcher(list(range(N)), cache, value_of, processes=bad, stand_aside=False)
         for bad, exc in (("thread", ValueError), (3, TypeError)):
             with pytest.raises(exc, match=f"multiprocessing_context.*{bad!r}|"
                                           f"multiprocessing_context of type int"):
                 Prefetcher(list(range(N)), cache, value_of, processes=1,
-                           multiprocessing_context=bad)
+                           multiprocessing_context=bad, stand_aside=False)
         # A load that spawn cannot pickle: the error names load and the start method.
         with pytest.raises(TypeError, match=r"load should be picklable to start loader "
                                             r"processes with multiprocessing_context='spawn'"):
             Prefetcher(list(range(N)), cache, lambda i: value_of(i), processes=2,
-                       multiprocessing_context="spawn")
+                       multiprocessing_context="spawn", stand_aside=False)
         # A refused prefetcher started nothing.
         assert {c.pid for c in psutil.Process().children()} == children
     finally:
+        cache.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Standing aside: loads that only compute are left to the DataLoader (docs/prefetch.md)
+# ----------------------------------------------------------------------------------------------
+
+
+class Computes:
+    """A load that computes for 2 ms of its thread's CPU time and never waits: hashing,
+    which releases the GIL, until the thread's CPU clock has advanced that far. A machine
+    busy with other work stretches its wall time but not what it measures as waiting (time
+    ready to run is not waiting), so it is CPU-bound by any clock."""
+
+    BLOCK = bytes(65536)
+
+    def __call__(self, i):
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:
+            hashlib.sha256(self.BLOCK)
+        return value_of(i)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stand_aside", [True, False])
+def test_cpu_bound_loads_are_left_to_the_dataloader(shm_dir, stand_aside):
+    # One loader process with one thread: nothing else in it holds the GIL, so the load
+    # waits on nothing at all (in threads of the trainer it could wait for the GIL, which
+    # the meter counts as waiting: the prefetcher then keeps loading, the safe side).
+    n = 256
+    cache = SharedCache(budget(n, 0, n), n, DIMS, shm_dir=shm_dir)
+    pf = Prefetcher(Shuffled(n, seed=9), cache, Computes(), processes=1, threads=1,
+                    stand_aside=stand_aside)
+    try:
+        loaded_here = set()
+        for i in pf:  # the dataset's two lines, as a DataLoader worker would run them
+            x = cache.get_slot(i)
+            if x is None:
+                x = value_of(i)
+                cache.set_slot(i, x)
+                loaded_here.add(i)
+            assert x.equal(value_of(i))
+        # Every miss was loaded once: by the prefetcher, or else here.
+        assert pf.loaded + len(loaded_here) == n
+        assert pf.left == len(loaded_here)
+        if stand_aside:
+            # Once 32 loads were measured, 15 misses in 16 are left: far more than half.
+            assert pf.left >= n // 2, (pf.loaded, pf.left, str(pf._load_times))
+            assert pf._load_times.cpu_bound()
+        else:
+            assert (pf.loaded, pf.left) == (n, 0)
+    finally:
+        pf.close()
         cache.close()
