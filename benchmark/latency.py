@@ -139,15 +139,27 @@ class Latency:
 
 class LatencyDataset(D.JpegDataset):
     """:class:`benchmark.data.JpegDataset` whose ``load`` (phase one: read + decode) first
-    sleeps ``delays[index]`` seconds, the EMULATED storage latency of the current epoch. Set
-    ``delays`` before each epoch's ``iter(loader)``: workers (and the prefetcher, which calls
-    ``load`` in the training process) then see that epoch's values."""
+    sleeps ``delays[index]`` seconds, the EMULATED storage latency of the current epoch.
+    ``delays`` is a tensor in shared memory, so that the processes that copied the dataset
+    before an epoch began (the Prefetcher's loader processes, persistent workers) sleep that
+    epoch's values too: set them with :meth:`set_delays` before each epoch's
+    ``iter(loader)``."""
 
-    delays: np.ndarray | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delays = torch.zeros(self.num_images, dtype=torch.float64).share_memory_()
+
+    def set_delays(self, delays: np.ndarray | None) -> None:
+        """This epoch's latencies in seconds, one per index (None: no latency)."""
+        if delays is None:
+            self.delays.zero_()
+        else:
+            self.delays.copy_(torch.from_numpy(np.asarray(delays, dtype=np.float64)))
 
     def load(self, index: int) -> torch.Tensor:
-        if self.delays is not None:
-            time.sleep(float(self.delays[index]))
+        delay = float(self.delays[index])
+        if delay > 0:
+            time.sleep(delay)
         with open(D.image_path(self.root, index), "rb") as f:
             data = f.read()
         return D.decode(data, self.decoded_size)
@@ -270,7 +282,7 @@ def run_config(opts: Options, cfg: Config, root: Path, name: str, repeat: int,
         for epoch in range(1, opts.epochs + 1):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch - 1)
-            ds.delays = cfg.latency.delays(n, opts.seed, epoch)
+            ds.set_delays(cfg.latency.delays(n, opts.seed, epoch))
             load1 = os.getloadavg()[0]
             s0 = cache.stats() if cache is not None else None
             loaded0 = getattr(sampler, "loaded", 0)

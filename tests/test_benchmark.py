@@ -297,6 +297,36 @@ def test_lognormal_latency_has_p99_ten_times_the_median():
         L.lognormal_params(20.0, 1.0)
 
 
+def _delay_seen_by_a_copy(ds, started, go, out):
+    started.set()
+    go.wait(60)
+    out.put(float(ds.delays[3]))
+
+
+def test_latency_reaches_processes_that_copied_the_dataset_before_the_epoch(jpeg_dir):
+    # The Prefetcher's loader processes are forked when it is made, before the first epoch
+    # sets its latencies: they must sleep that epoch's values, not the ones they copied.
+    import multiprocessing as mp
+
+    from benchmark import latency as L
+
+    ds = L.LatencyDataset(jpeg_dir, N, 16, 10)
+    ctx = mp.get_context("fork")
+    started, go, out = ctx.Event(), ctx.Event(), ctx.SimpleQueue()
+    p = ctx.Process(target=_delay_seen_by_a_copy, args=(ds, started, go, out))
+    p.start()
+    try:
+        assert started.wait(60)
+        ds.set_delays(L.Latency("constant", 25.0).delays(N, 0, 1))  # after the copy
+        go.set()
+        assert out.get() == pytest.approx(0.025)
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+    ds.set_delays(None)
+    assert float(ds.delays.sum()) == 0.0
+
+
 def test_latency_defaults():
     a = parse(["latency"])
     assert a.command == "latency" and a.num_images == 1500 and a.epochs == 3
