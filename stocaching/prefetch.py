@@ -663,9 +663,12 @@ class _WaitMeter:
     busy with the loads themselves, counts as neither. Where that file does not exist it
     measures nothing (and the prefetcher never stands aside). Made by the thread it times."""
 
+    PATH = "/proc/thread-self/schedstat"
+    WORKS = os.path.exists(PATH)  # (on Linux, with the kernel's scheduler statistics)
+
     def __init__(self) -> None:
         try:
-            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            self._fd = os.open(self.PATH, os.O_RDONLY)
         except OSError:
             self._fd = -1
 
@@ -696,36 +699,45 @@ class _WaitMeter:
 
 class _LoadTimes:
     """The waiting and CPU times of a prefetcher's latest loads (a :class:`_WaitMeter`'s).
-    Loads are CPU-bound when they waited less than ``_CPU_BOUND_WAIT_SHARE`` of their CPU
-    time: loading such samples ahead cannot shorten an epoch, since the ``DataLoader``'s
-    workers would spend the same CPU on them, and it costs the prefetcher's own work."""
+    A load is CPU-bound when it waited less than ``_CPU_BOUND_WAIT_SHARE`` of its CPU time,
+    and the loads are when most of the latest ``KEEP`` are (most, so that a few loads held up
+    by a page fault or the GIL do not decide). Loading CPU-bound samples ahead cannot shorten
+    an epoch, since the ``DataLoader``'s workers would spend the same CPU on them, and it
+    costs the prefetcher's own work."""
 
-    def __init__(self, keep: int = 32) -> None:
-        self._recent: collections.deque = collections.deque()
-        self._keep = keep
-        self._waited = self._cpu = 0  # sums over _recent
+    KEEP = 32  # loads
+
+    def __init__(self) -> None:
+        self._recent: collections.deque = collections.deque()  # (waited, CPU, CPU-bound)
+        self._waited = self._cpu = self._bound = 0  # sums over _recent
         self._lock = threading.Lock()
 
     def add(self, times: tuple[int, int] | None) -> None:
         if times is None:
             return
+        waited, cpu = times
+        bound = int(waited < _CPU_BOUND_WAIT_SHARE * cpu)
         with self._lock:
-            self._recent.append(times)
-            self._waited, self._cpu = self._waited + times[0], self._cpu + times[1]
-            if len(self._recent) > self._keep:
-                waited, cpu = self._recent.popleft()
-                self._waited, self._cpu = self._waited - waited, self._cpu - cpu
+            self._recent.append((waited, cpu, bound))
+            self._waited, self._cpu, self._bound = \
+                self._waited + waited, self._cpu + cpu, self._bound + bound
+            if len(self._recent) > self.KEEP:
+                waited, cpu, bound = self._recent.popleft()
+                self._waited, self._cpu, self._bound = \
+                    self._waited - waited, self._cpu - cpu, self._bound - bound
+
+    def known(self) -> bool:
+        return len(self._recent) == self.KEEP
 
     def cpu_bound(self) -> bool:
-        with self._lock:
-            return len(self._recent) == self._keep and \
-                self._waited < _CPU_BOUND_WAIT_SHARE * self._cpu
+        return len(self._recent) == self.KEEP and 2 * self._bound > self.KEEP
 
     def __str__(self) -> str:
         with self._lock:
             n = max(1, len(self._recent))
-            return (f"the latest {len(self._recent)} waited {self._waited / n / 1e6:.2f} ms "
-                    f"a load for {self._cpu / n / 1e6:.2f} ms of CPU")
+            return (f"{self._bound} of the latest {len(self._recent)} loads were, and they "
+                    f"waited {self._waited / n / 1e6:.2f} ms a load for "
+                    f"{self._cpu / n / 1e6:.2f} ms of CPU")
 
 
 class Prefetcher(torch.utils.data.Sampler[int]):
@@ -936,6 +948,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
         span = (self.window or 0) + self.lookahead
         dropped_before, left_before, aside = self.dropped, self.left, 0
+        # Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted.
+        measuring, unmeasured = self.stand_aside and _WaitMeter.WORKS, 0
         try:
             for idx in order_it:
                 end = min(len(base), pos + span)
@@ -957,6 +971,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                             if aside % _PROBE_EVERY:
                                 self.left += 1  # the workers load it, as without a prefetcher
                                 continue
+                        if unmeasured >= 2 * _LoadTimes.KEEP and nxt + j > pos and \
+                                not self._load_times.known():
+                            end = nxt + int(j)  # first see whether loading ahead pays
+                            break  # (never past pos: a yielded index is not loaded after)
+                        unmeasured += measuring
                         if oob[j]:
                             if not self._stage_ahead:
                                 continue  # no staging slots: the workers load it

@@ -85,7 +85,7 @@ def loads_since(directory, before: dict[int, list[str]]) -> dict[int, list[str]]
 
 def check_epoch(seen, base_order, window):
     """Every index of the base order exactly once, none moved more than ``window``."""
-    assert sorted(seen) == sorted(base_order) == list(range(N))
+    assert sorted(seen) == sorted(base_order) == list(range(len(base_order)))
     if window is None:
         assert seen == base_order
     else:

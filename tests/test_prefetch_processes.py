@@ -19,8 +19,8 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader
 
-from test_prefetch import (CHILDREN, N, BATCH, child_env, make_cache, oob_of, read_epoch,
-                           users, wait_exit)
+from test_prefetch import (CHILDREN, N, BATCH, check_epoch, child_env, loads_since, make_cache,
+                           oob_of, read_epoch, users, wait_exit)
 from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled, budget, load_counts,
                              overlaps, value_of)
 from stocaching import PrefetchError, Prefetcher, SharedCache
@@ -362,5 +362,48 @@ def test_cpu_bound_loads_are_left_to_the_dataloader(shm_dir, stand_aside):
         else:
             assert (pf.loaded, pf.left) == (n, 0)
     finally:
+        pf.close()
+        cache.close()
+
+
+class ComputingLoads(Loads):
+    """``Loads`` (recorded in files) that first compute as :class:`Computes` does."""
+
+    def __call__(self, i):
+        Computes()(i)
+        return super().__call__(i)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("window, mode", [(None, "adaptive"), (8, "fixed"), (8, "adaptive")])
+def test_standing_aside_still_loads_each_miss_once(shm_dir, tmp_path, window, mode):
+    """Through a DataLoader, with misses left to the workers mid-epoch: every index once per
+    epoch with its value, and every miss loaded once, by the prefetcher or by a worker,
+    never by both and never twice at once."""
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    n, slots, staging = 512, 256, 128
+    cache = SharedCache(budget(slots, staging, n), n, DIMS, shm_dir=shm_dir,
+                        staging_slots=staging)
+    assert len(cache) == slots
+    oob = oob_of(cache)
+    base = Shuffled(n, seed=4)
+    pf = Prefetcher(base, cache, ComputingLoads(loads, "prefetcher"), window=window, mode=mode,
+                    processes=1, threads=1)
+    ds = PrefetchedDataset(cache, n, Loads(loads, "worker"))
+    loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
+                        multiprocessing_context="fork")
+    try:
+        for epoch in range(2):
+            pf.set_epoch(epoch)
+            before = load_counts(loads)
+            check_epoch(read_epoch(loader), base.order(epoch), window)
+            new = loads_since(loads, before)
+            assert sorted(new) == [i for i in range(n) if epoch == 0 or i in oob]
+            assert [i for i, who in new.items() if len(who) != 1] == []
+        assert overlaps(loads) == []
+        assert pf.loaded > 0 and pf.left > 0  # both loaded some: it did stand aside
+    finally:
+        del loader
         pf.close()
         cache.close()
