@@ -193,7 +193,7 @@ class Options:
     repeats: int
     seed: int
     lr: float
-    prefetch_processes: int = 0
+    prefetch_processes: int = 2
     cpu_bound_only: bool = False
 
 
@@ -581,9 +581,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prefetcher threads: loads in flight (default: %(default)s, by Little's "
                         "law about twice the reads in flight at 1,500 samples/s, f = 0.5 and "
                         "a 32.6 ms mean latency)")
-    p.add_argument("--prefetch-processes", type=_non_negative_int, default=0,
+    p.add_argument("--prefetch-processes", type=_non_negative_int, default=2,
                    help="Prefetcher processes: load in this many processes, each with --threads "
-                        "threads (default: %(default)s, threads of the trainer)")
+                        "threads; 0 loads in threads of the trainer (default: %(default)s: the "
+                        "loads decode JPEGs, and in the trainer's threads they share its GIL "
+                        "and core)")
     p.add_argument("--cpu-bound-only", action="store_true",
                    help="run only the configurations without latency (the CPU-bound check)")
     p.add_argument("--window", type=_positive_int, default=None,

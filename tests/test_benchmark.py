@@ -331,6 +331,7 @@ def test_latency_defaults():
     a = parse(["latency"])
     assert a.command == "latency" and a.num_images == 1500 and a.epochs == 3
     assert a.threads == 32 and a.latency_ms == 20.0 and a.cache_fraction == [0.0, 0.5, 1.0]
+    assert a.prefetch_processes == 2  # the loads decode: outside the trainer's GIL
 
 
 @pytest.mark.timeout(60)
