@@ -53,6 +53,41 @@ def test_samples_of_any_size_round_trip(shm_dir):
         assert s["arena_used"] == sum(-(-cloud(i).numel() * 4 // 16) * 16 for i in range(N))
 
 
+def _store_large(cache, i, value, done):
+    cache.set_slot(i, value, allow_overwrite=True)
+    done.put(i)
+
+
+def test_large_samples_are_written_through_the_file_and_read_everywhere(shm_dir):
+    # A sample of at least _WRITE_THROUGH_FILE bytes goes into the arena by pwrite on the
+    # segment's file, not through the mapping; readers (this process and another) see it.
+    import multiprocessing as mp
+
+    big = torch.arange(3 * 100 * 110, dtype=torch.int64).remainder(251).to(torch.uint8)
+    big = big.reshape(3, 100, 110)
+    assert big.numel() >= core._WRITE_THROUGH_FILE > 3 * 10 * 10
+    small = torch.full((3, 10, 10), 7, dtype=torch.uint8)
+    with SharedCache(0.001, N, (3, None, None), torch.uint8, shm_dir=shm_dir) as c:
+        c.set_slot(0, big)
+        c.set_slot(1, small)
+        assert torch.equal(c.get_slot(0), big) and torch.equal(c.get_slot(1), small)
+        ctx = mp.get_context("fork")
+        done = ctx.SimpleQueue()
+        for i, value in ((2, big.flip(0)), (0, 255 - big)):  # new room; overwrite in place
+            p = ctx.Process(target=_store_large, args=(c, i, value, done))
+            p.start()
+            assert done.get() == i
+            p.join(60)
+            assert p.exitcode == 0
+        assert torch.equal(c.get_slot(2), big.flip(0))
+        assert torch.equal(c.get_slot(0), 255 - big)
+        assert torch.equal(c.get_slot(0, copy=False), 255 - big)
+        assert torch.equal(c.get_slot(1), small)
+        s = c.stats()
+        assert (s["filled"], s["full"]) == (3, 0)
+        assert s["arena_used"] == 2 * -(-big.numel() // 16) * 16 + 304  # 0 kept its place
+
+
 def test_images_of_many_sizes_and_fields_with_open_and_fixed_sizes(shm_dir):
     dims = {"image": (3, None, None), "label": (), "boxes": (None, 4)}
     dtype = {"image": torch.uint8, "label": torch.int64, "boxes": torch.float32}
