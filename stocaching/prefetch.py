@@ -879,6 +879,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._procs: _ProcessLoaderPool | None = None  # with processes=N
         if self.processes:
             self._procs = self._start_processes()
+        # This rank's workers read this rank's copies only: with epochs that drift apart, two
+        # ranks may both have staged an index, and each gives back (unstage) its own copy.
+        cache.read_tag = self._tag
 
     def _start_processes(self) -> "_ProcessLoaderPool":
         flags = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive, as a rule

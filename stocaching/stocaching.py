@@ -1173,12 +1173,22 @@ class SharedCache:
     ``stats()["filled"]`` how many are stored, ``stats()["arena_used"]`` the bytes handed out.
     ``get_batch``, staging and raw slot access (``array``, ``cache[s]``) are not available.
 
+    Attributes:
+        read_tag: when set (an int, as ``stage``'s ``tag``), ``get_slot`` and ``get_batch``
+            take a staged sample only from the copies staged with this tag: local ranks
+            whose epochs drift apart may each have staged the same index, and each rank's
+            workers must read their own rank's copy, which its prefetcher accounts for. A
+            ``Prefetcher`` sets it to its own tag; it travels to ``DataLoader`` workers with
+            the cache. Default: None (any copy).
+
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
         CacheConfigError: the leader's segment has another configuration.
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
         PermissionError: a file under the segment's name is not ours or not private.
     """
+
+    _read_tag: int | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
         # A cache of several fields per sample is a _FieldsCache: its own get_slot and
@@ -1658,7 +1668,8 @@ class SharedCache:
     # and a pickle that no other process can load. That is refused with a TypeError instead.
 
     # What a process that receives the cache needs to map it (see _rebuild_cache).
-    _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields")
+    _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields",
+              "_read_tag")
 
     # Class-level defaults, set on the instance only where they differ: a single-tensor cache
     # keeps the 30 instance attributes it had, which CPython 3.11 stores inline (more than 30
@@ -2293,10 +2304,22 @@ class SharedCache:
         self._ctr[_STAGES] += 1
         return True
 
+    @property
+    def read_tag(self) -> int | None:
+        return self._read_tag
+
+    @read_tag.setter
+    def read_tag(self, tag: int | None) -> None:
+        self._read_tag = None if tag is None else check_int("read_tag", tag, low=0,
+                                                             high=MAX_STAGE_TAG)
+
     def _take_staged(self, idx: int) -> torch.Tensor | None:
-        """The staged sample of ``idx`` (a copy; its staging slot is freed), or None."""
+        """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
+        staged with ``read_tag`` if that is set."""
         table = self._stage_np
         found = _staged_entries(table, idx)
+        if self._read_tag is not None and found.size:
+            found = found[table[found] >> _STAGE_TAG_SHIFT == self._read_tag]
         if not found.size:
             return None
         k = int(found[0])
