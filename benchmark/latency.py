@@ -590,8 +590,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run only the configurations without latency (the CPU-bound check)")
     p.add_argument("--window", type=_positive_int, default=None,
                    help="W of arms (c) and (d) (default: 4 batches, so that window + lookahead "
-                        "covers the consumption rate x the p99 latency: 384 positions against "
-                        "1,500 samples/s x 200 ms = 300)")
+                        "covers the consumption rate x the p99 latency: 256 + 256 = 512 "
+                        "positions with the default processes and threads, against 1,500 "
+                        "samples/s x 200 ms = 300)")
     p.add_argument("--lookahead", type=_positive_int, default=None,
                    help="Prefetcher lookahead (default: the Prefetcher's, 4 x the loads in flight)")
     p.add_argument("--staging-slots", type=_positive_int, default=None,
