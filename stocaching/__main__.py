@@ -2,6 +2,6 @@
 
 import sys
 
-from .stocaching import main
+from .stocaching import run_cli
 
-sys.exit(main())
+sys.exit(run_cli())

@@ -3336,5 +3336,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def run_cli() -> int:
+    """:func:`main` for the command line: output cut short by a reader that went away
+    (``python -m stocaching plan ... | head -2``) ends quietly, as other commands do."""
+    try:
+        status = main()
+        sys.stdout.flush()  # (here, not at exit, where the error would be printed)
+        return status
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli())

@@ -322,6 +322,20 @@ def test_cli_plan_takes_torch_dtypes_and_warns_when_it_does_not_fit(shm_dir):
     assert r.returncode == 0 and "warning: the segment" in r.stdout
 
 
+def test_cli_output_into_a_closed_pipe_ends_quietly(shm_dir):
+    # `python -m stocaching plan ... | head -2`: the reader may be gone before the output is
+    # written. Here it is gone before the process starts writing, so every run meets it.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "stocaching", "--shm-dir", shm_dir, "plan",
+                            "--dataset-len", "100", "--dims", "4"], stdout=write,
+                           stderr=subprocess.PIPE, text=True, env=rank_env(), timeout=60)
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (0, "")
+
+
 def test_the_help_of_every_option_is_written():
     for args in (("--help",), ("plan", "--help"), ("clean", "--help")):
         lines = _cli(*args).stdout.splitlines()
