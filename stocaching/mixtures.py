@@ -50,19 +50,14 @@ logger = logging.getLogger("stocaching")
 
 #: Weights must be above this (conveyer's bound): a smaller one is almost surely a mistake.
 MIN_WEIGHT = 0.001
-# Positions per block of the interleave: at most this (a block is shuffled on its own, in the
-# CPU's cache, by a torch.randperm small enough to run on one thread: see _interleave), and
-# at most 1/64 of the epoch, so that an up-weighted sub-dataset's passes stay apart in epochs
+# Positions per block of the interleave and elements per group of a pass (see _interleave and
+# _Stream): every shuffle is of one block or one group, small enough for the CPU's cache and
+# for torch.randperm to run on one thread (see _permutation). Blocks are also at most
+# 1/_MIN_BLOCKS of the epoch, so that an up-weighted sub-dataset's passes stay apart in epochs
 # of any size.
 _BLOCK = 32768
+_GROUP = 32768
 _MIN_BLOCKS = 64
-# Elements per group of a pass (see _Stream): at least _GROUP (for the same reasons as
-# _BLOCK), and at most _MAX_GROUPS groups per pass, which bounds the cost of drawing each
-# block's share of every group (a pass of more than 16 M elements gets larger groups).
-_GROUP = 32768
-_MAX_GROUPS = 512
-_GROUP = 32768
-_MAX_GROUPS = 512
 # Weights within this relative distance of proportional to the lengths count as proportional.
 _PROPORTIONAL_RTOL = 1e-9
 
@@ -163,6 +158,14 @@ def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(s - (ends - c), c) + np.arange(int(ends[-1]))
 
 
+def _permutation(m: int, g: torch.Generator) -> np.ndarray:
+    """A uniformly random permutation of ``range(m)``, for ``m`` up to 32768: torch's (about
+    twice as fast as numpy's, in cache). Above 32768 elements torch splits the work over
+    threads, which on a machine whose other core is busy was measured 6 to 20 times slower
+    (39000 or 65536 elements) than on one thread; hence blocks and groups of 32768."""
+    return torch.randperm(m, generator=g, dtype=torch.int32).numpy()
+
+
 class _Stream:
     """A sub-dataset's ``count`` positions of an epoch, handed out block by block in the
     order of ``count // n`` passes over its ``n`` elements (each a uniformly random
@@ -178,20 +181,17 @@ class _Stream:
     ``m`` of one permutation of the pass would be; only their order differs (grouped), and
     the caller shuffles the block they go to."""
 
-    def __init__(self, n: int, count: int, offset: int, dtype: type,
+    def __init__(self, n: int, count: int, offset: int, dtype: type, size: int,
                  rng: np.random.Generator, g: torch.Generator) -> None:
         self.n, self.left, self.offset, self.rng, self.g = n, count, offset, rng, g
-        size = max(_GROUP, -(-n // _MAX_GROUPS))
         self.starts = np.arange(0, n, size, dtype=np.int64)
         self.sizes = np.minimum(size, n - self.starts)
-        self.tdtype = torch.int32 if dtype == np.int32 else torch.int64
         self.items = np.empty(n, dtype=dtype)
         self._new_pass()
 
     def _new_pass(self) -> None:
         for s, m in zip(self.starts.tolist(), self.sizes.tolist()):
-            np.add(torch.randperm(m, generator=self.g, dtype=self.tdtype).numpy(),
-                   self.offset + s, out=self.items[s:s + m])
+            np.add(_permutation(m, self.g), self.offset + s, out=self.items[s:s + m])
         self.avail = self.sizes.copy()  # per group: not handed out yet in this pass
         self.in_pass = self.n
 
@@ -241,20 +241,20 @@ def _interleave(lengths: Sequence[int], counts: np.ndarray, offsets: np.ndarray,
     elements (the first block is a uniformly random subset of them in random order, and so
     on); an up-weighted sub-dataset's passes follow one another through the epoch.
 
-    Every shuffle is of at most ``_GROUP`` or ``_BLOCK`` elements: it stays in the CPU's
-    cache, and ``torch.randperm`` stays on one thread (it splits the work over threads only
-    above 32768 elements, and on a machine whose other core is busy a 2-thread
-    ``randperm`` of 39000 or 65536 elements was measured 6 to 20 times slower than on one)."""
+    Every shuffle is of a block or a group (at most 32768 elements), small enough to stay in
+    the CPU's cache and on one thread (see ``_permutation``). The draws of each block's share
+    of every group grow with blocks times groups, the square of the epoch: with the rest of
+    ``_Stream.take``'s own time, about a tenth of the build at 10 M positions and a quarter
+    at 100 M (cProfile)."""
     g = torch.Generator()
     g.manual_seed(int(rng.integers(2**63)))
-    streams = [_Stream(n, c, o, dtype, rng, g)
+    total = int(counts.sum())
+    streams = [_Stream(n, c, o, dtype, _GROUP, rng, g)
                for n, c, o in zip(lengths, counts.tolist(), offsets[:-1].tolist()) if c]
     left = np.asarray([s.left for s in streams], dtype=np.int64)
-    total = int(left.sum())
     out = np.empty(total, dtype=dtype)
     step = max(1, min(_BLOCK, -(-total // _MIN_BLOCKS)))
     block = np.empty(step, dtype=dtype)
-    tdtype = torch.int32 if dtype == np.int32 else torch.int64
     for start in range(0, total, step):
         size = min(step, total - start)
         take = rng.multivariate_hypergeometric(left, size) if len(streams) > 1 else \
@@ -264,8 +264,7 @@ def _interleave(lengths: Sequence[int], counts: np.ndarray, offsets: np.ndarray,
             if m:
                 stream.take(m, block[at:at + m])
                 at += m
-        np.take(block[:size], torch.randperm(size, generator=g, dtype=tdtype).numpy(),
-                out=out[start:start + size])
+        np.take(block[:size], _permutation(size, g), out=out[start:start + size])
         left -= take
     return out
 
@@ -301,9 +300,9 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
     lies in about the fraction ``[p n / c, (p + 1) n / c)`` of it.
 
     **Order**: the sub-datasets are interleaved at random (in each block of
-    ``min(65536, ceil(num_samples / 64))`` positions exactly as a uniformly random shuffle
-    would), a pure function of ``(seed, epoch)``
-    through local generators. Ranks get ``order[rank::num_replicas]`` after padding by
+    ``min(32768, ceil(num_samples / 64))`` positions exactly as a uniformly random shuffle
+    would; without repeats the order is a uniformly random permutation of the epoch's
+    elements), a pure function of ``(seed, epoch)`` through local generators. Ranks get ``order[rank::num_replicas]`` after padding by
     repeating the order's start up to a multiple of ``num_replicas`` (or truncating, with
     ``drop_last``), as ``DistributedSampler`` does; padding may repeat an element once more.
 
