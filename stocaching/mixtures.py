@@ -191,7 +191,8 @@ class _Stream:
 
     def _new_pass(self) -> None:
         for s, m in zip(self.starts.tolist(), self.sizes.tolist()):
-            np.add(_permutation(m, self.g), self.offset + s, out=self.items[s:s + m])
+            np.add(_permutation(m, self.g), self.items.dtype.type(self.offset + s),
+                   out=self.items[s:s + m])
         self.avail = self.sizes.copy()  # per group: not handed out yet in this pass
         self.in_pass = self.n
 
@@ -302,9 +303,10 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
     **Order**: the sub-datasets are interleaved at random (in each block of
     ``min(32768, ceil(num_samples / 64))`` positions exactly as a uniformly random shuffle
     would; without repeats the order is a uniformly random permutation of the epoch's
-    elements), a pure function of ``(seed, epoch)`` through local generators. Ranks get ``order[rank::num_replicas]`` after padding by
-    repeating the order's start up to a multiple of ``num_replicas`` (or truncating, with
-    ``drop_last``), as ``DistributedSampler`` does; padding may repeat an element once more.
+    elements), a pure function of ``(seed, epoch)`` through local generators. Ranks get
+    ``order[rank::num_replicas]`` after padding by repeating the order's start up to a
+    multiple of ``num_replicas`` (or truncating, with ``drop_last``), as
+    ``DistributedSampler`` does; padding may repeat an element once more.
 
     **Resume**: ``state_dict()`` records the epoch, how many indices of it this rank has
     yielded and everything that fixes the order; since every rank consumes the same number

@@ -198,6 +198,18 @@ def test_up_weighted_passes_are_whole_at_every_block_boundary():
                 assert part.min() == low and part.max() <= low + 1, (epoch, end, a)
 
 
+def test_indices_beyond_int32_come_as_int64():
+    """A mixture of more than 2**31 indices: the order is int64 and the second sub-dataset's
+    indices start at 2**31. (Its first sub-dataset gets no position in these epochs, so
+    nothing of its size is allocated; checked first.)"""
+    s = sampler((2**31, 10), (0.0011, 1), num_samples=20, seed=1)
+    for epoch in range(3):
+        assert s.counts(epoch).tolist() == [0, 20]
+        order = s.global_order(epoch)
+        assert order.dtype == np.int64
+        assert (np.bincount(order - 2**31, minlength=10) == 2).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Ranks
 # ----------------------------------------------------------------------------------------------
