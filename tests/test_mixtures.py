@@ -153,6 +153,63 @@ def test_global_rng_is_neither_used_nor_changed():
     assert np.array_equal(sampler((30, 40), (1, 3), seed=1).global_order(2), a)
 
 
+@pytest.mark.parametrize("lengths, weights, num_samples, outcomes", [
+    ((3, 2), None, None, 120),   # every element once: the 5! orders
+    ((4, 2), (1, 1), 4, 144),    # 2 of the first 4 and both others: 6 subsets times 4! orders
+])
+def test_without_repeats_every_order_is_equally_likely(monkeypatch, lengths, weights,
+                                                       num_samples, outcomes):
+    """The order is built from shuffles of groups of a pass and of blocks of the epoch, and
+    draws of how many of each go where; with groups and blocks of 2 here (instead of 32768),
+    every possible order of the epoch should come equally often (a chi-square test over 25
+    epochs per order, fixed seed)."""
+    from stocaching import mixtures
+    monkeypatch.setattr(mixtures, "_GROUP", 2)
+    monkeypatch.setattr(mixtures, "_BLOCK", 2)
+    monkeypatch.setattr(mixtures, "_MIN_BLOCKS", 1)
+    s = sampler(lengths, weights, seed=12, num_samples=num_samples)
+    epochs = 25 * outcomes
+    seen: dict[tuple, int] = {}
+    for epoch in range(epochs):
+        order = tuple(s.global_order(epoch).tolist())
+        seen[order] = seen.get(order, 0) + 1
+    assert len(seen) == outcomes
+    expected = epochs / outcomes
+    chi2 = sum((k - expected) ** 2 / expected for k in seen.values())
+    dof = outcomes - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof), (chi2, dof)
+
+
+def test_up_weighted_passes_are_whole_at_every_block_boundary():
+    """The first sub-dataset (40000 elements, two groups of a pass) comes 2.25 times, the
+    second (1000) 10 times: at every block boundary of the epoch, what came of each so far is
+    whole passes and part of the next one (each element k or k + 1 times)."""
+    lengths = (40000, 1000)
+    s = sampler(lengths, (0.9, 0.1), seed=6, num_samples=100_000)
+    block = math.ceil(100_000 / 64)  # the documented block size for this epoch
+    for epoch in range(2):
+        order = s.global_order(epoch)
+        assert s.counts(epoch).tolist() == [90_000, 10_000]
+        for end in range(block, order.size + block, block):
+            occ = occurrences(order[:end], sum(lengths))
+            for a, n in ((0, 40000), (40000, 1000)):
+                part = occ[a:a + n]
+                low = int(part.sum()) // n
+                assert part.min() == low and part.max() <= low + 1, (epoch, end, a)
+
+
+def test_indices_beyond_int32_come_as_int64():
+    """A mixture of more than 2**31 indices: the order is int64 and the second sub-dataset's
+    indices start at 2**31. (Its first sub-dataset gets no position in these epochs, so
+    nothing of its size is allocated; checked first.)"""
+    s = sampler((2**31, 10), (0.0011, 1), num_samples=20, seed=1)
+    for epoch in range(3):
+        assert s.counts(epoch).tolist() == [0, 20]
+        order = s.global_order(epoch)
+        assert order.dtype == np.int64
+        assert (np.bincount(order - 2**31, minlength=10) == 2).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Ranks
 # ----------------------------------------------------------------------------------------------
