@@ -82,8 +82,11 @@ class Model:
         if self.open:
             if need > self.reserved[i]:
                 if need > self.arena - self.top:
+                    # stores nothing; an overwritten index is emptied and gives up its
+                    # place (lost until clear()): its next write needs room at the top
                     self.full += 1
                     self.samples[i] = None
+                    self.reserved[i] = 0
                     return
                 self.top += need
                 self.reserved[i] = need
