@@ -1168,7 +1168,8 @@ class SharedCache:
     size (16-byte aligned), while the arena has room; a ``set_slot`` that does not fit stores
     nothing, counts in ``stats()["full"]``, and the index stays a miss. An overwrite keeps
     the sample's place if it fits there, else takes new room (the old place is lost until
-    ``clear()``, which gives back the whole arena) or, without room, empties the index.
+    ``clear()``, which gives back the whole arena) or, without room, empties the index, which
+    then keeps no place: its old place is lost as well, and its next write needs new room.
     ``len(cache)`` is the number of indices this node may admit (every index with one node),
     ``stats()["filled"]`` how many are stored, ``stats()["arena_used"]`` the bytes handed out.
     ``get_batch``, staging and raw slot access (``array``, ``cache[s]``) are not available.
@@ -2683,8 +2684,10 @@ class _ArenaCache(SharedCache):
     counted in ``stats()["full"]``, and the index stays a miss. An overwrite keeps the
     sample's place when the new value fits in what it reserved, and takes new room otherwise
     (the old place is lost until ``clear()``, which gives back the whole arena); if there is no
-    room, the index becomes a miss. Readers and writers use the record's sequence number and
-    a per-index lock exactly as slots do, so every guarantee of the fixed-size cache holds."""
+    room, the index becomes a miss that keeps no place (``_drop`` zeroes its record), so its
+    next write, of any size, needs new room like a first one. Readers and writers use the
+    record's sequence number and a per-index lock exactly as slots do, so every guarantee of
+    the fixed-size cache holds."""
 
     _STATE = SharedCache._STATE + ("_vf", "_arena", "_rec_words", "_mean", "_limit_gib")
 
@@ -2895,7 +2898,7 @@ class _ArenaCache(SharedCache):
         as ``SharedCache.set_slot`` otherwise. A sample that does not fit in what is left of
         the arena is not stored (``stats()["full"]`` counts it; the index stays a miss); one
         larger than the whole arena raises ValueError. An overwrite that does not fit leaves
-        the index empty."""
+        the index empty and without a place: a later write of it needs new room."""
         idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
         src, sizes = self._source_array(value)
         if src.size > self._arena:

@@ -144,6 +144,12 @@ def test_overwrite_keeps_its_place_or_moves_or_empties_and_clear_gives_all_back(
         assert c.get_slot(1) is None
         s = c.stats()
         assert (s["filled"], s["full"], s["arena_used"]) == (1, 1, 160)
+        # the emptied index keeps no place: a sample that would fit its old 48 B needs new
+        # room (issue 11's fuzz model had it written in place)
+        c.set_slot(2, cloud(2, 2))  # 24 B: the last 32 B of the arena
+        c.set_slot(1, cloud(1, 2), allow_overwrite=True)  # 24 B, no room: still a miss
+        s = c.stats()
+        assert c.get_slot(1) is None and (s["filled"], s["full"], s["arena_used"]) == (2, 2, 192)
         with pytest.raises(RuntimeError, match="already set to a different value"):
             c.set_slot(0, cloud(0, 1))
         c.set_slot(0, cloud(0, 5))  # the same value again: a no-op
