@@ -727,10 +727,11 @@ class _LoadTimes:
                     self._waited - waited, self._cpu - cpu, self._bound - bound
 
     def known(self) -> bool:
-        return len(self._recent) == self.KEEP
+        return len(self._recent) >= self.KEEP  # (KEEP + 1 for a moment inside add)
 
     def cpu_bound(self) -> bool:
-        return len(self._recent) == self.KEEP and 2 * self._bound > self.KEEP
+        with self._lock:
+            return len(self._recent) == self.KEEP and 2 * self._bound > self.KEEP
 
     def __str__(self) -> str:
         with self._lock:
@@ -881,7 +882,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             self._procs = self._start_processes()
         # This rank's workers read this rank's copies only: with epochs that drift apart, two
         # ranks may both have staged an index, and each gives back (unstage) its own copy.
-        cache.read_tag = self._tag
+        # (A set: a process may run several prefetchers on one cache, train and validation.)
+        cache.read_tags = cache.read_tags | {self._tag}
 
     def _start_processes(self) -> "_ProcessLoaderPool":
         flags = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive, as a rule
@@ -968,6 +970,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                         i = int(chunk[j])
                         if i in pending:
                             continue
+                        if oob[j] and not self._stage_ahead:
+                            continue  # no staging slots: the workers load it
                         if self.stand_aside and self._load_times.cpu_bound() and \
                                 self._live(pool, i) is None:
                             aside += 1  # one miss in _PROBE_EVERY is still loaded, to measure
@@ -978,14 +982,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                 not self._load_times.known():
                             end = nxt + int(j)  # first see whether loading ahead pays
                             break  # (never past pos: a yielded index is not loaded after)
-                        unmeasured += measuring
                         if oob[j]:
-                            if not self._stage_ahead:
-                                continue  # no staging slots: the workers load it
                             if ahead >= self._stage_ahead:
                                 end = nxt + int(j)  # the staging area is the limit: stop here
                                 break
                             ahead += 1
+                        unmeasured += measuring
                         pending[i] = (self._submit(pool, i, bool(oob[j])), bool(oob[j]))
                     nxt = end
                 got = pending.pop(idx, None)

@@ -1175,12 +1175,12 @@ class SharedCache:
     ``get_batch``, staging and raw slot access (``array``, ``cache[s]``) are not available.
 
     Attributes:
-        read_tag: when set (an int, as ``stage``'s ``tag``), ``get_slot`` and ``get_batch``
-            take a staged sample only from the copies staged with this tag: local ranks
-            whose epochs drift apart may each have staged the same index, and each rank's
-            workers must read their own rank's copy, which its prefetcher accounts for. A
-            ``Prefetcher`` sets it to its own tag; it travels to ``DataLoader`` workers with
-            the cache. Default: None (any copy).
+        read_tags: when not empty (a frozenset of ints, as ``stage``'s ``tag``), ``get_slot``
+            and ``get_batch`` take a staged sample only from the copies staged with one of
+            these tags: local ranks whose epochs drift apart may each have staged the same
+            index, and each rank's workers must read their own rank's copy, which its
+            prefetcher accounts for. Each ``Prefetcher`` adds its own tag; the set travels to
+            ``DataLoader`` workers with the cache. Default: empty (any copy).
 
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
@@ -1189,7 +1189,7 @@ class SharedCache:
         PermissionError: a file under the segment's name is not ours or not private.
     """
 
-    _read_tag: int | None = None
+    _read_tags: frozenset = frozenset()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
         # A cache of several fields per sample is a _FieldsCache: its own get_slot and
@@ -1670,7 +1670,7 @@ class SharedCache:
 
     # What a process that receives the cache needs to map it (see _rebuild_cache).
     _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields",
-              "_read_tag")
+              "_read_tags")
 
     # Class-level defaults, set on the instance only where they differ: a single-tensor cache
     # keeps the 30 instance attributes it had, which CPython 3.11 stores inline (more than 30
@@ -2306,21 +2306,24 @@ class SharedCache:
         return True
 
     @property
-    def read_tag(self) -> int | None:
-        return self._read_tag
+    def read_tags(self) -> frozenset:
+        return self._read_tags
 
-    @read_tag.setter
-    def read_tag(self, tag: int | None) -> None:
-        self._read_tag = None if tag is None else check_int("read_tag", tag, low=0,
-                                                             high=MAX_STAGE_TAG)
+    @read_tags.setter
+    def read_tags(self, tags: Any) -> None:
+        if isinstance(tags, (str, bytes)) or not hasattr(tags, "__iter__"):
+            raise TypeError(f"read_tags should be a set of ints in [0, {MAX_STAGE_TAG}], but "
+                            f"got read_tags={tags!r}")
+        self._read_tags = frozenset(check_int("read_tags", t, low=0, high=MAX_STAGE_TAG)
+                                    for t in tags)
 
     def _take_staged(self, idx: int) -> torch.Tensor | None:
         """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
-        staged with ``read_tag`` if that is set."""
+        staged with one of ``read_tags`` if there are any."""
         table = self._stage_np
         found = _staged_entries(table, idx)
-        if self._read_tag is not None and found.size:
-            found = found[table[found] >> _STAGE_TAG_SHIFT == self._read_tag]
+        if self._read_tags and found.size:
+            found = found[np.isin(table[found] >> _STAGE_TAG_SHIFT, list(self._read_tags))]
         if not found.size:
             return None
         k = int(found[0])

@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import pickle
-import re
 import select
 import signal
 import socket
@@ -718,8 +717,8 @@ def test_a_sample_another_ranks_prefetcher_staged_is_not_taken_for_this_ranks(sh
         assert list(b) == [i]
         assert load_counts(loads) == {i: ["rank0", "rank1"]}
         assert cache.stats()["staged"] == 2
-        for pf in (a, b):  # each rank's worker reads its own rank's copy (read_tag)
-            cache.read_tag = pf._tag
+        for pf in (a, b):  # each rank's worker reads its own rank's copy (read_tags)
+            cache.read_tags = {pf._tag}
             assert torch.equal(cache.get_slot(i), value_of(i))
         assert cache.get_slot(i) is None and cache.stats()["staged"] == 0
     finally:
@@ -730,7 +729,7 @@ def test_each_ranks_workers_read_their_own_ranks_staged_copy(shm_dir):
     """Found from outside under torchrun (ranks drifting apart, no barrier): B staged index i
     for its epoch, A staged it for its next one; A's worker took B's copy, A's next epoch gave
     back its own (unread, it thought), and B's worker found nothing and loaded i again. A
-    worker now reads the copy of its own rank's prefetcher (the cache's read_tag)."""
+    worker now reads the copy of its own rank's prefetcher (the cache's read_tags)."""
     class Epochs(torch.utils.data.Sampler):  # rank A: index i in epoch 0, j in epoch 1
         epoch = 0
 
@@ -751,28 +750,47 @@ def test_each_ranks_workers_read_their_own_ranks_staged_copy(shm_dir):
     b = Prefetcher([i], cache, value_of, threads=1, stand_aside=False)
     a = Prefetcher(Epochs([i], [j]), cache, value_of, threads=1, stand_aside=False)
     try:
-        assert cache.read_tag == a._tag  # the latest prefetcher made on this cache object
+        assert cache.read_tags == {a._tag, b._tag}  # every prefetcher on this cache object
+        cache.read_tags = {a._tag}  # as in rank A's process, which made only A
         assert list(b) == [i] and list(a) == [i]  # B's copy first, then A's
         assert cache.stats()["staged"] == 2
         assert torch.equal(cache.get_slot(i), value_of(i))  # A's worker
         a.set_epoch(1)
         assert list(a) == [j]  # A's next epoch: gives back what it staged and was not read
-        cache.read_tag = b._tag  # B's worker
+        cache.read_tags = {b._tag}  # B's worker
         assert torch.equal(cache.get_slot(i), value_of(i))
     finally:
         cache.close()
 
 
-@pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.0, TypeError), ("a", TypeError),
-                                        (True, TypeError)])
-def test_read_tag_must_be_a_tag_or_none(shm_dir, bad, error):
+@pytest.mark.parametrize("bad, error", [({-1}, ValueError), ({1.0}, TypeError), ("a", TypeError),
+                                        ({True}, TypeError), (5, TypeError)])
+def test_read_tags_must_be_a_set_of_tags(shm_dir, bad, error):
     cache = make_cache(shm_dir)
-    with pytest.raises(error, match=rf"read_tag.*{re.escape(repr(bad))}"):
-        cache.read_tag = bad
-    assert cache.read_tag is None
-    cache.read_tag = 5
-    cache.read_tag = None
-    assert cache.read_tag is None
+    with pytest.raises(error, match=r"read_tags"):
+        cache.read_tags = bad
+    assert cache.read_tags == frozenset()
+    cache.read_tags = {5, 7}
+    assert cache.read_tags == {5, 7}
+    cache.read_tags = ()
+    assert cache.read_tags == frozenset()
+
+
+def test_two_prefetchers_of_one_process_both_have_their_staged_copies_read(shm_dir):
+    """Train and validation loaders of one process, each with a Prefetcher on the same cache
+    object: the workers of each read what its prefetcher staged (found by a review: with one
+    tag per cache, the later prefetcher's tag hid the earlier one's copies)."""
+    cache = make_cache(shm_dir)
+    i, j = sorted(oob_of(cache))[:2]
+    train = Prefetcher([i], cache, value_of, threads=1, stand_aside=False)
+    val = Prefetcher([j], cache, value_of, threads=1, stand_aside=False)
+    try:
+        assert list(train) == [i] and list(val) == [j]
+        assert torch.equal(cache.get_slot(i), value_of(i))
+        assert torch.equal(cache.get_slot(j), value_of(j))
+        assert cache.stats()["staged"] == 0
+    finally:
+        cache.close()
 
 
 # ----------------------------------------------------------------------------------------------
