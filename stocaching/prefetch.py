@@ -709,7 +709,7 @@ class _LoadTimes:
 
     def __init__(self) -> None:
         self._recent: collections.deque = collections.deque()  # (waited, CPU, CPU-bound)
-        self._waited = self._cpu = self._bound = 0  # sums over _recent
+        self._bound = 0  # CPU-bound loads in _recent
         self._lock = threading.Lock()
 
     def add(self, times: tuple[int, int] | None) -> None:
@@ -719,12 +719,9 @@ class _LoadTimes:
         bound = int(waited < _CPU_BOUND_WAIT_SHARE * cpu)
         with self._lock:
             self._recent.append((waited, cpu, bound))
-            self._waited, self._cpu, self._bound = \
-                self._waited + waited, self._cpu + cpu, self._bound + bound
+            self._bound += bound
             if len(self._recent) > self.KEEP:
-                waited, cpu, bound = self._recent.popleft()
-                self._waited, self._cpu, self._bound = \
-                    self._waited - waited, self._cpu - cpu, self._bound - bound
+                self._bound -= self._recent.popleft()[2]
 
     def known(self) -> bool:
         return len(self._recent) >= self.KEEP  # (KEEP + 1 for a moment inside add)
@@ -735,10 +732,11 @@ class _LoadTimes:
 
     def __str__(self) -> str:
         with self._lock:
-            n = max(1, len(self._recent))
-            return (f"{self._bound} of the latest {len(self._recent)} loads were, and they "
-                    f"waited {self._waited / n / 1e6:.2f} ms a load for "
-                    f"{self._cpu / n / 1e6:.2f} ms of CPU")
+            recent, bound = list(self._recent), self._bound
+        n = max(1, len(recent))
+        return (f"{bound} of the latest {len(recent)} loads were, and they waited "
+                f"{sum(r[0] for r in recent) / n / 1e6:.2f} ms a load for "
+                f"{sum(r[1] for r in recent) / n / 1e6:.2f} ms of CPU")
 
 
 class Prefetcher(torch.utils.data.Sampler[int]):

@@ -2322,9 +2322,10 @@ class SharedCache:
         staged with one of ``read_tags`` if there are any."""
         table = self._stage_np
         found = _staged_entries(table, idx)
-        if self._read_tags and found.size:
-            found = found[np.isin(table[found] >> _STAGE_TAG_SHIFT, list(self._read_tags))]
-        if not found.size:
+        if self._read_tags:  # one or two entries: plain ints (np.isin took 28 us)
+            found = [k for k in found.tolist()
+                     if int(table[k]) >> _STAGE_TAG_SHIFT in self._read_tags]
+        if not len(found):
             return None
         k = int(found[0])
         slot = self._layout.slots + k
