@@ -232,6 +232,7 @@ class SamplesMachine(RuleBasedStateMachine):
         how = data.draw(st.sampled_from(["allow_overwrite", "allow_overwrite", "exist_ok",
                                          "neither"]), "overwrite")
         self.write(i, value, how)
+        self.write_again_if_emptied(data, i)
 
     @precondition(lambda self: self.model is not None and self.model.open)
     @rule(data=st.data())
@@ -245,6 +246,7 @@ class SamplesMachine(RuleBasedStateMachine):
             value = sample_for(data, m.fields, m.dtypes, f"value {k}")
             self.write(k % m.n, value, "allow_overwrite")
             if m.full > full:
+                self.write_again_if_emptied(data, k % m.n)
                 break
 
     @precondition(lambda self: self.model is not None and self.model.open
@@ -260,6 +262,15 @@ class SamplesMachine(RuleBasedStateMachine):
             held = sorted(m.emptied)
         i = data.draw(st.sampled_from(held), "i")
         self.write(i, sample_for(data, m.fields, m.dtypes, "value"), "allow_overwrite")
+        self.write_again_if_emptied(data, i)
+
+    def write_again_if_emptied(self, data, i: int) -> None:
+        """The next write of an index that an overwrite emptied, at once: the divergence of
+        issue 11 needs it, and later steps seldom reach it (a clear or a construct comes
+        first: 1 in 24 such indices in one run before this was done here)."""
+        if i in self.model.emptied:
+            m = self.model
+            self.write(i, sample_for(data, m.fields, m.dtypes, "again"), "allow_overwrite")
 
     def write(self, i: int, value: dict, how: str) -> None:
         """set_slot(i, value) on the cache and the model, with ``allow_overwrite``,
@@ -351,8 +362,10 @@ def test_fields_and_open_sizes_match_model(tmpfs, capsys):
         assert CALLS["construct", kind] >= 10, CALLS
     # with fill and overwrite, 63-442 refused writes in randomized runs of 120 examples
     assert CALLS["set_slot", "ok"] >= 300 and CALLS["set_slot", "err"] >= 20, CALLS
-    # overwrites that found no room, and later writes of the index they emptied (issue 11's
-    # divergence): 17-98 and 7-127 in randomized runs of 120 examples, 24 and 45 in this one
+    # overwrites that found no room, and the next writes of the indices they emptied (issue
+    # 11's divergence): 19-51 and 28-269 in 8 randomized runs of 120 examples. (The examples
+    # of this derandomized run depend on which modules are loaded, see conftest.py: the whole
+    # suite and this file alone draw others, so every count asserted here has a wide margin.)
     assert CALLS["overwrite", "emptied"] >= 5, CALLS
     assert CALLS["set_slot emptied", "not"] + CALLS["set_slot emptied", "stored"] >= 5, CALLS
     assert CALLS["set_slot bad", "err"] >= 100, CALLS
