@@ -64,6 +64,7 @@ import itertools
 import logging
 import math
 import mmap
+import operator
 import os
 import re
 import secrets
@@ -2749,7 +2750,9 @@ class _ArenaCache(SharedCache):
         n, words = self._layout.dataset_len, self._rec_words
         rec_off = self._header_get("seq_off")
         self._rec_np = np.frombuffer(self._mm, np.int64, n * words, rec_off).reshape(n, words)
-        self._rec_mv = memoryview(self._mm)[rec_off: rec_off + n * words * 8].cast("q")
+        self._rec_buf = memoryview(self._mm)[rec_off: rec_off + n * words * 8]
+        self._rec_mv = self._rec_buf.cast("q")
+        self._rec_of = struct.Struct(f"{words}q")  # a record as a tuple, in one call
         self._arena_np = np.frombuffer(self._mm, np.uint8, self._arena, data_off)
         self._arena_file_off = data_off  # (the segment is mapped from its start)
         with warnings.catch_warnings():
@@ -2759,13 +2762,26 @@ class _ArenaCache(SharedCache):
         self._np_slots = self._array = self._ro_slots = None
         self._fast_dtype = None
         self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._vf]
-        # One tensor: the read path fills the open positions of this shape (a list).
-        self._one = None if self._fields else [d or 0 for d in self._vf[0].dims]
-        self._open_pos = [k for k, d in enumerate(self._vf[0].dims) if d is None]
+        # One tensor: the read path takes the whole record as a tuple, appends the fixed sizes
+        # (_one) and picks the shape out of that with _shape_of; it slices the arena in the
+        # tensor's own dtype (_one_arena, offsets are multiples of 16), so a hit is one record
+        # read, one slice, one copy.
+        self._one = self._one_arena = self._shape_of = None
+        if not self._fields:
+            dims = self._vf[0].dims
+            isz = np.dtype(self._np_dtypes[0]).itemsize
+            self._one = tuple(d for d in dims if d is not None)
+            opened, fixed = iter(range(4, words)), iter(range(words, words + len(self._one)))
+            self._shape_of = operator.itemgetter(
+                *(next(opened) if d is None else next(fixed) for d in dims))
+            self._one_arena = np.frombuffer(self._mm, self._np_dtypes[0], self._arena // isz,
+                                            data_off)
+            self._isz = isz
         self._view_as = self._vf[0].dtype if self._vf[0].dtype is torch.bfloat16 else None
 
     def _unmap(self) -> None:
         self._rec_np = self._rec_mv = self._arena_np = self._ro_arena = _CLOSED  # type: ignore
+        self._rec_buf = self._one_arena = _CLOSED  # type: ignore
         super()._unmap()
 
     # -- reading ----------------------------------------------------------------------------
@@ -2778,19 +2794,16 @@ class _ArenaCache(SharedCache):
             idx = self._index(idx)
         if self._aux_mv[idx] == SET:
             if self._one is not None and copy:  # _read's first path inlined (keep in step)
-                rec, base = self._rec_mv, idx * self._rec_words
-                seq = rec[base]
-                if not seq & 1 and self._aux_mv[idx] == SET:
-                    off = rec[base + _REC_OFF]
-                    shape = self._one[:]
-                    for k, pos in enumerate(self._open_pos):
-                        shape[pos] = rec[base + 4 + k]
+                # the record as a tuple; its sequence number r[0] is read first
+                r = self._rec_of.unpack_from(self._rec_buf, idx * self._rec_of.size)
+                if not r[0] & 1 and self._aux_mv[idx] == SET:
+                    off, isz = r[_REC_OFF], self._isz
                     try:  # a record read while a writer changes it may not fit its bytes
-                        arr = self._arena_np[off: off + rec[base + _REC_BYTES]].view(
-                            self._np_dtypes[0]).reshape(shape).copy()
+                        arr = self._one_arena[off // isz: (off + r[_REC_BYTES]) // isz].reshape(
+                            self._shape_of(r + self._one)).copy()
                     except ValueError:
                         arr = None
-                    if arr is not None and rec[base] == seq:
+                    if arr is not None and self._rec_mv[idx * self._rec_words] == r[0]:
                         self._ctr[_HITS] += 1
                         return torch.from_numpy(arr) if self._view_as is None else \
                             torch.from_numpy(arr).view(self._view_as)
@@ -2806,17 +2819,16 @@ class _ArenaCache(SharedCache):
     def _read(self, idx: int, copy: bool) -> Any:
         """The seqlock read of the record and bytes of ``idx``: a sample, or None."""
         rec, base = self._rec_mv, idx * self._rec_words
-        seq = rec[base]
+        r = self._rec_of.unpack_from(self._rec_buf, idx * self._rec_of.size)  # r[0] read first
+        seq = r[0]
         if seq & 1 or self._aux_mv[idx] != SET:
             return None
-        off = rec[base + _REC_OFF]
-        end = off + rec[base + _REC_BYTES]
+        off = r[_REC_OFF]
+        end = off + r[_REC_BYTES]
         if self._one is not None and copy:  # one tensor: the shape, then a single copy
-            shape = self._one[:]
-            for k, pos in enumerate(self._open_pos):
-                shape[pos] = rec[base + 4 + k]
             try:  # a record read while a writer changes it may not fit its bytes
-                arr = self._arena_np[off: end].view(self._np_dtypes[0]).reshape(shape).copy()
+                arr = self._one_arena[off // self._isz: end // self._isz].reshape(
+                    self._shape_of(r + self._one)).copy()
             except ValueError:
                 return None
             if rec[base] != seq:
@@ -2824,7 +2836,7 @@ class _ArenaCache(SharedCache):
             self._ctr[_HITS] += 1
             return torch.from_numpy(arr) if self._view_as is None else \
                 torch.from_numpy(arr).view(self._view_as)
-        sizes = rec[base + 4: base + self._rec_words].tolist()
+        sizes = r[4:]
         data = self._arena_np[off: end].copy() if copy else self._ro_arena[off: end]
         if rec[base] != seq:
             return None
