@@ -2280,20 +2280,18 @@ class SharedCache:
         table = self._stage_np
         entry = idx | tag << _STAGE_TAG_SHIFT
         with self._locked(_STAGE_LOCK):
-            same = _staged_entries(table, idx)  # restaged by the same stager: replaced;
-            same = same[table[same] >> _STAGE_TAG_SHIFT == tag]  # another's stays its own
-            if same.size:
-                table[same] = entry
+            # Staged already by the same stager (the same entry): kept; another stager's
+            # copy stays its own. One comparison of the whole map: a few microseconds.
+            if (table == entry).any():
                 return True
-            free = np.flatnonzero(table == -1)
-            if not free.size:  # fillers that died keep their slot: give it back
-                for k in np.flatnonzero(table < -1):
-                    if not _alive(-2 - int(table[k]), 0):
-                        table[k] = -1
-                free = np.flatnonzero(table == -1)
-                if not free.size:
+            k = int(np.argmax(table == -1))  # the first free staging slot, if any
+            if table[k] != -1:  # fillers that died keep their slot: give it back
+                for j in np.flatnonzero(table < -1):
+                    if not _alive(-2 - int(table[j]), 0):
+                        table[j] = -1
+                k = int(np.argmax(table == -1))
+                if table[k] != -1:
                     return False
-            k = int(free[0])
             table[k] = -2 - os.getpid()  # reserved by us while we fill it
         slot = self._layout.slots + k
         try:
@@ -2322,13 +2320,15 @@ class SharedCache:
         """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
         staged with one of ``read_tags`` if there are any."""
         table = self._stage_np
-        found = _staged_entries(table, idx)
-        if self._read_tags:  # one or two entries: plain ints (np.isin took 28 us)
-            found = [k for k in found.tolist()
-                     if int(table[k]) >> _STAGE_TAG_SHIFT in self._read_tags]
-        if not len(found):
+        if self._read_tags:  # the entries of idx with one of these tags: exact values
+            found = []
+            for tag in self._read_tags:  # (one or two: one comparison of the map each)
+                found += np.flatnonzero(table == idx | tag << _STAGE_TAG_SHIFT).tolist()
+        else:
+            found = _staged_entries(table, idx).tolist()
+        if not found:
             return None
-        k = int(found[0])
+        k = found[0]
         slot = self._layout.slots + k
         seq = self._seq_mv[slot]
         if seq & 1:
