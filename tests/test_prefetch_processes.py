@@ -181,6 +181,7 @@ def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
     flags = len(pool._due)
     try:
         jobs = [pool.submit(i % N, False) for i in range(flags + 2)]  # 0 is held meanwhile
+        pool.flush()
         given = [j.due_flag for j in jobs]
         assert sorted(given[:flags]) == list(range(flags)) and given[flags:] == [-1, -1]
         jobs[1].mark_due()
@@ -223,6 +224,7 @@ def test_processes_times_threads_loads_run_at_once_and_close_ends_every_thread(s
     procs = pf._procs._procs
     try:
         jobs = [pf._procs.submit(i, False) for i in range(6)]
+        pf._procs.flush()  # three jobs to each process
         for j in jobs:
             j.future.result(timeout=120)
         assert all(cache.get_slot(i) is not None for i in range(6))
@@ -248,9 +250,11 @@ def test_a_finished_job_marked_due_leaves_its_reused_flag_alone(shm_dir, tmp_pat
     pool = pf._procs
     try:
         done = pool.submit(0, False)
+        pool.flush()
         flag = done.due_flag
         done.future.result(timeout=120)
         later = pool.submit(1, False)  # held in its load meanwhile
+        pool.flush()
         assert later.due_flag == flag  # the flag given back is the next one taken
         done.mark_due()
         assert pool._due[flag] == 0
