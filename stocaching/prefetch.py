@@ -1272,14 +1272,18 @@ class _ProcessLoaderPool:
         return job
 
     def flush(self) -> None:
-        """Send the jobs submitted since the last flush: every process gets its share (in
-        turn, job by job) in one message."""
+        """Send the jobs submitted since the last flush: every live process gets its share
+        (in turn, job by job) in one message. None goes to a dead process, whose pipe would
+        fill up and block this call for good; with none alive, nothing is sent and the
+        iterator's wait reports the dead processes."""
         with self._lock:
             batch, self._batch = self._batch, []
-            turn, n = self._turn, len(self._jobs)
-            self._turn = (turn + len(batch)) % n
+            alive = [q for q, p in zip(self._jobs, self._procs) if p.is_alive()]
+            n = len(alive)
+            turn = self._turn % max(1, n)
+            self._turn = (turn + len(batch)) % max(1, n)
         for k in range(min(n, len(batch))):
-            self._jobs[(turn + k) % n].put(batch[k::n])
+            alive[(turn + k) % n].put(batch[k::n])
 
     def _mark_due(self, job: _Job) -> None:
         """Set the due flag of ``job`` if it still holds one: the iterator also marks jobs
@@ -1353,9 +1357,10 @@ class _ProcessLoaderPool:
 
     @staticmethod
     def _shut(procs: list, jobs: list, results: Any) -> None:
-        for q in jobs:  # each process's threads end
-            with contextlib.suppress(OSError, ValueError):
-                q.put(None)
+        for q, p in zip(jobs, procs):  # each live process's threads end
+            if p.is_alive():
+                with contextlib.suppress(OSError, ValueError):
+                    q.put(None)
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -1385,10 +1390,12 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
         t.start()
     while True:
         batch = jobs.get()
-        for job in batch or [None] * threads:  # None: every loader thread ends
-            mine.put(job)
-        if batch is None:
+        if batch is None:  # every loader thread ends
+            for _ in range(threads):
+                mine.put(None)
             break
+        for job in batch:
+            mine.put(job)
     for t in loaders:
         t.join()
     done.put(None)
@@ -1448,11 +1455,40 @@ def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: A
 
 
 def _die_with_parent(parent: int) -> None:
-    """Be killed when the training process dies, even by SIGKILL (Linux); elsewhere, or if
-    it is gone already, exit at once when found orphaned."""
+    """End with the training process ``parent``, even when it is killed by SIGKILL: the
+    kernel kills this process with its parent (``PR_SET_PDEATHSIG``, Linux) when that parent is
+    the training process; otherwise (started by a fork server, whose process is the parent, or
+    not on Linux) a thread checks every half second that the training process still lives, and
+    ends this process when it does not. Gone already: end now."""
+    deathsig = False
     with contextlib.suppress(Exception):
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
+        deathsig = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    if deathsig and os.getppid() == parent:
+        return
+    if not _lives(parent):
         os._exit(0)
+    threading.Thread(target=_watch, args=(parent,), name="stocaching-prefetch-watch",
+                     daemon=True).start()
+
+
+def _watch(parent: int) -> None:
+    while _lives(parent):
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _lives(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # (no /proc: it answered the signal)

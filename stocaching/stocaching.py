@@ -2254,8 +2254,9 @@ class SharedCache:
             idx: dataset index without a slot here (``aux_array[idx] == 2``).
             value: as for ``set_slot``.
             tag: who stages it, an int in ``[0, MAX_STAGE_TAG]``, for ``unstage(idx,
-                tag=...)``; staging an index already staged with the same tag replaces that
-                sample; staged with another tag (another rank's prefetcher), both are kept,
+                tag=...)``; staging an index already staged with the same tag keeps the
+                sample staged first (a load is deterministic: the same sample) and returns
+                True; staged with another tag (another rank's prefetcher), both are kept,
                 and each ``get_slot`` of the index takes one.
                 Default: 0.
 

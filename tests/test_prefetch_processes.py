@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -50,7 +51,7 @@ class FailsAt:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "spawn", "forkserver"])
 def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_path, start):
     loads = tmp_path / "loads"
     loads.mkdir()
@@ -61,7 +62,10 @@ def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_p
                     multiprocessing_context=start, stand_aside=False)
     # The loader processes start with the prefetcher, before its first epoch.
     assert [p.is_alive() for p in pf._procs._procs] == [True, True]
-    assert {p.pid for p in pf._procs._procs} <= {c.pid for c in psutil.Process().children()}
+    # (children of the fork server with "forkserver": its loader processes are not the
+    # trainer's children, and end with it all the same, see the kill test)
+    assert {p.pid for p in pf._procs._procs} <= {c.pid for c in psutil.Process().children(
+        recursive=True)}
     loader = DataLoader(PrefetchedDataset(cache, N, PidLoads(loads)), batch_size=BATCH,
                         sampler=pf, num_workers=2, multiprocessing_context="fork")
     try:
@@ -267,11 +271,45 @@ def test_a_finished_job_marked_due_leaves_its_reused_flag_alone(shm_dir, tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_path):
+def test_jobs_go_to_live_loader_processes_only_and_close_returns(shm_dir):
+    """A loader process killed between two epochs gets no more jobs: sending them, more than
+    its pipe holds, would block flush() for good (and close() after it), outside every
+    timeout. The live process loads them all, and close() returns."""
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, value_of, processes=2, threads=1,
+                    stand_aside=False)
+    pool = pf._procs
+    dead = pool._procs[1]
+    try:
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(60)
+        jobs = [pool.submit(i % N, False) for i in range(12000)]  # ~100 KB each way
+        sender = threading.Thread(target=pool.flush, daemon=True)
+        sender.start()
+        sender.join(60)
+        assert not sender.is_alive(), "flush() blocked on the dead process's pipe"
+        for j in jobs:
+            j.future.result(timeout=120)
+        oob = oob_of(cache)  # (not staged: these jobs were submitted as set_slot jobs)
+        assert all(cache.get_slot(i) is not None for i in range(N) if i not in oob)
+    finally:
+        closer = threading.Thread(target=pf.close, daemon=True)
+        closer.start()
+        closer.join(60)
+        cache.close()
+    assert not closer.is_alive(), "close() blocked"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_path, start):
+    """fork: the kernel kills them with their parent (PR_SET_PDEATHSIG). forkserver: their
+    parent is the fork server, so a thread of each watches the trainer (before, they took
+    the fork server for a dead trainer and exited at once)."""
     err = open(tmp_path / "train.stderr", "w")
     p = subprocess.Popen([sys.executable, str(CHILDREN / "prefetch_train_processes.py")],
-                         env=child_env(shm_dir), stdout=subprocess.PIPE, stderr=err, text=True,
-                         start_new_session=True)
+                         env={**child_env(shm_dir), "PREFETCH_START": start},
+                         stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     loaders: list[int] = []
     try:
         line = p.stdout.readline()  # returns at READY, or at EOF if the child died
@@ -280,7 +318,7 @@ def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_pa
         assert len(loaders) == 2 and all(pid in users(shm_dir) for pid in loaders)
         os.kill(p.pid, signal.SIGKILL)
         assert p.wait(60) == -signal.SIGKILL
-        assert all(wait_exit(pid, 60) for pid in loaders)  # PR_SET_PDEATHSIG: at once
+        assert all(wait_exit(pid, 60) for pid in loaders)  # at once, or within 0.5 s
         # The DataLoader's fork workers poll their parent every 5 s: an event-bound wait.
         assert all(wait_exit(pid, 120) for pid in users(shm_dir))
         assert users(shm_dir) == {} and os.listdir(shm_dir) == []

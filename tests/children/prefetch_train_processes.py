@@ -3,9 +3,11 @@
 Like prefetch_train.py, with the loads in 2 loader processes (``processes=2``): the load of
 one index of the first epoch never returns, so the process is caught mid-epoch with loads in
 flight in its loader processes. It prints ``READY <pid> <pid>`` (the loader processes) after
-3 batches, then waits until it is killed.
+3 batches, then waits until it is killed. ``PREFETCH_START`` chooses the loader processes' start
+method (default: the platform's).
 """
 
+import os
 import sys
 import time
 
@@ -28,7 +30,8 @@ if __name__ == "__main__":
     cache = SharedCache(budget(32, 64, N), N, DIMS, staging_slots=64)  # in $STOCACHING_SHM_DIR
     ds = PrefetchedDataset(cache, N, value_of)
     sampler = Prefetcher(Shuffled(N), cache, load, window=8, processes=2, timeout=3600,
-                         stand_aside=False)
+                         stand_aside=False,
+                         multiprocessing_context=os.environ.get("PREFETCH_START") or None)
     loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2,
                         multiprocessing_context="fork")
     for step, _ in enumerate(loader):
