@@ -957,9 +957,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         span = (self.window or 0) + self.lookahead
         dropped_before, left_before, aside = self.dropped, self.left, 0
         # Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted, and at
-        # most one per loader process (two threads) runs at a time: loads that share a GIL
-        # wait for it, which would count as waiting on storage and hide CPU-bound loads
-        # (575 of 1,500 misses loaded before standing aside, with 32 threads a process).
+        # most max(2, processes) run at a time (about one a loader process): loads that
+        # share a GIL wait for it, which would count as waiting on storage and hide CPU-bound
+        # loads (575 of 1,500 misses loaded before standing aside, with 32 threads a process).
         measuring, unmeasured = self.stand_aside and _WaitMeter.WORKS, 0
         measured0, measure_in_flight = self._load_times.seen, max(2, self.processes)
         try:
