@@ -618,7 +618,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
 class PrefetchError(RuntimeError):
     """The load function failed (or timed out) for a sample the prefetcher loaded ahead.
 
-    The original exception, with its traceback, is the ``__cause__``.
+    The original exception, with its traceback, is the ``__cause__`` (from a loader process,
+    ``processes=N``: a RuntimeError carrying its type, message and traceback as text).
 
     Attributes:
         index: the dataset index whose load failed.
@@ -792,7 +793,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
     by the iterator as :class:`PrefetchError` naming the index, with the original exception
-    and traceback as its cause; a load running longer than ``timeout`` seconds raises one too.
+    and traceback as its cause (with ``processes``, as the text of a RuntimeError); a load
+    running longer than ``timeout`` seconds raises one too.
 
     Args:
         sampler: the base order; ``set_epoch`` is forwarded to it.
@@ -956,12 +958,14 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
         span = (self.window or 0) + self.lookahead
         dropped_before, left_before, aside = self.dropped, self.left, 0
-        # Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted, and at
-        # most max(2, processes) run at a time (about one a loader process): loads that
-        # share a GIL wait for it, which would count as waiting on storage and hide CPU-bound
-        # loads (575 of 1,500 misses loaded before standing aside, with 32 threads a process).
-        measuring, unmeasured = self.stand_aside and _WaitMeter.WORKS, 0
-        measured0, measure_in_flight = self._load_times.seen, max(2, self.processes)
+        # Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and
+        # until then, and while standing aside (the probes), one load a loader process runs
+        # at a time (each job goes to the least busy; two with threads): loads that share a
+        # GIL wait for it, which would count as waiting on storage and hide CPU-bound loads
+        # (575 of 1,500 misses loaded before standing aside with 32 threads a process; and
+        # bursts of probes turned a GIL-holding load's verdict back to "not CPU-bound").
+        measuring, unmeasured, submitted = self.stand_aside and _WaitMeter.WORKS, 0, 0
+        measured0, careful_in_flight = self._load_times.seen, self.processes or 2
         try:
             for idx in order_it:
                 end = min(len(base), pos + span)
@@ -979,15 +983,17 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                             continue
                         if oob[j] and not self._stage_ahead:
                             continue  # no staging slots: the workers load it
-                        if self.stand_aside and self._load_times.cpu_bound() and \
-                                self._live(pool, i) is None:
+                        bound = self.stand_aside and self._load_times.cpu_bound()
+                        if bound and self._live(pool, i) is None:
                             aside += 1  # one miss in _PROBE_EVERY is still loaded, to measure
                             if aside % _PROBE_EVERY:
                                 self.left += 1  # the workers load it, as without a prefetcher
                                 continue
-                        if measuring and nxt + j > pos and not self._load_times.known() and (
-                                unmeasured >= 2 * _LoadTimes.KEEP or unmeasured - (
-                                    self._load_times.seen - measured0) >= measure_in_flight):
+                        known = self._load_times.known()
+                        if measuring and nxt + j > pos and (bound or not known) and (
+                                (not known and unmeasured >= 2 * _LoadTimes.KEEP) or
+                                submitted - (self._load_times.seen - measured0) >=
+                                careful_in_flight):
                             end = nxt + int(j)  # first see whether loading ahead pays
                             break  # (never past pos: a yielded index is not loaded after)
                         if oob[j]:
@@ -996,6 +1002,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                 break
                             ahead += 1
                         unmeasured += measuring
+                        submitted += 1
                         pending[i] = (self._submit(pool, i, bool(oob[j])), bool(oob[j]))
                     nxt = end
                 pool.flush()  # the jobs of this refill go out together
@@ -1207,7 +1214,7 @@ class _ProcessLoaderPool:
     """Loader processes for ``Prefetcher(processes=N)``: each runs the user's ``load`` in its
     loader threads and stores the result in the cache itself (``set_slot``, or ``stage``
     until the index is due). Jobs and results travel in batches: ``submit`` collects jobs and
-    ``flush`` sends them, split among the processes, one message to each; in a process, one
+    ``flush`` sends each to the least busy live process, one message to each; in a process, one
     thread hands them to the loader threads and another sends back, in one message, every
     result that is ready. (One message per job cost about 200 us of CPU a load on this
     project's 2-core machine, as much as a decode.) A thread of this process turns results
@@ -1218,7 +1225,7 @@ class _ProcessLoaderPool:
         self._jobs = [ctx.SimpleQueue() for _ in range(owner.processes)]  # one a process
         self._results = ctx.SimpleQueue()
         self._batch: list[tuple] = []  # submitted, not sent yet
-        self._turn = 0  # the process that gets the first job of the next batch
+        self._busy = [0] * owner.processes  # jobs sent to each process, results not back
         # A live job's "due now" flag, one entry each: an entry is taken at submit and given
         # back when the job's last message has come (its process reads it no more by then).
         # A job submitted while all are taken gets none and counts as due from the start.
@@ -1234,7 +1241,7 @@ class _ProcessLoaderPool:
         self._procs = [ctx.Process(target=_load_in_process, name=f"stocaching-prefetch-{k}",
                                    args=(owner.cache, owner.load, owner._tag, self._jobs[k],
                                          self._results, self._due, self._started,
-                                         self._epoch, owner.threads, os.getpid()),
+                                         self._epoch, owner.threads, os.getpid(), k),
                                    daemon=True)
                        for k in range(owner.processes)]
         try:
@@ -1273,18 +1280,21 @@ class _ProcessLoaderPool:
         return job
 
     def flush(self) -> None:
-        """Send the jobs submitted since the last flush: every live process gets its share
-        (in turn, job by job) in one message. None goes to a dead process, whose pipe would
-        fill up and block this call for good; with none alive, nothing is sent and the
-        iterator's wait reports the dead processes."""
+        """Send the jobs submitted since the last flush, each to the live process with the
+        fewest jobs not finished, one message a process. None goes to a dead process, whose
+        pipe would fill up and block this call for good; with none alive, nothing is sent and
+        the iterator's wait reports the dead processes."""
         with self._lock:
             batch, self._batch = self._batch, []
-            alive = [q for q, p in zip(self._jobs, self._procs) if p.is_alive()]
-            n = len(alive)
-            turn = self._turn % max(1, n)
-            self._turn = (turn + len(batch)) % max(1, n)
-        for k in range(min(n, len(batch))):
-            alive[(turn + k) % n].put(batch[k::n])
+            alive = [k for k, p in enumerate(self._procs) if p.is_alive()]
+            share: dict[int, list] = {k: [] for k in alive}
+            for job in batch if alive else ():
+                k = min(alive, key=self._busy.__getitem__)  # the least busy (first of equals)
+                share[k].append(job)
+                self._busy[k] += 1
+        for k, jobs in share.items():
+            if jobs:
+                self._jobs[k].put(jobs)
 
     def _mark_due(self, job: _Job) -> None:
         """Set the due flag of ``job`` if it still holds one: the iterator also marks jobs
@@ -1295,9 +1305,12 @@ class _ProcessLoaderPool:
 
     def _read(self) -> None:
         while True:
-            batch = self._results.get()
-            if batch is None:
+            msg = self._results.get()
+            if msg is None:
                 return
+            sender, batch = msg
+            with self._lock:
+                self._busy[sender] -= len(batch)
             for msg in batch:
                 self._settle(*msg)  # (its locals must not keep the prefetcher alive meanwhile)
 
@@ -1373,7 +1386,7 @@ class _ProcessLoaderPool:
 
 def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
                      results: Any, due: Any, started: Any, epoch: Any, threads: int,
-                     parent: int) -> None:
+                     parent: int, me: int) -> None:
     """A loader process of ``Prefetcher(processes=N)``: ``threads`` loader threads, fed the
     jobs of this process's batches by this thread until a None comes, and a thread that sends
     their results back in batches."""
@@ -1385,7 +1398,7 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
     loaders = [threading.Thread(target=_load_jobs, name=f"stocaching-prefetch-{k}",
                                 args=(cache, load, tag, mine, done, due, started, epoch),
                                 daemon=True) for k in range(threads)]
-    sender = threading.Thread(target=_send_results, args=(done, results),
+    sender = threading.Thread(target=_send_results, args=(done, results, me),
                               name="stocaching-prefetch-send", daemon=True)
     for t in loaders + [sender]:
         t.start()
@@ -1403,9 +1416,10 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
     sender.join()
 
 
-def _send_results(done: queue.SimpleQueue, results: Any) -> None:
-    """Send the results of this process's loader threads: each message holds every result
-    ready by then (one, when loads finish one by one), until a None comes."""
+def _send_results(done: queue.SimpleQueue, results: Any, me: int) -> None:
+    """Send the results of this process's loader threads, as ``(me, [result, ...])``: each
+    message holds every result ready by then (one, when loads finish one by one), until a
+    None comes."""
     while True:
         batch = [done.get()]
         with contextlib.suppress(queue.Empty):
@@ -1413,7 +1427,7 @@ def _send_results(done: queue.SimpleQueue, results: Any) -> None:
                 batch.append(done.get_nowait())
         end = batch[-1] is None
         if len(batch) > end:
-            results.put(batch[:len(batch) - end])
+            results.put((me, batch[:len(batch) - end]))
         if end:
             return
 
