@@ -715,14 +715,12 @@ class _LoadTimes:
         self.seen = 0  # loads finished, timed or not
 
     def add(self, times: tuple[int, int] | None) -> None:
-        if times is None:
-            with self._lock:
-                self.seen += 1
-            return
-        waited, cpu = times
-        bound = int(waited < _CPU_BOUND_WAIT_SHARE * cpu)
         with self._lock:
             self.seen += 1
+            if times is None:
+                return
+            waited, cpu = times
+            bound = int(waited < _CPU_BOUND_WAIT_SHARE * cpu)
             self._recent.append((waited, cpu, bound))
             self._bound += bound
             if len(self._recent) > self.KEEP:
@@ -964,7 +962,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # GIL wait for it, which would count as waiting on storage and hide CPU-bound loads
         # (575 of 1,500 misses loaded before standing aside with 32 threads a process; and
         # bursts of probes turned a GIL-holding load's verdict back to "not CPU-bound").
-        measuring, unmeasured, submitted = self.stand_aside and _WaitMeter.WORKS, 0, 0
+        measuring, submitted = self.stand_aside and _WaitMeter.WORKS, 0
         measured0, careful_in_flight = self._load_times.seen, self.processes or 2
         try:
             for idx in order_it:
@@ -991,7 +989,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                 continue
                         known = self._load_times.known()
                         if measuring and nxt + j > pos and (bound or not known) and (
-                                (not known and unmeasured >= 2 * _LoadTimes.KEEP) or
+                                (not known and submitted >= 2 * _LoadTimes.KEEP) or
                                 submitted - (self._load_times.seen - measured0) >=
                                 careful_in_flight):
                             end = nxt + int(j)  # first see whether loading ahead pays
@@ -1001,7 +999,6 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                 end = nxt + int(j)  # the staging area is the limit: stop here
                                 break
                             ahead += 1
-                        unmeasured += measuring
                         submitted += 1
                         pending[i] = (self._submit(pool, i, bool(oob[j])), bool(oob[j]))
                     nxt = end
