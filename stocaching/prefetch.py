@@ -698,6 +698,23 @@ class _WaitMeter:
             self._fd = -1
 
 
+class _ReadyOrAside:
+    """The ready bits of the adaptive order under a prefetcher: the cache's, but every index
+    while the loads are CPU-bound. A miss left to the ``DataLoader`` then costs its workers
+    the same CPU at any position, so putting ready samples first saves nothing; it only
+    gathers the misses into a few batches (the last ones of an epoch), which a worker builds
+    slowly while the trainer waits, having raced through batches of hits. (A class, not a
+    bound method of the prefetcher: its order must not keep the prefetcher alive.)"""
+
+    def __init__(self, cache: SharedCache, times: "_LoadTimes") -> None:
+        self.cache, self.times = cache, times
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        if self.times.cpu_bound():
+            return np.ones(indices.shape, dtype=bool)
+        return self.cache.ready_mask(indices)
+
+
 class _LoadTimes:
     """The waiting and CPU times of a prefetcher's latest loads (a :class:`_WaitMeter`'s).
     A load is CPU-bound when it waited less than ``_CPU_BOUND_WAIT_SHARE`` of its CPU time,
@@ -816,7 +833,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         stand_aside: while the loads are CPU-bound (they wait on storage for less than a
             quarter of their CPU time, as measured on Linux), leave the misses to the
             ``DataLoader``'s workers, as without a prefetcher, and load only one in 16 to
-            keep measuring; loading them ahead would cost CPU and save none. Default: True.
+            keep measuring; loading them ahead would cost CPU and save none. Meanwhile an
+            adaptive window serves the base order (ready-first would only gather the
+            misses into the epoch's last batches). Default: True.
 
     Attributes:
         loaded: loads this prefetcher finished, over all epochs.
@@ -860,8 +879,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.cache, self.load = cache, load
         self._tap = _Tap(sampler)
         self.window = None if window is None else check_int("window", window, low=1)
+        self._load_times = _LoadTimes()
+        # The adaptive order serves the base order while standing aside (see _ReadyOrAside);
+        # the fixed one stays a function of the cache state at the epoch's start.
+        ready = cache if mode == "fixed" or not stand_aside else \
+            _ReadyOrAside(cache, self._load_times)
         self._order: Any = self._tap if window is None else \
-            ReadyFirstSampler(self._tap, cache, window=self.window, mode=mode)
+            ReadyFirstSampler(self._tap, ready, window=self.window, mode=mode)
         lws = cache.world.local_world_size
         self._stage_ahead = cache.stats()["staging_slots"] // (2 * lws)
         # What this prefetcher staged is tagged with a number of its own, so that it gives
@@ -879,7 +903,6 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
         self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
         self.left = 0  # misses left to the DataLoader while the loads were CPU-bound
-        self._load_times = _LoadTimes()
         self._procs: _ProcessLoaderPool | None = None  # with processes=N
         if self.processes:
             self._procs = self._start_processes()

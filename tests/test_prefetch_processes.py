@@ -24,7 +24,7 @@ from test_prefetch import (CHILDREN, N, BATCH, check_epoch, child_env, loads_sin
                            oob_of, read_epoch, users, wait_exit)
 from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled, budget, load_counts,
                              overlaps, value_of)
-from stocaching import PrefetchError, Prefetcher, SharedCache
+from stocaching import PrefetchError, Prefetcher, SharedCache, SlotState
 
 
 class PidLoads(Loads):
@@ -482,5 +482,37 @@ def test_standing_aside_still_loads_each_miss_once(shm_dir, tmp_path, window, mo
         assert pf.loaded > 0 and pf.left > 0  # both loaded some: it did stand aside
     finally:
         del loader
+        pf.close()
+        cache.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_standing_aside_the_adaptive_window_keeps_the_base_order(shm_dir, mode):
+    """While the loads are CPU-bound, ready-first would only gather the misses into the last
+    batches of the epoch: the adaptive order then is the base order. The fixed order stays
+    what the cache state at the epoch's start gives (deterministic), ready samples first."""
+    n, window = 256, 8
+    cache = SharedCache(budget(n // 2, 0, n), n, DIMS, shm_dir=shm_dir)
+    base = Shuffled(n, seed=6)
+    pf = Prefetcher(base, cache, Computes(), window=window, mode=mode, processes=1, threads=1)
+    try:
+        orders = []
+        for epoch in range(2):
+            pf.set_epoch(epoch)
+            seen = []
+            for i in pf:  # the dataset's two lines
+                if cache.get_slot(i) is None and cache.aux_array[i] != SlotState.OOB.value:
+                    cache.set_slot(i, value_of(i))
+                seen.append(i)
+            check_epoch(seen, base.order(epoch), window)
+            orders.append(seen)
+        assert pf._load_times.cpu_bound(), str(pf._load_times)
+        # Epoch 1 began with the verdict known and half the indices cached.
+        if mode == "adaptive":
+            assert orders[1] == base.order(1)
+        else:
+            assert orders[1] != base.order(1)
+    finally:
         pf.close()
         cache.close()
