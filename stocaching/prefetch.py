@@ -74,6 +74,7 @@ DEFAULT_REFRESH = 64
 # Indices converted to Python ints at a time while yielding.
 _YIELD_CHUNK = 65536
 # The aux_array value of a slot that holds its sample.
+_SET = SlotState.SET.value
 
 ReadyFn = Callable[[np.ndarray], Any]
 
@@ -775,8 +776,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     Never twice at once: an index it loads is yielded only after its load has finished, so
     no worker loads it too; indices it did not load (beyond the cache and the staging area)
-    are loaded by the workers as without it. One prefetcher per rank: each rank's order
-    (``DistributedSampler``, ``CacheAwareSampler``) holds the indices that rank reads, so
+    are loaded by the workers as without it, and so, from the next epoch on, are those whose
+    sample a cache of open sizes refused (its arena full), until a ``clear()``. One prefetcher
+    per rank: each rank's order (``DistributedSampler``, ``CacheAwareSampler``) holds the
+    indices that rank reads, so
     ranks do not load each other's samples; they share the node's staging slots, each taking
     at most ``staging_slots // (2 * local_world_size)`` ahead of its position.
 
@@ -892,6 +895,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # back only its own samples (another rank's prefetcher may stage the same index).
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
         self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
+        # Indices whose loaded sample the cache did not keep (open sizes, arena full), and the
+        # arena's use when the latest epoch began: see __iter__.
+        self._refused: set[int] = set()
+        self._arena_used = 0
+        self._may_refuse = "arena_bytes" in cache.stats()  # a cache of open sizes
         # Given back when the prefetcher goes: another rank's prefetcher does not take them
         # (each counts only its own tag as ready), so they would hold staging slots.
         self._give_back = weakref.finalize(self, _give_back_staged, cache, self._tag,
@@ -957,6 +965,16 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
             for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
                 self.cache.unstage(idx, tag=self._tag)
+        # A miss whose sample the cache refused (open sizes, the arena full) is left to the
+        # workers from the next epoch on: loaded ahead, it would be refused again and the
+        # worker would load it a second time. A clear(), the only way the arena's use goes
+        # down, gives room back: they are loaded ahead again.
+        if self._may_refuse:
+            used = self.cache.stats()["arena_used"]
+            if used < self._arena_used:
+                with self._lock:
+                    self._refused.clear()
+            self._arena_used = used
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
         # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
@@ -1004,6 +1022,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                             continue
                         if oob[j] and not self._stage_ahead:
                             continue  # no staging slots: the workers load it
+                        if i in self._refused:
+                            continue  # the cache refused it: the workers load it, once
                         bound = self.stand_aside and self._load_times.cpu_bound()
                         if bound and self._live(pool, i) is None:
                             aside += 1  # one miss in _PROBE_EVERY is still loaded, to measure
@@ -1082,6 +1102,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             self._load_times.add(meter.since(t0))
             if not job.staged:
                 self.cache.set_slot(idx, value, exist_ok=True)
+                if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
+                    with self._lock:
+                        self._refused.add(idx)
             else:
                 # Full: the DataLoader frees staging slots as its workers read what was
                 # yielded. Once the index is due, waiting could only deadlock (the slots may
@@ -1352,11 +1375,13 @@ class _ProcessLoaderPool:
             return
         owner = self._owner()
         if owner is not None:
-            if kind in ("stored", "staged", "dropped"):
+            if kind in ("stored", "refused", "staged", "dropped"):
                 owner._load_times.add(payload)
             with owner._lock:
-                if kind in ("stored", "staged"):
+                if kind in ("stored", "refused", "staged"):
                     owner.loaded += 1
+                if kind == "refused" and owner._may_refuse:  # (open sizes only)
+                    owner._refused.add(job.idx)
                 if kind == "staged":
                     owner._staged.add(job.idx)
                 if kind == "dropped":
@@ -1477,7 +1502,7 @@ def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: A
             times = meter.since(t0)
             if not staged:
                 cache.set_slot(idx, value, exist_ok=True)
-                kind = "stored"
+                kind = "stored" if cache.aux_array.numpy()[idx] == _SET else "refused"
             else:
                 kind = "staged"
                 while not cache.stage(idx, value, tag=tag):

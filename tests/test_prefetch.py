@@ -823,3 +823,48 @@ def test_stand_aside_must_be_a_bool(shm_dir, bad):
     with pytest.raises(TypeError, match=rf"stand_aside should be True or False, but got "
                                         rf"stand_aside={bad!r}"):
         Prefetcher(list(range(N)), cache, value_of, stand_aside=bad)
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_sample_an_open_size_cache_refused_is_left_to_the_workers_until_a_clear(
+        shm_dir, loads_dir, processes):
+    """With open sizes and an arena that holds 20 of the 64 samples, the prefetcher's load of
+    a sample that no longer fits is refused by the cache and the worker loads it again; from
+    the next epoch on the prefetcher leaves such an index to the workers (one load an epoch,
+    not two). A clear() gives the arena back and the prefetcher loads them ahead again."""
+    dims, words = (2, None, 4), 4 + 1
+    arena = 20 * 32  # value_of(i) is 2 x 4 x 4 uint8: 32 bytes, a multiple of the alignment
+    cache = SharedCache((arena + N * (1 + 8 * words)) / 2**30, N, dims, shm_dir=shm_dir)
+    assert cache.stats()["arena_bytes"] == arena
+    base = Shuffled(N, seed=12)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), threads=1, lookahead=4,
+                    processes=processes, stand_aside=False)
+    worker = Loads(loads_dir, "worker")
+    try:
+        def epoch(e):
+            pf.set_epoch(e)
+            before = load_counts(loads_dir)
+            for i in pf:  # the dataset's two lines, as a worker runs them
+                x = cache.get_slot(i)
+                if x is None:
+                    x = worker(i)
+                    cache.set_slot(i, x)
+                assert x.equal(value_of(i))
+            return loads_since(loads_dir, before)
+
+        first = epoch(0)
+        stored = set(cache.ready_mask().nonzero()[0].tolist())
+        assert len(stored) == 20
+        refused = set(range(N)) - stored
+        # Epoch 0: each refused index was loaded twice, by the prefetcher then the worker.
+        assert {i: sorted(w) for i, w in first.items() if i in refused} == \
+            {i: ["prefetcher", "worker"] for i in refused}
+        second = epoch(1)
+        assert {i: w for i, w in second.items()} == {i: ["worker"] for i in refused}
+        cache.clear()
+        third = epoch(2)  # room again: loaded ahead again, the first 20 kept
+        assert sum(w[0] == "prefetcher" for w in third.values()) >= 20
+        assert len(set(cache.ready_mask().nonzero()[0].tolist())) == 20
+    finally:
+        pf.close()
+        cache.close()
