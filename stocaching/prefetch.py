@@ -798,11 +798,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     starts in milliseconds and takes ``load`` as it is). With "spawn" or "forkserver",
     ``load`` must be picklable: a function or a bound method of a picklable dataset, defined
     at the top level of a module (the main script's top level works when the training code
-    runs under ``if __name__ == "__main__":``), and each process takes a second or more to
-    import torch. The processes die with this process, also by SIGKILL
-    (``PR_SET_PDEATHSIG``, or with "forkserver" a thread of each that watches this process;
-    the first follows the thread that started them, so make the prefetcher,
-    and iterate it, in a thread that lives as long as the training: the epoch after a
+    runs under ``if __name__ == "__main__":``), and each process takes a second or more
+    (5 s on 2 busy cores) to import torch. The processes die with this process, also by
+    SIGKILL (``PR_SET_PDEATHSIG``, or with "forkserver" a thread of each that watches this
+    process; the first follows the thread that started them, so make the prefetcher, and
+    iterate it, in a thread that lives as long as the training: the epoch after a
     ``close()`` or a dead loader process starts new ones from the iterating thread). A loader
     process that died is reported by the epoch that meets it; the next epoch starts new ones.
     With "fork", a loader process is a copy of this process when it starts: later changes to
