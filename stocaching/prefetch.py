@@ -779,9 +779,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     are loaded by the workers as without it, and so, from the next epoch on, are those whose
     sample a cache of open sizes refused (its arena full), until a ``clear()``. One prefetcher
     per rank: each rank's order (``DistributedSampler``, ``CacheAwareSampler``) holds the
-    indices that rank reads, so
-    ranks do not load each other's samples; they share the node's staging slots, each taking
-    at most ``staging_slots // (2 * local_world_size)`` ahead of its position.
+    indices that rank reads, so ranks do not load each other's samples; they share the node's
+    staging slots, each taking at most ``staging_slots // (2 * local_world_size)`` ahead of
+    its position.
 
     Threads or processes: by default the loads run in ``threads`` threads of this process,
     which the ``DataLoader``'s main loop leaves idle while it waits. That suits slow reads
@@ -799,7 +799,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     ``load`` must be picklable: a function or a bound method of a picklable dataset, defined
     at the top level of a module (the main script's top level works when the training code
     runs under ``if __name__ == "__main__":``), and each process takes a second or more
-    (5 s on 2 busy cores) to import torch. The processes die with this process, also by
+    (several on busy cores) to import torch. The processes die with this process, also by
     SIGKILL (``PR_SET_PDEATHSIG``, or with "forkserver" a thread of each that watches this
     process; the first follows the thread that started them, so make the prefetcher, and
     iterate it, in a thread that lives as long as the training: the epoch after a
@@ -880,7 +880,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.stand_aside = stand_aside
         self._mp_context = _start_context(multiprocessing_context)
         self.cache, self.load = cache, load
-        self._tap = _Tap(sampler)
+        self._tap = _Tap(sampler, cache.dataset_len)
         self.window = None if window is None else check_int("window", window, low=1)
         self._load_times = _LoadTimes()
         # The adaptive order serves the base order while standing aside (see _ReadyOrAside);
@@ -895,11 +895,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # back only its own samples (another rank's prefetcher may stage the same index).
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
         self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
-        # Indices whose loaded sample the cache did not keep (open sizes, arena full), and the
-        # arena's use when the latest epoch began: see __iter__.
-        self._refused: set[int] = set()
-        self._arena_used = 0
+        # Indices whose loaded sample the cache did not keep (open sizes, arena full; a byte
+        # an index), and the most of the arena seen in use: see __iter__.
         self._may_refuse = "arena_bytes" in cache.stats()  # a cache of open sizes
+        self._refused = np.zeros(cache.dataset_len if self._may_refuse else 0, dtype=bool)
+        self._arena_used = 0
         # Given back when the prefetcher goes: another rank's prefetcher does not take them
         # (each counts only its own tag as ready), so they would hold staging slots.
         self._give_back = weakref.finalize(self, _give_back_staged, cache, self._tag,
@@ -968,13 +968,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # A miss whose sample the cache refused (open sizes, the arena full) is left to the
         # workers from the next epoch on: loaded ahead, it would be refused again and the
         # worker would load it a second time. A clear(), the only way the arena's use goes
-        # down, gives room back: they are loaded ahead again.
-        if self._may_refuse:
-            used = self.cache.stats()["arena_used"]
-            if used < self._arena_used:
-                with self._lock:
-                    self._refused.clear()
-            self._arena_used = used
+        # down, gives room back: they are loaded ahead again. (Seen as less in use than the
+        # most seen at an epoch's start or end: a clear() whose arena filled up again past
+        # that before the next epoch's start goes unseen, and those stay with the workers.)
+        self._note_arena(clear_refused=True)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
         # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
@@ -1022,7 +1019,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                             continue
                         if oob[j] and not self._stage_ahead:
                             continue  # no staging slots: the workers load it
-                        if i in self._refused:
+                        if self._may_refuse and self._refused[i]:
                             continue  # the cache refused it: the workers load it, once
                         bound = self.stand_aside and self._load_times.cpu_bound()
                         if bound and self._live(pool, i) is None:
@@ -1031,12 +1028,14 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                 self.left += 1  # the workers load it, as without a prefetcher
                                 continue
                         known = self._load_times.known()
-                        if measuring and nxt + j > pos and (bound or not known) and (
+                        if measuring and (bound or not known) and (
                                 (not known and submitted >= 2 * _LoadTimes.KEEP) or
                                 submitted - (self._load_times.seen - measured0) >=
                                 careful_in_flight):
+                            if nxt + j == pos:  # due now: loaded here, the training thread
+                                continue  # would wait for it; the workers load it instead
                             end = nxt + int(j)  # first see whether loading ahead pays
-                            break  # (never past pos: a yielded index is not loaded after)
+                            break  # (never at or before pos: a yielded index is not loaded)
                         if oob[j]:
                             if ahead >= self._stage_ahead:
                                 end = nxt + int(j)  # the staging area is the limit: stop here
@@ -1057,6 +1056,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         finally:
             pool.stop()  # threads end; processes stay, their queued jobs are cancelled
             with contextlib.suppress(ValueError):  # the cache may be closed by now
+                self._note_arena(clear_refused=False)
+            with contextlib.suppress(ValueError):  # the cache may be closed by now
                 for i, (_, staged) in pending.items():  # loaded ahead and never yielded
                     if staged:
                         self.cache.unstage(i, tag=self._tag)
@@ -1076,6 +1077,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
                     "prefetch_factor + 1) x batch_size)", self.dropped - dropped_before,
                     self.cache.stats()["staging_slots"], self.cache.world.local_world_size)
+
+    def _note_arena(self, clear_refused: bool) -> None:
+        """Keep the most of an open-size arena seen in use; with ``clear_refused``, forget
+        the refused indices if less is in use now (a clear())."""
+        if not self._may_refuse:
+            return
+        used = self.cache.stats()["arena_used"]
+        if clear_refused and used < self._arena_used:
+            with self._lock:
+                self._refused[:] = False
+            self._arena_used = used
+        self._arena_used = max(self._arena_used, used)
 
     def _live(self, pool: Any, idx: int) -> "_Job | None":
         """The load of ``idx`` still running from an earlier epoch, if any."""
@@ -1104,7 +1117,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 self.cache.set_slot(idx, value, exist_ok=True)
                 if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
                     with self._lock:
-                        self._refused.add(idx)
+                        self._refused[idx] = True
             else:
                 # Full: the DataLoader frees staging slots as its workers read what was
                 # yielded. Once the index is due, waiting could only deadlock (the slots may
@@ -1166,19 +1179,24 @@ class _Tap:
     """Passes a sampler through and keeps the order of its latest epoch, which the
     prefetcher reads ahead in; other attributes are the sampler's."""
 
-    def __init__(self, base: Any) -> None:
+    def __init__(self, base: Any, dataset_len: int) -> None:
         if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
             raise TypeError(f"sampler should be a Sampler or an iterable of ints with a length, "
                             f"but got sampler of type {type(base).__name__}")
-        self.base = base
+        self.base, self.dataset_len = base, dataset_len
         self.order = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __iter__(self) -> Iterator[int]:
-        self.order = np.asarray(list(self.base), dtype=np.int64)
-        return iter(self.order.tolist())
+        order = np.asarray(list(self.base), dtype=np.int64)
+        if order.size and (order.min() < 0 or order.max() >= self.dataset_len):
+            raise ValueError(f"sampler should yield indices in [0, {self.dataset_len}) (the "
+                             f"cache's dataset_len), but it yielded "
+                             f"{order.min()}..{order.max()}")
+        self.order = order
+        return iter(order.tolist())
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
         return getattr(self.__dict__["base"], name)
@@ -1381,7 +1399,7 @@ class _ProcessLoaderPool:
                 if kind in ("stored", "refused", "staged"):
                     owner.loaded += 1
                 if kind == "refused" and owner._may_refuse:  # (open sizes only)
-                    owner._refused.add(job.idx)
+                    owner._refused[job.idx] = True
                 if kind == "staged":
                     owner._staged.add(job.idx)
                 if kind == "dropped":
