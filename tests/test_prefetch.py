@@ -876,3 +876,18 @@ def test_a_sample_an_open_size_cache_refused_is_left_to_the_workers_until_a_clea
     finally:
         pf.close()
         cache.close()
+
+
+@pytest.mark.parametrize("window, mode", [(None, "adaptive"), (8, "fixed"), (8, "adaptive")])
+@pytest.mark.parametrize("bad", [N, -1])
+def test_a_sampler_index_outside_the_dataset_names_the_sampler(shm_dir, window, mode, bad):
+    cache = make_cache(shm_dir)
+    pf = Prefetcher([0, bad, 1], cache, value_of, window=window, mode=mode, threads=1,
+                    stand_aside=True)
+    try:
+        with pytest.raises(ValueError, match=rf"should yield indices in \[0, {N}\).*but it "
+                                             rf"yielded {min(0, bad)}\.\.{max(1, bad)}"):
+            next(iter(pf))
+        assert cache.stats()["filled"] == 0 and pf.loaded == 0
+    finally:
+        cache.close()
