@@ -261,6 +261,13 @@ def _digest(indices: np.ndarray) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_in_range(name: str, indices: np.ndarray, dataset_len: int) -> None:
+    """Raise unless every index that ``name`` yielded is in ``[0, dataset_len)``."""
+    if indices.size and (indices.min() < 0 or indices.max() >= dataset_len):
+        raise ValueError(f"{name} should yield indices in [0, {dataset_len}) (the cache's "
+                         f"dataset_len), but it yielded {indices.min()}..{indices.max()}")
+
+
 class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     """The cache-preferring shuffle-buffer order: ready samples first, within a window.
 
@@ -399,11 +406,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"base should yield len(base)={n} indices per epoch, but it "
                              f"yielded {indices.size}; if the base sampler was resumed on its "
                              f"own, resume the ReadyFirstSampler instead")
-        if self._cache is not None and n and (indices.min() < 0 or
-                                              indices.max() >= self._cache.dataset_len):
-            raise ValueError(f"base should yield indices in [0, {self._cache.dataset_len}) "
-                             f"(the cache's dataset_len), but it yielded "
-                             f"{indices.min()}..{indices.max()}")
+        if self._cache is not None:
+            _check_in_range("base", indices, self._cache.dataset_len)
         ep = self._start(indices, base_state)
         self._ep = ep
         if self.mode == "fixed":
@@ -890,14 +894,15 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._order: Any = self._tap if window is None else \
             ReadyFirstSampler(self._tap, ready, window=self.window, mode=mode)
         lws = cache.world.local_world_size
-        self._stage_ahead = cache.stats()["staging_slots"] // (2 * lws)
+        stats = cache.stats()
+        self._stage_ahead = stats["staging_slots"] // (2 * lws)
         # What this prefetcher staged is tagged with a number of its own, so that it gives
         # back only its own samples (another rank's prefetcher may stage the same index).
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
         self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
         # Indices whose loaded sample the cache did not keep (open sizes, arena full; a byte
         # an index), and the most of the arena seen in use: see __iter__.
-        self._may_refuse = "arena_bytes" in cache.stats()  # a cache of open sizes
+        self._may_refuse = "arena_bytes" in stats  # a cache of open sizes
         self._refused = np.zeros(cache.dataset_len if self._may_refuse else 0, dtype=bool)
         self._arena_used = 0
         # Given back when the prefetcher goes: another rank's prefetcher does not take them
@@ -1088,7 +1093,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             with self._lock:
                 self._refused[:] = False
             self._arena_used = used
-        self._arena_used = max(self._arena_used, used)
+        else:
+            self._arena_used = max(self._arena_used, used)
 
     def _live(self, pool: Any, idx: int) -> "_Job | None":
         """The load of ``idx`` still running from an earlier epoch, if any."""
@@ -1191,10 +1197,7 @@ class _Tap:
 
     def __iter__(self) -> Iterator[int]:
         order = np.asarray(list(self.base), dtype=np.int64)
-        if order.size and (order.min() < 0 or order.max() >= self.dataset_len):
-            raise ValueError(f"sampler should yield indices in [0, {self.dataset_len}) (the "
-                             f"cache's dataset_len), but it yielded "
-                             f"{order.min()}..{order.max()}")
+        _check_in_range("sampler", order, self.dataset_len)
         self.order = order
         return iter(order.tolist())
 
