@@ -977,6 +977,20 @@ def _after_fork_in_child() -> None:
         cache._after_fork()
 
 
+_SENDABLE_CLASSES: set = set()
+
+
+def _sendable_by_multiprocessing(cls: type) -> None:
+    """Register ``cls``'s reducer with multiprocessing's pickler, once per class, at the first
+    cache of the class rather than at import. The pickler looks reducers up by exact class,
+    so every subclass is registered on its own."""
+    if cls not in _SENDABLE_CLASSES:
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler.register(cls, cls._reduce_for_process)
+        _SENDABLE_CLASSES.add(cls)
+
+
 def _is_stale_file(path: str, *, remove: bool = False) -> bool:
     """True when no live process holds the segment at ``path``; optionally remove it then.
     Files of other users, links, files younger than two seconds and files of this process's
@@ -1572,6 +1586,7 @@ class SharedCache:
         self._closed = False
         self._claim_stats_row()
         _LIVE_CACHES.add(self)
+        _sendable_by_multiprocessing(type(self))
         if not _FORK_HOOK_REGISTERED:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _FORK_HOOK_REGISTERED = True
@@ -1633,7 +1648,9 @@ class SharedCache:
         struct.pack_into("<q", self._mm, _FIELD_OFFSET[field], value)
 
     def _claim_stats_row(self) -> None:
-        """Give this process its own row of counters; fold rows of dead processes into row 0."""
+        """Give this process its own row of counters; fold rows of dead processes into row 0.
+        Every handle of this process on the segment counts in one row (a process that receives
+        the cache in each of its Pool tasks must not use up the rows)."""
         rows = self._stats_np
         pid = os.getpid()
         with self._header_locked():
@@ -1642,8 +1659,11 @@ class SharedCache:
                 if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
                     rows[0, _HITS:] += rows[r, _HITS:]
                     rows[r] = 0
+            mine = np.flatnonzero(rows[1:, _PID] == pid)  # alive, so ours (a reused pid folded)
             empty = np.flatnonzero(rows[1:, _PID] == 0)
-            if len(empty):
+            if len(mine):
+                free = int(mine[0]) + 1
+            elif len(empty):
                 free = int(empty[0]) + 1
                 rows[free, _PID], rows[free, _START] = pid, _process_start(pid)
             else:
@@ -1661,13 +1681,16 @@ class SharedCache:
             except Exception:  # never break the child over statistics
                 self._ctr = memoryview(bytearray(_STATS_COLS * 8)).cast("q")
 
-    # -- pickling and copying ---------------------------------------------------------------
+    # -- sending to another process, and copying -------------------------------------------
     #
-    # A cache travels to another process only as that process starts (a spawn or forkserver
-    # DataLoader worker, torch.multiprocessing.spawn), when multiprocessing hands the child a
-    # duplicate of the segment's descriptor. Anywhere else, pickle would go through
-    # multiprocessing's resource sharer: a descriptor pinned in this process until it exits,
-    # and a pickle that no other process can load. That is refused with a TypeError instead.
+    # A cache travels to another process the way a shared tensor does: through
+    # multiprocessing's own pickler (what a process start, Pool tasks and results, Queue and
+    # Pipe use, in the standard library and in torch.multiprocessing), which hands the receiver
+    # a duplicate of the segment's descriptor, so the receiver maps the same memory. While a
+    # process starts, the duplicate goes with the start; on the channel of a running process,
+    # multiprocessing's resource sharer keeps it in this process until the receiver takes it
+    # (or this process exits). Plain pickle has no way to hand over a descriptor, so
+    # pickle.dumps and torch.save are refused rather than giving a pickle nobody can load.
 
     # What a process that receives the cache needs to map it (see _rebuild_cache).
     _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields",
@@ -1679,23 +1702,32 @@ class SharedCache:
     # path got a few per cent slower).
     _fields: tuple = ()  # the fields of a sample (_FieldsCache, _ArenaCache with a dict)
 
-    def __reduce__(self) -> tuple:
+    def _reduce_for_process(self) -> tuple:
+        """What multiprocessing's pickler sends: a duplicate of the descriptor and the
+        configuration (registered for each cache class by ``_sendable_by_multiprocessing``)."""
         if self._closed:
             raise ValueError("a closed SharedCache cannot be sent to another process")
-        from multiprocessing import context
         from multiprocessing.reduction import DupFd
+
+        state = {k: getattr(self, k) for k in self._STATE}
+        return _rebuild_cache, (DupFd(self._fd), type(self), state)
+
+    def __reduce__(self) -> tuple:
+        # Reached by picklers other than multiprocessing's (which looks up the registered
+        # reducer first): allowed only while a process starts, when the start carries the
+        # descriptor, as it did for picklers that wrap multiprocessing's start.
+        from multiprocessing import context
 
         if context.get_spawning_popen() is None:
             raise TypeError(
-                "a SharedCache can be pickled only while a process starts (DataLoader workers, "
-                "multiprocessing with spawn or forkserver, torch.multiprocessing.spawn), which "
-                "then shares it; pickle.dumps or torch.save elsewhere would pin its memory and "
-                "give a pickle that no other process can load. To save a Dataset that holds "
-                "one, leave the cache out in __getstate__ and construct it again in "
-                "__setstate__; copy.copy(cache) is the same cache, copy.deepcopy(cache) a "
-                "private copy")
-        state = {k: getattr(self, k) for k in self._STATE}
-        return _rebuild_cache, (DupFd(self._fd), type(self), state)
+                "a SharedCache can be pickled only by multiprocessing (starting a process, "
+                "Pool tasks and results, Queue, Pipe; torch.multiprocessing and DataLoader "
+                "workers included), which shares it with the receiver; pickle.dumps or "
+                "torch.save would give a pickle that no other process can load. To save a "
+                "Dataset that holds one, leave the cache out in __getstate__ and construct it "
+                "again in __setstate__; copy.copy(cache) is the same cache, "
+                "copy.deepcopy(cache) a private copy")
+        return self._reduce_for_process()
 
     def __copy__(self) -> "SharedCache":
         """A shallow copy is the cache itself: a handle on shared memory, like a file."""

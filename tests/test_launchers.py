@@ -251,7 +251,7 @@ def test_pickle_outside_a_process_start_is_refused_and_deepcopy_is_private(shm_d
     c.set_slot(1, value_of(1, (3, 4, 4)))
 
     def round_trip():
-        with pytest.raises(TypeError, match="pickled only while a process starts"):
+        with pytest.raises(TypeError, match="pickled only by multiprocessing"):
             pickle.dumps(c)
         twin = copy.deepcopy(c)
         assert torch.equal(twin.get_slot(1), value_of(1, (3, 4, 4)))
