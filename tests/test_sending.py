@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from _helpers import assert_no_leak, value_of
+from _helpers import FIELD_DTYPES, FIELDS, assert_no_leak, fields_of, same, value_of
 from stocaching import SharedCache
 
 DIMS = (3, 4, 4)
@@ -32,6 +32,10 @@ def _fds() -> int:
 def write_slot(cache: SharedCache, idx: int) -> int:
     cache.set_slot(idx, value_of(idx, DIMS))
     return os.getpid()
+
+
+def write_given(cache: SharedCache, idx: int, value) -> None:
+    cache.set_slot(idx, value)
 
 
 def read_slot(cache: SharedCache, idx: int) -> torch.Tensor | None:
@@ -95,6 +99,27 @@ def test_pool_tasks_write_and_a_second_pool_reads_what_they_wrote(shm_dir, metho
     returned.close()
     cache.close()
     assert os.listdir(shm_dir) == []
+
+
+SAMPLES = {  # one of each cache class (multiprocessing looks reducers up by exact class)
+    "fixed": (DIMS, torch.uint8, lambda i: value_of(i, DIMS)),
+    "fields": (FIELDS, FIELD_DTYPES, fields_of),
+    "open sizes": ((None, 3), torch.float32, lambda i: torch.arange(3.0 * (i + 1)).view(-1, 3)),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", SAMPLES)
+def test_every_kind_of_cache_goes_through_a_pool(shm_dir, kind):
+    dims, dtype, sample = SAMPLES[kind]
+    cache = SharedCache(1e-3, 50, dims, dtype, shm_dir=shm_dir)
+    with mp.get_context("spawn").Pool(2) as pool:
+        pool.starmap(write_given, [(cache, i, sample(i)) for i in (3, 8)])
+        read = pool.starmap(read_slot, [(cache, 3), (cache, 8)])
+    assert (type(cache) is SharedCache) == (kind == "fixed")  # the others are subclasses
+    for i, got in zip((3, 8), read):
+        assert same(cache.get_slot(i), sample(i)) and same(got, sample(i)), (kind, i)
+    cache.close()
 
 
 @pytest.mark.timeout(120)
