@@ -513,9 +513,10 @@ def _host_identity() -> str:
 class CacheLayout:
     """Which dataset indices get a slot on which node: a pure function of its four fields.
 
-    With one node the first ``slots`` indices are cached, as in stocaching 0.2.1. With several,
-    a permutation of the dataset drawn from ``seed`` is dealt out: node k takes the ``slots``
-    entries starting at ``k * slots``, so the nodes' subsets are uniformly random and disjoint
+    With one node the first ``slots`` indices are cached, as in stocaching 0.2.1, or, with
+    ``random_subset``, the first ``slots`` entries of a permutation drawn from ``seed``. With
+    several, that permutation is dealt out: node k takes the ``slots`` entries starting at
+    ``k * slots``, so the nodes' subsets are uniformly random and disjoint
     while ``num_nodes * slots <= dataset_len``. When the cluster holds more than the dataset,
     the deal goes round the permutation again, each pass shifted so that its nodes' windows
     straddle those of the pass before (identical subsets on two nodes would waste the overlap
@@ -526,19 +527,33 @@ class CacheLayout:
         dataset_len: number of samples in the dataset.
         slots: slots per node (the same on every node).
         num_nodes: number of nodes. Default: 1.
-        seed: seed of the permutation (ignored with one node). Default: 0.
+        seed: seed of the permutation (with one node, used only with ``random_subset``).
+            Default: 0.
+        random_subset: with one node, cache a random subset rather than the first indices
+            (several nodes always do). Default: False.
     """
 
     dataset_len: int
     slots: int
     num_nodes: int = 1
     seed: int = 0
+    random_subset: bool = False
 
     def __post_init__(self) -> None:
         check_int("dataset_len", self.dataset_len, low=1)
         check_int("slots", self.slots, low=0, high=self.dataset_len)
         check_int("num_nodes", self.num_nodes, low=1)
         check_int("seed", self.seed, low=0, high=2**63 - 1)
+        if not isinstance(self.random_subset, bool):
+            raise TypeError(f"random_subset should be a bool, but got "
+                            f"random_subset={self.random_subset!r}")
+
+    @property
+    def is_prefix(self) -> bool:
+        """True when the cached indices are ``0 .. slots - 1`` in slot order: the dataset
+        index is the slot, and the segment needs no slot map."""
+        return self.num_nodes == 1 and (not self.random_subset or
+                                        self.slots == self.dataset_len)
 
     def _perm(self) -> np.ndarray:
         return np.random.default_rng(self.seed).permutation(self.dataset_len)
@@ -555,7 +570,7 @@ class CacheLayout:
     def indices(self, node_rank: int) -> np.ndarray:
         """Dataset indices cached by ``node_rank``, in slot order (int64)."""
         node_rank = check_int("node_rank", node_rank, low=0, high=self.num_nodes - 1)
-        if self.num_nodes == 1:
+        if self.is_prefix:
             return np.arange(self.slots, dtype=np.int64)
         return self._perm()[self._positions(node_rank)].astype(np.int64, copy=False)
 
@@ -570,7 +585,7 @@ class CacheLayout:
     def owner_rows(self) -> Iterator[np.ndarray]:
         """The rows of ``owners()`` one at a time: the sampler never holds the whole matrix
         (64 nodes x 10 M indices would be 640 MB)."""
-        if self.num_nodes == 1:
+        if self.is_prefix:
             row = np.zeros(self.dataset_len, dtype=bool)
             row[: self.slots] = True
             yield row
@@ -660,7 +675,8 @@ class CacheTimeoutError(TimeoutError):
 # flock() held by every process using the segment tells a live segment from a stale one.
 
 _MAGIC = b"STOCACH1"
-_LAYOUT_VERSION = 4  # 4: the field table (nfields, and one record per field at _FIELDS_OFF)
+_LAYOUT_VERSION = 5  # 4: the field table (nfields, and one record per field at _FIELDS_OFF);
+# 5: random_subset
 _HEADER_BYTES = 4096
 _HEADER_FIELDS = (
     "version", "total_bytes", "dataset_len", "slots", "dtype_code", "ndim",
@@ -669,6 +685,7 @@ _HEADER_FIELDS = (
     "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
     "attached", "ready", "staging", "stage_off", "nfields",
     "arena_bytes", "arena_top", "record_words", "mean_bytes", "arena_full",  # open sizes
+    "random_subset",
 )
 _HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
 _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
@@ -703,7 +720,7 @@ def _segment_offsets(lay: CacheLayout, slot_bytes: int, staging: int = 0) -> dic
     seq_off = aux_off + (lay.dataset_len + 7) // 8 * 8
     stage_off = seq_off + ((lay.slots + staging) * 4 + 7) // 8 * 8
     map_off = stage_off + staging * 8
-    map_item = _slot_map_dtype(lay).itemsize if lay.num_nodes > 1 else 0
+    map_item = 0 if lay.is_prefix else _slot_map_dtype(lay).itemsize
     data_off = map_off + lay.dataset_len * map_item
     data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
     return {"stats_off": stats_off, "aux_off": aux_off, "seq_off": seq_off,
@@ -713,7 +730,8 @@ def _segment_offsets(lay: CacheLayout, slot_bytes: int, staging: int = 0) -> dic
 
 
 def _slot_map_dtype(layout: CacheLayout) -> np.dtype:
-    """dtype of the multi-node slot map (dataset index -> slot, -1 for none)."""
+    """dtype of the slot map of a layout that is not a prefix (dataset index -> slot, -1 for
+    none)."""
     return np.dtype(np.int32 if layout.slots < 2**31 else np.int64)
 
 
@@ -737,11 +755,13 @@ def _budget_for_slots(slots: int, dataset_len: int, slot_bytes: int, staging: in
     return ((slots + staging) * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
 
 
-def _slots_fitting(free: int, dataset_len: int, slot_bytes: int, num_nodes: int = 1,
-                   staging: int = 0) -> int:
-    """The most slots whose whole segment (metadata included) takes at most ``free`` bytes."""
+def _slots_fitting(free: int, like: CacheLayout, slot_bytes: int, staging: int = 0) -> int:
+    """The most slots whose whole segment (metadata included) takes at most ``free`` bytes,
+    for a layout like ``like`` (its slots aside)."""
+    dataset_len = like.dataset_len
+
     def total(slots: int) -> int:
-        layout = CacheLayout(dataset_len, slots, num_nodes)
+        layout = dataclasses.replace(like, slots=slots)
         return _segment_offsets(layout, slot_bytes, staging)["total_bytes"]
 
     empty = total(0) - max(1, staging * slot_bytes)  # the metadata of a segment without slots
@@ -1120,9 +1140,10 @@ class SharedCache:
     every index gets a slot; otherwise ``int((limit - dataset_len) / slot_bytes)`` of them do and
     the rest are out of bounds (OOB): ``get_slot`` returns None for them and ``set_slot`` ignores
     them. The segment adds a 4 KiB header, a 64 KiB stats table, 4 bytes per slot (write
-    sequence numbers) and, with several nodes, a 4-byte slot map entry per sample on top of
-    that budget. With one node the first ``len(cache)`` indices get slots (as in 0.2.1); with
-    several, each node caches a random subset given by :class:`CacheLayout`.
+    sequence numbers) and, with several nodes or ``random_subset``, a 4-byte slot map entry
+    per sample on top of that budget. With one node the first ``len(cache)`` indices get slots
+    (as in 0.2.1), or a random subset with ``random_subset=True``; with several, each node
+    caches a random subset given by :class:`CacheLayout`.
 
     Processes: in a job launched by ``torchrun`` (or SLURM), the local leader (LOCAL_RANK 0)
     creates the segment and the other local ranks attach to it, checking that dataset_len,
@@ -1166,7 +1187,15 @@ class SharedCache:
             or an initialised process group).
         shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
             Default: ``$STOCACHING_SHM_DIR`` or ``/dev/shm``.
-        layout_seed: seed of the multi-node layout (all nodes must agree). Default: 0.
+        layout_seed: seed of the layout's permutation (all nodes must agree). Default: 0.
+        random_subset: with one node, give slots to a random subset of the indices (drawn
+            from ``layout_seed``) rather than to the first ``len(cache)``, as several nodes
+            always do. Pass True when the dataset is ordered (by class, as ImageFolder orders
+            it) and a cache-preferring order reads it (``ReadyFirstSampler``, a ``Prefetcher``
+            with a ``window``): with the first indices cached, the cached samples are the first
+            classes, and preferring them puts those classes first in every epoch. It costs a
+            4-byte slot map entry per sample on top of the budget, as with several nodes.
+            Default: False (0.2.1's layout: index ``i < len(cache)`` has slot ``i``).
         timeout: seconds a non-leader waits for the leader's segment, and seconds the leader,
             when it closes the cache (or exits) before every local rank has attached, waits
             for them. Default: 300.
@@ -1223,7 +1252,7 @@ class SharedCache:
                  dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
                  name: str | None = None, job_key: str | None = None,
                  world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
-                 timeout: float = 300.0, staging_slots: int = 0,
+                 random_subset: bool = False, timeout: float = 300.0, staging_slots: int = 0,
                  mean_sample_bytes: int | None = None) -> None:
         size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
@@ -1248,6 +1277,9 @@ class SharedCache:
         if not isinstance(world, World):
             raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
         layout_seed = check_int("layout_seed", layout_seed, low=0, high=2**63 - 1)
+        if not isinstance(random_subset, bool):
+            raise TypeError(f"random_subset should be a bool, but got "
+                            f"random_subset={random_subset!r}")
         timeout = _check_positive("timeout", timeout, "seconds")
         name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
         job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
@@ -1280,7 +1312,8 @@ class SharedCache:
                           f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
                           + (f" (after {staging} staging slots)" if staging else "") +
                           "; only staged samples can hit", RuntimeWarning, stacklevel=2)
-        self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed)
+        self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed,
+                                   random_subset)
         self._world = world
         self._dims, self._dtype, self._staging = dims, dtype, staging
         if fields:  # (else the class's (): see _fields below)
@@ -1304,7 +1337,8 @@ class SharedCache:
         h = {"version": _LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
              "dtype_code": 0 if self._fields else _DTYPES[self._dtype][0], "ndim": len(one),
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
-             "layout_seed": lay.seed, "uid": os.getuid(), "stats_rows": _STATS_ROWS,
+             "layout_seed": lay.seed, "random_subset": int(lay.random_subset),
+             "uid": os.getuid(), "stats_rows": _STATS_ROWS,
              "staging": self._staging, "nfields": len(self._fields), "arena_bytes": 0,
              "arena_top": 0, "record_words": 0, "mean_bytes": 0, "arena_full": 0}
         for i in range(_MAX_DIMS):
@@ -1418,7 +1452,7 @@ class SharedCache:
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay, per_slot = self._layout, self._slot_bytes
-        fits = _slots_fitting(free, lay.dataset_len, per_slot, lay.num_nodes, self._staging)
+        fits = _slots_fitting(free, lay, per_slot, self._staging)
         fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
@@ -1535,7 +1569,8 @@ class SharedCache:
         names = {"dataset_len": "dataset_len", "dtype_code": "dtype", "ndim": "data_dims",
                  "slots": "slot count (from size_limit_gib)", "num_nodes": "num_nodes",
                  "staging": "staging_slots",
-                 "node_rank": "node_rank", "layout_seed": "layout_seed", "version": "version"}
+                 "node_rank": "node_rank", "layout_seed": "layout_seed",
+                 "random_subset": "random_subset", "version": "version"}
         found = [(label, want[field], head[field]) for field, label in names.items()]
         if not self._fields:  # (a fields cache has ndim 0 and its dims in the field table)
             found.append(("data_dims", self._dims,  # after ndim: a damaged ndim is named first
@@ -1745,7 +1780,8 @@ class SharedCache:
             staging_slots=self._staging,
             world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
                         num_nodes=w.num_nodes),
-            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed)
+            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
+            random_subset=lay.random_subset)
         memo[id(self)] = twin
         with self._locked(_slot_lock_offset(0), max(1, lay.slots)):  # no writer meanwhile
             aux = self._aux_np.copy()
@@ -3074,7 +3110,7 @@ class _ArenaCache(SharedCache):
                            world=World(rank=w.node_rank, world_size=w.num_nodes,
                                        node_rank=w.node_rank, num_nodes=w.num_nodes),
                            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-                           mean_sample_bytes=self._mean or None)
+                           random_subset=lay.random_subset, mean_sample_bytes=self._mean or None)
         memo[id(self)] = twin
         with self._locked(_slot_lock_offset(0), self._n):
             aux = self._aux_np.copy()
@@ -3243,7 +3279,7 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         slots = _slots_for_budget(limit, dataset_len, slot_bytes, staging)
     else:  # the largest cache whose whole segment (metadata included) fits in what is free
-        slots = _slots_fitting(free, dataset_len, slot_bytes, 1, staging)
+        slots = _slots_fitting(free, CacheLayout(dataset_len, 0), slot_bytes, staging)
         limit = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
     segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes,
                                staging)["total_bytes"]

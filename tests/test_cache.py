@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import warnings
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 import stocaching
-from _helpers import budget_for, named, run_child
+from _helpers import budget_for, named, run_child, value_of
 from benchmark.microbench import load_ref
-from stocaching import SharedCache
+from stocaching import CacheConfigError, SharedCache, World
 
 REF_DIR = os.environ.get("STOCACHING_REF_DIR", os.path.join(os.path.dirname(__file__), "..",
                                                             ".ci", "ref"))
@@ -403,6 +404,7 @@ BAD_CTOR = [
     (dict(job_key=""), ValueError, r"job_key should be"),
     (dict(timeout=0), ValueError, r"timeout should be a positive .* timeout=0"),
     (dict(layout_seed=-1), ValueError, r"layout_seed"),
+    (dict(random_subset=1), TypeError, r"random_subset should be a bool, but got random_subset=1"),
     (dict(shm_dir="/nonexistent/dir"), ValueError, r"shm_dir should be an existing directory"),
 ]
 
@@ -552,3 +554,47 @@ def test_wide_unsigned_values_are_checked_against_the_range(shm_dir):
     with pytest.raises(ValueError, match=r"e\.g\. value\[2, 3, 3\]=9223372036854775808$"):
         c.set_slot(1, x)
     assert c.get_slot(1) is None and torch.equal(c.get_slot(0), torch.full((3, 4, 4), 5))
+
+
+# -- which indices one node caches ---------------------------------------------------------------
+
+def test_random_subset_caches_a_seeded_spread_of_the_indices_on_one_node(shm_dir):
+    """0.2.1's layout caches the first indices, so on a dataset ordered by class the cached
+    samples are the first classes; random_subset spreads them over the whole dataset."""
+    n, dims = 1000, (3, 8, 8)
+    plain = SharedCache(1e-4, n, dims, shm_dir=shm_dir)
+    c = SharedCache(1e-4, n, dims, shm_dir=shm_dir, random_subset=True, layout_seed=3)
+    other_seed = SharedCache(1e-4, n, dims, shm_dir=shm_dir, random_subset=True, layout_seed=4)
+    assert len(c) == len(plain) < n  # the slot map is paid on top of the budget
+    held = np.flatnonzero(c.aux_array.numpy() == stocaching.SlotState.EMPTY.value)
+    assert sorted(stocaching.CacheLayout(n, len(c), 1, 3, True).indices(0).tolist()) == held.tolist()
+    assert held.tolist() != list(range(len(c)))
+    assert set(held) != set(np.flatnonzero(other_seed.aux_array.numpy() == stocaching.SlotState.EMPTY.value))
+    share = len(c) / n
+    for tenth in np.array_split(np.arange(n), 10):  # (seeded: the same counts every run)
+        assert abs(np.isin(tenth, held).mean() - share) < 0.15
+    for i in held.tolist():
+        c.set_slot(i, value_of(i, dims))
+    missing = [i for i in range(n) if i not in set(held.tolist())][:5]
+    for i in missing:
+        c.set_slot(i, value_of(i, dims))  # no slot: ignored, as for any index without one
+        assert c.get_slot(i) is None
+    assert all(torch.equal(c.get_slot(i), value_of(i, dims)) for i in held.tolist())
+    batch, hit = c.get_batch(held[:4].tolist() + missing[:2])
+    assert hit.tolist() == [True] * 4 + [False] * 2
+    assert torch.equal(batch[3], value_of(int(held[3]), dims))
+    twin = copy.deepcopy(c)
+    assert torch.equal(twin.aux_array, c.aux_array)
+    assert torch.equal(twin.get_slot(int(held[0])), value_of(int(held[0]), dims))
+    for cache in (plain, c, other_seed, twin):
+        cache.close()
+
+
+def test_local_ranks_must_agree_on_random_subset(shm_dir):
+    worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
+    args = dict(size_limit_gib=1e-4, dataset_len=1000, data_dims=(3, 8, 8), name="r",
+                job_key=f"subset{os.getpid()}", shm_dir=shm_dir, timeout=60)
+    with SharedCache(**args, world=worlds[0], random_subset=True):
+        with pytest.raises(CacheConfigError, match="random_subset") as e:
+            SharedCache(**args, world=worlds[1])
+        assert (e.value.field, e.value.expected, e.value.found) == ("random_subset", 0, 1)

@@ -260,7 +260,7 @@ def test_ranks_that_agree_share_a_fields_cache_and_an_older_layout_is_refused(sh
         assert other.get_slot(4)["b"].item() == 9
         # A segment of another layout version: the attach check names the version.
         head = core._read_header(lead._mm)
-        assert head["version"] == core._LAYOUT_VERSION == 4 and head["nfields"] == 2
+        assert head["version"] == core._LAYOUT_VERSION == 5 and head["nfields"] == 2
         with pytest.raises(CacheConfigError, match="version=3") as e:
             old = dict(head, version=3)
             other._check_header(old, lead._total)
