@@ -1,22 +1,27 @@
 """Learning quality of the Prefetcher's orders: ``python -m benchmark quality``.
 
 Trains a small plain-torch CNN on scikit-learn's digits (1,797 8x8 images of 10 classes; the
-data ships with scikit-learn) with three orders over several seeds:
+data ships with scikit-learn) with these orders over several seeds:
 
 - ``random``: ``RandomSampler``, the plain DataLoader;
-- ``fixed``: ``Prefetcher(RandomSampler(...), window=W, mode="fixed")``;
+- ``fixed``: ``Prefetcher(RandomSampler(...), window=W, mode="fixed")``, W = 4 batches;
 - ``adaptive``: the same with ``mode="adaptive"``;
+- ``fixed-large``, ``adaptive-large``: the same with a window of a third of the epoch;
+- ``fixed-large-first`` (shown, not checked): ``fixed-large`` over a cache that holds the
+  first indices (0.2.1's layout, ``random_subset=False``), the usage the docs warn against;
 
 and reports the test accuracy (mean +- standard deviation over the seeds) of each, with a
-PASS/MISS line per prefetching arm: within one standard deviation of ``random``.
+PASS/MISS line per checked arm: within one standard deviation of ``random``.
 
-The training set is sorted by class, and the cache holds a fraction f of it (default 0.5).
-With one node the cache holds the first indices, so the cached samples are those of the first
-classes: the worst case for an order that prefers cached samples. On the label sequences that
-the training actually consumed, the command also reports the mean number of distinct classes
-per batch and the mean label entropy per batch of each arm against ``random`` (target: within
-1 %), over all batches and, to show where a difference comes from, without the first and last
-ceil(W / B) batches of each epoch.
+The training set is sorted by class, as ImageFolder sorts a dataset, and the cache holds a
+fraction f of it (default 0.5). The checked arms use the documented usage for such data,
+``SharedCache(..., random_subset=True)``: the cached samples are a random subset of every
+class. With the first indices cached instead, the cached samples are those of the first
+classes, and an order that prefers cached samples puts them first in every epoch. On the label
+sequences that the training actually consumed, the command also reports the mean number of
+distinct classes per batch and the mean label entropy per batch of each arm against
+``random`` (target: within 1 %), over all batches and, to show where a difference comes from,
+without the first and last ceil(W / B) batches of each epoch.
 
 Misses of the prefetching arms are loaded by the Prefetcher with an EMULATED lognormal latency
 (default median 2 ms, p99 10 x that), so that which samples are ready varies as in a real run;
@@ -27,6 +32,7 @@ same seed gives every arm the same initial model and the same base order.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import secrets
@@ -45,8 +51,27 @@ import stocaching
 from . import latency as L
 from . import report
 
-ARMS = ("random", "fixed", "adaptive")
 DIVERSITY_TOL = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One order to train with: a prefetcher's ``mode`` and ``window`` (None: the plain
+    ``RandomSampler``), which indices the cache holds, and whether its accuracy is checked."""
+
+    name: str
+    mode: str | None = None
+    window: int = 0
+    random_subset: bool = True
+    checked: bool = True
+
+
+def arms_for(n: int, args: argparse.Namespace) -> list[Arm]:
+    large = args.large_window or max(1, n // 3)
+    return [Arm("random"),
+            Arm("fixed", "fixed", args.window), Arm("adaptive", "adaptive", args.window),
+            Arm("fixed-large", "fixed", large), Arm("adaptive-large", "adaptive", large),
+            Arm("fixed-large-first", "fixed", large, random_subset=False, checked=False)]
 
 
 def load_digits_sorted(test_fraction: float = 0.25, split_seed: int = 0
@@ -115,7 +140,7 @@ def batch_diversity(labels: np.ndarray, classes: int) -> tuple[int, float]:
     return int((counts > 0).sum()), float(-(p * np.log2(p)).sum())
 
 
-def train_arm(arm: str, seed: int, data: tuple[np.ndarray, ...], args: argparse.Namespace,
+def train_arm(arm: Arm, seed: int, data: tuple[np.ndarray, ...], args: argparse.Namespace,
               name: str) -> dict[str, Any]:
     """Train one (arm, seed); returns its test accuracy and the labels of every full batch,
     with each batch's position in its epoch."""
@@ -124,14 +149,15 @@ def train_arm(arm: str, seed: int, data: tuple[np.ndarray, ...], args: argparse.
     slots = min(n, round(args.fraction * n))
     staging = args.staging_slots
     cache = stocaching.SharedCache(L._gib(slots, staging, n, 64), n, (1, 8, 8), torch.uint8,
-                                   name=name, staging_slots=staging)
+                                   name=name, staging_slots=staging, layout_seed=seed,
+                                   random_subset=arm.random_subset)
     ds = Digits(xtr, ytr, cache)
     lat = L.Latency("lognormal", args.latency_ms, args.p99_ratio) if args.latency_ms > 0 \
         else L.Latency("none")
     base = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
     sampler: Any = base
-    if arm != "random":
-        sampler = stocaching.Prefetcher(base, cache, ds.load, window=args.window, mode=arm,
+    if arm.mode is not None:
+        sampler = stocaching.Prefetcher(base, cache, ds.load, window=arm.window, mode=arm.mode,
                                         threads=args.threads)
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, sampler=sampler,
                                          num_workers=0)
@@ -145,7 +171,7 @@ def train_arm(arm: str, seed: int, data: tuple[np.ndarray, ...], args: argparse.
         for epoch in range(args.epochs):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            ds.delays = lat.delays(n, seed, epoch) if arm != "random" else None
+            ds.delays = lat.delays(n, seed, epoch) if arm.mode is not None else None
             s0 = cache.stats()
             model.train()
             for k, (x, y) in enumerate(loader):
@@ -164,7 +190,7 @@ def train_arm(arm: str, seed: int, data: tuple[np.ndarray, ...], args: argparse.
         loader = sampler = None
         ds.cache = None
         cache.close()
-    return {"arm": arm, "seed": seed, "accuracy": float((pred == yte).mean()),
+    return {"arm": arm.name, "window": arm.window, "checked": arm.checked, "seed": seed, "accuracy": float((pred == yte).mean()),
             "batches": batches, "hit_rate_later": hits / reads if reads else math.nan}
 
 
@@ -185,33 +211,43 @@ def diversity(runs: Sequence[dict[str, Any]], batch_size: int, window: int,
     return statistics.fmean(uniq), statistics.fmean(ent)
 
 
-def check_lines(runs: Sequence[dict[str, Any]], args: argparse.Namespace
+def check_lines(runs: Sequence[dict[str, Any]], arms: Sequence[Arm], args: argparse.Namespace
                 ) -> tuple[list[str], list[dict[str, Any]], list[str]]:
     """The table lines, the checks and their text."""
-    by = {a: [r for r in runs if r["arm"] == a] for a in ARMS}
+    by = {a.name: [r for r in runs if r["arm"] == a.name] for a in arms}
+    window = {a.name: a.window for a in arms}
     acc = {a: [r["accuracy"] for r in rs] for a, rs in by.items() if rs}
 
     def sd(v: Sequence[float]) -> float:
         return statistics.stdev(v) if len(v) > 1 else 0.0
 
-    table = [f"{'arm':<9} {'test accuracy (mean +- std)':>28}  {'seeds':>5}  "
+    table = [f"{'arm':<17} {'W':>4} {'test accuracy (mean +- std)':>28}  {'seeds':>5}  "
              f"{'distinct classes/batch':>22}  {'entropy bits/batch':>18}  "
              f"{'hit rate e>=2':>13}"]
-    div = {a: diversity(rs, args.batch_size, args.window, False) for a, rs in by.items() if rs}
-    mid = {a: diversity(rs, args.batch_size, args.window, True) for a, rs in by.items() if rs}
+    div = {a: diversity(rs, args.batch_size, window[a], False) for a, rs in by.items() if rs}
+    mid = {a: diversity(rs, args.batch_size, window[a], True) for a, rs in by.items() if rs}
     for a, rs in by.items():
         if not rs:
             continue
         hr = statistics.fmean(r["hit_rate_later"] for r in rs)
-        table.append(f"{a:<9} {100 * statistics.fmean(acc[a]):>19.2f} % +- "
+        table.append(f"{a:<17} {window[a]:>4} {100 * statistics.fmean(acc[a]):>19.2f} % +- "
                      f"{100 * sd(acc[a]):.2f}  {len(rs):>5}  {div[a][0]:>22.3f}  "
                      f"{div[a][1]:>18.3f}  {hr:>13.3f}")
     checks, text = [], []
     ref = acc.get("random")
-    for a in ("fixed", "adaptive"):
-        if a not in acc or not ref:
+    for arm in arms:
+        a = arm.name
+        if arm.mode is None or a not in acc or not ref:
             continue
         m, mr, s = statistics.fmean(acc[a]), statistics.fmean(ref), sd(ref)
+        if not arm.checked:
+            text.append(f"[shown] test accuracy, {a} (the first indices cached, W = "
+                        f"{arm.window}) vs random: {100 * m:.2f} % +- {100 * sd(acc[a]):.2f} vs "
+                        f"{100 * mr:.2f} % (difference {100 * (m - mr):+.2f} points), "
+                        f"distinct classes per batch {div[a][0]:.3f} vs {div['random'][0]:.3f} "
+                        f"({div[a][0] / div['random'][0] - 1.0:+.2%}): why a class-ordered "
+                        "dataset takes random_subset=True")
+            continue
         ok = abs(m - mr) <= s
         checks.append({"name": f"accuracy {a}", "status": "PASS" if ok else "MISS",
                        "measured": m - mr, "target": "|difference| <= std of random"})
@@ -225,9 +261,9 @@ def check_lines(runs: Sequence[dict[str, Any]], args: argparse.Namespace
             checks.append({"name": f"{stat} {a}", "status": "PASS" if ok else "MISS",
                            "measured": x / xr - 1.0, "target": f"within {DIVERSITY_TOL:.0%}"})
             text.append(f"[{'PASS' if ok else 'MISS'}] {stat}, {a} vs random (class-sorted "
-                        f"training set, batch {args.batch_size}, W = {args.window}), target "
+                        f"training set, batch {args.batch_size}, W = {arm.window}), target "
                         f"within {DIVERSITY_TOL:.0%}: {x:.3f} vs {xr:.3f} ({x / xr - 1.0:+.2%}); "
-                        f"without the first and last {-(-args.window // args.batch_size)} "
+                        f"without the first and last {-(-arm.window // args.batch_size)} "
                         f"batches of each epoch: {mid[a][k]:.3f} vs {mid['random'][k]:.3f} "
                         f"({mid[a][k] / mid['random'][k] - 1.0:+.2%})")
     return table, checks, text
@@ -242,8 +278,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_positive_int, default=16, help="default: %(default)s")
     p.add_argument("--window", type=_positive_int, default=None,
                    help="W of the prefetching arms (default: 4 batches)")
+    p.add_argument("--large-window", type=_positive_int, default=None,
+                   help="W of the -large arms (default: a third of the epoch)")
     p.add_argument("--fraction", type=_fraction, default=0.5,
-                   help="fraction of the (class-sorted) training set cached "
+                   help="fraction of the (class-sorted) training set cached: a random "
+                        "subset of it (random_subset=True), but for the -first arm "
                         "(default: %(default)s)")
     p.add_argument("--latency-ms", type=_non_negative_float, default=2.0,
                    help="median of the EMULATED lognormal latency of the prefetching arms' "
@@ -267,9 +306,11 @@ def main(args: argparse.Namespace, argv: Sequence[str],
     load_before = os.getloadavg()
     say(f"load average at the start: {' '.join(f'{x:.2f}' for x in load_before)}")
     data = load_digits_sorted()
+    arms = arms_for(len(data[1]), args)
     say(f"digits: {len(data[1])} training samples sorted by class, {len(data[3])} test; "
-        f"cache f = {args.fraction:g} (its slots hold the first classes), batch "
-        f"{args.batch_size}, W = {args.window}, {args.epochs} epochs, seeds 0..{args.seeds - 1}; "
+        f"cache f = {args.fraction:g} (a random subset; the first indices for -first), batch "
+        f"{args.batch_size}, W = {args.window} and {arms[-1].window}, {args.epochs} epochs, "
+        f"seeds 0..{args.seeds - 1}; "
         f"prefetching arms: {args.threads} threads, EMULATED lognormal load latency median "
         f"{args.latency_ms:g} ms, p99 {args.p99_ratio:g} x")
     threads = torch.get_num_threads()
@@ -279,13 +320,13 @@ def main(args: argparse.Namespace, argv: Sequence[str],
     t0 = time.perf_counter()
     try:
         for seed in range(args.seeds):
-            for a in ARMS:
-                r = train_arm(a, seed, data, args, f"q-{token}-{seed}-{a}")
+            for a in arms:
+                r = train_arm(a, seed, data, args, f"q-{token}-{seed}-{a.name}")
                 runs.append(r)
-                say(f"  seed {seed} {a:>8}: test accuracy {100 * r['accuracy']:.2f} %")
+                say(f"  seed {seed} {a.name:>17}: test accuracy {100 * r['accuracy']:.2f} %")
     finally:
         torch.set_num_threads(threads)
-    table, checks, text = check_lines(runs, args)
+    table, checks, text = check_lines(runs, arms, args)
     say("")
     say("\n".join(table))
     load_after = os.getloadavg()

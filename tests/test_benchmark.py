@@ -383,10 +383,13 @@ def test_quality_command_runs(tmp_path, shm_dir, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     checks = [line for line in text.splitlines() if line.startswith("[")]
-    assert len(checks) == 6 and all(line[:6] in ("[PASS]", "[MISS]") for line in checks)
+    checked = [line for line in checks if line[:6] in ("[PASS]", "[MISS]")]
+    shown = [line for line in checks if line.startswith("[shown]")]
+    assert len(checked) == 12 and len(shown) == 1 and len(checks) == 13
     saved = json.loads((tmp_path / "q" / "quality.json").read_text())
-    assert sorted(r["arm"] for r in saved["runs"]) == ["adaptive"] * 2 + ["fixed"] * 2 + \
-        ["random"] * 2
+    arms = ["random", "fixed", "adaptive", "fixed-large", "adaptive-large", "fixed-large-first"]
+    assert sorted(r["arm"] for r in saved["runs"]) == sorted(arms * 2)
+    assert {r["arm"]: r["window"] for r in saved["runs"]}["fixed-large"] == 1347 // 3
     assert os.listdir(shm_dir) == []
 
 
