@@ -363,15 +363,40 @@ def _whole(rs: Sequence[dict[str, Any]]) -> float | None:
 
 
 def _check(name: str, ok: bool | None, measured: float | None, target: str,
-           detail: str) -> dict[str, Any]:
+           detail: str, minimum: float) -> dict[str, Any]:
     return {"name": name, "status": "n/a" if ok is None else ("PASS" if ok else "MISS"),
-            "measured": measured, "target": target, "detail": detail}
+            "measured": measured, "target": target, "detail": detail, "minimum": minimum}
 
 
 def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The targets of the latency scenario, measured on ``rows`` (never asserted). Each check:
-    ``name``, ``status`` (PASS, MISS or n/a), ``measured`` (the ratio), ``target``, ``detail``
-    (the two figures compared)."""
+    """The targets of the latency scenario, measured on ``rows`` (never asserted), round by
+    round: a round (``--repeats``) runs every arm once, the reference included, so each round
+    gives each target one ratio of figures measured minutes apart, and the target is judged on
+    the median of the rounds' ratios. Each check: ``name``, ``status`` (PASS or MISS, of the
+    median; n/a), ``measured`` (the median ratio), ``target``, ``detail`` (the two figures of
+    the median round), ``rounds`` (every round's ratio) and ``rounds_met``."""
+    by_round: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_round.setdefault(r.get("repeat") or 1, []).append(r)
+    per_round = [_checks_of_round(rs) for _, rs in sorted(by_round.items())]
+    out = []
+    for same in zip(*per_round):
+        ratios = [c["measured"] for c in same]
+        if any(x is None for x in ratios):
+            out.append({**same[0], "rounds": ratios, "rounds_met": None})
+            continue
+        med = statistics.median(ratios)
+        # the detail of the round whose ratio is nearest the median (the median itself when
+        # the count is odd)
+        mid = min(same, key=lambda c: abs(c["measured"] - med))
+        met = sum(x >= same[0]["minimum"] for x in ratios)
+        out.append({**mid, "status": "PASS" if med >= same[0]["minimum"] else "MISS",
+                    "measured": med, "rounds": ratios, "rounds_met": met})
+    return out
+
+
+def _checks_of_round(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets measured on the rows of one round."""
     agg = _agg(rows)
     f = TARGET_F
     out = []
@@ -387,10 +412,10 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     def ratio_line(name: str, x: float | None, y: float | None, lo: float, xl: str, yl: str,
                    how: str) -> dict[str, Any]:
         if x is None or y is None:
-            return _check(name, None, None, f">= {lo:g} x", f"needs {xl} and {yl} ({how})")
+            return _check(name, None, None, f">= {lo:g} x", f"needs {xl} and {yl} ({how})", lo)
         r = x / y
         return _check(name, r >= lo, r, f">= {lo:g} x",
-                      f"{xl} {x:,.0f} vs {yl} {y:,.0f} samples/s ({how}): {r:.2f} x")
+                      f"{xl} {x:,.0f} vs {yl} {y:,.0f} samples/s ({how}): {r:.2f} x", lo)
 
     arm, b = best("constant", _later)
     ref = _later(_pick(agg, "none", f, "a"))
@@ -412,7 +437,7 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     low = [(x, v) for x, v in low if v is not None]
     if a0 is None or not low:
         out.append(_check("cpu-bound", None, None, f">= {CPU_MIN:g} x",
-                          "needs the four arms without latency"))
+                          "needs the four arms without latency", CPU_MIN))
     else:
         arm0, v0 = min(low, key=lambda c: c[1])
         rest = ", ".join(f"({x}) {v / a0:.2f}" for x, v in low)
@@ -425,7 +450,8 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(_check("cpu-bound", v0 / a0 >= CPU_MIN, v0 / a0, f">= {CPU_MIN:g} x",
                           f"slowest prefetching arm ({arm0}) {v0:,.0f} vs arm (a) {a0:,.0f} "
                           f"samples/s (f = {f:g}, no latency, epochs 1-"
-                          f"{max(r['epoch'] for r in agg)} together): {v0 / a0:.2f} x [{rest}]"))
+                          f"{max(r['epoch'] for r in agg)} together): {v0 / a0:.2f} x [{rest}]",
+                          CPU_MIN))
     return out
 
 
@@ -439,8 +465,20 @@ CHECK_NAMES = {
 
 
 def format_checks(checks: Sequence[dict[str, Any]]) -> str:
-    return "\n".join(f"[{c['status']}] {CHECK_NAMES.get(c['name'], c['name'])}, target "
-                     f"{c['target']}: {c['detail']}" for c in checks)
+    """One line a target: its status (of the median over rounds), the figures of the median
+    round and, with several rounds, the median, the spread and how many rounds met it."""
+    lines = []
+    for c in checks:
+        rounds = c.get("rounds") or []
+        spread = ""
+        if len(rounds) > 1 and c.get("rounds_met") is not None:
+            spread = (f"; median of {len(rounds)} rounds {c['measured']:.2f} x, rounds "
+                      f"{', '.join(f'{x:.2f}' for x in rounds)} (spread "
+                      f"{min(rounds):.2f}-{max(rounds):.2f}), met in {c['rounds_met']} of "
+                      f"{len(rounds)}")
+        lines.append(f"[{c['status']}] {CHECK_NAMES.get(c['name'], c['name'])}, target "
+                     f"{c['target']}: {c['detail']}{spread}")
+    return "\n".join(lines)
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -601,9 +639,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=_positive_int, default=None,
                    help="torch threads of the training process (default: cores minus "
                         "workers, at least 1)")
-    p.add_argument("--repeats", type=_positive_int, default=1,
-                   help="run the whole grid this many times (odd repeats in reverse order); "
-                        "tables, checks and plot use medians (default: %(default)s)")
+    p.add_argument("--repeats", type=_positive_int, default=3,
+                   help="rounds: run the whole grid this many times, every arm once a round "
+                        "(odd rounds in reverse order); each target is checked on the median "
+                        "of the rounds' ratios, with their spread; tables and plot use medians "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--lr", type=float, default=0.05, help="default: %(default)s")
     p.add_argument("--out", type=Path, default=None,
