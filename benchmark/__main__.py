@@ -24,39 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import arguments as A
+
 SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture")
 
 
 def _default_start_method() -> str:
     return mp.get_all_start_methods()[0]  # the platform's default, as the DataLoader uses
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"should be a positive int, but got {s}")
-    return v
-
-
-def _non_negative_int(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"should be an int >= 0, but got {s}")
-    return v
-
-
-def _fraction(s: str) -> float:
-    v = float(s)
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"should be a fraction in [0, 1], but got {s}")
-    return v
-
-
-def _non_negative_float(s: str) -> float:
-    v = float(s)
-    if not v >= 0.0:
-        raise argparse.ArgumentTypeError(f"should be a number >= 0, but got {s}")
-    return v
 
 
 def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
@@ -66,45 +40,45 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
     d = p.add_argument_group("dataset (generated once, then reused)")
     d.add_argument("--data-dir", type=Path, default=None,
                    help="where the JPEGs live (default: ~/.cache/stocaching-benchmark/<params>)")
-    d.add_argument("--num-images", type=_positive_int, default=None,
+    d.add_argument("--num-images", type=A.positive_int, default=None,
                    help="dataset size (default: 6000, or 1500 with --sizes varied)")
     d.add_argument("--sizes", choices=("fixed", "varied"), default="fixed",
                    help="fixed: square JPEGs of --image-size, resized to --decoded-size before "
                         "the cache; varied: height and width each drawn from --sides, cached "
                         "at native size (data_dims=(3, None, None)) and cropped to "
                         "--decoded-size after the cache (default: %(default)s)")
-    d.add_argument("--sides", type=_positive_int, nargs=2, default=[192, 512],
+    d.add_argument("--sides", type=A.positive_int, nargs=2, default=[192, 512],
                    metavar=("LO", "HI"),
                    help="with --sizes varied: range of the sides in pixels, both included; LO "
                         "at least --decoded-size (default: 192 512, about the sizes of ImageNet's "
                         "photos)")
-    d.add_argument("--image-size", type=_positive_int, default=512,
+    d.add_argument("--image-size", type=A.positive_int, default=512,
                    help="side of the source JPEGs in pixels, with --sizes fixed "
                         "(default: %(default)s)")
-    d.add_argument("--decoded-size", type=_positive_int, default=128,
+    d.add_argument("--decoded-size", type=A.positive_int, default=128,
                    help="side of the decoded, resized uint8 image that is cached; with --sizes "
                         "varied, the side of the crop after the cache (default: %(default)s)")
     d.add_argument("--jpeg-quality", type=int, default=90, help="default: %(default)s")
-    d.add_argument("--num-classes", type=_positive_int, default=10, help="default: %(default)s")
-    d.add_argument("--gen-processes", type=_positive_int, default=None,
+    d.add_argument("--num-classes", type=A.positive_int, default=10, help="default: %(default)s")
+    d.add_argument("--gen-processes", type=A.positive_int, default=None,
                    help="processes generating the JPEGs (default: cores, at most 8)")
 
     c = p.add_argument_group("cache configurations (no-cache and in-RAM baselines always run)")
     size = c.add_mutually_exclusive_group()
-    size.add_argument("--cache-fraction", type=_fraction, nargs="+",
+    size.add_argument("--cache-fraction", type=A.fraction, nargs="+",
                       default=[0.0, 0.25, 0.5, 0.75, 1.0] if sweep else [0.0, 0.5, 1.0],
                       help="fractions of the dataset to cache (default: %(default)s)")
-    size.add_argument("--cache-gib", type=_non_negative_float, nargs="+", default=None,
+    size.add_argument("--cache-gib", type=A.non_negative_float, nargs="+", default=None,
                       help="cache sizes in GiB (size_limit_gib), instead of fractions")
     c.add_argument("--no-in-ram", dest="in_ram", action="store_false",
                    help="skip the in-RAM upper bound")
 
     lo = p.add_argument_group("loader and training" + (" (lists: every combination runs)"
                                                         if sweep else ""))
-    lo.add_argument("--workers", type=_non_negative_int,
+    lo.add_argument("--workers", type=A.non_negative_int,
                     **grid([1, 2, 4] if sweep else 2), help="DataLoader workers "
                     "(default: %(default)s)")
-    lo.add_argument("--batch-size", type=_positive_int, **grid([64] if sweep else 64),
+    lo.add_argument("--batch-size", type=A.positive_int, **grid([64] if sweep else 64),
                     help="default: %(default)s")
     lo.add_argument("--start-method", choices=("fork", "spawn", "forkserver"),
                     **grid([_default_start_method()] if sweep else _default_start_method()),
@@ -114,7 +88,7 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
                     help="random: RandomSampler (DistributedSampler under torchrun); cache-aware: "
                          "stocaching.CacheAwareSampler for the cached configurations "
                          "(default: %(default)s)")
-    lo.add_argument("--read-latency-ms", type=_non_negative_float,
+    lo.add_argument("--read-latency-ms", type=A.non_negative_float,
                     **grid([0.0, 5.0] if sweep else 0.0),
                     help="EMULATED storage latency: sleep this long before every read from "
                          "disk (every cache miss); 0 = local files (default: %(default)s)")
@@ -123,12 +97,12 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
     lo.add_argument("--get-slot", choices=("copy", "view"), default="copy",
                     help="copy: cache.get_slot(i) returns a copy; view: get_slot(i, copy=False), "
                          "a read-only view (default: %(default)s)")
-    lo.add_argument("--epochs", type=_positive_int, default=3, help="default: %(default)s")
-    lo.add_argument("--repeats", type=_positive_int, default=1,
+    lo.add_argument("--epochs", type=A.positive_int, default=3, help="default: %(default)s")
+    lo.add_argument("--repeats", type=A.positive_int, default=1,
                     help="run every configuration this many times (fresh cache each time, odd "
                          "repeats in reverse order); tables, checks and plots use the medians. "
                          "Use 3 or more on a busy machine (default: %(default)s)")
-    lo.add_argument("--threads", type=_positive_int, default=None,
+    lo.add_argument("--threads", type=A.positive_int, default=None,
                     help="torch threads of the training process (default: cores per local "
                          "rank minus workers, at least 1)")
     lo.add_argument("--lr", type=float, default=0.05, help="default: %(default)s")

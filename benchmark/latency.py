@@ -44,6 +44,7 @@ from torch import nn
 
 import stocaching
 
+from . import arguments as A
 from . import data as D
 from . import plot, report
 from . import run as R
@@ -590,56 +591,55 @@ def make_plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .__main__ import _fraction, _non_negative_float, _non_negative_int, _positive_int
 
     d = p.add_argument_group("dataset (generated once, then reused)")
     d.add_argument("--data-dir", type=Path, default=None,
                    help="where the JPEGs live (default: ~/.cache/stocaching-benchmark/<params>)")
-    d.add_argument("--num-images", type=_positive_int, default=1500,
+    d.add_argument("--num-images", type=A.positive_int, default=1500,
                    help="dataset size (default: %(default)s)")
-    d.add_argument("--image-size", type=_positive_int, default=128,
+    d.add_argument("--image-size", type=A.positive_int, default=128,
                    help="side of the source JPEGs: the decode cost of a miss "
                         "(default: %(default)s)")
-    d.add_argument("--decoded-size", type=_positive_int, default=64,
+    d.add_argument("--decoded-size", type=A.positive_int, default=64,
                    help="side of the decoded uint8 image that is cached (default: %(default)s)")
-    p.add_argument("--cache-fraction", type=_fraction, nargs="+", default=[0.0, 0.5, 1.0],
+    p.add_argument("--cache-fraction", type=A.fraction, nargs="+", default=[0.0, 0.5, 1.0],
                    help="fractions f of the dataset cached (default: %(default)s; the targets "
                         "need 0.5)")
-    p.add_argument("--latency-ms", type=_non_negative_float, default=20.0,
+    p.add_argument("--latency-ms", type=A.non_negative_float, default=20.0,
                    help="EMULATED constant read latency per miss (default: %(default)s)")
-    p.add_argument("--tail-median-ms", type=_non_negative_float, default=20.0,
+    p.add_argument("--tail-median-ms", type=A.non_negative_float, default=20.0,
                    help="median of the EMULATED heavy-tailed (lognormal) latency; its p99 is "
                         "--p99-ratio times that (default: %(default)s)")
     p.add_argument("--p99-ratio", type=float, default=10.0, help="default: %(default)s")
-    p.add_argument("--epochs", type=_positive_int, default=3, help="default: %(default)s")
-    p.add_argument("--workers", type=_non_negative_int, default=2,
+    p.add_argument("--epochs", type=A.positive_int, default=3, help="default: %(default)s")
+    p.add_argument("--workers", type=A.non_negative_int, default=2,
                    help="DataLoader workers (default: %(default)s)")
-    p.add_argument("--batch-size", type=_positive_int, default=64, help="default: %(default)s")
-    p.add_argument("--threads", type=_positive_int, default=32,
+    p.add_argument("--batch-size", type=A.positive_int, default=64, help="default: %(default)s")
+    p.add_argument("--threads", type=A.positive_int, default=32,
                    help="Prefetcher threads: loads in flight (default: %(default)s, by Little's "
                         "law about twice the reads in flight at 1,500 samples/s, f = 0.5 and "
                         "a 32.6 ms mean latency)")
-    p.add_argument("--prefetch-processes", type=_non_negative_int, default=2,
+    p.add_argument("--prefetch-processes", type=A.non_negative_int, default=2,
                    help="Prefetcher processes: load in this many processes, each with --threads "
                         "threads; 0 loads in threads of the trainer (default: %(default)s: the "
                         "loads decode JPEGs, and in the trainer's threads they share its GIL "
                         "and core)")
     p.add_argument("--cpu-bound-only", action="store_true",
                    help="run only the configurations without latency (the CPU-bound check)")
-    p.add_argument("--window", type=_positive_int, default=None,
+    p.add_argument("--window", type=A.positive_int, default=None,
                    help="W of arms (c) and (d) (default: 4 batches, so that window + lookahead "
                         "covers the consumption rate x the p99 latency: 256 + 256 = 512 "
                         "positions with the default processes and threads, against 1,500 "
                         "samples/s x 200 ms = 300)")
-    p.add_argument("--lookahead", type=_positive_int, default=None,
+    p.add_argument("--lookahead", type=A.positive_int, default=None,
                    help="Prefetcher lookahead (default: the Prefetcher's, 4 x the loads in flight)")
-    p.add_argument("--staging-slots", type=_positive_int, default=None,
+    p.add_argument("--staging-slots", type=A.positive_int, default=None,
                    help="staging slots of the prefetching arms' caches (default: 2 x "
                         "(window + lookahead))")
-    p.add_argument("--torch-threads", type=_positive_int, default=None,
+    p.add_argument("--torch-threads", type=A.positive_int, default=None,
                    help="torch threads of the training process (default: cores minus "
                         "workers, at least 1)")
-    p.add_argument("--repeats", type=_positive_int, default=3,
+    p.add_argument("--repeats", type=A.positive_int, default=3,
                    help="rounds: run the whole grid this many times, every arm once a round "
                         "(odd rounds in reverse order); each target is checked on the median "
                         "of the rounds' ratios, with their spread; tables and plot use medians "

@@ -33,6 +33,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from stocaching import MixtureDataset, SharedCache, WeightedMixtureSampler
 
+from . import arguments as A
+
 BYTES_PER_GIB = 1024**3
 TARGET_S = 1.0
 
@@ -66,26 +68,25 @@ class Synthetic(Dataset):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .__main__ import _fraction, _non_negative_int, _positive_int
 
-    p.add_argument("--sizes", type=_positive_int, nargs="+", default=[3000, 1500, 500],
+    p.add_argument("--sizes", type=A.positive_int, nargs="+", default=[3000, 1500, 500],
                    help="lengths of the sub-datasets (default: %(default)s)")
     p.add_argument("--weights", type=float, nargs="+", default=[0.5, 0.3, 0.2],
                    help="their weights (default: %(default)s: with the default sizes the first "
                         "is down-weighted, the second read once, the third twice per epoch)")
-    p.add_argument("--cache-fractions", type=_fraction, nargs="+", default=[1.0, 0.5, 0.2],
+    p.add_argument("--cache-fractions", type=A.fraction, nargs="+", default=[1.0, 0.5, 0.2],
                    help="fraction of each sub-dataset its cache holds (default: %(default)s)")
-    p.add_argument("--dims", type=_positive_int, nargs="+", default=[3, 16, 16],
+    p.add_argument("--dims", type=A.positive_int, nargs="+", default=[3, 16, 16],
                    help="shape of a sample, uint8 (default: %(default)s)")
-    p.add_argument("--epochs", type=_positive_int, default=4, help="default: %(default)s")
-    p.add_argument("--workers", type=_non_negative_int, default=2,
+    p.add_argument("--epochs", type=A.positive_int, default=4, help="default: %(default)s")
+    p.add_argument("--workers", type=A.non_negative_int, default=2,
                    help="DataLoader workers (default: %(default)s)")
-    p.add_argument("--batch-size", type=_positive_int, default=64, help="default: %(default)s")
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="default: %(default)s")
-    p.add_argument("--build-total", type=_positive_int, default=10_000_000,
+    p.add_argument("--batch-size", type=A.positive_int, default=64, help="default: %(default)s")
+    p.add_argument("--seed", type=A.non_negative_int, default=0, help="default: %(default)s")
+    p.add_argument("--build-total", type=A.positive_int, default=10_000_000,
                    help="indices of the epoch whose build is timed, split 5:3:2 over 3 "
                         "sub-datasets (default: %(default)s)")
-    p.add_argument("--repeats", type=_positive_int, default=3,
+    p.add_argument("--repeats", type=A.positive_int, default=3,
                    help="builds timed per weighting; medians reported (default: %(default)s)")
 
 

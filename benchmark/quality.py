@@ -48,6 +48,7 @@ from torch import nn
 
 import stocaching
 
+from . import arguments as A
 from . import latency as L
 from . import report
 
@@ -270,27 +271,26 @@ def check_lines(runs: Sequence[dict[str, Any]], arms: Sequence[Arm], args: argpa
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .__main__ import _fraction, _non_negative_float, _positive_int
 
-    p.add_argument("--seeds", type=_positive_int, default=5,
+    p.add_argument("--seeds", type=A.positive_int, default=5,
                    help="training seeds per arm (default: %(default)s)")
-    p.add_argument("--epochs", type=_positive_int, default=15, help="default: %(default)s")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="default: %(default)s")
-    p.add_argument("--window", type=_positive_int, default=None,
+    p.add_argument("--epochs", type=A.positive_int, default=15, help="default: %(default)s")
+    p.add_argument("--batch-size", type=A.positive_int, default=16, help="default: %(default)s")
+    p.add_argument("--window", type=A.positive_int, default=None,
                    help="W of the prefetching arms (default: 4 batches)")
-    p.add_argument("--large-window", type=_positive_int, default=None,
+    p.add_argument("--large-window", type=A.positive_int, default=None,
                    help="W of the -large arms (default: a third of the epoch)")
-    p.add_argument("--fraction", type=_fraction, default=0.5,
+    p.add_argument("--fraction", type=A.fraction, default=0.5,
                    help="fraction of the (class-sorted) training set cached: a random "
                         "subset of it (random_subset=True), but for the -first arm "
                         "(default: %(default)s)")
-    p.add_argument("--latency-ms", type=_non_negative_float, default=2.0,
+    p.add_argument("--latency-ms", type=A.non_negative_float, default=2.0,
                    help="median of the EMULATED lognormal latency of the prefetching arms' "
                         "loads; 0: none (default: %(default)s)")
     p.add_argument("--p99-ratio", type=float, default=10.0, help="default: %(default)s")
-    p.add_argument("--threads", type=_positive_int, default=8,
+    p.add_argument("--threads", type=A.positive_int, default=8,
                    help="Prefetcher threads (default: %(default)s)")
-    p.add_argument("--staging-slots", type=_positive_int, default=512,
+    p.add_argument("--staging-slots", type=A.positive_int, default=512,
                    help="default: %(default)s")
     p.add_argument("--lr", type=float, default=0.05, help="default: %(default)s")
     p.add_argument("--out", type=Path, default=None,
