@@ -771,6 +771,30 @@ def _slots_fitting(free: int, like: CacheLayout, slot_bytes: int, staging: int =
     return slots
 
 
+def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
+                 like: CacheLayout) -> float:
+    """``size_limit_gib="auto"``: the budget of the whole dataset, or of the most slots whose
+    segment fits both in what ``shm_dir`` has free and in the available RAM less the margin the
+    RAM warning keeps; the choice is logged with its numbers."""
+    clean_segments(shm_dir)  # what dead jobs left is free room
+    shm_free = _free_bytes(shm_dir)
+    vm = psutil.virtual_memory()
+    margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
+    ram_room = max(0, vm.available - margin)
+    fits = min(_slots_fitting(shm_free, like, slot_bytes, staging),
+               _slots_fitting(ram_room, like, slot_bytes, staging))
+    slots = min(dataset_len, fits)
+    budget = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
+    whole = _budget_for_slots(dataset_len, dataset_len, slot_bytes, staging)
+    logger.info(
+        "stocaching: size_limit_gib='auto' takes %s (%.6g GiB) for %d of %d samples: the whole "
+        "dataset needs %s; %s has %s free, and the RAM %s available, of which %s is kept free",
+        _fmt_bytes(budget * BYTES_PER_GIB), budget, slots, dataset_len,
+        _fmt_bytes(whole * BYTES_PER_GIB), shm_dir, _fmt_bytes(shm_free),
+        _fmt_bytes(vm.available), _fmt_bytes(margin))
+    return budget
+
+
 def _free_bytes(path: str) -> int:
     """Bytes an unprivileged user can still allocate on the filesystem of ``path``."""
     st = os.statvfs(path)
@@ -1165,7 +1189,11 @@ class SharedCache:
     racing a write of the same slot is not guaranteed to be caught (untested there).
 
     Args:
-        size_limit_gib: budget in GiB (int or float) for the slots and the aux array.
+        size_limit_gib: budget in GiB (int or float) for the slots and the aux array; or
+            ``"auto"``: what the whole dataset needs, or less if /dev/shm or the RAM cannot
+            hold it (the RAM warning's margin is kept free), decided once by the local leader
+            and logged with its numbers; the other local ranks take the leader's slot count.
+            ``"auto"`` is for one node and samples of fixed size.
         dataset_len: number of samples in the full dataset.
         data_dims: shape of one sample, e.g. ``(3, 256, 256)``; or, for samples of several
             tensors, a dict of 1 to 16 fields ``{name: shape}`` (``()`` for a scalar), e.g.
@@ -1247,14 +1275,16 @@ class SharedCache:
                 cls = _FieldsCache
         return super().__new__(cls)
 
-    def __init__(self, size_limit_gib: float, dataset_len: int,
+    def __init__(self, size_limit_gib: float | str, dataset_len: int,
                  data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
                  dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
                  name: str | None = None, job_key: str | None = None,
                  world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
                  random_subset: bool = False, timeout: float = 300.0, staging_slots: int = 0,
                  mean_sample_bytes: int | None = None) -> None:
-        size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
+        auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
+        if not auto:
+            size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         if isinstance(data_dims, Mapping):
             fields, slot_bytes = _check_fields(data_dims, dtype)
@@ -1290,6 +1320,24 @@ class SharedCache:
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
 
         staging = check_int("staging_slots", staging_slots, low=0)
+        if auto:
+            if variable:
+                raise ValueError(f"size_limit_gib='auto' needs samples of a fixed size; with open "
+                                 f"sizes (data_dims={dims}) pass a number (python -m stocaching "
+                                 "plan --mean-bytes sizes it), but got size_limit_gib='auto'")
+            if world.num_nodes > 1:
+                raise ValueError(f"size_limit_gib='auto' is for one node: each node would choose "
+                                 f"its own size, and the {world.num_nodes} nodes' layouts must "
+                                 "agree; pass a number (python -m stocaching plan sizes it), but "
+                                 "got size_limit_gib='auto'")
+            if world.is_local_leader:
+                size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
+                                              CacheLayout(dataset_len, 0, 1, layout_seed,
+                                                          random_subset))
+            else:  # the leader decides; this rank takes the slot count of its segment
+                self._slots_from_leader = True
+                size_limit_gib = _budget_for_slots(0, dataset_len, slot_bytes, staging) + \
+                    slot_bytes / BYTES_PER_GIB
         if staging and variable:
             raise ValueError(f"staging_slots should be 0 for a cache with open sizes (None in "
                              f"data_dims={dims}): not supported yet, but got "
@@ -1298,7 +1346,7 @@ class SharedCache:
             raise ValueError(f"staging_slots should be 0 for a dataset_len above "
                              f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
                              f"dataset_len={dataset_len}")
-        if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB:
+        if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB and not auto:
             raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
                              f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
                              f"staging_slots={staging}")
@@ -1307,7 +1355,7 @@ class SharedCache:
                                      mean_sample_bytes)
         else:
             slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
-        if slots == 0:
+        if slots == 0 and not self._slots_from_leader:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
                           f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
                           + (f" (after {staging} staging slots)" if staging else "") +
@@ -1542,6 +1590,8 @@ class SharedCache:
                                    "total_bytes", _HEADER_BYTES, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         head = _read_header(mm)
+        if self._slots_from_leader and 0 <= head["slots"] <= self._layout.dataset_len:
+            self._layout = dataclasses.replace(self._layout, slots=head["slots"])
         self._check_header(head, size)
         self._map(fd, mm, head)
         return head
@@ -1736,6 +1786,7 @@ class SharedCache:
     # turn the instance's __dict__ into a plain dict, and every attribute read of the hit
     # path got a few per cent slower).
     _fields: tuple = ()  # the fields of a sample (_FieldsCache, _ArenaCache with a dict)
+    _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
 
     def _reduce_for_process(self) -> tuple:
         """What multiprocessing's pickler sends: a duplicate of the descriptor and the

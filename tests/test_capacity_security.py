@@ -8,6 +8,7 @@ as that user (``sh`` started with ``user=65534``), not by chown.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -17,14 +18,16 @@ import signal
 import stat
 import subprocess
 import time
+import warnings
 
+import psutil
 import pytest
 import torch
 
 from _helpers import age, assert_no_leak, budget_for, named, rank_env, run_child, used_bytes
 from stocaching import (CacheCapacityError, CacheConfigError, SharedCache, World,
                         clean_segments, list_segments)
-from stocaching.stocaching import _segment_name
+from stocaching.stocaching import RAM_MARGIN_BYTES, RAM_MARGIN_FRACTION, _segment_name
 
 NOBODY = 65534
 W0 = World(rank=0, world_size=2, local_rank=0, local_world_size=2)
@@ -314,3 +317,61 @@ def test_stale_segments_are_reclaimed_and_live_ones_never_touched(tmpfs, childre
         c.send("exit")
         assert c.wait() == 0
     assert_no_leak(tmpfs)
+
+
+# -- size_limit_gib="auto" -------------------------------------------------------------------
+
+def test_auto_size_takes_the_whole_dataset_when_it_fits(tmpfs, caplog):
+    caplog.set_level(logging.INFO, logger="stocaching")
+    with SharedCache("auto", 1000, (3, 8, 8), shm_dir=tmpfs) as c:
+        assert len(c) == 1000
+    said = [r.getMessage() for r in caplog.records if "'auto'" in r.getMessage()]
+    assert len(said) == 1 and "for 1000 of 1000 samples" in said[0] and "free" in said[0]
+
+
+def test_auto_size_takes_what_the_tmpfs_holds_and_a_second_rank_takes_the_leaders_count(tmpfs):
+    slot = 3 * 64 * 64
+    n = 10_000  # 123 MB of samples: more than the 64 MiB tmpfs
+    free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+    worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
+    args = dict(dataset_len=n, data_dims=(3, 64, 64), name="auto", job_key=f"auto{os.getpid()}",
+                shm_dir=tmpfs, timeout=60)
+    with SharedCache("auto", world=worlds[0], **args) as lead:
+        assert 0 < len(lead) < n
+        left = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+        assert left < slot + 2 * 4096, (free, left)  # the most slots that fit, not fewer
+        # The second local rank finds almost nothing free: it takes the leader's count.
+        with SharedCache("auto", world=worlds[1], **args) as other:
+            assert len(other) == len(lead)
+            other.set_slot(5, torch.full((3, 64, 64), 7, dtype=torch.uint8))
+            assert int(lead.get_slot(5)[0, 0, 0]) == 7
+
+
+def test_auto_size_keeps_the_ram_margin(tmpfs, monkeypatch):
+    # The machine's RAM cannot be made small for a test: psutil's reading is replaced (a mock)
+    # with one that leaves 1 MiB above the margin the RAM warning keeps.
+    real = psutil.virtual_memory()
+    margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * real.total))
+    fake = real._replace(available=margin + 2**20)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and so no RAM warning either
+        with SharedCache("auto", 100_000, (3, 8, 8), shm_dir=tmpfs) as c:
+            size = c.stats()["bytes"]
+            assert 0 < len(c) < 100_000
+            assert 2**20 - (3 * 8 * 8 + 4) - 4096 < size <= 2**20
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(data_dims=(None, 3)), r"size_limit_gib='auto' needs samples of a fixed size"),
+    (dict(world=World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
+                      num_nodes=2)), r"size_limit_gib='auto' is for one node"),
+    (dict(size_limit_gib="Auto"), r"positive finite number of GiB or 'auto', but got "
+                                  r"size_limit_gib='Auto'"),
+])
+def test_auto_size_refuses_what_it_cannot_size(tmpfs, kw, match):
+    args = dict(size_limit_gib="auto", dataset_len=100, data_dims=(3, 8, 8), shm_dir=tmpfs)
+    args.update(kw)
+    with pytest.raises((ValueError, TypeError), match=match):
+        SharedCache(**args)
+    assert os.listdir(tmpfs) == []
