@@ -82,3 +82,29 @@ def test_opt_in_modules_import_only_the_cores_public_names():
                     for alias in node.names}
         assert imported, module
         assert imported <= set(core.__all__), (module, sorted(imported - set(core.__all__)))
+
+
+def test_the_code_map_names_only_what_exists():
+    """Every name in docs/how-it-works.md's map of the code is defined in the module of its row
+    (a function, a class, a method, or an assignment), and the core's __all__ is sorted."""
+    import stocaching.stocaching as core
+
+    assert core.__all__ == sorted(core.__all__)
+    text = read("docs", "how-it-works.md")
+    table = text[text.index("## Map of the code"):]
+    module = None
+    missing = []
+    for row in re.findall(r"^\|(.*)\|$", table, re.M)[2:]:
+        first, *rest = row.split("|")
+        path = re.search(r"`([\w/]+\.py)`", first)
+        if path:
+            module = read(*path.group(1).split("/"))
+        elif first.strip():
+            module = None  # a folder (benchmark/, tests/): not checked name by name
+        if module is None:
+            continue
+        for name in re.findall(r"`([A-Za-z_]\w*)`", "|".join(rest)):
+            defined = rf"^\s*(def|class)\s+{name}\b|^\s*{name}\s*[:=]|^[\w, ]*\b{name}\b[\w, ]*="
+            if not re.search(defined, module, re.M):
+                missing.append((path.group(1) if path else "?", name))
+    assert not missing, f"docs/how-it-works.md's map names what its module does not define: {missing}"
