@@ -685,13 +685,17 @@ _HEADER_FIELDS = (
     "local_world_size", "stats_off", "stats_rows", "aux_off", "seq_off", "map_off", "data_off",
     "attached", "ready", "staging", "stage_off", "nfields",
     "arena_bytes", "arena_top", "record_words", "mean_bytes", "arena_full",  # open sizes
-    "random_subset",
+    "random_subset", "persistent", "key_hash",
 )
 _HEADER = struct.Struct("<8s" + "q" * len(_HEADER_FIELDS))
 _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
 # The field table of a cache of several fields per sample, in the header after the fields
 # above: per field, its name, dtype code, ndim, byte offset in the slot and dims.
 _FIELDS_OFF = 1024
+# A persistent cache's key (what data it holds), as UTF-8, at the end of the header.
+_KEY_OFF, _KEY_BYTES = 3072, 1024
+# The job key of every persistent segment: its name alone identifies it.
+_PERSISTENT_JOB_KEY = "persistent"
 _FIELD_RECORD = struct.Struct(f"<{_FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
 _STATS_ROWS = 1024
 _STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
@@ -898,6 +902,16 @@ def _read_header(buf: Any) -> dict:
     return head
 
 
+def _key_hash(key: str) -> int:
+    """A persistent cache's key as a header field: 63 bits of its SHA-1."""
+    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "little") >> 1
+
+
+def _read_key(buf: Any) -> str:
+    raw = bytes(buf[_KEY_OFF: _KEY_OFF + _KEY_BYTES])
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
 def _head_dims(head: dict) -> tuple[Any, ...]:
     """The single tensor's dims in a header (None for an open size)."""
     return tuple(None if head[f"dim{i}"] < 0 else head[f"dim{i}"]
@@ -1091,8 +1105,10 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         Dicts with ``path`` (for an unlinked segment, its name as it was or, for one that
         never had it, as it would have been),
         ``named``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as /proc shows)
-        and ``state``: "live" (in use), "starting" (being created) or "stale" (nobody holds
-        it: ``clean_segments`` removes it).
+        and ``state``: "live" (in use), "starting" (being created), "stale" (nobody holds
+        it: ``clean_segments`` removes it) or "kept" (a persistent cache nobody uses now);
+        a persistent cache's dict adds ``name``, ``key``, ``filled`` (samples stored),
+        ``slots`` and ``age_s`` (seconds since it was made).
     """
     mapped = _mapped_segments(shm_dir)
     out = []
@@ -1110,8 +1126,13 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         state = "starting" if info["starting"] else "live"
         if not pids and _is_stale_file(path):
             state = "stale"
-        out.append({"path": path, "named": True, "uid": st.st_uid, "bytes": st.st_size,
-                    "pids": pids, "state": state})
+        entry = {"path": path, "named": True, "uid": st.st_uid, "bytes": st.st_size,
+                 "pids": pids, "state": state}
+        if info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]:
+            entry.update(_describe_persistent(path, info["name"]))
+            if state == "stale":
+                entry["state"] = "kept"
+        out.append(entry)
     for m in mapped.values():
         info = _parse_segment_name(os.path.basename(m["path"])) or {}
         # A segment of a single-process job never had its name: it was mapped under the
@@ -1122,22 +1143,75 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
     return out
 
 
-def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False) -> list[str]:
+def _describe_persistent(path: str, name: str) -> dict:
+    """What ``list_segments`` says of a persistent cache: its name, key, fill and age."""
+    out: dict = {"name": name, "key": None, "filled": None, "slots": None, "age_s": None}
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return out
+    try:
+        st = os.fstat(fd)
+        out["age_s"] = time.time() - st.st_ctime
+        head_bytes = os.pread(fd, _HEADER_BYTES, 0)
+        head = _read_header(head_bytes)
+        aux = np.frombuffer(os.pread(fd, head["dataset_len"], head["aux_off"]), np.uint8)
+        out.update(key=_read_key(head_bytes), filled=int(np.count_nonzero(aux == SET)),
+                   slots=head["slots"])
+    except (OSError, ValueError, struct.error):
+        pass  # not a whole segment: shown without them
+    finally:
+        os.close(fd)
+    return out
+
+
+def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
+                   persistent: bool | Sequence[str] = ()) -> list[str]:
     """Remove this user's segments in ``shm_dir`` that no live process holds (left by a job
-    killed during start-up). Live segments are never touched.
+    killed during start-up). Live segments are never touched, and persistent caches only when
+    asked for.
+
+    Args:
+        persistent: persistent caches to remove too, by name, or True for all of them (those
+            that no process uses now). Default: none.
 
     Returns:
         The paths removed (or that would be, with ``dry_run=True``).
     """
+    if isinstance(persistent, str) or not isinstance(persistent, (bool, Sequence)):
+        raise TypeError(f"persistent should be a bool or a list of names, but got "
+                        f"persistent={persistent!r}")
     removed = []
     for fname in sorted(os.listdir(shm_dir)):
         info = _parse_segment_name(fname)
+        if info is not None and info["job_key"] == _PERSISTENT_JOB_KEY and \
+                not info["starting"] and persistent is not True and \
+                info["name"] not in persistent:
+            continue
         if info is not None and info["uid"] == os.getuid():
             path = os.path.join(shm_dir, fname)
             if _is_stale_file(path, remove=not dry_run):
                 removed.append(path)
                 logger.info("stocaching: removed stale segment %s", path)
     return removed
+
+
+def _check_persistent(name: Any, job_key: Any, key: Any, on_mismatch: Any) -> None:
+    """The arguments of a persistent cache (see ``SharedCache``)."""
+    if name is None:
+        raise ValueError("a persistent cache needs a name= (the next job finds it by its name), "
+                         "but got name=None with persistent=True")
+    if job_key is not None:
+        raise ValueError(f"a persistent cache is found by its name alone, not by a job key, but "
+                         f"got job_key={job_key!r} with persistent=True")
+    if not isinstance(key, str):
+        raise TypeError(f"key should be a str (which data the cache holds), but got key={key!r}")
+    if len(key.encode()) >= _KEY_BYTES or "\0" in key:
+        raise ValueError(f"key should be a str of less than {_KEY_BYTES} UTF-8 bytes without "
+                         f"NUL, but got key={key[:80]!r}... ({len(key.encode())} bytes)")
+    if on_mismatch not in ("raise", "replace"):
+        raise ValueError(f"on_mismatch should be 'raise' or 'replace', but got "
+                         f"on_mismatch={on_mismatch!r}")
 
 
 def _more_room(shm_dir: str, total: int) -> str:
@@ -1234,6 +1308,19 @@ class SharedCache:
             each node's candidate set (its ``CacheLayout`` subset) is then as many indices as
             its arena holds of such samples, if that is more than an even share of the
             dataset. Default: None (an even share: the nodes' subsets are disjoint).
+        persistent: keep the cache after the job, under ``name`` (required then): the next
+            job on this machine that asks for a persistent cache of that name, with the same
+            ``key`` and configuration, attaches to it with every filled slot a hit. It is
+            removed only by ``python -m stocaching clean --persistent NAME`` (or
+            ``clean_segments(persistent=[NAME])``), never while in use. Default: False (the
+            cache is freed when the job's last process exits).
+        key: with ``persistent``: which data the cache holds (a dataset version, a hash of
+            the file list, the transform's parameters), checked when a job attaches.
+            Default: "".
+        on_mismatch: with ``persistent``, when the cache of that name holds another key or
+            configuration: ``"raise"`` a ``CacheConfigError`` naming what differs, or
+            ``"replace"`` it with a new empty cache (not while another process uses it).
+            Default: "raise".
 
     Open sizes: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
     number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
@@ -1281,7 +1368,8 @@ class SharedCache:
                  name: str | None = None, job_key: str | None = None,
                  world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
                  random_subset: bool = False, timeout: float = 300.0, staging_slots: int = 0,
-                 mean_sample_bytes: int | None = None) -> None:
+                 mean_sample_bytes: int | None = None, persistent: bool = False,
+                 key: str = "", on_mismatch: str = "raise") -> None:
         auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
         if not auto:
             size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
@@ -1311,6 +1399,16 @@ class SharedCache:
             raise TypeError(f"random_subset should be a bool, but got "
                             f"random_subset={random_subset!r}")
         timeout = _check_positive("timeout", timeout, "seconds")
+        if not isinstance(persistent, bool):
+            raise TypeError(f"persistent should be a bool, but got persistent={persistent!r}")
+        if persistent:
+            _check_persistent(name, job_key, key, on_mismatch)
+            job_key = _PERSISTENT_JOB_KEY
+            self._persistent, self._key, self._on_mismatch = True, key, on_mismatch
+        elif key or on_mismatch != "raise":
+            raise ValueError(f"key and on_mismatch are for a persistent cache (persistent=True), "
+                             f"but got key={key!r}, on_mismatch={on_mismatch!r} with "
+                             "persistent=False")
         name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
         job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
         shm_dir = shm_dir if shm_dir is not None else \
@@ -1373,7 +1471,7 @@ class SharedCache:
         self._timeout = float(timeout)
         self._finalizer: weakref.finalize | None = None
         if world.is_local_leader:
-            self._create()
+            self._open_persistent() if persistent else self._create()
         else:
             self._attach_by_name(self._timeout)
 
@@ -1386,6 +1484,8 @@ class SharedCache:
              "dtype_code": 0 if self._fields else _DTYPES[self._dtype][0], "ndim": len(one),
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
              "layout_seed": lay.seed, "random_subset": int(lay.random_subset),
+             "persistent": int(self._persistent),
+             "key_hash": _key_hash(self._key) if self._persistent else 0,
              "uid": os.getuid(), "stats_rows": _STATS_ROWS,
              "staging": self._staging, "nfields": len(self._fields), "arena_bytes": 0,
              "arena_top": 0, "record_words": 0, "mean_bytes": 0, "arena_full": 0}
@@ -1436,6 +1536,102 @@ class SharedCache:
             100.0 * lay.slots / lay.dataset_len, self._describe(), self._world.node_rank,
             _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
 
+    def _open_persistent(self) -> None:
+        """The local leader of a persistent cache: attach to the segment of this name if it
+        holds this configuration and key (a mismatch raises, or with on_mismatch="replace"
+        makes way for a new one), else make it. Its name stays after the job."""
+        for _ in range(5):
+            try:
+                fd = _open_existing(self._path)
+            except FileNotFoundError:
+                if self._create_persistent():
+                    return
+                continue  # another job made it at the same moment: attach to theirs
+            try:
+                if self._adopt_persistent(fd):
+                    return
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # replaced: make a new one
+        raise CacheConfigError(f"could not open or make the persistent cache {self._path}: it "
+                               "keeps changing", "name", self._name, self._path)
+
+    def _create_persistent(self) -> bool:
+        """Make the segment and give it its name; False if another process named one first."""
+        head = self._expected_header()
+        self._preflight(os.path.dirname(self._path), head["total_bytes"])
+        tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        st = os.fstat(fd)
+        try:
+            self._init_segment(fd, head)
+            os.link(tmp, self._path)
+        except BaseException as e:
+            if getattr(self, "_mm", None) is not None:
+                self._unmap()
+            _close_fd(fd)
+            if isinstance(e, FileExistsError):
+                return False
+            raise
+        finally:
+            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+        self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        logger.info("stocaching: made the persistent cache %r (key %r): %d of %d samples of %s, "
+                    "%s in %s; it stays after this job (python -m stocaching clean --persistent "
+                    "%s removes it)", self._name, self._key, self._layout.slots,
+                    self._layout.dataset_len, self._describe(), _fmt_bytes(head["total_bytes"]),
+                    os.path.dirname(self._path), self._name)
+        return True
+
+    def _adopt_persistent(self, fd: int) -> bool:
+        """Attach to an existing persistent segment; False if it was removed to be replaced."""
+        alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
+        if not alone:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, min(size, _HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            head = _read_header(mm) if size >= _HEADER_BYTES else None
+            theirs = _read_key(mm) if head is not None else None
+        mismatch = None
+        if head is None or not head["persistent"]:
+            mismatch = CacheConfigError(f"{self._path} is not a persistent cache", "persistent",
+                                        1, 0)
+        elif head["key_hash"] != _key_hash(self._key):
+            mismatch = CacheConfigError(
+                f"the persistent cache {self._path} holds key={theirs!r}, but this job asked "
+                f"for key={self._key!r}: it holds other data. Pass on_mismatch='replace' to "
+                "make a new cache in its place, or another name=", "key", self._key, theirs)
+        else:
+            try:
+                self._check_header(head, size)
+            except CacheConfigError as e:
+                mismatch = CacheConfigError(
+                    f"the persistent cache {self._path} holds {e.field}={e.found}, but this job "
+                    f"asked for {e.field}={e.expected}. Pass on_mismatch='replace' to make a new "
+                    "cache in its place, or another name=", e.field, e.expected, e.found)
+        if mismatch is not None:
+            if self._on_mismatch == "replace" and not alone:
+                raise CacheConfigError(f"{mismatch} (not replaced: another process uses it "
+                                       "now)", mismatch.field, mismatch.expected, mismatch.found)
+            if self._on_mismatch != "replace":
+                raise mismatch
+            st = os.fstat(fd)
+            _unlink_if_same(self._path, st.st_ino, st.st_dev)
+            logger.warning("stocaching: replaced the persistent cache %s: %s", self._path,
+                           mismatch.args[0])
+            return False
+        self._map_existing(fd)
+        if alone:  # what the last job left staged is nobody's now
+            self._stage_np[:] = -1
+            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive to shared, like every user
+        self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
+                    "filled", self._name, self._key, int(np.count_nonzero(self._aux_np == SET)),
+                    self._layout.slots)
+        return True
+
     def _preflight(self, shm_dir: str, total: int) -> None:
         """Before anything is made: drop stale segments, refuse what cannot fit, warn about
         a directory on disk or a machine left short of RAM."""
@@ -1479,6 +1675,8 @@ class SharedCache:
         head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
                     local_world_size=self._world.local_world_size, attached=1, ready=0)
         _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
+        if self._persistent:
+            mm[_KEY_OFF: _KEY_OFF + len(self._key.encode())] = self._key.encode()
         for k, f in enumerate(self._fields):
             _FIELD_RECORD.pack_into(mm, _FIELDS_OFF + k * _FIELD_RECORD.size, f.name.encode(),
                                     _DTYPES[f.dtype][0], len(f.dims), f.offset,
@@ -1573,7 +1771,8 @@ class SharedCache:
             with self._header_locked():
                 attached = self._header_get("attached") + 1
                 self._header_set("attached", attached)
-            if attached >= head["local_world_size"]:  # all here: drop the name
+            # All here: drop the name (a persistent cache keeps it: the next job attaches by it).
+            if attached >= head["local_world_size"] and not head["persistent"]:
                 dev, ino = self._file_id
                 _unlink_if_same(self._path, ino, dev)
         except BaseException:
@@ -1620,7 +1819,8 @@ class SharedCache:
                  "slots": "slot count (from size_limit_gib)", "num_nodes": "num_nodes",
                  "staging": "staging_slots",
                  "node_rank": "node_rank", "layout_seed": "layout_seed",
-                 "random_subset": "random_subset", "version": "version"}
+                 "random_subset": "random_subset", "persistent": "persistent",
+                 "key_hash": "key (its hash)", "version": "version"}
         found = [(label, want[field], head[field]) for field, label in names.items()]
         if not self._fields:  # (a fields cache has ndim 0 and its dims in the field table)
             found.append(("data_dims", self._dims,  # after ndim: a damaged ndim is named first
@@ -1787,6 +1987,7 @@ class SharedCache:
     # path got a few per cent slower).
     _fields: tuple = ()  # the fields of a sample (_FieldsCache, _ArenaCache with a dict)
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
+    _persistent, _key = False, ""  # a persistent cache and the key of the data it holds
 
     def _reduce_for_process(self) -> tuple:
         """What multiprocessing's pickler sends: a duplicate of the descriptor and the
@@ -3397,6 +3598,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="staging slots for a prefetcher, paid from the budget (default: 0)")
     c = sub.add_parser("clean", help="remove your segments whose processes are all gone")
     c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
+    c.add_argument("--persistent", action="append", default=[], metavar="NAME",
+                   help="also remove the persistent cache of this name, if no process uses it "
+                        "(repeat for several)")
+    c.add_argument("--all-persistent", action="store_true",
+                   help="also remove every persistent cache that no process uses")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.shm_dir):
         parser.error(f"--shm-dir should be an existing directory (a tmpfs such as /dev/shm), "
@@ -3457,7 +3663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out(f"warning: the segment ({r['segment_gib']:.2f} GiB) is more than the RAM "
                 f"available now: the machine would swap\n")
     elif args.cmd == "clean":
-        removed = clean_segments(args.shm_dir, dry_run=args.dry_run)
+        removed = clean_segments(args.shm_dir, dry_run=args.dry_run,
+                                 persistent=True if args.all_persistent else args.persistent)
         verb = "would remove" if args.dry_run else "removed"
         out("".join(f"{verb} {p}\n" for p in removed) or "nothing to clean\n")
     else:
@@ -3472,6 +3679,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = s["path"] if s["named"] else s["path"] + " (unlinked)"
             out(f"  {s['state']:8s} uid={s['uid']} {_fmt_bytes(s['bytes']):>10s} "
                 f"pids={','.join(map(str, s['pids'])) or '-'} {name}\n")
+            if "key" in s:
+                age = "?" if s["age_s"] is None else f"{s['age_s'] / 3600:.1f} h"
+                out(f"           persistent: name={s['name']} key={s['key']!r} filled "
+                    f"{s['filled']} of {s['slots']} slots, made {age} ago\n")
     return 0
 
 

@@ -58,6 +58,8 @@ FIELDS = os.environ.get("FT_FIELDS", "") == "1"
 # FT_VARIABLE=1: a cache of open sizes, (None,) uint8, sample i of D - 7 i bytes (the same
 # commands but batch; writehang stops in the arena's copy).
 VARIABLE = os.environ.get("FT_VARIABLE", "") == "1"
+# FT_PERSISTENT=NAME: a persistent cache of that name (key "k1"), which outlives the job.
+PERSISTENT = os.environ.get("FT_PERSISTENT", "")
 # SIGINT and SIGTERM act as in a terminal even when the test runner was started with them
 # ignored (a shell does that to SIGINT of a command run with '&'), a disposition children
 # inherit. At module level, so that spawned DataLoader workers (which import this module) set
@@ -259,8 +261,9 @@ def main():
                 dims = {"x": (D,), "label": ()} if FIELDS else (None,) if VARIABLE else (D,)
                 dtype = {"x": torch.uint8, "label": torch.int64} if FIELDS else torch.uint8
                 # (open sizes: the whole budget is the arena, reserved: 1 MiB is plenty)
-                cache = SharedCache(1 / 1024 if VARIABLE else 1, N, dims, dtype, name="f",
-                                    timeout=TIMEOUT)
+                cache = SharedCache(1 / 1024 if VARIABLE else 1, N, dims, dtype,
+                                    name=PERSISTENT or "f", timeout=TIMEOUT,
+                                    **({"persistent": True, "key": "k1"} if PERSISTENT else {}))
             except Exception as e:
                 say("ERROR", type(e).__name__, str(e).replace("\n", " "))
                 sys.exit(3)

@@ -1,0 +1,134 @@
+"""A persistent cache outlives its job: it is made only when asked for by name, the next job on
+the machine attaches to it with every filled slot a hit, a slot that a killed job left
+half-written is a miss, other data (key) or another configuration is refused by name, and it is
+removed only when asked for by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _helpers import (age, assert_the_killed_write_is_a_miss, named, rank_env,
+                      ranks_with_a_killed_writer, value_of)
+from stocaching import CacheConfigError, SharedCache, World, clean_segments, list_segments
+
+DIMS = (3, 8, 8)
+
+
+def _persistent(shm_dir, **kw):
+    args = dict(size_limit_gib=1e-3, dataset_len=50, data_dims=DIMS, name="digits",
+                persistent=True, key="v1", shm_dir=shm_dir)
+    args.update(kw)
+    return SharedCache(**args)
+
+
+@pytest.mark.timeout(120)
+def test_the_next_job_attaches_with_every_filled_slot_a_hit(shm_dir):
+    """Two jobs in two processes: the first fills and returns, the second finds the samples."""
+    fill = ("import torch; from _helpers import value_of; from stocaching import SharedCache\n"
+            "c = SharedCache(1e-3, 50, (3, 8, 8), name='digits', persistent=True, key='v1')\n"
+            "[c.set_slot(i, value_of(i, (3, 8, 8))) for i in range(0, 50, 2)]\n")
+    r = subprocess.run([sys.executable, "-c", fill], env=rank_env(shm_dir), capture_output=True,
+                       text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert len(named(shm_dir)) == 1  # the name stays after the job
+    with _persistent(shm_dir) as c:
+        assert c.stats()["filled"] == 25
+        for i in range(50):
+            got = c.get_slot(i)
+            assert (got is None) == (i % 2 == 1)
+            assert got is None or torch.equal(got, value_of(i, DIMS))
+    (seg,) = [s for s in list_segments(shm_dir) if "key" in s]
+    assert (seg["name"], seg["key"], seg["filled"], seg["slots"]) == ("digits", "v1", 25, 50)
+
+
+@pytest.mark.timeout(240)
+def test_a_slot_half_written_when_a_job_was_killed_is_a_miss_in_the_next_job(children,
+                                                                              shm_dir):
+    n = 32  # job.py's N
+    lead = ranks_with_a_killed_writer(children, shm_dir, "first", n - 1, FT_PERSISTENT="kept")
+    lead.send("exit")
+    assert lead.wait() == 0
+    assert named(shm_dir) == [f"stocaching_{os.getuid()}_persistent_n0_kept"]
+    # A new job (another job key, one process) finds the cache the first one left.
+    again = children("again", rank_env(shm_dir, "second", FT_PERSISTENT="kept"))
+    again.send("create")
+    again.expect("ATTACHED")
+    assert_the_killed_write_is_a_miss(again, n, probes=("check", "batch"))
+
+
+@pytest.mark.parametrize("kw,field,match", [
+    (dict(key="v2"), "key", r"holds key='v1', but this job asked for key='v2'"),
+    (dict(data_dims=(3, 8, 4)), "data_dims", r"holds data_dims=\(3, 8, 8\), but this job asked "
+                                             r"for data_dims=\(3, 8, 4\)"),
+    (dict(dataset_len=60), "dataset_len", r"holds dataset_len=50"),
+    (dict(dtype=torch.int16), "dtype", r"holds dtype="),
+])
+def test_other_data_or_another_configuration_is_refused_by_name_or_replaced(shm_dir, kw,
+                                                                             field, match):
+    with _persistent(shm_dir) as c:
+        c.set_slot(1, value_of(1, DIMS))
+    with pytest.raises(CacheConfigError, match=match) as e:
+        _persistent(shm_dir, **kw)
+    assert e.value.field == field and "on_mismatch='replace'" in str(e.value)
+    with _persistent(shm_dir) as c:  # refused: the old one is intact
+        assert torch.equal(c.get_slot(1), value_of(1, DIMS))
+    with _persistent(shm_dir, on_mismatch="replace", **kw) as fresh:
+        assert fresh.stats()["filled"] == 0  # never reads the old bytes as its own
+    assert len(named(shm_dir)) == 1
+
+
+def test_a_cache_in_use_is_not_replaced(shm_dir):
+    with _persistent(shm_dir):
+        with pytest.raises(CacheConfigError, match="not replaced: another process uses it"):
+            _persistent(shm_dir, key="v2", on_mismatch="replace")
+
+
+def test_two_local_ranks_attach_once_and_the_name_stays(shm_dir):
+    worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
+    for _ in range(2):  # two jobs, one after the other
+        lead = _persistent(shm_dir, world=worlds[0], timeout=60)
+        other = _persistent(shm_dir, world=worlds[1], timeout=60)
+        other.set_slot(7, value_of(7, DIMS))
+        assert torch.equal(lead.get_slot(7), value_of(7, DIMS))
+        assert lead.stats()["bytes"] == other.stats()["bytes"]
+        assert len(named(shm_dir)) == 1
+        other.close()
+        lead.close()
+    assert len(named(shm_dir)) == 1
+
+
+def test_clean_removes_a_persistent_cache_only_by_name_or_flag(shm_dir):
+    for name in ("a", "b"):
+        _persistent(shm_dir, name=name).close()
+    with SharedCache(1e-3, 50, DIMS, shm_dir=shm_dir):  # a plain cache: never named at all
+        pass
+    age([os.path.join(shm_dir, n) for n in named(shm_dir)])  # (files younger than 2 s are never stale: a job may be starting)
+    assert clean_segments(shm_dir) == [] and len(named(shm_dir)) == 2
+    r = subprocess.run([sys.executable, "-m", "stocaching", "--shm-dir", shm_dir, "clean",
+                        "--persistent", "a"], capture_output=True, text=True, timeout=60,
+                       env=rank_env(shm_dir))
+    assert r.returncode == 0 and r.stdout.count("removed") == 1 and r.stdout.endswith("_a\n")
+    assert named(shm_dir) == [f"stocaching_{os.getuid()}_persistent_n0_b"]
+    b = os.path.join(shm_dir, f"stocaching_{os.getuid()}_persistent_n0_b")
+    assert clean_segments(shm_dir, persistent=True) == [b]
+    assert named(shm_dir) == []
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(name=None), ValueError, r"a persistent cache needs a name=.* name=None"),
+    (dict(job_key="j1"), ValueError, r"found by its name alone.* job_key='j1'"),
+    (dict(key=3), TypeError, r"key should be a str .* key=3"),
+    (dict(key="x" * 1024), ValueError, r"key should be a str of less than 1024"),
+    (dict(on_mismatch="keep"), ValueError, r"on_mismatch should be 'raise' or 'replace'.*'keep'"),
+    (dict(persistent=1), TypeError, r"persistent should be a bool, but got persistent=1"),
+    (dict(persistent=False, key="v1"), ValueError, r"key and on_mismatch are for a persistent"),
+])
+def test_bad_persistent_arguments_make_nothing(shm_dir, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _persistent(shm_dir, **kw)
+    assert os.listdir(shm_dir) == []
