@@ -576,3 +576,19 @@ def test_crop_of_varied_sizes_equals_pad_then_crop(seed):
     j = int(torch.randint(0, w + 2 * p - c + 1, ()))
     ref = F.pad(x, (p, p, p, p))[:, i:i + c, j:j + c]
     torch.testing.assert_close(y, D.Augment(pad=0, flip=False)(ref.contiguous()))
+
+
+@pytest.mark.timeout(180)
+def test_persistent_command_prints_its_checks_and_leaves_nothing(jpeg_dir, shm_dir, capsys):
+    rc = main(["persistent", "--data-dir", str(jpeg_dir), "--num-images", str(N),
+               "--image-size", str(SRC), "--decoded-size", str(DEC), "--attach-gib", "0.01",
+               "--repeats", "1"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    checks = [line for line in text.splitlines() if line.startswith("[")]
+    assert len(checks) == 2 and all(line[:6] in ("[PASS]", "[MISS]") for line in checks)
+    hits = {line.split("  ")[0].strip(): line.split()[-1] for line in text.splitlines()
+            if "job, epoch" in line}
+    assert hits == {"first job, epoch 1 (decodes)": "0", "first job, epoch 2 (warm)": str(N),
+                    "second job, epoch 1 (attached)": str(N)}  # the second job found them all
+    assert os.listdir(shm_dir) == []  # both persistent caches removed at the end

@@ -1,0 +1,157 @@
+"""A cache that outlives its job: ``python -m benchmark persistent``.
+
+Three jobs, each a process of its own, one after the other, on the benchmark's JPEGs:
+
+1. the first job makes a persistent cache (``persistent=True``) and reads the dataset twice in
+   its main process (the two-line ``__getitem__``, augmentation included): epoch 1 loads,
+   decodes and stores every sample, epoch 2 is warm (every sample a hit); then it returns;
+2. the second job constructs the same persistent cache (timed: the attach), and reads one epoch:
+   its epoch 1, which should run at the warm rate;
+3. apart, a persistent cache of ``--attach-gib`` GiB is made by one job, and the time a new job
+   takes to attach to it is measured.
+
+Target checks (measured, not asserted): the attach of ``--attach-gib`` <= 0.1 s; the second
+job's epoch 1 >= 0.95 x the first job's warm epoch. Every cache this command makes is removed
+at the end, also when it fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from . import arguments as A
+from . import data as D
+
+ATTACH_MAX_S = 0.1
+WARM_MIN = 0.95
+DIMS_OF_BIG = (3, 256, 256)
+
+
+def job(role: str, options: str) -> None:
+    """One job of the scenario, in a process of its own; prints one JSON line of figures."""
+    import torch
+
+    from stocaching import SharedCache
+
+    o = json.loads(options)
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"role": role}
+    if role == "big":  # make (or, for the timing, attach to) a large persistent cache
+        slot = 3 * 256 * 256
+        n = int(o["attach_gib"] * 2**30 // (slot + 1))
+        t0 = time.perf_counter()
+        cache = SharedCache(o["attach_gib"], n, DIMS_OF_BIG, name=o["name"] + "-big",
+                            persistent=True, key="big")
+        out.update(construct_s=time.perf_counter() - t0, slots=len(cache),
+                   bytes=cache.stats()["bytes"])
+        if o.get("fill"):
+            x = torch.full(DIMS_OF_BIG, 7, dtype=torch.uint8)
+            for i in range(0, len(cache), max(1, len(cache) // 1000)):
+                cache.set_slot(i, x)
+        out["filled"] = cache.stats()["filled"]
+        cache.close()
+    else:
+        t0 = time.perf_counter()
+        cache = SharedCache(o["size_gib"], o["num_images"], (3, o["decoded_size"],
+                                                                o["decoded_size"]),
+                            name=o["name"], persistent=True, key="jpegs")
+        out["construct_s"] = time.perf_counter() - t0
+        ds = D.JpegDataset(o["root"], o["num_images"], o["decoded_size"], 10, cache=cache)
+        for epoch in range(1 if role == "second" else 2):
+            torch.manual_seed(epoch)
+            c0, t1 = time.process_time(), time.perf_counter()
+            hits = sum(ds[i][2] for i in range(len(ds)))
+            wall = time.perf_counter() - t1
+            out[f"epoch{epoch + 1}"] = {"samples_per_s": len(ds) / wall, "wall_s": wall,
+                                        "cpu_s": time.process_time() - c0, "hits": hits}
+        ds.cache = None
+        cache.close()
+    print(json.dumps(out), flush=True)
+
+
+def _run_job(role: str, options: dict[str, Any]) -> dict[str, Any]:
+    code = f"from benchmark.persistent import job; job({role!r}, {json.dumps(options)!r})"
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root),
+                                                                    os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"the {role} job failed (exit {r.returncode}):\n{r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-images", type=A.positive_int, default=2000, help="default: %(default)s")
+    p.add_argument("--image-size", type=A.positive_int, default=256, help="default: %(default)s")
+    p.add_argument("--decoded-size", type=A.positive_int, default=128,
+                   help="default: %(default)s")
+    p.add_argument("--attach-gib", type=float, default=2.0,
+                   help="size of the large persistent cache whose attach is timed (the target "
+                        "is stated for 8; default: %(default)s)")
+    p.add_argument("--repeats", type=A.positive_int, default=3,
+                   help="attaches timed (the median is checked; default: %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=None, help="default: the benchmark's cache")
+
+
+def main(args: argparse.Namespace, argv: Sequence[str],
+         say: Callable[[str], None] = print) -> int:
+    import statistics
+
+    from stocaching import clean_segments
+
+    load_before = os.getloadavg()
+    say(f"load average at the start: {' '.join(f'{x:.2f}' for x in load_before)}")
+    root = args.data_dir or D.default_data_dir(args.num_images, args.image_size, 90, 0, 10)
+    D.ensure_dataset(root, args.num_images, args.image_size, quality=90, seed=0,
+                     num_classes=10)
+    D.warm_page_cache(root, args.num_images)
+    name = f"bench-{secrets.token_hex(4)}"
+    slot = 3 * args.decoded_size ** 2
+    opts = {"name": name, "root": str(root), "num_images": args.num_images,
+            "decoded_size": args.decoded_size, "attach_gib": args.attach_gib,
+            "size_gib": (args.num_images * (slot + 1) + 1) / 2**30}
+    shm_dir = os.environ.get("STOCACHING_SHM_DIR", "/dev/shm")
+    try:
+        first = _run_job("first", opts)
+        second = _run_job("second", opts)
+        made = _run_job("big", {**opts, "fill": True})
+        attaches = [_run_job("big", opts)["construct_s"] for _ in range(args.repeats)]
+    finally:
+        clean_segments(shm_dir, persistent=[name, name + "-big"])
+    e1, warm, again = first["epoch1"], first["epoch2"], second["epoch1"]
+    say(f"{args.num_images} JPEGs of {args.image_size}x{args.image_size} -> uint8 3x"
+        f"{args.decoded_size}x{args.decoded_size}, read in the job's main process, one thread")
+    say(f"{'':34s} {'samples/s':>10s} {'wall s':>7s} {'cpu s':>6s} {'hits':>6s}")
+    for label, e in (("first job, epoch 1 (decodes)", e1), ("first job, epoch 2 (warm)", warm),
+                     ("second job, epoch 1 (attached)", again)):
+        say(f"{label:34s} {e['samples_per_s']:10,.0f} {e['wall_s']:7.2f} {e['cpu_s']:6.2f} "
+            f"{e['hits']:6d}")
+    say(f"second job: attach (the constructor) {1000 * second['construct_s']:.1f} ms; first "
+        f"job: make {1000 * first['construct_s']:.1f} ms")
+    med = statistics.median(attaches)
+    say(f"persistent cache of {made['bytes'] / 2**30:.2f} GiB ({made['slots']} slots of "
+        f"3x256x256, {made['filled']} filled): made in {made['construct_s']:.2f} s; attached "
+        f"in {', '.join(f'{1000 * a:.1f}' for a in attaches)} ms")
+    load_after = os.getloadavg()
+    say(f"load average at the start: {' '.join(f'{x:.2f}' for x in load_before)}; at the end: "
+        f"{' '.join(f'{x:.2f}' for x in load_after)}")
+    ratio = again["samples_per_s"] / warm["samples_per_s"]
+    say("target checks (measured, not asserted):")
+    say(f"[{'PASS' if med <= ATTACH_MAX_S else 'MISS'}] attach to a persistent cache of "
+        f"{args.attach_gib:g} GiB, target <= {ATTACH_MAX_S:g} s: median of {len(attaches)} "
+        f"{med:.3f} s")
+    say(f"[{'PASS' if ratio >= WARM_MIN else 'MISS'}] the second job's epoch 1 vs the first "
+        f"job's warm epoch, target >= {WARM_MIN:g} x: {again['samples_per_s']:,.0f} vs "
+        f"{warm['samples_per_s']:,.0f} samples/s ({ratio:.2f} x; the first job's epoch 1: "
+        f"{e1['samples_per_s']:,.0f}, {again['samples_per_s'] / e1['samples_per_s']:.1f} x "
+        "slower than the second's)")
+    return 0
