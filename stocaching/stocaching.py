@@ -788,17 +788,53 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 
 
 def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
-    """A key shared by the local ranks of one job and by no other job of this user here."""
+    """A key shared by the local ranks of one job and by no other job of this user here.
+
+    Derived from the parent process id, which the local ranks share where the launcher starts
+    them side by side: torchrun (and accelerate launch), srun, ``mp.spawn`` (no variables).
+    Lightning's own launcher starts ranks 1.. as children of rank 0, so their parents differ:
+    where the variables do not come from torchrun or srun, an initialised process group carries
+    each node's local rank 0's key to the others (one collective); without one, nothing lets
+    the ranks agree, and a local rank that would wait ``timeout`` seconds for a cache it
+    cannot find raises at once, saying what to set instead."""
     env = os.environ if env is None else env
     if env.get("STOCACHING_JOB_KEY"):
         return _check_name("STOCACHING_JOB_KEY", env["STOCACHING_JOB_KEY"])
     if world.local_world_size == 1:
         return f"p{os.getpid()}"  # nobody else needs to find it
-    parts = [str(os.getppid())]  # torchrun, srun and mp.spawn start local ranks from one parent
+    parts = [str(os.getppid())]
     parts += [env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                                         "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
                                         "SLURM_STEP_ID")]
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+    key = hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+    siblings = ("LOCAL_WORLD_SIZE" in env and "RANK" in env) or "SLURM_PROCID" in env or \
+        not ("LOCAL_RANK" in env or "RANK" in env)  # torchrun, srun; no variables: mp.spawn
+    if siblings:
+        return key
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and \
+            (dist.get_rank(), dist.get_world_size()) == (world.rank, world.world_size):
+        return _leaders_key(world, key)
+    shown = ", ".join(f"{k}={env[k]}" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
+                      if k in env)
+    raise RuntimeError(
+        f"local rank {world.local_rank} of {world.local_world_size} cannot find the other local "
+        f"ranks' cache: the launcher's variables ({shown}) do not come from torchrun or srun, "
+        "whose ranks share a parent process, and no torch.distributed process group is "
+        "initialised to agree on a job key through (Lightning's launcher starts ranks 1.. as "
+        "children of rank 0). Construct the cache once the process group exists (under "
+        "Lightning: in setup() or train_dataloader(), not at import or before Trainer.fit), "
+        "or set STOCACHING_JOB_KEY to one value for every rank of this job")
+
+
+def _leaders_key(world: World, key: str) -> str:
+    """Every rank sends (node, local rank, key) to every rank, and each takes the key of its
+    node's local rank 0: a collective, so every rank of the group must call it."""
+    dist = torch.distributed
+    got: list[Any] = [None] * world.world_size
+    dist.all_gather_object(got, (world.node_rank, world.local_rank, key))
+    leaders = {node: k for node, local_rank, k in got if local_rank == 0}
+    return leaders.get(world.node_rank, key)
 
 
 def _segment_name(job_key: str, node_rank: int, name: str) -> str:
