@@ -823,8 +823,9 @@ def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
         "whose ranks share a parent process, and no torch.distributed process group is "
         "initialised to agree on a job key through (Lightning's launcher starts ranks 1.. as "
         "children of rank 0). Construct the cache once the process group exists (under "
-        "Lightning: in setup() or train_dataloader(), not at import or before Trainer.fit), "
-        "or set STOCACHING_JOB_KEY to one value for every rank of this job")
+        "Lightning: in setup() or train_dataloader(), not at import or before Trainer.fit, "
+        "when rank 0 has not yet started the others), or, with a launcher that starts every "
+        "rank with its variables, set STOCACHING_JOB_KEY to one value for all its ranks")
 
 
 def _leaders_key(world: World, key: str) -> str:

@@ -1,0 +1,38 @@
+"""One of two CPU ranks trained with Accelerate, as
+``torchrun --nproc_per_node=2 accelerate_train.py OUT KIND USE``.
+
+KIND is a ``training_data`` kind of ``_helpers``; the loader, model and optimizer go through
+``accelerator.prepare`` together, with Accelerate's defaults. USE is "for_accelerate" (the
+loader's sampler is ``sampler.for_accelerate()``, the documented way) or "sampler" (the
+``CacheAwareSampler`` itself: the wrong way, which warns). Each rank writes
+``OUT/rank<r>.json`` (``TrainRecord``) with the length of its prepared loader and the
+indices its ``CacheAwareSampler`` planned for it.
+"""
+
+import sys
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from _helpers import TRAIN_BATCH, TRAIN_EPOCHS, TrainRecord, training_data
+
+out, kind, use = sys.argv[1:4]
+record = TrainRecord()
+accelerator = Accelerator(cpu=True)
+dataset, sampler = training_data(kind)
+loader = DataLoader(dataset, batch_size=TRAIN_BATCH,
+                    sampler=sampler.for_accelerate() if use == "for_accelerate" else sampler)
+model = torch.nn.Linear(3 * 8 * 8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+for epoch in range(TRAIN_EPOCHS):
+    for indices, x in loader:
+        record.batch(epoch, indices.tolist())
+        loss = model(x.float().flatten(1)).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+record.write(out, accelerator.process_index, batches=len(loader),
+             planned=[sampler.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)])
+accelerator.end_training()

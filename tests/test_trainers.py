@@ -1,0 +1,165 @@
+"""The trainers' own launchers and data handling, run for real on CPU with gloo, 2 ranks,
+small data: Lightning (its launcher, ``python script.py``, and ddp_spawn) and Accelerate (under
+torchrun). Each rank records the indices it trained on; every run is bounded by a timeout that
+kills its whole process group."""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from _helpers import (CHILDREN, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, free_port, rank_env,
+                      read_records, run_bounded)
+from stocaching import CacheAwareSampler, CacheLayout
+
+KINDS = ["cache", "mixture"]
+SEGMENTS = {"cache": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
+
+
+def assert_trained_as_planned(records: list[dict], kind: str) -> None:
+    """One segment per cache on the node, each rank trained on exactly the indices its
+    CacheAwareSampler planned for it, and all ranks together on every index once per epoch."""
+    for rec in records:
+        assert rec["segments"] == SEGMENTS[kind], rec["segments"]
+        assert rec["epochs"] == rec["planned"], f"rank {rec['rank']} trained on other indices"
+        assert len(rec["epochs"][0]) == TRAIN_LEN // 2
+    for epoch in range(TRAIN_EPOCHS):
+        every = sorted(i for rec in records for i in rec["epochs"][epoch])
+        assert every == list(range(TRAIN_LEN)), f"epoch {epoch}: not every index once"
+    assert records[0]["epochs"][0] != records[0]["epochs"][1], "set_epoch was not called"
+
+
+# ----------------------------------------------------------------------------------------------
+# Lightning
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_lightning_trains_each_rank_on_its_own_cache_aware_share(strategy, kind, shm_dir,
+                                                                  tmp_path):
+    """Trainer(devices=2) with its defaults (use_distributed_sampler=True), the dataset made
+    in train_dataloader(). Under "ddp" rank 0 starts rank 1 as its child, so the ranks have
+    different parent processes and agree on the segment through the process group; the
+    sampler, a DistributedSampler, is left unwrapped."""
+    pytest.importorskip("lightning")
+    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), strategy, kind]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    records = read_records(str(tmp_path))
+    assert [rec["sampler"] for rec in records] == ["CacheAwareSampler"] * 2
+    assert [rec["warnings"] for rec in records] == [[], []]
+    assert_trained_as_planned(records, kind)
+
+
+@pytest.mark.timeout(200)
+def test_lightning_cache_made_before_the_launch_fails_at_once(shm_dir, tmp_path):
+    """A dataset made as the script runs, before Trainer.fit: rank 0 is alone then, and its
+    child rank 1 has Lightning's variables and no process group. Rank 1 raises at once, naming
+    what to do, instead of waiting out the attach timeout (60 s here); Lightning then ends
+    rank 0."""
+    pytest.importorskip("lightning")
+    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), "ddp",
+           "import"]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
+    assert r.returncode != 0
+    assert "RuntimeError: local rank 1 of 2 cannot find" in r.stderr, r.stderr[-4000:]
+    assert "train_dataloader()" in r.stderr and "STOCACHING_JOB_KEY" in r.stderr
+    assert "CacheTimeoutError" not in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Accelerate
+# ----------------------------------------------------------------------------------------------
+
+
+def run_accelerate(tmp_path, shm_dir: str, kind: str, use: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master-port={free_port()}", str(CHILDREN / "accelerate_train.py"),
+           str(tmp_path), kind, use]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=150)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return read_records(str(tmp_path))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", KINDS)
+def test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches(kind, shm_dir,
+                                                                        tmp_path):
+    """accelerator.prepare(model, optimizer, loader) with its defaults, the loader's sampler
+    sampler.for_accelerate(): prepare's dealing of batches gives each rank exactly its
+    CacheAwareSampler's batches, and len(loader) counts them."""
+    pytest.importorskip("accelerate")
+    records = run_accelerate(tmp_path, shm_dir, kind, "for_accelerate")
+    assert [rec["warnings"] for rec in records] == [[], []]
+    assert [rec["batches"] for rec in records] == [TRAIN_LEN // 2 // TRAIN_BATCH] * 2
+    assert_trained_as_planned(records, kind)
+
+
+@pytest.mark.timeout(180)
+def test_accelerate_prepare_of_a_per_rank_sampler_warns_once_with_the_fix(shm_dir, tmp_path):
+    """The CacheAwareSampler itself in a prepared loader: prepare deals its batches again and
+    each rank trains on half its share. Each rank warns once (not once an epoch), naming
+    for_accelerate()."""
+    pytest.importorskip("accelerate")
+    records = run_accelerate(tmp_path, shm_dir, "cache", "sampler")
+    for rec in records:
+        assert len(rec["warnings"]) == 1, rec["warnings"]
+        assert "sampler=sampler.for_accelerate()" in rec["warnings"][0]
+        assert len(rec["epochs"][0]) == TRAIN_LEN // 4
+
+
+@pytest.mark.parametrize("length, batch_size, num_nodes, ranks_per_node",
+                         [(200, 5, 1, 2), (240, 4, 2, 2), (210, 7, 3, 1)])
+def test_for_accelerate_gives_batch_sampler_shard_each_ranks_batches(length, batch_size,
+                                                                      num_nodes, ranks_per_node):
+    """accelerate's BatchSamplerShard over a BatchSampler of for_accelerate(), as prepare
+    builds it for process r, yields exactly rank r's batches of the CacheAwareSampler."""
+    accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
+    layout = CacheLayout(length, length // (num_nodes + 1), num_nodes)
+    ranks = num_nodes * ranks_per_node
+    for r in range(ranks):
+        sampler = CacheAwareSampler(layout, ranks, r, batch_size=batch_size)
+        sampler.set_epoch(3)
+        batches = torch.utils.data.BatchSampler(sampler.for_accelerate(), batch_size, False)
+        shard = accelerate_data_loader.BatchSamplerShard(batches, num_processes=ranks,
+                                                         process_index=r)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # not in a prepared loader: it says so
+            got = [i for batch in shard for i in batch]
+        assert len(shard) == len(sampler) // batch_size
+        assert np.array_equal(got, sampler.epoch_indices(3)), r
+
+
+def test_for_accelerate_outside_a_prepared_loader_warns_once():
+    sampler = CacheAwareSampler(CacheLayout(100, 30), 2, 0, batch_size=5)
+    order = sampler.for_accelerate()
+    assert len(order) == 100
+    with pytest.warns(UserWarning, match=r"was not prepared: every rank reads every rank's"):
+        assert sorted(order) == list(range(100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(order)
+
+
+def test_cache_aware_sampler_is_a_distributed_sampler_with_its_attributes():
+    """What trainers read of a DistributedSampler (Lightning leaves one unwrapped)."""
+    ds = torch.utils.data.TensorDataset(torch.arange(103))
+    ds.cache = None  # no cache: it yields what DistributedSampler yields
+    with pytest.warns(UserWarning, match="has no cache"):
+        ours = CacheAwareSampler(ds, 4, 1, shuffle=True, seed=5, drop_last=True, batch_size=3)
+    theirs = torch.utils.data.DistributedSampler(ds, 4, 1, shuffle=True, seed=5,
+                                                 drop_last=True)
+    assert isinstance(ours, torch.utils.data.DistributedSampler)
+    for name in ("dataset", "num_replicas", "rank", "epoch", "shuffle", "seed", "drop_last",
+                 "num_samples", "total_size"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    for s in (ours, theirs):
+        s.set_epoch(2)
+    assert list(ours) == list(theirs) and len(ours) == len(theirs)
