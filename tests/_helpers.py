@@ -390,7 +390,8 @@ def training_data(kind: str):
     """``(dataset, sampler)`` for a trainer's loader, made on every rank once the ranks can
     find each other. ``kind``: ``"cache"``, one cache of a third of ``TRAIN_LEN`` samples;
     ``"mixture"``, two sub-datasets with a cache each, mixed by a ``WeightedMixtureSampler``
-    with its default weights (every sample once an epoch) that a ``CacheAwareSampler`` routes."""
+    with its default weights (every sample once an epoch) that a ``CacheAwareSampler`` routes;
+    ``"bare mixture"``, the same with the ``WeightedMixtureSampler`` alone."""
     from stocaching import CacheAwareSampler, MixtureDataset, WeightedMixtureSampler
     dims = (3, 8, 8)
     if kind == "cache":
@@ -398,19 +399,24 @@ def training_data(kind: str):
         ds = CachedDataset(SharedCache(budget_for(n // 3, dims, dataset_len=n), n, dims,
                                        name="train", timeout=60), n)
         return WithIndex(ds), CacheAwareSampler(ds, batch_size=TRAIN_BATCH, seed=1)
-    if kind == "mixture":
+    if kind in ("mixture", "bare mixture"):
         parts = [CachedDataset(SharedCache(budget_for(n // 2, dims, dataset_len=n), n, dims,
                                            name=f"mix{k}", timeout=60), n)
                  for k, n in enumerate(_MIX_LENGTHS)]
         mix = MixtureDataset(parts)
         order = WeightedMixtureSampler(mix, seed=2)
+        if kind == "bare mixture":  # the mixture sampler alone, without a cache's routing
+            return WithIndex(mix), order
         return WithIndex(mix), CacheAwareSampler(mix, batch_size=TRAIN_BATCH, order=order)
-    raise ValueError(f"kind should be 'cache' or 'mixture', but got kind={kind!r}")
+    raise ValueError(f"kind should be 'cache', 'mixture' or 'bare mixture', but got "
+                     f"kind={kind!r}")
 
 
 class TrainRecord:
     """What one rank trained on, epoch by epoch, the stocaching segments it saw while training,
-    and the warnings raised in it; ``write`` saves it as ``<out>/rank<r>.json``."""
+    and the warnings raised in it that speak of a sampler or a cache (the trainers' other
+    advice, such as Lightning's about DataLoader workers, is left out); ``write`` saves it
+    as ``<out>/rank<r>.json``."""
 
     def __init__(self) -> None:
         self.epochs: dict[int, list[int]] = {}
@@ -430,8 +436,8 @@ class TrainRecord:
     def write(self, out: str, rank: int, **extra) -> None:
         self._catcher.__exit__(None, None, None)
         ours = [f"{w.category.__name__}: {w.message}" for w in self._caught
-                if "stocaching" in str(w.message) or "Sampler" in str(w.message)
-                or "for_accelerate" in str(w.message)]
+                if any(word in str(w.message).lower() for word in ("stocaching", "sampler",
+                                                                   "cache"))]
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "epochs": [self.epochs.get(e, []) for e in
                                                 range(TRAIN_EPOCHS)],

@@ -74,6 +74,24 @@ def test_lightning_cache_made_before_the_launch_fails_at_once(shm_dir, tmp_path)
     assert "CacheTimeoutError" not in r.stderr
 
 
+@pytest.mark.timeout(200)
+def test_lightning_wrapping_a_bare_mixture_sampler_warns_once_with_the_fix(shm_dir, tmp_path):
+    """A WeightedMixtureSampler alone is not a DistributedSampler: Lightning's default wraps
+    it and splits each rank's share again. Each rank warns once, naming both ways out."""
+    pytest.importorskip("lightning")
+    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), "ddp",
+           "bare mixture"]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rec in read_records(str(tmp_path)):
+        assert rec["sampler"] == "DistributedSamplerWrapper"
+        wrapped = [w for w in rec["warnings"] if "use_distributed_sampler=True" in w]
+        assert len(wrapped) == 1, rec["warnings"]
+        assert "order=this sampler" in wrapped[0]
+        assert "use_distributed_sampler=False" in wrapped[0]
+        assert len(rec["epochs"][0]) == TRAIN_LEN // 4
+
+
 # ----------------------------------------------------------------------------------------------
 # Accelerate
 # ----------------------------------------------------------------------------------------------

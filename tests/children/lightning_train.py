@@ -44,9 +44,10 @@ class Recorded(L.LightningModule):
 
     def on_train_end(self) -> None:
         sampler = self.trainer.train_dataloader.sampler
+        planned = None if not hasattr(sampler, "epoch_indices") else \
+            [sampler.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)]  # not a wrapper's
         self.record.write(out, self.global_rank, sampler=type(sampler).__name__,
-                          planned=[sampler.epoch_indices(e).tolist()
-                                   for e in range(TRAIN_EPOCHS)])
+                          planned=planned)
 
 
 if __name__ == "__main__":
