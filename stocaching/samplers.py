@@ -254,7 +254,8 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         if self.shuffle and self._it is not None and self._it_epoch == self.epoch:
             warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
                           f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
-        if self.num_replicas > 1 and not self._warned_dealt and _dealt_by_accelerate(self):
+        if self.num_replicas > 1 and not self._warned_dealt and \
+                _dealt_by_accelerate(self) is not None:
             self._warned_dealt = True
             warnings.warn(
                 f"accelerate's prepare() deals this loader's batches to its processes, and this "
@@ -423,23 +424,24 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
 
 
 
-def _dealt_by_accelerate(sampler: Any) -> bool:
-    """True while a loader prepared by ``accelerate`` draws its batches from ``sampler`` and
-    deals them to its processes (its ``BatchSamplerShard``). A prepared loader registers as the
-    ``active_dataloader`` of accelerate's ``GradientState`` before it starts drawing, which is
-    when a sampler's ``__iter__`` runs. Nothing is imported: without accelerate, False."""
+def _dealt_by_accelerate(sampler: Any) -> Any:
+    """The ``BatchSamplerShard`` of a loader prepared by ``accelerate`` that draws its batches
+    from ``sampler`` right now and deals them to its processes, else None. A prepared loader
+    registers as the ``active_dataloader`` of accelerate's ``GradientState`` before it starts
+    drawing, which is when a sampler's ``__iter__`` runs. Nothing is imported: without
+    accelerate, None."""
     state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
     if state is None or loaders is None or not getattr(state.GradientState, "_shared_state", None):
-        return False
+        return None
     try:
         active = state.GradientState().active_dataloader
     except Exception:  # noqa: BLE001 - a state we do not understand is not a prepared loader
-        return False
+        return None
     shard = getattr(active, "batch_sampler", None)
     if not isinstance(shard, loaders.BatchSamplerShard) or shard.num_processes < 2:
-        return False
+        return None
     inner = shard.batch_sampler
-    return inner is sampler or getattr(inner, "sampler", None) is sampler
+    return shard if inner is sampler or getattr(inner, "sampler", None) is sampler else None
 
 
 class _AccelerateOrder(torch.utils.data.Sampler[int]):
@@ -457,13 +459,22 @@ class _AccelerateOrder(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         s = self.sampler
-        if s.num_replicas > 1 and not self._warned and not _dealt_by_accelerate(self):
+        shard = _dealt_by_accelerate(self) if s.num_replicas > 1 and not self._warned else None
+        if s.num_replicas > 1 and not self._warned and shard is None:
             self._warned = True
             warnings.warn(
                 f"sampler.for_accelerate() yields the batches of all {s.num_replicas} ranks for "
-                "accelerate's prepare() to deal out, but this loader was not prepared: every "
-                "rank reads every rank's batches. Pass the loader to accelerator.prepare(), or "
-                "give it the CacheAwareSampler itself", stacklevel=2)
+                "accelerate's prepare() to deal out, but this loader was not prepared for "
+                f"{s.num_replicas} processes: every rank reads every rank's batches. Pass the "
+                "loader to accelerator.prepare() (on a machine without GPUs: "
+                "Accelerator(cpu=True)), or give it the CacheAwareSampler itself", stacklevel=2)
+        elif shard is not None and shard.split_batches:
+            self._warned = True
+            warnings.warn(
+                "sampler.for_accelerate() yields whole batches for each rank in turn, but "
+                "accelerate's prepare() was given split_batches=True and cuts every batch over "
+                "the ranks: each rank reads slices of the others' batches. Leave split_batches "
+                "at its default, False", stacklevel=2)
         per_rank = np.stack(s._ranks_indices(s.epoch, range(s.num_replicas)))
         b = s.batch_size
         full = s.num_samples // b * b

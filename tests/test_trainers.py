@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import (CHILDREN, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, free_port, rank_env,
-                      read_records, run_bounded)
-from stocaching import CacheAwareSampler, CacheLayout
+from torch.utils.data import DataLoader
+
+from _helpers import (CHILDREN, REPO, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, CachedDataset,
+                      WithIndex, budget_for, free_port, named, rank_env, read_records,
+                      run_bounded)
+from stocaching import CacheAwareSampler, CacheLayout, SharedCache, World
 
 KINDS = ["cache", "mixture"]
 SEGMENTS = {"cache": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
@@ -155,11 +158,42 @@ def test_for_accelerate_gives_batch_sampler_shard_each_ranks_batches(length, bat
         assert np.array_equal(got, sampler.epoch_indices(3)), r
 
 
+@pytest.mark.parametrize("use, split, warns", [
+    ("for_accelerate", False, None),
+    ("for_accelerate", True, r"split_batches=True and cuts every batch"),
+    ("sampler", False,
+     r"prepare\(\) deals this loader's batches .* sampler=sampler.for_accelerate\(\)")])
+def test_a_loader_prepared_for_two_processes_reads_what_each_rank_planned_or_warns_once(
+        use, split, warns, shm_dir):
+    """accelerate's prepare_data_loader, as prepare() calls it, for process r of 2, in this
+    process: the right use reads exactly rank r's batches without a warning; the wrong ones
+    (prepare's split_batches=True, the per-rank sampler itself) warn once over two epochs."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
+    ds = CachedDataset(cache, 40)
+    for r in range(2):
+        sampler = CacheAwareSampler(ds, 2, r, batch_size=4)
+        order = sampler.for_accelerate() if use == "for_accelerate" else sampler
+        loader = DataLoader(WithIndex(ds), batch_size=4, sampler=order)
+        prepared = data_loader.prepare_data_loader(loader, num_processes=2, process_index=r,
+                                                   split_batches=split)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            epochs = [[i for idx, _ in prepared for i in idx.tolist()] for _ in range(2)]
+        ours = [str(w.message) for w in caught if "sampler" in str(w.message)]
+        if warns is None:
+            assert ours == [] and len(prepared) == 5
+            assert epochs == [sampler.epoch_indices(e).tolist() for e in range(2)]
+        else:
+            assert len(ours) == 1 and re.search(warns, ours[0]), ours
+    cache.close()
+
+
 def test_for_accelerate_outside_a_prepared_loader_warns_once():
     sampler = CacheAwareSampler(CacheLayout(100, 30), 2, 0, batch_size=5)
     order = sampler.for_accelerate()
     assert len(order) == 100
-    with pytest.warns(UserWarning, match=r"was not prepared: every rank reads every rank's"):
+    with pytest.warns(UserWarning, match=r"was not prepared for 2 processes: every rank reads"):
         assert sorted(order) == list(range(100))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -181,3 +215,50 @@ def test_cache_aware_sampler_is_a_distributed_sampler_with_its_attributes():
     for s in (ours, theirs):
         s.set_epoch(2)
     assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The examples of docs/distributed.md, run as they say
+# ----------------------------------------------------------------------------------------------
+
+
+def doc_programs() -> dict[str, tuple[str, str]]:
+    """{file name: (code, command)} of each ```python block of docs/distributed.md whose first
+    line is "# <name>.py" or "# <name>.py: <command>"."""
+    text = (REPO / "docs" / "distributed.md").read_text()
+    out = {}
+    for code in re.findall(r"```python\n(.*?)```", text, re.S):
+        head = re.match(r"# (\w+\.py)(?:: (.*))?\n", code)
+        if head:
+            out[head.group(1)] = (code, head.group(2) or "")
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("program, needs", [("train_torchrun.py", None),
+                                            ("train_lightning.py", "lightning"),
+                                            ("train_accelerate.py", "accelerate")])
+def test_each_trainers_example_in_the_docs_runs_as_shown(program, needs, shm_dir, tmp_path):
+    """The example, with the docs' images.py beside it, run by its own command (accelerate
+    launch as the torchrun it runs): it ends well, warns of nothing about the cache or the
+    sampler, and leaves no segment behind."""
+    if needs:
+        pytest.importorskip(needs)
+    programs = doc_programs()
+    for name in ("images.py", program):
+        (tmp_path / name).write_text(programs[name][0])
+    command = programs[program][1].split()
+    assert command[-1] == program, command
+    launcher = {"python": [sys.executable],
+                "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master-port={free_port()}"],
+                "accelerate": [sys.executable, "-m", "torch.distributed.run",
+                               "--nproc_per_node=2", f"--master-port={free_port()}"]}
+    assert command[0] in launcher and ("=2" in command[-2] or command[0] == "python"), command
+    env = rank_env(shm_dir, PYTHONWARNINGS="always")
+    r = run_bounded([*launcher[command[0]], program], env=env, timeout=180, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-4000:]
+    warned = [ln for ln in r.stderr.splitlines() if re.search(r"Warning: ", ln)
+              and re.search(r"stocaching|sampler|cache", ln, re.I)]
+    assert warned == [], warned
+    assert named(shm_dir) == []

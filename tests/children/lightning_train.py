@@ -4,9 +4,9 @@ STRATEGY is "ddp" (Lightning's own launcher: this process is rank 0 and starts r
 child, running this file again) or "ddp_spawn". KIND is a ``training_data`` kind of
 ``_helpers``. The loader is built in ``train_dataloader()``, once the process group exists,
 with Lightning's defaults (``use_distributed_sampler=True``); with KIND "import", the
-dataset is made as the file is run instead, before any process group (the wrong place). Each rank writes
-``OUT/rank<r>.json`` (``TrainRecord``) with the type of sampler its training loader used
-and the indices that sampler planned for it.
+dataset is made as the file is run instead, before any process group (the wrong place).
+Each rank writes ``OUT/rank<r>.json`` (``TrainRecord``) with the type of sampler its training
+loader used and the indices that sampler planned for it.
 """
 
 import sys
