@@ -1184,7 +1184,9 @@ class SharedCache:
             ``"train"``, ``"val"``). Default: ``"c<k>"`` for the k-th cache this process makes,
             which matches across ranks that make their caches in the same order.
         job_key: key shared by the local ranks of one job. Default: ``$STOCACHING_JOB_KEY``, or
-            derived from the launcher (the parent pid and torchrun/SLURM variables).
+            derived from the launcher (the parent pid and torchrun/SLURM variables); under
+            other variables (Lightning's launcher) local rank 0's, sent through the process
+            group (a collective), and without one a ``RuntimeError`` at once.
         world: who this process is. Default: ``World.discover()`` (the launcher's variables,
             or an initialised process group).
         shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
@@ -1224,6 +1226,7 @@ class SharedCache:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
         CacheConfigError: the leader's segment has another configuration.
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
+        RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
     """
 
