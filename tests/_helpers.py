@@ -23,8 +23,8 @@ It provides
   ``racing_writers``, writer processes that overwrite a cache while a test reads it;
 * trainers (``tests/children/lightning_train.py``, ``accelerate_train.py``):
   ``training_data(kind)``, a dataset of ``TRAIN_LEN`` samples with one cache (or a mixture of
-  two) and its ``CacheAwareSampler``; ``TrainRecord``, what a rank trained on, written as JSON;
-  ``run_bounded``, a launcher run whose whole process group is killed past its timeout;
+  two) and its ``CacheAwareSampler`` (or a ``Prefetcher`` over it); ``TrainRecord``, what a
+  rank trained on, written as JSON; ``run_bounded``, a launcher run whose whole process group is killed past its timeout;
 * leak probes that read /proc: which names are left in a directory, who maps or holds a file of
   it, and how much of a tmpfs is still in use.
 """
@@ -387,29 +387,36 @@ class WithIndex(torch.utils.data.Dataset):
 
 
 def training_data(kind: str):
-    """``(dataset, sampler)`` for a trainer's loader, made on every rank once the ranks can
-    find each other. ``kind``: ``"cache"``, one cache of a third of ``TRAIN_LEN`` samples;
-    ``"mixture"``, two sub-datasets with a cache each, mixed by a ``WeightedMixtureSampler``
-    with its default weights (every sample once an epoch) that a ``CacheAwareSampler`` routes;
-    ``"bare mixture"``, the same with the ``WeightedMixtureSampler`` alone."""
-    from stocaching import CacheAwareSampler, MixtureDataset, WeightedMixtureSampler
+    """``(dataset, sampler, plan)`` for a trainer's loader, made on every rank once the ranks
+    can find each other; ``plan`` is the ``CacheAwareSampler`` whose ``epoch_indices`` say
+    what this rank should train on (None where no sampler plans per rank). ``kind``:
+    ``"cache"``, one cache of a third of ``TRAIN_LEN`` samples; ``"prefetch"``, the same with
+    a ``Prefetcher`` (2 threads) over the sampler; ``"mixture"``, two sub-datasets with a
+    cache each, mixed by a ``WeightedMixtureSampler`` with its default weights (every sample
+    once an epoch) that a ``CacheAwareSampler`` routes; ``"bare mixture"``, the same with the
+    ``WeightedMixtureSampler`` alone."""
+    from stocaching import CacheAwareSampler, MixtureDataset, Prefetcher, WeightedMixtureSampler
     dims = (3, 8, 8)
-    if kind == "cache":
+    if kind in ("cache", "prefetch"):
         n = TRAIN_LEN
         ds = CachedDataset(SharedCache(budget_for(n // 3, dims, dataset_len=n), n, dims,
                                        name="train", timeout=60), n)
-        return WithIndex(ds), CacheAwareSampler(ds, batch_size=TRAIN_BATCH, seed=1)
+        plan = CacheAwareSampler(ds, batch_size=TRAIN_BATCH, seed=1)
+        if kind == "prefetch":
+            return WithIndex(ds), Prefetcher(plan, ds.cache, value_of, threads=2), plan
+        return WithIndex(ds), plan, plan
     if kind in ("mixture", "bare mixture"):
         parts = [CachedDataset(SharedCache(budget_for(n // 2, dims, dataset_len=n), n, dims,
                                            name=f"mix{k}", timeout=60), n)
                  for k, n in enumerate(_MIX_LENGTHS)]
         mix = MixtureDataset(parts)
         order = WeightedMixtureSampler(mix, seed=2)
-        if kind == "bare mixture":  # the mixture sampler alone, without a cache's routing
-            return WithIndex(mix), order
-        return WithIndex(mix), CacheAwareSampler(mix, batch_size=TRAIN_BATCH, order=order)
-    raise ValueError(f"kind should be 'cache', 'mixture' or 'bare mixture', but got "
-                     f"kind={kind!r}")
+        if kind == "bare mixture":
+            return WithIndex(mix), order, None
+        plan = CacheAwareSampler(mix, batch_size=TRAIN_BATCH, order=order)
+        return WithIndex(mix), plan, plan
+    raise ValueError(f"kind should be 'cache', 'prefetch', 'mixture' or 'bare mixture', but "
+                     f"got kind={kind!r}")
 
 
 class TrainRecord:

@@ -21,7 +21,7 @@ from _helpers import (CHILDREN, REPO, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, Cach
 from stocaching import CacheAwareSampler, CacheLayout, SharedCache, World
 
 KINDS = ["cache", "mixture"]
-SEGMENTS = {"cache": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
+SEGMENTS = {"cache": {"train": 1}, "prefetch": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
 
 
 def assert_trained_as_planned(records: list[dict], kind: str) -> None:
@@ -43,20 +43,23 @@ def assert_trained_as_planned(records: list[dict], kind: str) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+@pytest.mark.parametrize("strategy, kind", [("ddp", "cache"), ("ddp", "mixture"),
+                                            ("ddp", "prefetch"), ("ddp_spawn", "cache"),
+                                            ("ddp_spawn", "mixture")])
 def test_lightning_trains_each_rank_on_its_own_cache_aware_share(strategy, kind, shm_dir,
                                                                   tmp_path):
     """Trainer(devices=2) with its defaults (use_distributed_sampler=True), the dataset made
     in train_dataloader(). Under "ddp" rank 0 starts rank 1 as its child, so the ranks have
     different parent processes and agree on the segment through the process group; the
-    sampler, a DistributedSampler, is left unwrapped."""
+    sampler, a DistributedSampler, is left unwrapped. A Prefetcher over it is not one: with
+    it, use_distributed_sampler=False, as the docs say."""
     pytest.importorskip("lightning")
     cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), strategy, kind]
     r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     records = read_records(str(tmp_path))
-    assert [rec["sampler"] for rec in records] == ["CacheAwareSampler"] * 2
+    want = "Prefetcher" if kind == "prefetch" else "CacheAwareSampler"
+    assert [rec["sampler"] for rec in records] == [want] * 2
     assert [rec["warnings"] for rec in records] == [[], []]
     assert_trained_as_planned(records, kind)
 

@@ -20,7 +20,7 @@ from _helpers import TRAIN_BATCH, TRAIN_EPOCHS, TrainRecord, training_data
 out, kind, use = sys.argv[1:4]
 record = TrainRecord()
 accelerator = Accelerator(cpu=True)
-dataset, sampler = training_data(kind)
+dataset, sampler, plan = training_data(kind)
 loader = DataLoader(dataset, batch_size=TRAIN_BATCH,
                     sampler=sampler.for_accelerate() if use == "for_accelerate" else sampler)
 model = torch.nn.Linear(3 * 8 * 8, 1)
@@ -34,5 +34,5 @@ for epoch in range(TRAIN_EPOCHS):
         optimizer.step()
         optimizer.zero_grad()
 record.write(out, accelerator.process_index, batches=len(loader),
-             planned=[sampler.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)])
+             planned=[plan.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)])
 accelerator.end_training()
