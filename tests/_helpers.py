@@ -24,7 +24,8 @@ It provides
 * trainers (``tests/children/lightning_train.py``, ``accelerate_train.py``):
   ``training_data(kind)``, a dataset of ``TRAIN_LEN`` samples with one cache (or a mixture of
   two) and its ``CacheAwareSampler`` (or a ``Prefetcher`` over it); ``TrainRecord``, what a
-  rank trained on, written as JSON; ``run_bounded``, a launcher run whose whole process group is killed past its timeout;
+  rank trained on, written as JSON; ``run_bounded``, a launcher run whose whole process group
+  is killed past its timeout;
 * leak probes that read /proc: which names are left in a directory, who maps or holds a file of
   it, and how much of a tmpfs is still in use.
 """
@@ -420,35 +421,36 @@ def training_data(kind: str):
 
 
 class TrainRecord:
-    """What one rank trained on, epoch by epoch, the stocaching segments it saw while training,
-    and the warnings raised in it that speak of a sampler or a cache (the trainers' other
-    advice, such as Lightning's about DataLoader workers, is left out); ``write`` saves it
-    as ``<out>/rank<r>.json``."""
+    """What one rank trained on from each of its loaders (by kind) epoch by epoch, the
+    stocaching segments it saw while training, and the warnings raised in it that speak of a
+    sampler or a cache (the trainers' other advice, such as Lightning's about DataLoader
+    workers, is left out); ``write`` saves it as ``<out>/rank<r>.json``."""
 
     def __init__(self) -> None:
-        self.epochs: dict[int, list[int]] = {}
+        self.epochs: dict[str, dict[int, list[int]]] = {}
         self.segments: dict[str, int] | None = None
         self._catcher = warnings.catch_warnings(record=True)
         self._caught = self._catcher.__enter__()
         warnings.simplefilter("always")
 
-    def batch(self, epoch: int, indices) -> None:
+    def batch(self, kind: str, epoch: int, indices) -> None:
         if self.segments is None:  # every local rank has its caches by the first batch
             from stocaching import list_segments
             shm = os.environ.get("STOCACHING_SHM_DIR", "/dev/shm")
             names = [os.path.basename(s["path"]).split("_n0_")[-1] for s in list_segments(shm)]
             self.segments = {n: names.count(n) for n in sorted(set(names))}
-        self.epochs.setdefault(epoch, []).extend(int(i) for i in indices)
+        self.epochs.setdefault(kind, {}).setdefault(epoch, []).extend(int(i) for i in indices)
 
     def write(self, out: str, rank: int, **extra) -> None:
         self._catcher.__exit__(None, None, None)
         ours = [f"{w.category.__name__}: {w.message}" for w in self._caught
                 if any(word in str(w.message).lower() for word in ("stocaching", "sampler",
                                                                    "cache"))]
+        epochs = {kind: [got.get(e, []) for e in range(TRAIN_EPOCHS)]
+                  for kind, got in self.epochs.items()}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "epochs": [self.epochs.get(e, []) for e in
-                                                range(TRAIN_EPOCHS)],
-                       "segments": self.segments, "warnings": ours, **extra}, f)
+            json.dump({"rank": rank, "epochs": epochs, "segments": self.segments,
+                       "warnings": ours, **extra}, f)
 
 
 def read_records(out: str, ranks: int = 2) -> list[dict]:

@@ -24,17 +24,23 @@ KINDS = ["cache", "mixture"]
 SEGMENTS = {"cache": {"train": 1}, "prefetch": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
 
 
-def assert_trained_as_planned(records: list[dict], kind: str) -> None:
-    """One segment per cache on the node, each rank trained on exactly the indices its
-    CacheAwareSampler planned for it, and all ranks together on every index once per epoch."""
+def assert_trained_as_planned(records: list[dict], kinds: list[str]) -> None:
+    """One segment per cache on the node; for each kind, each rank trained on exactly the
+    indices its CacheAwareSampler planned for it, and all ranks together on every index once
+    per epoch."""
+    segments = {name: 1 for kind in kinds for name in SEGMENTS[kind]}
     for rec in records:
-        assert rec["segments"] == SEGMENTS[kind], rec["segments"]
-        assert rec["epochs"] == rec["planned"], f"rank {rec['rank']} trained on other indices"
-        assert len(rec["epochs"][0]) == TRAIN_LEN // 2
-    for epoch in range(TRAIN_EPOCHS):
-        every = sorted(i for rec in records for i in rec["epochs"][epoch])
-        assert every == list(range(TRAIN_LEN)), f"epoch {epoch}: not every index once"
-    assert records[0]["epochs"][0] != records[0]["epochs"][1], "set_epoch was not called"
+        assert rec["segments"] == segments, rec["segments"]
+    for kind in kinds:
+        for rec in records:
+            got = rec["epochs"][kind]
+            assert got == rec["planned"][kind], f"{kind}: rank {rec['rank']} trained on others"
+            assert len(got[0]) == TRAIN_LEN // 2
+        for epoch in range(TRAIN_EPOCHS):
+            every = sorted(i for rec in records for i in rec["epochs"][kind][epoch])
+            assert every == list(range(TRAIN_LEN)), f"{kind}, epoch {epoch}: not every index once"
+        got = records[0]["epochs"][kind]
+        assert got[0] != got[1], f"{kind}: set_epoch was not called"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,25 +49,28 @@ def assert_trained_as_planned(records: list[dict], kind: str) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("strategy, kind", [("ddp", "cache"), ("ddp", "mixture"),
-                                            ("ddp", "prefetch"), ("ddp_spawn", "cache"),
-                                            ("ddp_spawn", "mixture")])
-def test_lightning_trains_each_rank_on_its_own_cache_aware_share(strategy, kind, shm_dir,
+@pytest.mark.parametrize("strategy, kinds", [("ddp", KINDS), ("ddp_spawn", KINDS),
+                                             ("ddp", ["prefetch"])],
+                         ids=["ddp-cache+mixture", "ddp_spawn-cache+mixture", "ddp-prefetch"])
+def test_lightning_trains_each_rank_on_its_own_cache_aware_share(strategy, kinds, shm_dir,
                                                                   tmp_path):
-    """Trainer(devices=2) with its defaults (use_distributed_sampler=True), the dataset made
-    in train_dataloader(). Under "ddp" rank 0 starts rank 1 as its child, so the ranks have
-    different parent processes and agree on the segment through the process group; the
-    sampler, a DistributedSampler, is left unwrapped. A Prefetcher over it is not one: with
-    it, use_distributed_sampler=False, as the docs say."""
+    """Trainer(devices=2) with its defaults (use_distributed_sampler=True), the datasets made
+    in train_dataloader() (one cache; a mixture of two), trained on together. Under "ddp"
+    rank 0 starts rank 1 as its child, so the ranks have different parent processes and agree
+    on each segment through the process group; the samplers, DistributedSamplers, are left
+    unwrapped. A Prefetcher over one is not one: with it, use_distributed_sampler=False, as
+    the docs say."""
     pytest.importorskip("lightning")
-    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), strategy, kind]
+    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), strategy,
+           ",".join(kinds)]
     r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     records = read_records(str(tmp_path))
-    want = "Prefetcher" if kind == "prefetch" else "CacheAwareSampler"
-    assert [rec["sampler"] for rec in records] == [want] * 2
-    assert [rec["warnings"] for rec in records] == [[], []]
-    assert_trained_as_planned(records, kind)
+    want = "Prefetcher" if kinds == ["prefetch"] else "CacheAwareSampler"
+    for rec in records:
+        assert rec["samplers"] == {kind: want for kind in kinds}
+        assert rec["warnings"] == []
+    assert_trained_as_planned(records, kinds)
 
 
 @pytest.mark.timeout(200)
@@ -90,12 +99,12 @@ def test_lightning_wrapping_a_bare_mixture_sampler_warns_once_with_the_fix(shm_d
     r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     for rec in read_records(str(tmp_path)):
-        assert rec["sampler"] == "DistributedSamplerWrapper"
+        assert rec["samplers"] == {"bare mixture": "DistributedSamplerWrapper"}
         wrapped = [w for w in rec["warnings"] if "use_distributed_sampler=True" in w]
         assert len(wrapped) == 1, rec["warnings"]
         assert "order=this sampler" in wrapped[0]
         assert "use_distributed_sampler=False" in wrapped[0]
-        assert len(rec["epochs"][0]) == TRAIN_LEN // 4
+        assert len(rec["epochs"]["bare mixture"][0]) == TRAIN_LEN // 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,7 +132,7 @@ def test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches(kind, sh
     records = run_accelerate(tmp_path, shm_dir, kind, "for_accelerate")
     assert [rec["warnings"] for rec in records] == [[], []]
     assert [rec["batches"] for rec in records] == [TRAIN_LEN // 2 // TRAIN_BATCH] * 2
-    assert_trained_as_planned(records, kind)
+    assert_trained_as_planned(records, [kind])
 
 
 @pytest.mark.timeout(180)
@@ -136,7 +145,7 @@ def test_accelerate_prepare_of_a_per_rank_sampler_warns_once_with_the_fix(shm_di
     for rec in records:
         assert len(rec["warnings"]) == 1, rec["warnings"]
         assert "sampler=sampler.for_accelerate()" in rec["warnings"][0]
-        assert len(rec["epochs"][0]) == TRAIN_LEN // 4
+        assert len(rec["epochs"]["cache"][0]) == TRAIN_LEN // 4
 
 
 @pytest.mark.parametrize("length, batch_size, num_nodes, ranks_per_node",

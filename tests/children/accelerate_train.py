@@ -28,11 +28,11 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 for epoch in range(TRAIN_EPOCHS):
     for indices, x in loader:
-        record.batch(epoch, indices.tolist())
+        record.batch(kind, epoch, indices.tolist())
         loss = model(x.float().flatten(1)).mean()
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
 record.write(out, accelerator.process_index, batches=len(loader),
-             planned=[plan.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)])
+             planned={kind: [plan.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)]})
 accelerator.end_training()
