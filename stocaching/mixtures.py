@@ -281,8 +281,10 @@ def _in_lightnings_wrapper() -> bool:
     that is not a ``DistributedSampler`` to split it over the ranks again (its ``reset`` calls
     ``list(sampler)``, so it is the frame right above ``__iter__``). Lightning offers no other
     sign; if it changes, this says False and only the warning is lost."""
-    caller = sys._getframe(2).f_locals.get("self")
-    kind = type(caller)
+    try:
+        kind = type(sys._getframe(2).f_locals.get("self"))
+    except ValueError:  # __iter__ called from no Python frame
+        return False
     return kind.__name__ == "_DatasetSamplerWrapper" and kind.__module__.startswith(
         ("lightning", "pytorch_lightning"))
 

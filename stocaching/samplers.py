@@ -459,22 +459,24 @@ class _AccelerateOrder(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         s = self.sampler
-        shard = _dealt_by_accelerate(self) if s.num_replicas > 1 and not self._warned else None
-        if s.num_replicas > 1 and not self._warned and shard is None:
-            self._warned = True
-            warnings.warn(
-                f"sampler.for_accelerate() yields the batches of all {s.num_replicas} ranks for "
-                "accelerate's prepare() to deal out, but this loader was not prepared for "
-                f"{s.num_replicas} processes: every rank reads every rank's batches. Pass the "
-                "loader to accelerator.prepare() (on a machine without GPUs: "
-                "Accelerator(cpu=True)), or give it the CacheAwareSampler itself", stacklevel=2)
-        elif shard is not None and shard.split_batches:
-            self._warned = True
-            warnings.warn(
-                "sampler.for_accelerate() yields whole batches for each rank in turn, but "
-                "accelerate's prepare() was given split_batches=True and cuts every batch over "
-                "the ranks: each rank reads slices of the others' batches. Leave split_batches "
-                "at its default, False", stacklevel=2)
+        if s.num_replicas > 1 and not self._warned:
+            shard = _dealt_by_accelerate(self)
+            if shard is None or shard.num_processes != s.num_replicas:
+                self._warned = True
+                warnings.warn(
+                    f"sampler.for_accelerate() yields the batches of all {s.num_replicas} ranks "
+                    "for accelerate's prepare() to deal out, but this loader was not prepared "
+                    f"for {s.num_replicas} processes: every rank reads every rank's batches. "
+                    "Pass the loader to accelerator.prepare() (on a machine without GPUs: "
+                    "Accelerator(cpu=True)), or give it the CacheAwareSampler itself",
+                    stacklevel=2)
+            elif shard.split_batches:
+                self._warned = True
+                warnings.warn(
+                    "sampler.for_accelerate() yields whole batches for each rank in turn, but "
+                    "accelerate's prepare() was given split_batches=True and cuts every batch "
+                    "over the ranks: each rank reads slices of the others' batches. Leave "
+                    "split_batches at its default, False", stacklevel=2)
         per_rank = np.stack(s._ranks_indices(s.epoch, range(s.num_replicas)))
         b = s.batch_size
         full = s.num_samples // b * b

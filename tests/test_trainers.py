@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from _helpers import (CHILDREN, REPO, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, CachedDataset,
                       WithIndex, budget_for, free_port, named, rank_env, read_records,
                       run_bounded)
-from stocaching import CacheAwareSampler, CacheLayout, SharedCache, World
+from stocaching import CacheAwareSampler, CacheLayout, SharedCache, WeightedMixtureSampler, World
 
 KINDS = ["cache", "mixture"]
 SEGMENTS = {"cache": {"train": 1}, "prefetch": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
@@ -105,6 +105,25 @@ def test_lightning_wrapping_a_bare_mixture_sampler_warns_once_with_the_fix(shm_d
         assert "order=this sampler" in wrapped[0]
         assert "use_distributed_sampler=False" in wrapped[0]
         assert len(rec["epochs"]["bare mixture"][0]) == TRAIN_LEN // 4
+
+
+def test_a_mixture_sampler_in_lightnings_wrapper_warns_once_and_alone_does_not():
+    """Lightning's DistributedSamplerWrapper, as its default puts around a sampler that is
+    not a DistributedSampler, in this process: the WeightedMixtureSampler of rank 0 of 2
+    inside it warns once over two epochs; the same sampler iterated by itself does not."""
+    lightning_distributed = pytest.importorskip("lightning.fabric.utilities.distributed")
+    mixture = WeightedMixtureSampler([30, 20], num_replicas=2, rank=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(mixture)) == 25
+    wrapper = lightning_distributed.DistributedSamplerWrapper(mixture, num_replicas=2, rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            wrapper.set_epoch(epoch)
+            assert len(list(wrapper)) == 13  # half of this rank's 25
+    ours = [str(w.message) for w in caught if "Lightning" in str(w.message)]
+    assert len(ours) == 1 and "use_distributed_sampler=False" in ours[0], ours
 
 
 # ----------------------------------------------------------------------------------------------
