@@ -131,24 +131,28 @@ def test_a_mixture_sampler_in_lightnings_wrapper_warns_once_and_alone_does_not()
 # ----------------------------------------------------------------------------------------------
 
 
-def run_accelerate(tmp_path, shm_dir: str, kind: str, use: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master-port={free_port()}", str(CHILDREN / "accelerate_train.py"),
-           str(tmp_path), kind, use]
+def run_accelerate(tmp_path, shm_dir: str, kind: str, use: str,
+                   launcher: str = "torchrun") -> list[dict]:
+    program = [str(CHILDREN / "accelerate_train.py"), str(tmp_path), kind, use]
+    cmd = [sys.executable, *program, "notebook"] if launcher == "notebook" else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master-port={free_port()}", *program]
     r = run_bounded(cmd, env=rank_env(shm_dir), timeout=150)
     assert r.returncode == 0, r.stderr[-4000:]
     return read_records(str(tmp_path))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", KINDS)
-def test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches(kind, shm_dir,
-                                                                        tmp_path):
+@pytest.mark.parametrize("launcher, kind", [("torchrun", "cache"), ("torchrun", "mixture"),
+                                            ("notebook", "cache")])
+def test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches(launcher, kind,
+                                                                        shm_dir, tmp_path):
     """accelerator.prepare(model, optimizer, loader) with its defaults, the loader's sampler
-    sampler.for_accelerate(): prepare's dealing of batches gives each rank exactly its
+    sampler.for_accelerate(), under torchrun (what accelerate launch runs) and Accelerate's
+    notebook_launcher: prepare's dealing of batches gives each rank exactly its
     CacheAwareSampler's batches, and len(loader) counts them."""
     pytest.importorskip("accelerate")
-    records = run_accelerate(tmp_path, shm_dir, kind, "for_accelerate")
+    records = run_accelerate(tmp_path, shm_dir, kind, "for_accelerate", launcher)
     assert [rec["warnings"] for rec in records] == [[], []]
     assert [rec["batches"] for rec in records] == [TRAIN_LEN // 2 // TRAIN_BATCH] * 2
     assert_trained_as_planned(records, [kind])
