@@ -820,9 +820,10 @@ def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
     raise RuntimeError(
         f"local rank {world.local_rank} of {world.local_world_size} cannot find the other local "
         f"ranks' cache: the launcher's variables ({shown}) do not come from torchrun or srun, "
-        "whose ranks share a parent process, and no torch.distributed process group is "
-        "initialised to agree on a job key through (Lightning's launcher starts ranks 1.. as "
-        "children of rank 0). Construct the cache once the process group exists (under "
+        f"whose ranks share a parent process, and no torch.distributed process group of its "
+        f"{world.world_size} ranks is initialised to agree on a job key through (Lightning's "
+        "launcher starts ranks 1.. as children of rank 0). Construct the cache once the "
+        "process group exists (under "
         "Lightning: in setup() or train_dataloader(), not at import or before Trainer.fit, "
         "when rank 0 has not yet started the others), or, with a launcher that starts every "
         "rank with its variables, set STOCACHING_JOB_KEY to one value for all its ranks")
