@@ -33,6 +33,7 @@ __all__ = ["MixtureDataset", "WeightedMixtureSampler"]
 
 import logging
 import math
+import sys
 import time
 import warnings
 from fractions import Fraction
@@ -275,6 +276,19 @@ def _interleave(lengths: Sequence[int], counts: np.ndarray, offsets: np.ndarray,
 # ----------------------------------------------------------------------------------------------
 
 
+def _in_lightnings_wrapper() -> bool:
+    """True when the caller is Lightning's ``_DatasetSamplerWrapper``, which lists a sampler
+    that is not a ``DistributedSampler`` to split it over the ranks again (its ``reset`` calls
+    ``list(sampler)``, so it is the frame right above ``__iter__``). Lightning offers no other
+    sign; if it changes, this says False and only the warning is lost."""
+    try:
+        kind = type(sys._getframe(2).f_locals.get("self"))
+    except ValueError:  # __iter__ called from no Python frame
+        return False
+    return kind.__name__ == "_DatasetSamplerWrapper" and kind.__module__.startswith(
+        ("lightning", "pytorch_lightning"))
+
+
 class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
     """Sampler of a weighted mixture of datasets; also a drop-in for ``DistributedSampler``.
 
@@ -371,6 +385,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         self._resume = 0  # indices of self.epoch to skip at the next __iter__
         self._it: Iterator[int] | None = None  # the latest iterator, and what it covers:
         self._it_epoch = self._it_start = self._it_len = 0
+        self._warned_wrapped = False
 
     # -- what an epoch is ----------------------------------------------------------------------
 
@@ -472,6 +487,16 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices for the current epoch, from the loaded position if any."""
+        if self.num_replicas > 1 and not self._warned_wrapped and _in_lightnings_wrapper():
+            self._warned_wrapped = True
+            warnings.warn(
+                f"Lightning (use_distributed_sampler=True) put this WeightedMixtureSampler, "
+                f"which already gives each of its {self.num_replicas} ranks its share, inside "
+                f"a DistributedSampler of its own: each rank trains on 1/{self.num_replicas} "
+                f"of its share, and set_epoch does not reach it. Give the loader "
+                f"CacheAwareSampler(dataset, batch_size=..., order=this sampler), a "
+                f"DistributedSampler that Lightning leaves alone, or pass "
+                f"Trainer(use_distributed_sampler=False)", stacklevel=2)
         if self._it is not None and self._it_epoch == self.epoch:
             warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
                           f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)

@@ -21,9 +21,10 @@ __all__ = ["CacheAwareSampler"]
 
 import logging
 import math
+import sys
 import time
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -35,8 +36,8 @@ except ImportError:  # copied beside stocaching.py
 
 logger = logging.getLogger("stocaching")
 
-class CacheAwareSampler(torch.utils.data.Sampler[int]):
-    """Drop-in for ``DistributedSampler`` that sends each rank the samples cached on its node.
+class CacheAwareSampler(torch.utils.data.DistributedSampler):
+    """A ``DistributedSampler`` that sends each rank the samples cached on its node.
 
     The epoch is one global shuffle, padded or truncated exactly as ``DistributedSampler`` does
     (same ``seed + epoch`` generator, so the same global order), and cut into global batches of
@@ -56,6 +57,13 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
 
     Ranks ``[k * local_world_size, (k + 1) * local_world_size)`` form node k (torchrun's
     numbering), so ``num_replicas`` must be a multiple of the layout's ``num_nodes``.
+
+    It is a subclass of ``DistributedSampler`` with the same arguments, attributes
+    (``dataset``, ``num_replicas``, ``rank``, ``epoch``, ``shuffle``, ``seed``, ``drop_last``,
+    ``num_samples`` = ``len(self)`` per rank, ``total_size``) and ``set_epoch``, so trainers that
+    replace any other sampler with a distributed one of their own (Lightning's default
+    ``use_distributed_sampler=True``) leave it as it is. Under Accelerate, whose ``prepare``
+    deals the loader's batches to the processes itself, give the loader ``for_accelerate()``.
 
     Without a cache (a dataset whose ``.cache`` is None, e.g. caching switched off) it yields
     exactly what ``DistributedSampler`` yields, after a one-time warning. A
@@ -106,6 +114,10 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
                  batch_size: int, local_world_size: int | None = None,
                  order: Any = None) -> None:
+        # DistributedSampler.__init__ is not called: its defaults need an initialised process
+        # group and it takes len(dataset) as the epoch; every attribute it sets is set here,
+        # with the same meaning.
+        self.dataset = dataset
         self.layout, world, self._positions, length = self._resolve(dataset)
         if order is not None:
             if not (callable(getattr(order, "global_order", None))
@@ -174,6 +186,7 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         self._resume = 0  # indices of self.epoch to skip at the next __iter__
         self._it: Iterator[int] | None = None  # the latest iterator, and what it covers:
         self._it_epoch = self._it_start = self._it_len = 0
+        self._warned_dealt = False
 
     @staticmethod
     def _resolve(source: Any) -> tuple[Any, World | None, np.ndarray | None, int]:
@@ -241,6 +254,14 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         if self.shuffle and self._it is not None and self._it_epoch == self.epoch:
             warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
                           f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
+        if self.num_replicas > 1 and not self._warned_dealt and \
+                _dealt_by_accelerate(self) is not None:
+            self._warned_dealt = True
+            warnings.warn(
+                f"accelerate's prepare() deals this loader's batches to its processes, and this "
+                f"CacheAwareSampler already yields only rank {self.rank}'s: each rank trains on "
+                f"1/{self.num_replicas} of its share. Build the loader with "
+                f"sampler=sampler.for_accelerate() (see docs/distributed.md)", stacklevel=2)
         start, self._resume = self._resume, 0
         indices = self.epoch_indices(self.epoch)[start:].tolist()
         self._it = iter(indices)
@@ -254,9 +275,13 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         Args:
             epoch: the epoch number, an int >= 0.
         """
+        return self._ranks_indices(epoch, [self.rank])[0]
+
+    def _ranks_indices(self, epoch: int, ranks: Sequence[int]) -> list[np.ndarray]:
+        """The indices of each of ``ranks`` for ``epoch``, from one routing of the epoch."""
         epoch = check_int("epoch", epoch, low=0)
         if self.total_size == 0:
-            return np.zeros(0, dtype=np.int64)
+            return [np.zeros(0, dtype=np.int64) for _ in ranks]
         t0 = time.perf_counter()
         if self.order is not None:
             order = np.asarray(self.order.global_order(epoch), dtype=np.int64)
@@ -272,24 +297,56 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
             order = np.arange(self.dataset_len, dtype=np.int64)
         order = np.resize(order, self.total_size)  # repeats from the start, or truncates
         if self._router is None:  # no cache: DistributedSampler's split
-            return order[self.rank::self.num_replicas]
+            return [order[r::self.num_replicas] for r in ranks]
 
         rng = np.random.default_rng([self.seed, epoch])
         node, hit = self._router.assign(order, self.batch_size * self.num_replicas, rng)
-        here = node == self.node_rank
-        mine = order[here]
-        # Node blocks are batch_size * local_world_size long (the last one shorter): shuffle
-        # each and deal it out in slices of its length / local_world_size.
+        routed = rng.bit_generator.state  # each node deals from here, whichever rank asks
+        dealt: dict[int, np.ndarray] = {}
+        for r in ranks:
+            k = r // self.local_world_size
+            if k not in dealt:
+                rng.bit_generator.state = routed
+                dealt[k] = self._deal(order[node == k], rng)
+        if self.rank in ranks:
+            here = node == self.node_rank
+            logger.debug("epoch %d, rank %d: %d indices, %.1f%% cached on node %d, built in "
+                         "%.3f s", epoch, self.rank, self.num_samples, 100 * hit[here].mean(),
+                         self.node_rank, time.perf_counter() - t0)
+        return [dealt[r // self.local_world_size][r % self.local_world_size] for r in ranks]
+
+    def _deal(self, mine: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """A node's samples, in node blocks of batch_size * local_world_size (the last one
+        shorter): each block shuffled and dealt in slices of its length / local_world_size.
+        Row lr of the result is local rank lr's indices."""
         block = self.batch_size * self.local_world_size
         full = mine.size // block * block
-        lr = self.rank % self.local_world_size
-        out = np.concatenate([
-            rng.permuted(b, axis=1).reshape(len(b), self.local_world_size, -1)[:, lr].ravel()
-            for b in (mine[:full].reshape(-1, block), mine[full:].reshape(1, -1)) if b.size])
-        logger.debug("epoch %d, rank %d: %d indices, %.1f%% cached on node %d, built in %.3f s",
-                     epoch, self.rank, out.size, 100 * hit[here].mean(), self.node_rank,
-                     time.perf_counter() - t0)
-        return out
+        return np.concatenate([
+            rng.permuted(b, axis=1).reshape(len(b), self.local_world_size, -1).transpose(1, 0, 2)
+            .reshape(self.local_world_size, -1)
+            for b in (mine[:full].reshape(-1, block), mine[full:].reshape(1, -1)) if b.size],
+            axis=1)
+
+    def for_accelerate(self) -> "torch.utils.data.Sampler[int]":
+        """The sampler to give the ``DataLoader`` that ``accelerate``'s ``prepare`` will shard.
+
+        ``prepare`` (with its default ``split_batches=False``) deals the loader's batches to
+        the processes in turn: batch b goes to process ``b % num_processes``. The returned
+        sampler yields every rank's indices of the epoch, batch by batch in that turn (rank
+        0's first batch, rank 1's first, ..., rank 0's second, ...), the same on every rank,
+        so that the batches ``prepare`` gives rank r are exactly this sampler's batches for
+        rank r: the epoch, the routing to nodes and the padding are this sampler's, and
+        ``len(loader)`` after ``prepare`` is ``ceil(len(self) / batch_size)``. Give the loader
+        the same ``batch_size``. With ``len(self)`` a multiple of ``batch_size`` every index
+        of the epoch comes exactly once (with the padding, as ``DistributedSampler``'s);
+        otherwise the last, short batches are cut and padded by accelerate's rules
+        (``even_batches``). ``set_epoch`` is forwarded to this sampler (the prepared loader
+        calls it every epoch); resuming mid-epoch (``state_dict``) is not supported this way.
+
+        Iterated outside a prepared loader with several ranks, every rank would read every
+        rank's batches: that gives a warning, once.
+        """
+        return _AccelerateOrder(self)
 
     def _consumed(self) -> int:
         if self._it is None or self._it_epoch != self.epoch:
@@ -365,6 +422,66 @@ class CacheAwareSampler(torch.utils.data.Sampler[int]):
         self.epoch = epoch
         self._resume, self._it = consumed, None
 
+
+
+def _dealt_by_accelerate(sampler: Any) -> Any:
+    """The ``BatchSamplerShard`` of a loader prepared by ``accelerate`` that draws its batches
+    from ``sampler`` right now and deals them to its processes, else None. A prepared loader
+    registers as the ``active_dataloader`` of accelerate's ``GradientState`` before it starts
+    drawing, which is when a sampler's ``__iter__`` runs. Nothing is imported: without
+    accelerate, None."""
+    state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
+    if state is None or loaders is None or not getattr(state.GradientState, "_shared_state", None):
+        return None
+    try:
+        active = state.GradientState().active_dataloader
+    except Exception:  # noqa: BLE001 - a state we do not understand is not a prepared loader
+        return None
+    shard = getattr(active, "batch_sampler", None)
+    if not isinstance(shard, loaders.BatchSamplerShard) or shard.num_processes < 2:
+        return None
+    inner = shard.batch_sampler
+    return shard if inner is sampler or getattr(inner, "sampler", None) is sampler else None
+
+
+class _AccelerateOrder(torch.utils.data.Sampler[int]):
+    """``CacheAwareSampler.for_accelerate()``: every rank's batches, dealt in turn."""
+
+    def __init__(self, sampler: CacheAwareSampler) -> None:
+        self.sampler = sampler
+        self._warned = False
+
+    def __len__(self) -> int:
+        return self.sampler.num_samples * self.sampler.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        s = self.sampler
+        if s.num_replicas > 1 and not self._warned:
+            shard = _dealt_by_accelerate(self)
+            if shard is None or shard.num_processes != s.num_replicas:
+                self._warned = True
+                warnings.warn(
+                    f"sampler.for_accelerate() yields the batches of all {s.num_replicas} ranks "
+                    "for accelerate's prepare() to deal out, but this loader was not prepared "
+                    f"for {s.num_replicas} processes: every rank reads every rank's batches. "
+                    "Pass the loader to accelerator.prepare() (on a machine without GPUs: "
+                    "Accelerator(cpu=True)), or give it the CacheAwareSampler itself",
+                    stacklevel=2)
+            elif shard.split_batches:
+                self._warned = True
+                warnings.warn(
+                    "sampler.for_accelerate() yields whole batches for each rank in turn, but "
+                    "accelerate's prepare() was given split_batches=True and cuts every batch "
+                    "over the ranks: each rank reads slices of the others' batches. Leave "
+                    "split_batches at its default, False", stacklevel=2)
+        per_rank = np.stack(s._ranks_indices(s.epoch, range(s.num_replicas)))
+        b = s.batch_size
+        full = s.num_samples // b * b
+        turns = per_rank[:, :full].reshape(s.num_replicas, -1, b).transpose(1, 0, 2).ravel()
+        return iter(np.concatenate([turns, per_rank[:, full:].ravel()]).tolist())
 
 
 class _JoinedLayout:

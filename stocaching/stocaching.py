@@ -836,17 +836,55 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 
 
 def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
-    """A key shared by the local ranks of one job and by no other job of this user here."""
+    """A key shared by the local ranks of one job and by no other job of this user here.
+
+    Derived from the parent process id, which the local ranks share where the launcher starts
+    them side by side: torchrun (and accelerate launch), srun, ``mp.spawn`` (no variables).
+    Lightning's own launcher starts ranks 1.. as children of rank 0, so their parents differ:
+    where the variables do not come from torchrun or srun, an initialised process group carries
+    each node's local rank 0's key to the others (one collective); without one, nothing lets
+    the ranks agree, and a local rank that would wait ``timeout`` seconds for a cache it
+    cannot find raises at once, saying what to set instead."""
     env = os.environ if env is None else env
     if env.get("STOCACHING_JOB_KEY"):
         return _check_name("STOCACHING_JOB_KEY", env["STOCACHING_JOB_KEY"])
     if world.local_world_size == 1:
         return f"p{os.getpid()}"  # nobody else needs to find it
-    parts = [str(os.getppid())]  # torchrun, srun and mp.spawn start local ranks from one parent
+    parts = [str(os.getppid())]
     parts += [env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                                         "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
                                         "SLURM_STEP_ID")]
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+    key = hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+    siblings = ("LOCAL_WORLD_SIZE" in env and "RANK" in env) or "SLURM_PROCID" in env or \
+        not ("LOCAL_RANK" in env or "RANK" in env)  # torchrun, srun; no variables: mp.spawn
+    if siblings:
+        return key
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and \
+            (dist.get_rank(), dist.get_world_size()) == (world.rank, world.world_size):
+        return _leaders_key(world, key)
+    shown = ", ".join(f"{k}={env[k]}" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")
+                      if k in env)
+    raise RuntimeError(
+        f"local rank {world.local_rank} of {world.local_world_size} cannot find the other local "
+        f"ranks' cache: the launcher's variables ({shown}) do not come from torchrun or srun, "
+        f"whose ranks share a parent process, and no torch.distributed process group of its "
+        f"{world.world_size} ranks is initialised to agree on a job key through (Lightning's "
+        "launcher starts ranks 1.. as children of rank 0). Construct the cache once the "
+        "process group exists (under "
+        "Lightning: in setup() or train_dataloader(), not at import or before Trainer.fit, "
+        "when rank 0 has not yet started the others), or, with a launcher that starts every "
+        "rank with its variables, set STOCACHING_JOB_KEY to one value for all its ranks")
+
+
+def _leaders_key(world: World, key: str) -> str:
+    """Every rank sends (node, local rank, key) to every rank, and each takes the key of its
+    node's local rank 0: a collective, so every rank of the group must call it."""
+    dist = torch.distributed
+    got: list[Any] = [None] * world.world_size
+    dist.all_gather_object(got, (world.node_rank, world.local_rank, key))
+    leaders = {node: k for node, local_rank, k in got if local_rank == 0}
+    return leaders.get(world.node_rank, key)
 
 
 def _segment_name(job_key: str, node_rank: int, name: str) -> str:
@@ -1284,7 +1322,9 @@ class SharedCache:
             ``"train"``, ``"val"``). Default: ``"c<k>"`` for the k-th cache this process makes,
             which matches across ranks that make their caches in the same order.
         job_key: key shared by the local ranks of one job. Default: ``$STOCACHING_JOB_KEY``, or
-            derived from the launcher (the parent pid and torchrun/SLURM variables).
+            derived from the launcher (the parent pid and torchrun/SLURM variables); under
+            other variables (Lightning's launcher) local rank 0's, sent through the process
+            group (a collective), and without one a ``RuntimeError`` at once.
         world: who this process is. Default: ``World.discover()`` (the launcher's variables,
             or an initialised process group).
         shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
@@ -1345,6 +1385,7 @@ class SharedCache:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
         CacheConfigError: the leader's segment has another configuration.
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
+        RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
     """
 

@@ -21,6 +21,11 @@ It provides
   one command per line (``tests/children/job.py``); ``ranks_with_a_killed_writer`` (two ranks,
   one killed inside a write) and ``assert_the_killed_write_is_a_miss`` (what rank 0 then sees);
   ``racing_writers``, writer processes that overwrite a cache while a test reads it;
+* trainers (``tests/children/lightning_train.py``, ``accelerate_train.py``):
+  ``training_data(kind)``, a dataset of ``TRAIN_LEN`` samples with one cache (or a mixture of
+  two) and its ``CacheAwareSampler`` (or a ``Prefetcher`` over it); ``TrainRecord``, what a
+  rank trained on, written as JSON; ``run_bounded``, a launcher run whose whole process group
+  is killed past its timeout;
 * leak probes that read /proc: which names are left in a directory, who maps or holds a file of
   it, and how much of a tmpfs is still in use.
 """
@@ -28,6 +33,7 @@ It provides
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import multiprocessing as mp
 import os
@@ -38,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -356,6 +363,122 @@ def racing_writers(target, cache: SharedCache, method: str = "fork", count: int 
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0] * count
+
+
+# ----------------------------------------------------------------------------------------------
+# Trainers: what each rank trains on
+# ----------------------------------------------------------------------------------------------
+
+TRAIN_LEN, TRAIN_BATCH, TRAIN_EPOCHS = 200, 5, 2
+_MIX_LENGTHS = (120, 80)
+
+
+class WithIndex(torch.utils.data.Dataset):
+    """Items ``(i, sample)`` of a dataset whose items are ``(j, sample, hit)``, ``i`` the index
+    asked for (a ``MixtureDataset``'s items carry the index in the sub-dataset)."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return i, self.dataset[i][1]
+
+
+def training_data(kind: str):
+    """``(dataset, sampler, plan)`` for a trainer's loader, made on every rank once the ranks
+    can find each other; ``plan`` is the ``CacheAwareSampler`` whose ``epoch_indices`` say
+    what this rank should train on (None where no sampler plans per rank). ``kind``:
+    ``"cache"``, one cache of a third of ``TRAIN_LEN`` samples; ``"prefetch"``, the same with
+    a ``Prefetcher`` (2 threads) over the sampler; ``"mixture"``, two sub-datasets with a
+    cache each, mixed by a ``WeightedMixtureSampler`` with its default weights (every sample
+    once an epoch) that a ``CacheAwareSampler`` routes; ``"bare mixture"``, the same with the
+    ``WeightedMixtureSampler`` alone."""
+    from stocaching import CacheAwareSampler, MixtureDataset, Prefetcher, WeightedMixtureSampler
+    dims = (3, 8, 8)
+    if kind in ("cache", "prefetch"):
+        n = TRAIN_LEN
+        ds = CachedDataset(SharedCache(budget_for(n // 3, dims, dataset_len=n), n, dims,
+                                       name="train", timeout=60), n)
+        plan = CacheAwareSampler(ds, batch_size=TRAIN_BATCH, seed=1)
+        if kind == "prefetch":
+            return WithIndex(ds), Prefetcher(plan, ds.cache, value_of, threads=2), plan
+        return WithIndex(ds), plan, plan
+    if kind in ("mixture", "bare mixture"):
+        parts = [CachedDataset(SharedCache(budget_for(n // 2, dims, dataset_len=n), n, dims,
+                                           name=f"mix{k}", timeout=60), n)
+                 for k, n in enumerate(_MIX_LENGTHS)]
+        mix = MixtureDataset(parts)
+        order = WeightedMixtureSampler(mix, seed=2)
+        if kind == "bare mixture":
+            return WithIndex(mix), order, None
+        plan = CacheAwareSampler(mix, batch_size=TRAIN_BATCH, order=order)
+        return WithIndex(mix), plan, plan
+    raise ValueError(f"kind should be 'cache', 'prefetch', 'mixture' or 'bare mixture', but "
+                     f"got kind={kind!r}")
+
+
+class TrainRecord:
+    """What one rank trained on from each of its loaders (by kind) epoch by epoch, the
+    stocaching segments it saw while training, and the warnings raised in it that speak of a
+    sampler or a cache (the trainers' other advice, such as Lightning's about DataLoader
+    workers, is left out); ``write`` saves it as ``<out>/rank<r>.json``."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[str, dict[int, list[int]]] = {}
+        self.segments: dict[str, int] | None = None
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def batch(self, kind: str, epoch: int, indices) -> None:
+        if self.segments is None:  # every local rank has its caches by the first batch
+            from stocaching import list_segments
+            shm = os.environ.get("STOCACHING_SHM_DIR", "/dev/shm")
+            names = [os.path.basename(s["path"]).split("_n0_")[-1] for s in list_segments(shm)]
+            self.segments = {n: names.count(n) for n in sorted(set(names))}
+        self.epochs.setdefault(kind, {}).setdefault(epoch, []).extend(int(i) for i in indices)
+
+    def write(self, out: str, rank: int, **extra) -> None:
+        self._catcher.__exit__(None, None, None)
+        ours = [f"{w.category.__name__}: {w.message}" for w in self._caught
+                if any(word in str(w.message).lower() for word in ("stocaching", "sampler",
+                                                                   "cache"))]
+        epochs = {kind: [got.get(e, []) for e in range(TRAIN_EPOCHS)]
+                  for kind, got in self.epochs.items()}
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "epochs": epochs, "segments": self.segments,
+                       "warnings": ours, **extra}, f)
+
+
+def read_records(out: str, ranks: int = 2) -> list[dict]:
+    records = []
+    for r in range(ranks):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            records.append(json.load(f))
+    return records
+
+
+def run_bounded(cmd: list[str], *, env: dict[str, str], timeout: float,
+                cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own and return its outcome; past ``timeout`` seconds
+    kill its whole process group (a launcher and every rank it started: Lightning's rank 0
+    starts the others as its children) and fail with the tail of its output."""
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"{' '.join(cmd)} ran past {timeout} s (hung?) and was killed; "
+                             f"stdout: {out[-2000:]}\nstderr: {err[-4000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # ranks left behind by a launcher that exited
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _command(program: str, args) -> list[str]:

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Subset
 
-from _helpers import (CHILDREN, CachedDataset, assert_no_leak, budget_for, free_port, rank_env,
-                      run_child, value_of)
+from _helpers import (CHILDREN, CachedDataset, assert_no_leak, budget_for, free_port, named,
+                      rank_env, run_child, value_of)
 from stocaching import (BYTES_PER_GIB, C_DTYPES, CacheAwareSampler, SharedCache, SlotState,
                         World)
+from stocaching.stocaching import _job_key
 
 # ----------------------------------------------------------------------------------------------
 # Launchers
@@ -76,6 +77,34 @@ def test_a_process_group_overrules_variables_that_disagree_with_it(process_group
     agree = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     assert World.discover(agree) == World()
     assert World.from_process_group() == World()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun, 2 nodes", "srun", "none"])
+def test_launchers_that_start_local_ranks_side_by_side_need_no_agreement(launcher):
+    """torchrun, srun and mp.spawn (no variables; a World made by hand) start the local ranks
+    from one parent: the key comes from it, with no process group to ask."""
+    env, world = LAUNCHERS[launcher]
+    if launcher == "none":
+        world = World(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    key = _job_key(world, env)
+    assert re.fullmatch(r"[0-9a-f]{12}", key) and key == _job_key(world, env)
+    assert _job_key(world, {**env, "STOCACHING_JOB_KEY": "mine"}) == "mine"
+
+
+def test_lightnings_variables_without_a_process_group_fail_at_once(shm_dir, monkeypatch):
+    """Lightning's launcher starts ranks 1.. as children of rank 0: without a process group
+    to agree through, the parent process id says nothing, and a cache made then would wait
+    its whole timeout for a segment it cannot find."""
+    env, world = LAUNCHERS["Lightning (LOCAL_RANK, NODE_RANK, WORLD_SIZE; no RANK)"]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("STOCACHING_JOB_KEY", raising=False)
+    with pytest.raises(RuntimeError, match=r"local rank 1 of 2 cannot find .*LOCAL_RANK=1, "
+                                           r"NODE_RANK=0, WORLD_SIZE=2.*STOCACHING_JOB_KEY"):
+        SharedCache(1e-4, 10, (4,), timeout=300)
+    assert named(shm_dir) == []
+    monkeypatch.setenv("STOCACHING_JOB_KEY", "by-hand")  # the way out it names
+    assert _job_key(world) == "by-hand"
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,49 @@
+"""Two CPU ranks trained with Accelerate, as
+``torchrun --nproc_per_node=2 accelerate_train.py OUT KIND USE`` (one rank each), or as
+``python accelerate_train.py OUT KIND USE notebook`` (Accelerate's ``notebook_launcher``
+starts both from this process, as in a notebook).
+
+KIND is a ``training_data`` kind of ``_helpers``; the loader, model and optimizer go through
+``accelerator.prepare`` together, with Accelerate's defaults. USE is "for_accelerate" (the
+loader's sampler is ``sampler.for_accelerate()``, the documented way) or "sampler" (the
+``CacheAwareSampler`` itself: the wrong way, which warns). Each rank writes
+``OUT/rank<r>.json`` (``TrainRecord``) with the length of its prepared loader and the
+indices its ``CacheAwareSampler`` planned for it.
+"""
+
+import sys
+
+import torch
+from accelerate import Accelerator, notebook_launcher
+from torch.utils.data import DataLoader
+
+from _helpers import TRAIN_BATCH, TRAIN_EPOCHS, TrainRecord, free_port, training_data
+
+
+def train(out: str, kind: str, use: str) -> None:
+    record = TrainRecord()
+    accelerator = Accelerator(cpu=True)
+    dataset, sampler, plan = training_data(kind)
+    loader = DataLoader(dataset, batch_size=TRAIN_BATCH,
+                        sampler=sampler.for_accelerate() if use == "for_accelerate" else sampler)
+    model = torch.nn.Linear(3 * 8 * 8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for epoch in range(TRAIN_EPOCHS):
+        for indices, x in loader:
+            record.batch(kind, epoch, indices.tolist())
+            loss = model(x.float().flatten(1)).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    record.write(out, accelerator.process_index, batches=len(loader),
+                 planned={kind: [plan.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)]})
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    if sys.argv[4:] == ["notebook"]:
+        notebook_launcher(train, args=tuple(sys.argv[1:4]), num_processes=2,
+                          use_port=str(free_port()))
+    else:
+        train(*sys.argv[1:4])

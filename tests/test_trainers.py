@@ -1,0 +1,299 @@
+"""The trainers' own launchers and data handling, run for real on CPU with gloo, 2 ranks,
+small data: Lightning (its launcher, ``python script.py``, and ddp_spawn) and Accelerate (under
+torchrun). Each rank records the indices it trained on; every run is bounded by a timeout that
+kills its whole process group."""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from torch.utils.data import DataLoader
+
+from _helpers import (CHILDREN, REPO, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, CachedDataset,
+                      WithIndex, budget_for, free_port, named, rank_env, read_records,
+                      run_bounded)
+from stocaching import CacheAwareSampler, CacheLayout, SharedCache, WeightedMixtureSampler, World
+
+KINDS = ["cache", "mixture"]
+SEGMENTS = {"cache": {"train": 1}, "prefetch": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
+
+
+def assert_trained_as_planned(records: list[dict], kinds: list[str]) -> None:
+    """One segment per cache on the node; for each kind, each rank trained on exactly the
+    indices its CacheAwareSampler planned for it, and all ranks together on every index once
+    per epoch."""
+    segments = {name: 1 for kind in kinds for name in SEGMENTS[kind]}
+    for rec in records:
+        assert rec["segments"] == segments, rec["segments"]
+    for kind in kinds:
+        for rec in records:
+            got = rec["epochs"][kind]
+            assert got == rec["planned"][kind], f"{kind}: rank {rec['rank']} trained on others"
+            assert len(got[0]) == TRAIN_LEN // 2
+        for epoch in range(TRAIN_EPOCHS):
+            every = sorted(i for rec in records for i in rec["epochs"][kind][epoch])
+            assert every == list(range(TRAIN_LEN)), f"{kind}, epoch {epoch}: not every index once"
+        got = records[0]["epochs"][kind]
+        assert got[0] != got[1], f"{kind}: set_epoch was not called"
+
+
+# ----------------------------------------------------------------------------------------------
+# Lightning
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy, kinds", [("ddp", KINDS), ("ddp_spawn", KINDS),
+                                             ("ddp", ["prefetch"])],
+                         ids=["ddp-cache+mixture", "ddp_spawn-cache+mixture", "ddp-prefetch"])
+def test_lightning_trains_each_rank_on_its_own_cache_aware_share(strategy, kinds, shm_dir,
+                                                                  tmp_path):
+    """Trainer(devices=2) with its defaults (use_distributed_sampler=True), the datasets made
+    in train_dataloader() (one cache; a mixture of two), trained on together. Under "ddp"
+    rank 0 starts rank 1 as its child, so the ranks have different parent processes and agree
+    on each segment through the process group; the samplers, DistributedSamplers, are left
+    unwrapped. A Prefetcher over one is not one: with it, use_distributed_sampler=False, as
+    the docs say."""
+    pytest.importorskip("lightning")
+    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), strategy,
+           ",".join(kinds)]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    records = read_records(str(tmp_path))
+    want = "Prefetcher" if kinds == ["prefetch"] else "CacheAwareSampler"
+    for rec in records:
+        assert rec["samplers"] == {kind: want for kind in kinds}
+        assert rec["warnings"] == []
+    assert_trained_as_planned(records, kinds)
+
+
+@pytest.mark.timeout(200)
+def test_lightning_cache_made_before_the_launch_fails_at_once(shm_dir, tmp_path):
+    """A dataset made as the script runs, before Trainer.fit: rank 0 is alone then, and its
+    child rank 1 has Lightning's variables and no process group. Rank 1 raises at once, naming
+    what to do, instead of waiting out the attach timeout (60 s here); Lightning then ends
+    rank 0."""
+    pytest.importorskip("lightning")
+    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), "ddp",
+           "import"]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
+    assert r.returncode != 0
+    assert "RuntimeError: local rank 1 of 2 cannot find" in r.stderr, r.stderr[-4000:]
+    assert "train_dataloader()" in r.stderr and "STOCACHING_JOB_KEY" in r.stderr
+    assert "CacheTimeoutError" not in r.stderr
+
+
+@pytest.mark.timeout(200)
+def test_lightning_wrapping_a_bare_mixture_sampler_warns_once_with_the_fix(shm_dir, tmp_path):
+    """A WeightedMixtureSampler alone is not a DistributedSampler: Lightning's default wraps
+    it and splits each rank's share again. Each rank warns once, naming both ways out."""
+    pytest.importorskip("lightning")
+    cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), "ddp",
+           "bare mixture"]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rec in read_records(str(tmp_path)):
+        assert rec["samplers"] == {"bare mixture": "DistributedSamplerWrapper"}
+        wrapped = [w for w in rec["warnings"] if "use_distributed_sampler=True" in w]
+        assert len(wrapped) == 1, rec["warnings"]
+        assert "order=this sampler" in wrapped[0]
+        assert "use_distributed_sampler=False" in wrapped[0]
+        assert len(rec["epochs"]["bare mixture"][0]) == TRAIN_LEN // 4
+
+
+def test_a_mixture_sampler_in_lightnings_wrapper_warns_once_and_alone_does_not():
+    """Lightning's DistributedSamplerWrapper, as its default puts around a sampler that is
+    not a DistributedSampler, in this process: the WeightedMixtureSampler of rank 0 of 2
+    inside it warns once over two epochs; the same sampler iterated by itself does not."""
+    lightning_distributed = pytest.importorskip("lightning.fabric.utilities.distributed")
+    mixture = WeightedMixtureSampler([30, 20], num_replicas=2, rank=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(mixture)) == 25
+    wrapper = lightning_distributed.DistributedSamplerWrapper(mixture, num_replicas=2, rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            wrapper.set_epoch(epoch)
+            assert len(list(wrapper)) == 13  # half of this rank's 25
+    ours = [str(w.message) for w in caught if "Lightning" in str(w.message)]
+    assert len(ours) == 1 and "use_distributed_sampler=False" in ours[0], ours
+
+
+# ----------------------------------------------------------------------------------------------
+# Accelerate
+# ----------------------------------------------------------------------------------------------
+
+
+def run_accelerate(tmp_path, shm_dir: str, kind: str, use: str,
+                   launcher: str = "torchrun") -> list[dict]:
+    program = [str(CHILDREN / "accelerate_train.py"), str(tmp_path), kind, use]
+    cmd = [sys.executable, *program, "notebook"] if launcher == "notebook" else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master-port={free_port()}", *program]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=150)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return read_records(str(tmp_path))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("launcher, kind", [("torchrun", "cache"), ("torchrun", "mixture"),
+                                            ("notebook", "cache")])
+def test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches(launcher, kind,
+                                                                        shm_dir, tmp_path):
+    """accelerator.prepare(model, optimizer, loader) with its defaults, the loader's sampler
+    sampler.for_accelerate(), under torchrun (what accelerate launch runs) and Accelerate's
+    notebook_launcher: prepare's dealing of batches gives each rank exactly its
+    CacheAwareSampler's batches, and len(loader) counts them."""
+    pytest.importorskip("accelerate")
+    records = run_accelerate(tmp_path, shm_dir, kind, "for_accelerate", launcher)
+    assert [rec["warnings"] for rec in records] == [[], []]
+    assert [rec["batches"] for rec in records] == [TRAIN_LEN // 2 // TRAIN_BATCH] * 2
+    assert_trained_as_planned(records, [kind])
+
+
+@pytest.mark.timeout(180)
+def test_accelerate_prepare_of_a_per_rank_sampler_warns_once_with_the_fix(shm_dir, tmp_path):
+    """The CacheAwareSampler itself in a prepared loader: prepare deals its batches again and
+    each rank trains on half its share. Each rank warns once (not once an epoch), naming
+    for_accelerate()."""
+    pytest.importorskip("accelerate")
+    records = run_accelerate(tmp_path, shm_dir, "cache", "sampler")
+    for rec in records:
+        assert len(rec["warnings"]) == 1, rec["warnings"]
+        assert "sampler=sampler.for_accelerate()" in rec["warnings"][0]
+        assert len(rec["epochs"]["cache"][0]) == TRAIN_LEN // 4
+
+
+@pytest.mark.parametrize("length, batch_size, num_nodes, ranks_per_node",
+                         [(200, 5, 1, 2), (240, 4, 2, 2), (210, 7, 3, 1)])
+def test_for_accelerate_gives_batch_sampler_shard_each_ranks_batches(length, batch_size,
+                                                                      num_nodes, ranks_per_node):
+    """accelerate's BatchSamplerShard over a BatchSampler of for_accelerate(), as prepare
+    builds it for process r, yields exactly rank r's batches of the CacheAwareSampler."""
+    accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
+    layout = CacheLayout(length, length // (num_nodes + 1), num_nodes)
+    ranks = num_nodes * ranks_per_node
+    for r in range(ranks):
+        sampler = CacheAwareSampler(layout, ranks, r, batch_size=batch_size)
+        sampler.set_epoch(3)
+        batches = torch.utils.data.BatchSampler(sampler.for_accelerate(), batch_size, False)
+        shard = accelerate_data_loader.BatchSamplerShard(batches, num_processes=ranks,
+                                                         process_index=r)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # not in a prepared loader: it says so
+            got = [i for batch in shard for i in batch]
+        assert len(shard) == len(sampler) // batch_size
+        assert np.array_equal(got, sampler.epoch_indices(3)), r
+
+
+@pytest.mark.parametrize("use, split, warns", [
+    ("for_accelerate", False, None),
+    ("for_accelerate", True, r"split_batches=True and cuts every batch"),
+    ("sampler", False,
+     r"prepare\(\) deals this loader's batches .* sampler=sampler.for_accelerate\(\)")])
+def test_a_loader_prepared_for_two_processes_reads_what_each_rank_planned_or_warns_once(
+        use, split, warns, shm_dir):
+    """accelerate's prepare_data_loader, as prepare() calls it, for process r of 2, in this
+    process: the right use reads exactly rank r's batches without a warning; the wrong ones
+    (prepare's split_batches=True, the per-rank sampler itself) warn once over two epochs."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
+    ds = CachedDataset(cache, 40)
+    for r in range(2):
+        sampler = CacheAwareSampler(ds, 2, r, batch_size=4)
+        order = sampler.for_accelerate() if use == "for_accelerate" else sampler
+        loader = DataLoader(WithIndex(ds), batch_size=4, sampler=order)
+        prepared = data_loader.prepare_data_loader(loader, num_processes=2, process_index=r,
+                                                   split_batches=split)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            epochs = [[i for idx, _ in prepared for i in idx.tolist()] for _ in range(2)]
+        ours = [str(w.message) for w in caught if "sampler" in str(w.message)]
+        if warns is None:
+            assert ours == [] and len(prepared) == 5
+            assert epochs == [sampler.epoch_indices(e).tolist() for e in range(2)]
+        else:
+            assert len(ours) == 1 and re.search(warns, ours[0]), ours
+    cache.close()
+
+
+def test_for_accelerate_outside_a_prepared_loader_warns_once():
+    sampler = CacheAwareSampler(CacheLayout(100, 30), 2, 0, batch_size=5)
+    order = sampler.for_accelerate()
+    assert len(order) == 100
+    with pytest.warns(UserWarning, match=r"was not prepared for 2 processes: every rank reads"):
+        assert sorted(order) == list(range(100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(order)
+
+
+def test_cache_aware_sampler_is_a_distributed_sampler_with_its_attributes():
+    """What trainers read of a DistributedSampler (Lightning leaves one unwrapped)."""
+    ds = torch.utils.data.TensorDataset(torch.arange(103))
+    ds.cache = None  # no cache: it yields what DistributedSampler yields
+    with pytest.warns(UserWarning, match="has no cache"):
+        ours = CacheAwareSampler(ds, 4, 1, shuffle=True, seed=5, drop_last=True, batch_size=3)
+    theirs = torch.utils.data.DistributedSampler(ds, 4, 1, shuffle=True, seed=5,
+                                                 drop_last=True)
+    assert isinstance(ours, torch.utils.data.DistributedSampler)
+    for name in ("dataset", "num_replicas", "rank", "epoch", "shuffle", "seed", "drop_last",
+                 "num_samples", "total_size"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    for s in (ours, theirs):
+        s.set_epoch(2)
+    assert list(ours) == list(theirs) and len(ours) == len(theirs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The examples of docs/distributed.md, run as they say
+# ----------------------------------------------------------------------------------------------
+
+
+def doc_programs() -> dict[str, tuple[str, str]]:
+    """{file name: (code, command)} of each ```python block of docs/distributed.md whose first
+    line is "# <name>.py" or "# <name>.py: <command>"."""
+    text = (REPO / "docs" / "distributed.md").read_text()
+    out = {}
+    for code in re.findall(r"```python\n(.*?)```", text, re.S):
+        head = re.match(r"# (\w+\.py)(?:: (.*))?\n", code)
+        if head:
+            out[head.group(1)] = (code, head.group(2) or "")
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("program, needs", [("train_torchrun.py", None),
+                                            ("train_lightning.py", "lightning"),
+                                            ("train_accelerate.py", "accelerate")])
+def test_each_trainers_example_in_the_docs_runs_as_shown(program, needs, shm_dir, tmp_path):
+    """The example, with the docs' images.py beside it, run by its own command (accelerate
+    launch as the torchrun it runs): it ends well, warns of nothing about the cache or the
+    sampler, and leaves no segment behind."""
+    if needs:
+        pytest.importorskip(needs)
+    programs = doc_programs()
+    for name in ("images.py", program):
+        (tmp_path / name).write_text(programs[name][0])
+    command = programs[program][1].split()
+    assert command[-1] == program, command
+    launcher = {"python": [sys.executable],
+                "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master-port={free_port()}"],
+                "accelerate": [sys.executable, "-m", "torch.distributed.run",
+                               "--nproc_per_node=2", f"--master-port={free_port()}"]}
+    assert command[0] in launcher and ("=2" in command[-2] or command[0] == "python"), command
+    env = rank_env(shm_dir, PYTHONWARNINGS="always")
+    r = run_bounded([*launcher[command[0]], program], env=env, timeout=180, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-4000:]
+    warned = [ln for ln in r.stderr.splitlines() if re.search(r"Warning: ", ln)
+              and re.search(r"stocaching|sampler|cache", ln, re.I)]
+    assert warned == [], warned
+    assert named(shm_dir) == []
