@@ -65,7 +65,7 @@ def job(role: str, options: str) -> None:
                             name=o["name"], persistent=True, key="jpegs")
         out["construct_s"] = time.perf_counter() - t0
         ds = D.JpegDataset(o["root"], o["num_images"], o["decoded_size"], 10, cache=cache)
-        for epoch in range(1 if role == "second" else 2):
+        for epoch in range(1 if role == "second" else 3):
             torch.manual_seed(epoch)
             c0, t1 = time.process_time(), time.perf_counter()
             hits = sum(ds[i][2] for i in range(len(ds)))
@@ -122,21 +122,28 @@ def main(args: argparse.Namespace, argv: Sequence[str],
     shm_dir = os.environ.get("STOCACHING_SHM_DIR", "/dev/shm")
     try:
         first = _run_job("first", opts)
-        second = _run_job("second", opts)
+        seconds = [_run_job("second", opts) for _ in range(args.repeats)]
         made = _run_job("big", {**opts, "fill": True})
         attaches = [_run_job("big", opts)["construct_s"] for _ in range(args.repeats)]
     finally:
         clean_segments(shm_dir, persistent=[name, name + "-big"])
-    e1, warm, again = first["epoch1"], first["epoch2"], second["epoch1"]
+    e1 = first["epoch1"]
+    warm = min((first["epoch2"], first["epoch3"]), key=lambda e: -e["samples_per_s"])
+    second = sorted(seconds, key=lambda j: j["epoch1"]["samples_per_s"])[len(seconds) // 2]
+    again = second["epoch1"]
     say(f"{args.num_images} JPEGs of {args.image_size}x{args.image_size} -> uint8 3x"
         f"{args.decoded_size}x{args.decoded_size}, read in the job's main process, one thread")
-    say(f"{'':34s} {'samples/s':>10s} {'wall s':>7s} {'cpu s':>6s} {'hits':>6s}")
-    for label, e in (("first job, epoch 1 (decodes)", e1), ("first job, epoch 2 (warm)", warm),
-                     ("second job, epoch 1 (attached)", again)):
-        say(f"{label:34s} {e['samples_per_s']:10,.0f} {e['wall_s']:7.2f} {e['cpu_s']:6.2f} "
+    say(f"{'':36s} {'samples/s':>10s} {'wall s':>7s} {'cpu s':>6s} {'hits':>6s}")
+    for label, e in (("first job, epoch 1 (decodes)", e1),
+                     ("first job, epoch 2 (warm)", first["epoch2"]),
+                     ("first job, epoch 3 (warm)", first["epoch3"]),
+                     *((f"second job #{k + 1}, epoch 1 (attached)", j["epoch1"])
+                       for k, j in enumerate(seconds))):
+        say(f"{label:36s} {e['samples_per_s']:10,.0f} {e['wall_s']:7.2f} {e['cpu_s']:6.2f} "
             f"{e['hits']:6d}")
-    say(f"second job: attach (the constructor) {1000 * second['construct_s']:.1f} ms; first "
-        f"job: make {1000 * first['construct_s']:.1f} ms")
+    attach_ms = ", ".join(f"{1000 * j['construct_s']:.1f}" for j in seconds)
+    say(f"second jobs: attach (the constructor) {attach_ms} ms; first job: make "
+        f"{1000 * first['construct_s']:.1f} ms")
     med = statistics.median(attaches)
     say(f"persistent cache of {made['bytes'] / 2**30:.2f} GiB ({made['slots']} slots of "
         f"3x256x256, {made['filled']} filled): made in {made['construct_s']:.2f} s; attached "
@@ -149,8 +156,9 @@ def main(args: argparse.Namespace, argv: Sequence[str],
     say(f"[{'PASS' if med <= ATTACH_MAX_S else 'MISS'}] attach to a persistent cache of "
         f"{args.attach_gib:g} GiB, target <= {ATTACH_MAX_S:g} s: median of {len(attaches)} "
         f"{med:.3f} s")
-    say(f"[{'PASS' if ratio >= WARM_MIN else 'MISS'}] the second job's epoch 1 vs the first "
-        f"job's warm epoch, target >= {WARM_MIN:g} x: {again['samples_per_s']:,.0f} vs "
+    say(f"[{'PASS' if ratio >= WARM_MIN else 'MISS'}] the second job's epoch 1 (median of "
+        f"{len(seconds)} jobs) vs the first job's faster warm epoch, target >= {WARM_MIN:g} x: "
+        f"{again['samples_per_s']:,.0f} vs "
         f"{warm['samples_per_s']:,.0f} samples/s ({ratio:.2f} x; the first job's epoch 1: "
         f"{e1['samples_per_s']:,.0f}, {again['samples_per_s'] / e1['samples_per_s']:.1f} x "
         "slower than the second's)")
