@@ -511,7 +511,7 @@ def _host_identity() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Which dataset indices get a slot on which node: a pure function of its four fields.
+    """Which dataset indices get a slot on which node: a pure function of its five fields.
 
     With one node the first ``slots`` indices are cached, as in stocaching 0.2.1, or, with
     ``random_subset``, the first ``slots`` entries of a permutation drawn from ``seed``. With
