@@ -222,6 +222,7 @@ class _Epoch:
         self.base_state = base_state           # the base's state at the epoch's start
         self.mask = mask                       # fixed: ready bits seen at the epoch's start
         self._digest: str | None = None
+        self.owner = object()                  # the iterator that may yield from it
 
     @property
     def done(self) -> int:
@@ -367,6 +368,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self._ep: _Epoch | None = None          # the latest iterator's epoch
         self._loaded: dict | None = None        # a state to resume from at the next __iter__
+        self._spare: np.ndarray | None = None   # see load_state_dict
 
     # -- the public surface -----------------------------------------------------------------
 
@@ -393,15 +395,31 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        """The current epoch's indices, from the loaded position if any."""
-        if self._loaded is None and self._ep is not None and self._ep.epoch == self.epoch \
-                and hasattr(self.base, "set_epoch"):
-            warnings.warn(f"epoch {self.epoch} is iterated again; call sampler.set_epoch(epoch) "
-                          f"before each epoch", stacklevel=2)
+        """The current epoch's indices, from the loaded position if any.
+
+        An iterator that has yielded nothing does not count as an iteration of the epoch: the
+        next ``iter()`` of the same epoch replaces it and continues the same order from the
+        same position (loaders such as torchdata's ``StatefulDataLoader`` create one, load a
+        state, and create another). Iterating an epoch again after an iterator has yielded
+        warns, unless ``set_epoch`` was called meanwhile.
+        """
+        ep = self._ep
+        if self._loaded is None and ep is not None and ep.epoch == self.epoch:
+            if ep.done == ep.start:  # never advanced: the same epoch, order and position
+                ep.owner = object()
+                return self._yield(ep, ep.owner)
+            if hasattr(self.base, "set_epoch"):
+                warnings.warn(f"epoch {self.epoch} is iterated again; call "
+                              f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
         t0 = time.perf_counter()
         base_state = self._base_state()
         n = len(self)
-        indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, taken once
+        spare, self._spare = self._spare, None
+        if spare is not None and self._loaded is not None and spare.size == n and \
+                _digest(spare) == self._loaded["order_digest"]:
+            indices = spare  # the order the state continues, taken before it was loaded
+        else:
+            indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, once
         if indices.size != n:
             raise ValueError(f"base should yield len(base)={n} indices per epoch, but it "
                              f"yielded {indices.size}; if the base sampler was resumed on its "
@@ -414,7 +432,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             logger.debug("epoch %d: %d indices from step %d, %.1f%% ready at the start, order "
                          "built in %.3f s", self.epoch, n, ep.start,
                          100 * ep.mask.mean() if n else 0.0, time.perf_counter() - t0)
-        return self._yield(ep)
+        return self._yield(ep, ep.owner)
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with what is needed to continue it.
@@ -519,6 +537,11 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         elif hasattr(self.base, "set_epoch"):
             self.base.set_epoch(epoch)
         self.epoch = epoch
+        # The base order that an iterator which never yielded took: a base whose order
+        # depends on how often it was iterated (RandomSampler with a generator) would give
+        # another one if iterated again.
+        ep = self._ep
+        self._spare = ep.indices if ep is not None and ep.done == ep.start else None
         self._ep = None
         self._loaded = loaded if started else None
 
@@ -603,7 +626,11 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         ep.out[t0 - ep.start:t0 - ep.start + steps] = order
         ep.computed = t0 + steps
 
-    def _yield(self, ep: _Epoch) -> Iterator[int]:
+    def _yield(self, ep: _Epoch, owner: object) -> Iterator[int]:
+        if ep.owner is not owner:
+            raise RuntimeError(f"this iterator of epoch {ep.epoch} was replaced by a newer one "
+                               f"before it yielded anything (iter(sampler) was called again); "
+                               f"iterate the newest")
         t = ep.start
         while t < ep.n:
             if t >= ep.computed:
@@ -917,6 +944,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
         self.left = 0  # misses left to the DataLoader while the loads were CPU-bound
         self._procs: _ProcessLoaderPool | None = None  # with processes=N
+        # What the latest iterator of this epoch yielded: [the position it started from,
+        # indices yielded], the default position of state_dict(); None before one started.
+        self._progress: list | None = None
+        self._epoch: int | None = None  # the latest set_epoch
+        self._takes_consumed: bool | None = None
         if self.processes:
             self._procs = self._start_processes()
         # This rank's workers read this rank's copies only: with epochs that drift apart, two
@@ -945,22 +977,69 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         """Forwarded to the order (and so to the base sampler, if it has one)."""
         if hasattr(self._order, "set_epoch"):
             self._order.set_epoch(epoch)
+        if epoch != self._epoch:  # (the same epoch again keeps the position)
+            self._progress = None
+        self._epoch = epoch
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
-        """The order's state (see :class:`ReadyFirstSampler`, or the base sampler's)."""
+        """The position in the current epoch: the order's state (see
+        :class:`ReadyFirstSampler`) with a window, else the base sampler's.
+
+        The prefetcher reads its base order ahead (the whole epoch, when an iterator starts),
+        so the base's own count says nothing about what was yielded: the position is always
+        the prefetcher's, passed to the order as ``consumed``.
+
+        Args:
+            consumed: indices of this epoch that were used. Default: the number the latest
+                iterator of this epoch has yielded (plus the position it was resumed from);
+                with a ``DataLoader`` of ``num_workers > 0``, which draws indices ahead of
+                the model, pass ``steps * batch_size``.
+
+        Raises:
+            TypeError: without a window, when the base sampler cannot record a position: it
+                has no ``state_dict``, or its ``state_dict`` takes no ``consumed`` and the
+                epoch is under way (pass a window, or a base sampler that resumes from a
+                position, such as ``CacheAwareSampler`` or ``WeightedMixtureSampler``).
+        """
         if not hasattr(self._order, "state_dict"):
             raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
                             "state_dict(); pass a window, or a base sampler that resumes")
-        if consumed is None:
+        progress = self._progress
+        if consumed is None and progress is not None:
+            consumed = progress[0] + progress[1]
+        if consumed is None:  # no iterator of this epoch has started: the order knows
             return self._order.state_dict()
+        if self.window is None and not self._base_takes_consumed():
+            if progress is not None and consumed == progress[0] + progress[1] == len(self):
+                return self._order.state_dict()  # the epoch is done: the base's count is right
+            raise TypeError(f"the base sampler ({type(self._tap.base).__name__})'s "
+                            f"state_dict() takes no consumed, so its state cannot say that "
+                            f"{consumed} of {len(self)} indices of this epoch were used (the "
+                            f"prefetcher reads the whole epoch ahead); pass a window (the order "
+                            f"then resumes any base whose epoch is reproducible), or a base "
+                            f"sampler whose state_dict(consumed=...) records a position, such "
+                            f"as CacheAwareSampler or WeightedMixtureSampler")
         return self._order.state_dict(consumed=consumed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``, a dict from ``state_dict()``."""
+        """Continue from ``state``, a dict from ``state_dict()``: the next iterator yields
+        the rest of its epoch."""
         if not hasattr(self._order, "load_state_dict"):
             raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
                             "load_state_dict(); pass a window, or a base sampler that resumes")
         self._order.load_state_dict(state)
+        self._progress = None
+        self._epoch = state.get("epoch")  # a set_epoch of this epoch keeps the position
+
+    def _base_takes_consumed(self) -> bool:
+        """Whether the base sampler's ``state_dict`` takes ``consumed`` (a position)."""
+        if self._takes_consumed is None:
+            try:
+                params = inspect.signature(self._tap.base.state_dict).parameters
+                self._takes_consumed = "consumed" in params
+            except (TypeError, ValueError):
+                self._takes_consumed = False
+        return self._takes_consumed
 
     def __iter__(self) -> Iterator[int]:
         with self._lock:
@@ -982,10 +1061,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
         # emitted before are not loaded again.
         pos, skip = 0, np.zeros(0, dtype=bool)
-        ep = getattr(self._order, "_ep", None)
+        ep = self._order._ep if self.window is not None else None
         if ep is not None and ep.start:
             pos = ep.start
             skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
+        # The position this iterator starts from: a resumed base yields only the rest.
+        start = ep.start if ep is not None else len(self._tap) - len(base)
+        progress = self._progress = [start, 0]
         if self.processes:
             if self._procs is not None and self._procs.dead():
                 self.close()  # an epoch raised that one died: start afresh
@@ -1057,6 +1139,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     self._wait(idx, job, pool)
                     ahead -= staged
                 pos += 1
+                progress[1] += 1  # counted as yielded once the caller has it
                 yield idx
         finally:
             pool.stop()  # threads end; processes stay, their queued jobs are cancelled

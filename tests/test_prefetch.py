@@ -624,6 +624,144 @@ def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
     assert cache.stats()["staged"] == 0
 
 
+class Mixture:
+    """A WeightedMixtureSampler over two halves of the N indices: it resumes from a position."""
+
+    def __new__(cls):
+        from stocaching.mixtures import WeightedMixtureSampler
+        return WeightedMixtureSampler([N // 2, N // 2], [1, 2], seed=9)
+
+
+class CacheAware:
+    """A CacheAwareSampler over a dataset of the N indices: it resumes from a position."""
+
+    def __new__(cls, cache):
+        from stocaching import CacheAwareSampler
+        return CacheAwareSampler(PrefetchedDataset(cache, N, value_of), batch_size=BATCH,
+                                 seed=9)
+
+
+def resumable_base(kind, cache):
+    return {"mixture": Mixture, "cache-aware": lambda: CacheAware(cache),
+            "shuffled": lambda: Shuffled(N, seed=9)}[kind]()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [0, 1])
+@pytest.mark.parametrize("window, mode", [(None, "fixed"), (8, "fixed"), (8, "adaptive")])
+@pytest.mark.parametrize("kind", ["mixture", "cache-aware", "shuffled"])
+def test_default_state_is_what_the_prefetcher_yielded(shm_dir, kind, window, mode, processes):
+    """state_dict() with no consumed records the indices the iterator yielded (not what it read
+    ahead of the base sampler: the whole epoch); a new prefetcher loading it yields exactly the
+    rest, so the two runs give each index of the epoch once (issue 25, item 1)."""
+    if kind == "shuffled" and window is None:
+        pytest.skip("a base without state_dict cannot resume without a window (tested below)")
+    cache = make_cache(shm_dir)
+    whole = list(resumable_base(kind, cache))
+    pf = Prefetcher(resumable_base(kind, cache), cache, value_of, window=window, mode=mode,
+                    threads=2, processes=processes, stand_aside=False)
+    it = iter(pf)
+    first = [next(it) for _ in range(37)]
+    state = pf.state_dict()
+    assert state["consumed"] == 37
+    it.close()
+    pf.close()
+    pf2 = Prefetcher(resumable_base(kind, cache), cache, value_of, window=window, mode=mode,
+                     threads=2, processes=processes, stand_aside=False)
+    pf2.load_state_dict(state)
+    assert pf2.state_dict()["consumed"] == 37  # loaded, not yet iterated
+    rest = list(pf2)
+    assert pf2.state_dict()["consumed"] == len(whole)
+    pf2.close()
+    assert sorted(first + rest) == sorted(whole) and len(rest) == len(whole) - 37
+    if window is None:
+        assert first + rest == whole
+    assert cache.stats()["staged"] == 0
+
+
+def test_a_base_that_cannot_record_a_position_is_refused_mid_epoch(shm_dir):
+    """Without a window, a base whose state_dict() takes no consumed cannot say how far the
+    prefetcher got: a TypeError naming it, never a state that skips the rest of the epoch."""
+
+    class CountsItself(Shuffled):  # its own count: what was taken from it
+        taken = 0
+
+        def __iter__(self):
+            for i in super().__iter__():
+                self.taken += 1
+                yield i
+
+        def state_dict(self):
+            return {"taken": self.taken}
+
+        def load_state_dict(self, state):
+            self.taken = state["taken"]
+
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(CountsItself(N), cache, value_of, threads=2, stand_aside=False)
+    assert pf.state_dict() == {"taken": 0}  # no epoch under way: the base's own state
+    it = iter(pf)
+    next(it)
+    with pytest.raises(TypeError, match=r"CountsItself\)'s state_dict\(\) takes no consumed, "
+                                        r"so its state cannot say that 1 of 64 indices"):
+        pf.state_dict()
+    with pytest.raises(TypeError, match="takes no consumed"):
+        pf.state_dict(consumed=0)
+    list(it)
+    assert pf.state_dict() == {"taken": N}  # the epoch is done: the base's count is right
+
+
+def test_an_index_whose_load_failed_is_not_counted_as_yielded(shm_dir):
+    """A PrefetchError for index i: i was not yielded, so a state saved then resumes with i."""
+    base = Shuffled(N, seed=2)
+    bad = base.order()[5]
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(base, cache, load_that_fails(bad), window=4, threads=2,
+                    stand_aside=False)
+    it = iter(pf)
+    got = []
+    with pytest.raises(PrefetchError):
+        for i in it:
+            got.append(i)
+    state = pf.state_dict()
+    assert state["consumed"] == len(got)
+    pf2 = Prefetcher(Shuffled(N, seed=2), cache, value_of, window=4, threads=2,
+                     stand_aside=False)
+    pf2.load_state_dict(state)
+    rest = list(pf2)
+    assert bad in rest and sorted(got + rest) == list(range(N))
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_workers_ahead_of_the_model_takes_what_the_model_used(shm_dir):
+    """With num_workers > 0 the DataLoader draws indices ahead of the model, so the default
+    state is ahead of it; state_dict(consumed=steps * batch_size) is what resumes the rest of
+    the epoch exactly once (docs/prefetch.md, Resume)."""
+    cache = make_cache(shm_dir)
+    whole = list(Mixture())
+
+    def loader_of(pf):
+        return DataLoader(PrefetchedDataset(cache, N, value_of), batch_size=BATCH, sampler=pf,
+                          num_workers=2, multiprocessing_context="fork")
+
+    pf = Prefetcher(Mixture(), cache, value_of, threads=2, stand_aside=False)
+    pf.set_epoch(0)
+    first, loader = [], loader_of(pf)
+    for step, (idx, x) in enumerate(loader):
+        first += idx.tolist()
+        if step == 4:
+            break
+    ahead = pf.state_dict()["consumed"]
+    state = pf.state_dict(consumed=5 * BATCH)
+    del loader
+    assert ahead > 5 * BATCH  # the workers had been handed more than the model used
+    pf2 = Prefetcher(Mixture(), cache, value_of, threads=2, stand_aside=False)
+    pf2.load_state_dict(state)
+    pf2.set_epoch(0)
+    rest = read_epoch(loader_of(pf2))
+    assert first + rest == whole
+
+
 def test_resumed_epoch_prefetches_its_rest(shm_dir, loads_dir):
     """After a resume at 48 of 64, the prefetcher should load the misses of the remaining 16
     (so that each is ready when yielded) and nothing that was consumed before."""
