@@ -926,7 +926,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # What this prefetcher staged is tagged with a number of its own, so that it gives
         # back only its own samples (another rank's prefetcher may stage the same index).
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
-        self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
+        self._staged = _Staged()  # what this prefetcher staged, and the stages under way
+        self._staging_slots = stats["staging_slots"]
+        self._pool: _LoaderPool | None = None  # the loader threads of the running epoch
         # Indices whose loaded sample the cache did not keep (open sizes, arena full; a byte
         # an index), and the most of the arena seen in use: see __iter__.
         self._may_refuse = "arena_bytes" in stats  # a cache of open sizes
@@ -961,14 +963,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         return _ProcessLoaderPool(self, flags, self._mp_context)
 
     def close(self) -> None:
-        """Stop the loader processes (``processes=N``; a later epoch starts new ones) and
-        give back the staging slots of samples it staged that were not read. Idempotent;
-        also done when the prefetcher is collected or the program exits."""
+        """Stop the loads (the loader threads of a running epoch, whose iterator then raises
+        :class:`PrefetchError` if it is advanced; the loader processes with ``processes=N``:
+        a later epoch starts new ones) and give back every staging slot holding a sample it
+        staged. Idempotent and quiet, also after the cache was closed; also done when the
+        prefetcher is collected or the program exits."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
         if self._procs is not None:
             self._procs.close()
             self._procs = None
-        with self._lock:
-            _give_back_staged(self.cache, self._tag, self._staged)
+        _give_back_staged(self.cache, self._tag, self._staged, final=False)
 
     def __len__(self) -> int:
         return len(self._tap)
@@ -1042,9 +1048,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         return self._takes_consumed
 
     def __iter__(self) -> Iterator[int]:
-        with self._lock:
-            staged = set(self._staged)
-            self._staged.clear()
+        staged = self._staged.take()
         if staged:  # staged last epoch, yielded and never read: give them back
             staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
             for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
@@ -1075,7 +1079,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 self._procs = self._start_processes()
             pool: Any = self._procs
         else:
-            pool = _LoaderPool(self.threads, self._fetch)
+            pool = self._pool = _LoaderPool(self.threads, self._fetch)
         pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
         ahead = 0  # staged loads submitted and not yet yielded
         nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
@@ -1143,12 +1147,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 yield idx
         finally:
             pool.stop()  # threads end; processes stay, their queued jobs are cancelled
-            with contextlib.suppress(ValueError):  # the cache may be closed by now
-                self._note_arena(clear_refused=False)
-            with contextlib.suppress(ValueError):  # the cache may be closed by now
-                for i, (_, staged) in pending.items():  # loaded ahead and never yielded
-                    if staged:
-                        self.cache.unstage(i, tag=self._tag)
+            if self._pool is pool:
+                self._pool = None
+            # Whatever was closed first (the cache, the prefetcher, the interpreter), the
+            # clean-up is quiet; once the prefetcher's finalizer has run, nothing is left to
+            # give back and the cache's descriptor may be gone.
+            self._staged.settle()  # no thread of this epoch stages after this
+            if not self._staged.closed:
+                with contextlib.suppress(ValueError, OSError):  # the cache may be closed
+                    self._note_arena(clear_refused=False)
+                    for i, (_, staged) in pending.items():  # loaded ahead and never yielded
+                        if staged:
+                            self.cache.unstage(i, tag=self._tag)
             if self.left > left_before:
                 logger.info(
                     "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
@@ -1164,7 +1174,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
                     "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
                     "prefetch_factor + 1) x batch_size)", self.dropped - dropped_before,
-                    self.cache.stats()["staging_slots"], self.cache.world.local_world_size)
+                    self._staging_slots, self.cache.world.local_world_size)
 
     def _note_arena(self, clear_refused: bool) -> None:
         """Keep the most of an open-size arena seen in use; with ``clear_refused``, forget
@@ -1211,15 +1221,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 # Full: the DataLoader frees staging slots as its workers read what was
                 # yielded. Once the index is due, waiting could only deadlock (the slots may
                 # all be held by the batch being assembled): the workers load it instead.
-                while not self.cache.stage(idx, value, tag=self._tag):
+                while True:
+                    staged = self._staged.stage(self.cache, idx, value, self._tag, stop)
+                    if staged is None:  # the epoch (or the prefetcher) is over: not staged
+                        return
+                    if staged:
+                        break
                     if job.due:
                         with self._lock:
                             self.dropped += 1
                         return
                     if stop.wait(0.002):  # the epoch was abandoned
                         return
-                with self._lock:
-                    self._staged.add(idx)
             with self._lock:
                 self.loaded += 1
         finally:
@@ -1237,7 +1250,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 job.future.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 return
             except FutureTimeout:
-                dead = pool.dead() if isinstance(pool, _ProcessLoaderPool) else None
+                if pool.stopped:
+                    raise PrefetchError(f"load({idx}): the prefetcher was closed (close()) "
+                                        f"while this iterator ran", idx) from None
+                dead = pool.dead()
                 if dead:
                     raise PrefetchError(f"load({idx}): a loader process of the prefetcher "
                                         f"died ({dead}); the loads it held are lost", idx) \
@@ -1246,6 +1262,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     raise PrefetchError(f"load({idx}) did not finish within timeout="
                                         f"{self.timeout:g} s (prefetcher)", idx) from None
             except CancelledError:
+                if pool.stopped:
+                    raise PrefetchError(f"load({idx}): the prefetcher was closed (close()) "
+                                        f"while this iterator ran", idx) from None
                 job = pool.submit(idx, job.staged)
                 job.mark_due()
                 pool.flush()
@@ -1256,12 +1275,69 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                     f"{type(e).__name__}: {e}", idx) from e
 
 
-def _give_back_staged(cache: SharedCache, tag: int, staged: set[int]) -> None:
-    """Free the staging slots of ``staged`` that still hold this prefetcher's samples."""
-    with contextlib.suppress(ValueError):  # the cache may be closed by now
-        for idx in list(staged):
+class _Staged:
+    """The indices a prefetcher's loads staged, and how many stages are under way. A loader
+    thread stages only while its epoch (``stop``) and the prefetcher (``closed``) go on, so
+    that once both are over and :meth:`settle` has returned, nothing more is staged by a
+    thread and the give-back finds everything."""
+
+    SETTLE_S = 10.0  # a stage is a copy into shared memory: far less, unless the lock hangs
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.indices: set[int] = set()
+        self.busy = 0
+        self.closed = False
+
+    def stage(self, cache: SharedCache, idx: int, value: Any, tag: int,
+              stop: threading.Event) -> bool | None:
+        """``cache.stage``'s answer, or None (nothing staged) once the epoch or the
+        prefetcher is over."""
+        with self.cond:
+            if stop.is_set() or self.closed:
+                return None
+            self.busy += 1
+        done = False
+        try:
+            done = cache.stage(idx, value, tag=tag)
+        finally:
+            with self.cond:
+                self.busy -= 1
+                if done:
+                    self.indices.add(idx)
+                self.cond.notify_all()
+        return done
+
+    def add(self, idx: int) -> None:
+        with self.cond:
+            self.indices.add(idx)
+
+    def take(self) -> set[int]:
+        with self.cond:
+            taken, self.indices = self.indices, set()
+        return taken
+
+    def settle(self) -> None:
+        """Wait until no stage is under way."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.busy == 0, self.SETTLE_S)
+
+
+def _give_back_staged(cache: SharedCache, tag: int, staged: _Staged, final: bool = True
+                      ) -> None:
+    """Free every staging slot that holds a sample staged with ``tag`` (found in the staging
+    map, so that loads whose result has not been seen are included), once the stages under
+    way are done; with ``final`` (the prefetcher is gone, or the program ends), no loader
+    thread stages anything afterwards. Quiet whatever was closed first."""
+    if final:
+        with staged.cond:
+            staged.closed = True
+    staged.settle()
+    staged.take()
+    with contextlib.suppress(ValueError, OSError):  # the cache may be closed by now
+        oob = np.flatnonzero(cache.aux_array.numpy() == SlotState.OOB.value)
+        for idx in oob[cache.ready_mask(oob, tag=tag)].tolist():
             cache.unstage(idx, tag=tag)
-    staged.clear()
 
 
 class _Tap:
@@ -1355,6 +1431,14 @@ class _LoaderPool:
         self._stop.set()
         for _ in self._threads:
             self._jobs.put(None)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def dead(self) -> str:
+        """Threads do not die: ''."""
+        return ""
 
 
 class _ProcessLoaderPool:
@@ -1487,7 +1571,7 @@ class _ProcessLoaderPool:
                 if kind == "refused" and owner._may_refuse:  # (open sizes only)
                     owner._refused[job.idx] = True
                 if kind == "staged":
-                    owner._staged.add(job.idx)
+                    owner._staged.add(job.idx)  # (a _Staged)
                 if kind == "dropped":
                     owner.dropped += 1
         if kind == "error":
@@ -1519,6 +1603,11 @@ class _ProcessLoaderPool:
     def close(self) -> None:
         self._epoch.value += 1
         self._finalizer()
+
+    @property
+    def stopped(self) -> bool:
+        """Closed: its processes are gone."""
+        return not self._finalizer.alive
 
     @staticmethod
     def _shut(procs: list, jobs: list, results: Any) -> None:
