@@ -290,17 +290,21 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     (``aux_array == SlotState.SET``) or it is staged (``SharedCache.ready_mask``); for a
     callable, what it returns.
 
-    Modes:
+    Modes (the default, ``"fixed"``, is the same here and in :class:`Prefetcher`):
 
-    - ``"fixed"``: the ready mask is read once, at the start of each epoch (when the iterator
-      is created), and the whole epoch's order is computed then (vectorised, O(N)). The order
-      is a pure function of (base order, W, the ready mask seen at the epoch's start), that
-      is of (seed, epoch, cache state at the epoch's start) for a seeded base. See
-      :func:`ready_first_order`.
+    - ``"fixed"`` (default): the ready mask is read once, at the start of each epoch (when
+      its first iterator is created), and the whole epoch's order is computed then
+      (vectorised, O(N)). The order is a pure function of (base order, W, the ready mask
+      seen at the epoch's start), that is of (seed, epoch, cache state at the epoch's start)
+      for a seeded base: the same inputs give the same order, and a resume continues it
+      exactly. See :func:`ready_first_order`.
     - ``"adaptive"``: the order is computed ``refresh_every`` steps at a time, each time
       after reading the ready bits of the positions that may be emitted in those steps (the
       waiting ones of the window plus the ``refresh_every`` positions entering it, one call
-      of ``ready`` for all of them); it serves whatever is ready now.
+      of ``ready`` for all of them); it serves whatever is ready now, so the order depends on
+      timing, and a resume gives a valid rest, not the same one. Pick it with a prefetcher
+      whose loads may finish late (slow or uneven storage): a late miss is then passed over
+      until its deadline instead of holding up the batch.
 
     Resume: as with ``CacheAwareSampler``, ``state_dict()`` records the epoch and how many
     indices of it the latest iterator yielded; with ``num_workers > 0`` pass what the model
@@ -851,8 +855,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         load: ``load(index) -> tensor``: the sample as the dataset would cache it.
         window: W of the cache-preferring order (no index moves more than W positions), or
             None to keep the base order. Default: None.
-        mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window).
-            Default: "adaptive".
+        mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window):
+            "fixed" is deterministic (same seed and cache state at the epoch's start, same
+            order; a resume continues it exactly); "adaptive" serves what is ready now (the
+            order depends on timing), which hides a load that finishes late. Default: "fixed".
         threads: loads in flight, in threads of this process (or of each loader process
             with ``processes``), an int >= 1. Default: 16.
         processes: when an int >= 1, load in this many loader processes, each with
@@ -881,7 +887,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     """
 
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
-                 window: int | None = None, mode: str = "adaptive", threads: int = 16,
+                 window: int | None = None, mode: str = "fixed", threads: int = 16,
                  lookahead: int | None = None, timeout: float = 120.0,
                  processes: int = 0, multiprocessing_context: Any = None,
                  stand_aside: bool = True) -> None:

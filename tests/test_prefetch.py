@@ -222,8 +222,8 @@ def test_small_or_no_staging_area_still_loads_each_index_once(shm_dir, loads_dir
     cache = make_cache(shm_dir, staging=staging)
     oob = oob_of(cache)
     base = Shuffled(N, seed=2)
-    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4,
-                    lookahead=16, stand_aside=False)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, mode="adaptive",
+                    threads=4, lookahead=16, stand_aside=False)
     ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork")
@@ -277,8 +277,8 @@ def test_load_that_raises_is_a_prefetch_error_with_index_and_cause(shm_dir, bad)
 @pytest.mark.timeout(300)
 def test_load_that_raises_reaches_the_training_loop(shm_dir):
     cache = make_cache(shm_dir)
-    pf = Prefetcher(Shuffled(N, seed=3), cache, load_that_fails(45), window=8, threads=4,
-                    stand_aside=False)
+    pf = Prefetcher(Shuffled(N, seed=3), cache, load_that_fails(45), window=8,
+                    mode="adaptive", threads=4, stand_aside=False)
     ds = PrefetchedDataset(cache, N, value_of)
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork")
@@ -406,7 +406,8 @@ def test_threads_start_and_stop_with_the_epoch(shm_dir):
     epoch after an abandoned one yields every index once and leaves nothing staged."""
     cache = make_cache(shm_dir)
     base = Shuffled(N, seed=4)
-    pf = Prefetcher(base, cache, value_of, window=8, threads=3, stand_aside=False)
+    pf = Prefetcher(base, cache, value_of, window=8, mode="adaptive", threads=3,
+                    stand_aside=False)
     others = set(prefetch_threads())  # (none, unless another test leaked some)
     it = iter(pf)
     assert set(prefetch_threads()) == others  # nothing before the first step
@@ -444,8 +445,8 @@ def test_abandoned_dataloader_epoch_then_a_full_one(shm_dir, loads_dir, persiste
     abandoned iterator until the next epoch starts, which stops its prefetcher.)"""
     cache = make_cache(shm_dir)
     base = Shuffled(N, seed=5)
-    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4,
-                    stand_aside=False)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, mode="adaptive",
+                    threads=4, stand_aside=False)
     ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork", persistent_workers=persistent)
