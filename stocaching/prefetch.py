@@ -39,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import itertools
 import logging
 import multiprocessing
 import os
@@ -956,7 +957,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # indices yielded], the default position of state_dict(); None before one started.
         self._progress: list | None = None
         self._epoch: int | None = None  # the latest set_epoch
-        self._takes_consumed: bool | None = None
+        self._skip_loaded: dict | None = None  # see _skip_state
         if self.processes:
             self._procs = self._start_processes()
         # This rank's workers read this rank's copies only: with epochs that drift apart, two
@@ -991,67 +992,104 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             self._order.set_epoch(epoch)
         if epoch != self._epoch:  # (the same epoch again keeps the position)
             self._progress = None
+            loaded, self._skip_loaded = self._skip_loaded, None
+            if loaded is not None and 0 < loaded["consumed"] < loaded["len"]:
+                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
+                              f"epoch {loaded['epoch']} ({loaded['consumed']} of "
+                              f"{loaded['len']} indices consumed)", stacklevel=2)
         self._epoch = epoch
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
-        """The position in the current epoch: the order's state (see
-        :class:`ReadyFirstSampler`) with a window, else the base sampler's.
+        """The position in the current epoch, with what is needed to continue it.
 
         The prefetcher reads its base order ahead (the whole epoch, when an iterator starts),
         so the base's own count says nothing about what was yielded: the position is always
-        the prefetcher's, passed to the order as ``consumed``.
+        the prefetcher's. It goes to the order: with a window, to :class:`ReadyFirstSampler`
+        (its state); without one, to a base whose ``state_dict`` takes ``consumed``
+        (``CacheAwareSampler``, ``WeightedMixtureSampler``: the state is the base's). Any
+        other base gets the prefetcher's own state: ``epoch``, ``consumed``, ``len``,
+        ``base`` (the base's ``state_dict()`` at the epoch's start, or None) and
+        ``order_digest`` (a fingerprint of the epoch's base order); a resume takes the base's
+        epoch again and skips ``consumed`` indices, and refuses (``ValueError``) a base order
+        that differs, so the base's order must be a function of its seed and epoch.
 
         Args:
             consumed: indices of this epoch that were used. Default: the number the latest
                 iterator of this epoch has yielded (plus the position it was resumed from);
                 with a ``DataLoader`` of ``num_workers > 0``, which draws indices ahead of
                 the model, pass ``steps * batch_size``.
-
-        Raises:
-            TypeError: without a window, when the base sampler cannot record a position: it
-                has no ``state_dict``, or its ``state_dict`` takes no ``consumed`` and the
-                epoch is under way (pass a window, or a base sampler that resumes from a
-                position, such as ``CacheAwareSampler`` or ``WeightedMixtureSampler``).
         """
-        if not hasattr(self._order, "state_dict"):
-            raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
-                            "state_dict(); pass a window, or a base sampler that resumes")
         progress = self._progress
         if consumed is None and progress is not None:
             consumed = progress[0] + progress[1]
+        if self.window is None and not self._tap.positional:
+            return self._skip_state(consumed)
         if consumed is None:  # no iterator of this epoch has started: the order knows
             return self._order.state_dict()
-        if self.window is None and not self._base_takes_consumed():
-            if progress is not None and consumed == progress[0] + progress[1] == len(self):
-                return self._order.state_dict()  # the epoch is done: the base's count is right
-            raise TypeError(f"the base sampler ({type(self._tap.base).__name__})'s "
-                            f"state_dict() takes no consumed, so its state cannot say that "
-                            f"{consumed} of {len(self)} indices of this epoch were used (the "
-                            f"prefetcher reads the whole epoch ahead); pass a window (the order "
-                            f"then resumes any base whose epoch is reproducible), or a base "
-                            f"sampler whose state_dict(consumed=...) records a position, such "
-                            f"as CacheAwareSampler or WeightedMixtureSampler")
         return self._order.state_dict(consumed=consumed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``, a dict from ``state_dict()``: the next iterator yields
         the rest of its epoch."""
-        if not hasattr(self._order, "load_state_dict"):
-            raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
-                            "load_state_dict(); pass a window, or a base sampler that resumes")
-        self._order.load_state_dict(state)
+        if self.window is None and not self._tap.positional:
+            self._load_skip_state(state)
+        else:
+            self._order.load_state_dict(state)
         self._progress = None
         self._epoch = state.get("epoch")  # a set_epoch of this epoch keeps the position
 
-    def _base_takes_consumed(self) -> bool:
-        """Whether the base sampler's ``state_dict`` takes ``consumed`` (a position)."""
-        if self._takes_consumed is None:
-            try:
-                params = inspect.signature(self._tap.base.state_dict).parameters
-                self._takes_consumed = "consumed" in params
-            except (TypeError, ValueError):
-                self._takes_consumed = False
-        return self._takes_consumed
+    # A base that cannot record a position (no state_dict(consumed=...)), without a window:
+    # the prefetcher's own state says how many indices of the epoch's base order were used,
+    # with a fingerprint of that order, and a resume takes the base's epoch again and skips
+    # them (the base's epoch must be reproducible: seeded, set_epoch; another order is refused).
+    _SKIP_FIELDS = ("epoch", "consumed", "len", "base", "order_digest")
+
+    def _skip_state(self, consumed: int | None) -> dict[str, Any]:
+        n, loaded = len(self), self._skip_loaded
+        if consumed is not None:
+            consumed = check_int("consumed", consumed, low=0, high=n)
+        if self._progress is None:  # no iterator of this epoch has started
+            if loaded is not None:
+                if consumed is not None and consumed != loaded["consumed"]:
+                    raise ValueError(f"consumed should be {loaded['consumed']} (the position "
+                                     f"loaded by load_state_dict; no iterator has run since), "
+                                     f"but got consumed={consumed}")
+                return dict(loaded)
+            if consumed:
+                raise ValueError(f"consumed should be 0: no iterator of this epoch has run, "
+                                 f"but got consumed={consumed}")
+            return {"epoch": self._epoch, "consumed": 0, "len": n,
+                    "base": self._tap.state_now(), "order_digest": None}
+        return {"epoch": self._epoch, "consumed": consumed, "len": n,
+                "base": self._tap.start_state, "order_digest": self._tap.digest}
+
+    def _load_skip_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict from Prefetcher.state_dict(), but got "
+                            f"{type(state).__name__}")
+        missing = sorted(set(self._SKIP_FIELDS) - set(state))
+        if missing:
+            raise ValueError(f"state should be a dict from Prefetcher.state_dict() (without a "
+                             f"window, over {type(self._tap.base).__name__}), but it lacks "
+                             f"{missing}")
+        n = len(self)
+        if state["len"] != n:
+            raise ValueError(f"state['len'] should be this prefetcher's len={n}, but got "
+                             f"state['len']={state['len']!r}")
+        consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
+        epoch = state["epoch"]
+        if epoch is not None:
+            epoch = check_int("state['epoch']", epoch, low=0)
+        digest = state["order_digest"]
+        if digest is not None and not isinstance(digest, str) or digest is None and consumed:
+            raise ValueError(f"state['order_digest'] should be a str for consumed={consumed}, "
+                             f"but got state['order_digest']={digest!r}")
+        base = self._tap.base
+        if state["base"] is not None and hasattr(base, "load_state_dict"):
+            base.load_state_dict(state["base"])
+        elif epoch is not None and hasattr(base, "set_epoch"):
+            base.set_epoch(epoch)
+        self._skip_loaded = dict(state, consumed=consumed, epoch=epoch) if digest else None
 
     def __iter__(self) -> Iterator[int]:
         staged = self._staged.take()
@@ -1075,8 +1113,19 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         if ep is not None and ep.start:
             pos = ep.start
             skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
-        # The position this iterator starts from: a resumed base yields only the rest.
+        # The position this iterator starts from: a resumed base yields only the rest, and
+        # one that cannot resume is skipped to the loaded position.
         start = ep.start if ep is not None else len(self._tap) - len(base)
+        loaded, self._skip_loaded = self._skip_loaded, None
+        if loaded is not None and ep is None:
+            if base.size != loaded["len"] or self._tap.digest != loaded["order_digest"]:
+                raise ValueError(f"the base order of epoch {loaded['epoch']} differs from the "
+                                 f"one the loaded state was saved from: the base sampler "
+                                 f"({type(self._tap.base).__name__}) should give the same "
+                                 f"order for the same seed and epoch (set_epoch)")
+            pos = start = loaded["consumed"]
+            skip = np.ones(pos, dtype=bool)
+            order_it = itertools.islice(order_it, pos, None)
         progress = self._progress = [start, 0]
         if self.processes:
             if self._procs is not None and self._procs.dead():
@@ -1356,15 +1405,38 @@ class _Tap:
                             f"but got sampler of type {type(base).__name__}")
         self.base, self.dataset_len = base, dataset_len
         self.order = np.zeros(0, dtype=np.int64)
+        # Whether the base records a position (its state_dict takes consumed), and else its
+        # state when the latest epoch started (None without state_dict).
+        state_dict = getattr(base, "state_dict", None)
+        try:
+            self.positional = state_dict is not None and \
+                "consumed" in inspect.signature(state_dict).parameters
+        except (TypeError, ValueError):
+            self.positional = False
+        self.start_state: Any = None
+        self._digest: str | None = None
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __iter__(self) -> Iterator[int]:
+        self.start_state = self.state_now()
         order = np.asarray(list(self.base), dtype=np.int64)
         _check_in_range("sampler", order, self.dataset_len)
-        self.order = order
+        self.order, self._digest = order, None
         return iter(order.tolist())
+
+    def state_now(self) -> Any:
+        """The base's own state now (None if it has none, or records a position)."""
+        state_dict = getattr(self.base, "state_dict", None)
+        return None if state_dict is None or self.positional else state_dict()
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the latest epoch's order."""
+        if self._digest is None:
+            self._digest = _digest(self.order)
+        return self._digest
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
         return getattr(self.__dict__["base"], name)

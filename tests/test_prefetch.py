@@ -655,8 +655,6 @@ def test_default_state_is_what_the_prefetcher_yielded(shm_dir, kind, window, mod
     """state_dict() with no consumed records the indices the iterator yielded (not what it read
     ahead of the base sampler: the whole epoch); a new prefetcher loading it yields exactly the
     rest, so the two runs give each index of the epoch once (issue 25, item 1)."""
-    if kind == "shuffled" and window is None:
-        pytest.skip("a base without state_dict cannot resume without a window (tested below)")
     cache = make_cache(shm_dir)
     whole = list(resumable_base(kind, cache))
     pf = Prefetcher(resumable_base(kind, cache), cache, value_of, window=window, mode=mode,
@@ -680,36 +678,59 @@ def test_default_state_is_what_the_prefetcher_yielded(shm_dir, kind, window, mod
     assert cache.stats()["staged"] == 0
 
 
-def test_a_base_that_cannot_record_a_position_is_refused_mid_epoch(shm_dir):
-    """Without a window, a base whose state_dict() takes no consumed cannot say how far the
-    prefetcher got: a TypeError naming it, never a state that skips the rest of the epoch."""
+class CountsItself(Shuffled):
+    """A base with a state_dict that takes no consumed: its own count of what was taken."""
 
-    class CountsItself(Shuffled):  # its own count: what was taken from it
-        taken = 0
+    taken = 0
 
-        def __iter__(self):
-            for i in super().__iter__():
-                self.taken += 1
-                yield i
+    def __iter__(self):
+        for i in super().__iter__():
+            self.taken += 1
+            yield i
 
-        def state_dict(self):
-            return {"taken": self.taken}
+    def state_dict(self):
+        return {"taken": self.taken}
 
-        def load_state_dict(self, state):
-            self.taken = state["taken"]
+    def load_state_dict(self, state):
+        self.taken = state["taken"]
 
+
+@pytest.mark.parametrize("make", [lambda: Shuffled(N, seed=4), lambda: CountsItself(N, seed=4)],
+                         ids=["no state_dict", "state_dict without consumed"])
+def test_a_base_that_cannot_record_a_position_is_skipped_to_it(shm_dir, make):
+    """Without a window, over a base that cannot resume from a position, the prefetcher's own
+    state (epoch, consumed, a fingerprint of the base order) resumes the rest exactly once."""
     cache = make_cache(shm_dir)
-    pf = Prefetcher(CountsItself(N), cache, value_of, threads=2, stand_aside=False)
-    assert pf.state_dict() == {"taken": 0}  # no epoch under way: the base's own state
+    pf = Prefetcher(make(), cache, value_of, threads=2, stand_aside=False)
+    pf.set_epoch(3)
+    it = iter(pf)
+    first = [next(it) for _ in range(21)]
+    state = pf.state_dict()
+    assert state["consumed"] == 21 and state["epoch"] == 3
+    it.close()
+    pf2 = Prefetcher(make(), cache, value_of, threads=2, stand_aside=False)
+    pf2.load_state_dict(state)
+    pf2.set_epoch(3)  # the same epoch keeps the position
+    assert pf2.state_dict() == state
+    rest = list(pf2)
+    assert first + rest == Shuffled(N, seed=4).order(3)
+    assert pf2.state_dict()["consumed"] == N
+
+
+def test_a_skipped_resume_into_another_base_order_is_refused(shm_dir):
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(Shuffled(N, seed=4), cache, value_of, threads=2, stand_aside=False)
     it = iter(pf)
     next(it)
-    with pytest.raises(TypeError, match=r"CountsItself\)'s state_dict\(\) takes no consumed, "
-                                        r"so its state cannot say that 1 of 64 indices"):
-        pf.state_dict()
-    with pytest.raises(TypeError, match="takes no consumed"):
-        pf.state_dict(consumed=0)
-    list(it)
-    assert pf.state_dict() == {"taken": N}  # the epoch is done: the base's count is right
+    state = pf.state_dict()
+    it.close()
+    other = Prefetcher(Shuffled(N, seed=5), cache, value_of, threads=2, stand_aside=False)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"the base order of epoch None differs from the one "
+                                         r"the loaded state was saved from"):
+        next(iter(other))
+    with pytest.raises(ValueError, match=r"state\['len'\] should be this prefetcher's len=3"):
+        Prefetcher([0, 1, 2], cache, value_of, threads=1).load_state_dict(state)
 
 
 def test_an_index_whose_load_failed_is_not_counted_as_yielded(shm_dir):

@@ -28,6 +28,9 @@ from stocaching import CacheAwareSampler, Prefetcher, SharedCache  # noqa: E402
 from stocaching.mixtures import WeightedMixtureSampler  # noqa: E402
 from stocaching.prefetch import ReadyFirstSampler  # noqa: E402
 
+# torchdata's own deprecation notice, raised by every StatefulDataLoader it makes.
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
 N, SLOTS, STAGING, BATCH, STEPS = 96, 48, 96, 8, 7
 
 
@@ -58,6 +61,10 @@ SAMPLERS = {
         CacheAwareSampler(ds, batch_size=BATCH, seed=4), c, value_of, threads=2),
     "Prefetcher(WeightedMixtureSampler)": lambda ds, c: Prefetcher(
         WeightedMixtureSampler([N // 2, N // 2], [1, 3], seed=6), c, value_of, threads=2),
+    "Prefetcher(RandomSampler)": lambda ds, c: Prefetcher(seeded_random(ds, c), c, value_of,
+                                                          threads=2),
+    "Prefetcher(DistributedSampler)": lambda ds, c: Prefetcher(
+        DistributedSampler(ds, num_replicas=1, rank=0, seed=3), c, value_of, threads=2),
     "Prefetcher(RandomSampler, window)": lambda ds, c: Prefetcher(
         seeded_random(ds, c), c, value_of, window=BATCH, threads=2),
     "Prefetcher(CacheAwareSampler, window, adaptive)": lambda ds, c: Prefetcher(
