@@ -1389,6 +1389,12 @@ def _give_back_staged(cache: SharedCache, tag: int, staged: _Staged, final: bool
             staged.closed = True
     staged.settle()
     staged.take()
+    _unstage_tagged(cache, tag)
+
+
+def _unstage_tagged(cache: SharedCache, tag: int) -> None:
+    """Free every staging slot that holds a sample staged with ``tag``; quiet when the
+    cache is closed."""
     with contextlib.suppress(ValueError, OSError):  # the cache may be closed by now
         oob = np.flatnonzero(cache.aux_array.numpy() == SlotState.OOB.value)
         for idx in oob[cache.ready_mask(oob, tag=tag)].tolist():
@@ -1730,6 +1736,9 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
             mine.put(job)
     for t in loaders:
         t.join()
+    # The prefetcher is closing: what this process staged is of no use any more, and the
+    # training process may not be able to give it back (its cache closed first).
+    _unstage_tagged(cache, tag)
     done.put(None)
     sender.join()
 

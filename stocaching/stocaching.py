@@ -1196,6 +1196,7 @@ class SharedCache:
     """
 
     _read_tags: frozenset = frozenset()
+    _closing = False  # set by close(), before it frees this process's staged samples
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
         # A cache of several fields per sample is a _FieldsCache: its own get_slot and
@@ -2306,7 +2307,11 @@ class SharedCache:
         except BaseException:
             table[k] = -1
             raise
-        table[k] = entry  # published only once the bytes are in
+        with self._tlock:  # not while close() frees this process's entries: see there
+            closing = self._closing
+            table[k] = -1 if closing else entry  # published only once the bytes are in
+        if closing:
+            raise ValueError(_CLOSED_MESSAGE)
         self._ctr[_STAGES] += 1
         return True
 
@@ -2482,7 +2487,8 @@ class SharedCache:
         if pid != os.getpid() or not tags or not self._staging:
             return
         with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
-            with self._locked(_STAGE_LOCK):
+            with self._locked(_STAGE_LOCK):  # (holds _tlock: a stage of this process that
+                self._closing = True         # publishes later sees _closing and withdraws)
                 table = self._stage_np
                 table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
 
