@@ -1301,13 +1301,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         is reported as soon as it is seen, not at the timeout."""
         deadline = time.monotonic() + self.timeout
         while True:
+            if pool.stopped and not job.future.done():
+                raise PrefetchError(f"load({idx}): the prefetcher was closed (close()) "
+                                    f"while this iterator ran", idx)
             try:
                 job.future.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 return
             except FutureTimeout:
-                if pool.stopped:
-                    raise PrefetchError(f"load({idx}): the prefetcher was closed (close()) "
-                                        f"while this iterator ran", idx) from None
                 dead = pool.dead()
                 if dead:
                     raise PrefetchError(f"load({idx}): a loader process of the prefetcher "
@@ -1318,8 +1318,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                         f"{self.timeout:g} s (prefetcher)", idx) from None
             except CancelledError:
                 if pool.stopped:
-                    raise PrefetchError(f"load({idx}): the prefetcher was closed (close()) "
-                                        f"while this iterator ran", idx) from None
+                    continue  # (said at the loop's top)
                 job = pool.submit(idx, job.staged)
                 job.mark_due()
                 pool.flush()

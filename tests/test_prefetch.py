@@ -733,6 +733,24 @@ def test_a_skipped_resume_into_another_base_order_is_refused(shm_dir):
         Prefetcher([0, 1, 2], cache, value_of, threads=1).load_state_dict(state)
 
 
+@pytest.mark.parametrize("processes", [0, 1])
+def test_closing_the_prefetcher_mid_epoch_ends_its_iterator_with_prefetch_error(shm_dir,
+                                                                               processes):
+    """close() stops the running epoch's loads; its iterator, advanced again, raises (once
+    it reaches an index that was not loaded yet) rather than wait for its timeout."""
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, value_of, threads=2, lookahead=4,
+                    processes=processes, timeout=600, stand_aside=False)
+    it = iter(pf)
+    first = [next(it) for _ in range(10)]
+    pf.close()
+    with pytest.raises(PrefetchError, match="the prefetcher was closed"):
+        for i in it:
+            first.append(i)
+    assert first == list(range(len(first))) and len(first) < N
+    assert cache.stats()["staged"] == 0
+
+
 def test_an_index_whose_load_failed_is_not_counted_as_yielded(shm_dir):
     """A PrefetchError for index i: i was not yielded, so a state saved then resumes with i."""
     base = Shuffled(N, seed=2)
