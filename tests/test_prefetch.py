@@ -733,6 +733,7 @@ def test_a_skipped_resume_into_another_base_order_is_refused(shm_dir):
         Prefetcher([0, 1, 2], cache, value_of, threads=1).load_state_dict(state)
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("processes", [0, 1])
 def test_closing_the_prefetcher_mid_epoch_ends_its_iterator_with_prefetch_error(shm_dir,
                                                                                processes):
