@@ -1300,10 +1300,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         was abandoned, and never started) is submitted again; a loader process that died
         is reported as soon as it is seen, not at the timeout."""
         deadline = time.monotonic() + self.timeout
+        def closed() -> PrefetchError:
+            return PrefetchError(f"load({idx}): the prefetcher was closed (close()) while this "
+                                 f"iterator ran", idx)
+
         while True:
-            if pool.stopped and not job.future.done():
-                raise PrefetchError(f"load({idx}): the prefetcher was closed (close()) "
-                                    f"while this iterator ran", idx)
+            if pool.stopped and not job.future.done():  # (a job the pool will never run)
+                raise closed()
             try:
                 job.future.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 return
@@ -1317,8 +1320,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     raise PrefetchError(f"load({idx}) did not finish within timeout="
                                         f"{self.timeout:g} s (prefetcher)", idx) from None
             except CancelledError:
-                if pool.stopped:
-                    continue  # (said at the loop's top)
+                if pool.stopped:  # (cancelled by the stop)
+                    raise closed() from None
                 job = pool.submit(idx, job.staged)
                 job.mark_due()
                 pool.flush()
