@@ -497,10 +497,15 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
                 f"CacheAwareSampler(dataset, batch_size=..., order=this sampler), a "
                 f"DistributedSampler that Lightning leaves alone, or pass "
                 f"Trainer(use_distributed_sampler=False)", stacklevel=2)
-        if self._it is not None and self._it_epoch == self.epoch:
-            warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
-                          f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
         start, self._resume = self._resume, 0
+        if self._it is not None and self._it_epoch == self.epoch:
+            if self._consumed() == self._it_start:
+                # The latest iterator yielded nothing: this one replaces it (loaders such as
+                # torchdata's StatefulDataLoader create one, then load a state, then another).
+                start = self._it_start
+            else:
+                warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
+                              f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
         indices = self.epoch_indices(self.epoch)[start:].tolist()
         self._it = iter(indices)
         self._it_epoch, self._it_start, self._it_len = self.epoch, start, len(indices)

@@ -39,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import itertools
 import logging
 import multiprocessing
 import os
@@ -222,6 +223,7 @@ class _Epoch:
         self.base_state = base_state           # the base's state at the epoch's start
         self.mask = mask                       # fixed: ready bits seen at the epoch's start
         self._digest: str | None = None
+        self.owner = object()                  # the iterator that may yield from it
 
     @property
     def done(self) -> int:
@@ -289,17 +291,21 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     (``aux_array == SlotState.SET``) or it is staged (``SharedCache.ready_mask``); for a
     callable, what it returns.
 
-    Modes:
+    Modes (the default, ``"fixed"``, is the same here and in :class:`Prefetcher`):
 
-    - ``"fixed"``: the ready mask is read once, at the start of each epoch (when the iterator
-      is created), and the whole epoch's order is computed then (vectorised, O(N)). The order
-      is a pure function of (base order, W, the ready mask seen at the epoch's start), that
-      is of (seed, epoch, cache state at the epoch's start) for a seeded base. See
-      :func:`ready_first_order`.
+    - ``"fixed"`` (default): the ready mask is read once, at the start of each epoch (when
+      its first iterator is created), and the whole epoch's order is computed then
+      (vectorised, O(N)). The order is a pure function of (base order, W, the ready mask
+      seen at the epoch's start), that is of (seed, epoch, cache state at the epoch's start)
+      for a seeded base: the same inputs give the same order, and a resume continues it
+      exactly. See :func:`ready_first_order`.
     - ``"adaptive"``: the order is computed ``refresh_every`` steps at a time, each time
       after reading the ready bits of the positions that may be emitted in those steps (the
       waiting ones of the window plus the ``refresh_every`` positions entering it, one call
-      of ``ready`` for all of them); it serves whatever is ready now.
+      of ``ready`` for all of them); it serves whatever is ready now, so the order depends on
+      timing, and a resume gives a valid rest, not the same one. Pick it with a prefetcher
+      whose loads may finish late (slow or uneven storage): a late miss is then passed over
+      until its deadline instead of holding up the batch.
 
     Resume: as with ``CacheAwareSampler``, ``state_dict()`` records the epoch and how many
     indices of it the latest iterator yielded; with ``num_workers > 0`` pass what the model
@@ -367,6 +373,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self._ep: _Epoch | None = None          # the latest iterator's epoch
         self._loaded: dict | None = None        # a state to resume from at the next __iter__
+        self._spare: np.ndarray | None = None   # see load_state_dict
 
     # -- the public surface -----------------------------------------------------------------
 
@@ -393,15 +400,31 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        """The current epoch's indices, from the loaded position if any."""
-        if self._loaded is None and self._ep is not None and self._ep.epoch == self.epoch \
-                and hasattr(self.base, "set_epoch"):
-            warnings.warn(f"epoch {self.epoch} is iterated again; call sampler.set_epoch(epoch) "
-                          f"before each epoch", stacklevel=2)
+        """The current epoch's indices, from the loaded position if any.
+
+        An iterator that has yielded nothing does not count as an iteration of the epoch: the
+        next ``iter()`` of the same epoch replaces it and continues the same order from the
+        same position (loaders such as torchdata's ``StatefulDataLoader`` create one, load a
+        state, and create another). Iterating an epoch again after an iterator has yielded
+        warns, unless ``set_epoch`` was called meanwhile.
+        """
+        ep = self._ep
+        if self._loaded is None and ep is not None and ep.epoch == self.epoch:
+            if ep.done == ep.start:  # never advanced: the same epoch, order and position
+                ep.owner = object()
+                return self._yield(ep, ep.owner)
+            if hasattr(self.base, "set_epoch"):
+                warnings.warn(f"epoch {self.epoch} is iterated again; call "
+                              f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
         t0 = time.perf_counter()
         base_state = self._base_state()
         n = len(self)
-        indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, taken once
+        spare, self._spare = self._spare, None
+        if spare is not None and self._loaded is not None and spare.size == n and \
+                _digest(spare) == self._loaded["order_digest"]:
+            indices = spare  # the order the state continues, taken before it was loaded
+        else:
+            indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, once
         if indices.size != n:
             raise ValueError(f"base should yield len(base)={n} indices per epoch, but it "
                              f"yielded {indices.size}; if the base sampler was resumed on its "
@@ -414,7 +437,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             logger.debug("epoch %d: %d indices from step %d, %.1f%% ready at the start, order "
                          "built in %.3f s", self.epoch, n, ep.start,
                          100 * ep.mask.mean() if n else 0.0, time.perf_counter() - t0)
-        return self._yield(ep)
+        return self._yield(ep, ep.owner)
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with what is needed to continue it.
@@ -519,6 +542,11 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         elif hasattr(self.base, "set_epoch"):
             self.base.set_epoch(epoch)
         self.epoch = epoch
+        # The base order that an iterator which never yielded took: a base whose order
+        # depends on how often it was iterated (RandomSampler with a generator) would give
+        # another one if iterated again.
+        ep = self._ep
+        self._spare = ep.indices if ep is not None and ep.done == ep.start else None
         self._ep = None
         self._loaded = loaded if started else None
 
@@ -603,7 +631,11 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         ep.out[t0 - ep.start:t0 - ep.start + steps] = order
         ep.computed = t0 + steps
 
-    def _yield(self, ep: _Epoch) -> Iterator[int]:
+    def _yield(self, ep: _Epoch, owner: object) -> Iterator[int]:
+        if ep.owner is not owner:
+            raise RuntimeError(f"this iterator of epoch {ep.epoch} was replaced by a newer one "
+                               f"before it yielded anything (iter(sampler) was called again); "
+                               f"iterate the newest")
         t = ep.start
         while t < ep.n:
             if t >= ep.computed:
@@ -824,8 +856,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         load: ``load(index) -> tensor``: the sample as the dataset would cache it.
         window: W of the cache-preferring order (no index moves more than W positions), or
             None to keep the base order. Default: None.
-        mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window).
-            Default: "adaptive".
+        mode: "fixed" or "adaptive", as in :class:`ReadyFirstSampler` (with a window):
+            "fixed" is deterministic (same seed and cache state at the epoch's start, same
+            order; a resume continues it exactly); "adaptive" serves what is ready now (the
+            order depends on timing), which hides a load that finishes late. Default: "fixed".
         threads: loads in flight, in threads of this process (or of each loader process
             with ``processes``), an int >= 1. Default: 16.
         processes: when an int >= 1, load in this many loader processes, each with
@@ -854,7 +888,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     """
 
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
-                 window: int | None = None, mode: str = "adaptive", threads: int = 16,
+                 window: int | None = None, mode: str = "fixed", threads: int = 16,
                  lookahead: int | None = None, timeout: float = 120.0,
                  processes: int = 0, multiprocessing_context: Any = None,
                  stand_aside: bool = True) -> None:
@@ -899,7 +933,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # What this prefetcher staged is tagged with a number of its own, so that it gives
         # back only its own samples (another rank's prefetcher may stage the same index).
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
-        self._staged: set[int] = set()  # indices this prefetcher staged (for unstage)
+        self._staged = _Staged()  # what this prefetcher staged, and the stages under way
+        self._staging_slots = stats["staging_slots"]
+        self._pool: _LoaderPool | None = None  # the loader threads of the running epoch
         # Indices whose loaded sample the cache did not keep (open sizes, arena full; a byte
         # an index), and the most of the arena seen in use: see __iter__.
         self._may_refuse = "arena_bytes" in stats  # a cache of open sizes
@@ -917,6 +953,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
         self.left = 0  # misses left to the DataLoader while the loads were CPU-bound
         self._procs: _ProcessLoaderPool | None = None  # with processes=N
+        # What the latest iterator of this epoch yielded: [the position it started from,
+        # indices yielded], the default position of state_dict(); None before one started.
+        self._progress: list | None = None
+        self._epoch: int | None = None  # the latest set_epoch
+        self._skip_loaded: dict | None = None  # see _skip_state
         if self.processes:
             self._procs = self._start_processes()
         # This rank's workers read this rank's copies only: with epochs that drift apart, two
@@ -929,14 +970,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         return _ProcessLoaderPool(self, flags, self._mp_context)
 
     def close(self) -> None:
-        """Stop the loader processes (``processes=N``; a later epoch starts new ones) and
-        give back the staging slots of samples it staged that were not read. Idempotent;
-        also done when the prefetcher is collected or the program exits."""
+        """Stop the loads (the loader threads of a running epoch, whose iterator then raises
+        :class:`PrefetchError` if it is advanced; the loader processes with ``processes=N``:
+        a later epoch starts new ones) and give back every staging slot holding a sample it
+        staged. Idempotent and quiet, also after the cache was closed; also done when the
+        prefetcher is collected or the program exits."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
         if self._procs is not None:
             self._procs.close()
             self._procs = None
-        with self._lock:
-            _give_back_staged(self.cache, self._tag, self._staged)
+        _give_back_staged(self.cache, self._tag, self._staged, final=False)
 
     def __len__(self) -> int:
         return len(self._tap)
@@ -945,27 +990,109 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         """Forwarded to the order (and so to the base sampler, if it has one)."""
         if hasattr(self._order, "set_epoch"):
             self._order.set_epoch(epoch)
+        if epoch != self._epoch:  # (the same epoch again keeps the position)
+            self._progress = None
+            loaded, self._skip_loaded = self._skip_loaded, None
+            if loaded is not None and 0 < loaded["consumed"] < loaded["len"]:
+                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
+                              f"epoch {loaded['epoch']} ({loaded['consumed']} of "
+                              f"{loaded['len']} indices consumed)", stacklevel=2)
+        self._epoch = epoch
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
-        """The order's state (see :class:`ReadyFirstSampler`, or the base sampler's)."""
-        if not hasattr(self._order, "state_dict"):
-            raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
-                            "state_dict(); pass a window, or a base sampler that resumes")
-        if consumed is None:
+        """The position in the current epoch, with what is needed to continue it.
+
+        The prefetcher reads its base order ahead (the whole epoch, when an iterator starts),
+        so the base's own count says nothing about what was yielded: the position is always
+        the prefetcher's. It goes to the order: with a window, to :class:`ReadyFirstSampler`
+        (its state); without one, to a base whose ``state_dict`` takes ``consumed``
+        (``CacheAwareSampler``, ``WeightedMixtureSampler``: the state is the base's). Any
+        other base gets the prefetcher's own state: ``epoch``, ``consumed``, ``len``,
+        ``base`` (the base's ``state_dict()`` at the epoch's start, or None) and
+        ``order_digest`` (a fingerprint of the epoch's base order); a resume takes the base's
+        epoch again and skips ``consumed`` indices, and refuses (``ValueError``) a base order
+        that differs, so the base's order must be a function of its seed and epoch.
+
+        Args:
+            consumed: indices of this epoch that were used. Default: the number the latest
+                iterator of this epoch has yielded (plus the position it was resumed from);
+                with a ``DataLoader`` of ``num_workers > 0``, which draws indices ahead of
+                the model, pass ``steps * batch_size``.
+        """
+        progress = self._progress
+        if consumed is None and progress is not None:
+            consumed = progress[0] + progress[1]
+        if self.window is None and not self._tap.positional:
+            return self._skip_state(consumed)
+        if consumed is None:  # no iterator of this epoch has started: the order knows
             return self._order.state_dict()
         return self._order.state_dict(consumed=consumed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``, a dict from ``state_dict()``."""
-        if not hasattr(self._order, "load_state_dict"):
-            raise TypeError(f"the base sampler ({type(self._tap.base).__name__}) has no "
-                            "load_state_dict(); pass a window, or a base sampler that resumes")
-        self._order.load_state_dict(state)
+        """Continue from ``state``, a dict from ``state_dict()``: the next iterator yields
+        the rest of its epoch."""
+        if self.window is None and not self._tap.positional:
+            self._load_skip_state(state)
+        else:
+            self._order.load_state_dict(state)
+        self._progress = None
+        self._epoch = state.get("epoch")  # a set_epoch of this epoch keeps the position
+
+    # A base that cannot record a position (no state_dict(consumed=...)), without a window:
+    # the prefetcher's own state says how many indices of the epoch's base order were used,
+    # with a fingerprint of that order, and a resume takes the base's epoch again and skips
+    # them (the base's epoch must be reproducible: seeded, set_epoch; another order is refused).
+    _SKIP_FIELDS = ("epoch", "consumed", "len", "base", "order_digest")
+
+    def _skip_state(self, consumed: int | None) -> dict[str, Any]:
+        n, loaded = len(self), self._skip_loaded
+        if consumed is not None:
+            consumed = check_int("consumed", consumed, low=0, high=n)
+        if self._progress is None:  # no iterator of this epoch has started
+            if loaded is not None:
+                if consumed is not None and consumed != loaded["consumed"]:
+                    raise ValueError(f"consumed should be {loaded['consumed']} (the position "
+                                     f"loaded by load_state_dict; no iterator has run since), "
+                                     f"but got consumed={consumed}")
+                return dict(loaded)
+            if consumed:
+                raise ValueError(f"consumed should be 0: no iterator of this epoch has run, "
+                                 f"but got consumed={consumed}")
+            return {"epoch": self._epoch, "consumed": 0, "len": n,
+                    "base": self._tap.state_now(), "order_digest": None}
+        return {"epoch": self._epoch, "consumed": consumed, "len": n,
+                "base": self._tap.start_state, "order_digest": self._tap.digest}
+
+    def _load_skip_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict from Prefetcher.state_dict(), but got "
+                            f"{type(state).__name__}")
+        missing = sorted(set(self._SKIP_FIELDS) - set(state))
+        if missing:
+            raise ValueError(f"state should be a dict from Prefetcher.state_dict() (without a "
+                             f"window, over {type(self._tap.base).__name__}), but it lacks "
+                             f"{missing}")
+        n = len(self)
+        if state["len"] != n:
+            raise ValueError(f"state['len'] should be this prefetcher's len={n}, but got "
+                             f"state['len']={state['len']!r}")
+        consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
+        epoch = state["epoch"]
+        if epoch is not None:
+            epoch = check_int("state['epoch']", epoch, low=0)
+        digest = state["order_digest"]
+        if digest is not None and not isinstance(digest, str) or digest is None and consumed:
+            raise ValueError(f"state['order_digest'] should be a str for consumed={consumed}, "
+                             f"but got state['order_digest']={digest!r}")
+        base = self._tap.base
+        if state["base"] is not None and hasattr(base, "load_state_dict"):
+            base.load_state_dict(state["base"])
+        elif epoch is not None and hasattr(base, "set_epoch"):
+            base.set_epoch(epoch)
+        self._skip_loaded = dict(state, consumed=consumed, epoch=epoch) if digest else None
 
     def __iter__(self) -> Iterator[int]:
-        with self._lock:
-            staged = set(self._staged)
-            self._staged.clear()
+        staged = self._staged.take()
         if staged:  # staged last epoch, yielded and never read: give them back
             staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
             for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
@@ -982,10 +1109,24 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
         # emitted before are not loaded again.
         pos, skip = 0, np.zeros(0, dtype=bool)
-        ep = getattr(self._order, "_ep", None)
+        ep = self._order._ep if self.window is not None else None
         if ep is not None and ep.start:
             pos = ep.start
             skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
+        # The position this iterator starts from: a resumed base yields only the rest, and
+        # one that cannot resume is skipped to the loaded position.
+        start = ep.start if ep is not None else len(self._tap) - len(base)
+        loaded, self._skip_loaded = self._skip_loaded, None
+        if loaded is not None and ep is None:
+            if base.size != loaded["len"] or self._tap.digest != loaded["order_digest"]:
+                raise ValueError(f"the base order of epoch {loaded['epoch']} differs from the "
+                                 f"one the loaded state was saved from: the base sampler "
+                                 f"({type(self._tap.base).__name__}) should give the same "
+                                 f"order for the same seed and epoch (set_epoch)")
+            pos = start = loaded["consumed"]
+            skip = np.ones(pos, dtype=bool)
+            order_it = itertools.islice(order_it, pos, None)
+        progress = self._progress = [start, 0]
         if self.processes:
             if self._procs is not None and self._procs.dead():
                 self.close()  # an epoch raised that one died: start afresh
@@ -993,7 +1134,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 self._procs = self._start_processes()
             pool: Any = self._procs
         else:
-            pool = _LoaderPool(self.threads, self._fetch)
+            pool = self._pool = _LoaderPool(self.threads, self._fetch)
         pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
         ahead = 0  # staged loads submitted and not yet yielded
         nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
@@ -1057,15 +1198,22 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     self._wait(idx, job, pool)
                     ahead -= staged
                 pos += 1
+                progress[1] += 1  # counted as yielded once the caller has it
                 yield idx
         finally:
             pool.stop()  # threads end; processes stay, their queued jobs are cancelled
-            with contextlib.suppress(ValueError):  # the cache may be closed by now
-                self._note_arena(clear_refused=False)
-            with contextlib.suppress(ValueError):  # the cache may be closed by now
-                for i, (_, staged) in pending.items():  # loaded ahead and never yielded
-                    if staged:
-                        self.cache.unstage(i, tag=self._tag)
+            if self._pool is pool:
+                self._pool = None
+            # Whatever was closed first (the cache, the prefetcher, the interpreter), the
+            # clean-up is quiet; once the prefetcher's finalizer has run, nothing is left to
+            # give back and the cache's descriptor may be gone.
+            self._staged.settle()  # no thread of this epoch stages after this
+            if not self._staged.closed:
+                with contextlib.suppress(ValueError, OSError):  # the cache may be closed
+                    self._note_arena(clear_refused=False)
+                    for i, (_, staged) in pending.items():  # loaded ahead and never yielded
+                        if staged:
+                            self.cache.unstage(i, tag=self._tag)
             if self.left > left_before:
                 logger.info(
                     "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
@@ -1081,7 +1229,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
                     "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
                     "prefetch_factor + 1) x batch_size)", self.dropped - dropped_before,
-                    self.cache.stats()["staging_slots"], self.cache.world.local_world_size)
+                    self._staging_slots, self.cache.world.local_world_size)
 
     def _note_arena(self, clear_refused: bool) -> None:
         """Keep the most of an open-size arena seen in use; with ``clear_refused``, forget
@@ -1128,15 +1276,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 # Full: the DataLoader frees staging slots as its workers read what was
                 # yielded. Once the index is due, waiting could only deadlock (the slots may
                 # all be held by the batch being assembled): the workers load it instead.
-                while not self.cache.stage(idx, value, tag=self._tag):
+                while True:
+                    staged = self._staged.stage(self.cache, idx, value, self._tag, stop)
+                    if staged is None:  # the epoch (or the prefetcher) is over: not staged
+                        return
+                    if staged:
+                        break
                     if job.due:
                         with self._lock:
                             self.dropped += 1
                         return
                     if stop.wait(0.002):  # the epoch was abandoned
                         return
-                with self._lock:
-                    self._staged.add(idx)
             with self._lock:
                 self.loaded += 1
         finally:
@@ -1149,12 +1300,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         was abandoned, and never started) is submitted again; a loader process that died
         is reported as soon as it is seen, not at the timeout."""
         deadline = time.monotonic() + self.timeout
+        def closed() -> PrefetchError:
+            return PrefetchError(f"load({idx}): the prefetcher was closed (close()) while this "
+                                 f"iterator ran", idx)
+
         while True:
+            if pool.stopped and not job.future.done():  # (a job the pool will never run)
+                raise closed()
             try:
                 job.future.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 return
             except FutureTimeout:
-                dead = pool.dead() if isinstance(pool, _ProcessLoaderPool) else None
+                dead = pool.dead()
                 if dead:
                     raise PrefetchError(f"load({idx}): a loader process of the prefetcher "
                                         f"died ({dead}); the loads it held are lost", idx) \
@@ -1163,6 +1320,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     raise PrefetchError(f"load({idx}) did not finish within timeout="
                                         f"{self.timeout:g} s (prefetcher)", idx) from None
             except CancelledError:
+                if pool.stopped:  # (cancelled by the stop)
+                    raise closed() from None
                 job = pool.submit(idx, job.staged)
                 job.mark_due()
                 pool.flush()
@@ -1173,12 +1332,75 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                     f"{type(e).__name__}: {e}", idx) from e
 
 
-def _give_back_staged(cache: SharedCache, tag: int, staged: set[int]) -> None:
-    """Free the staging slots of ``staged`` that still hold this prefetcher's samples."""
-    with contextlib.suppress(ValueError):  # the cache may be closed by now
-        for idx in list(staged):
+class _Staged:
+    """The indices a prefetcher's loads staged, and how many stages are under way. A loader
+    thread stages only while its epoch (``stop``) and the prefetcher (``closed``) go on, so
+    that once both are over and :meth:`settle` has returned, nothing more is staged by a
+    thread and the give-back finds everything."""
+
+    SETTLE_S = 10.0  # a stage is a copy into shared memory: far less, unless the lock hangs
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.indices: set[int] = set()
+        self.busy = 0
+        self.closed = False
+
+    def stage(self, cache: SharedCache, idx: int, value: Any, tag: int,
+              stop: threading.Event) -> bool | None:
+        """``cache.stage``'s answer, or None (nothing staged) once the epoch or the
+        prefetcher is over."""
+        with self.cond:
+            if stop.is_set() or self.closed:
+                return None
+            self.busy += 1
+        done = False
+        try:
+            done = cache.stage(idx, value, tag=tag)
+        finally:
+            with self.cond:
+                self.busy -= 1
+                if done:
+                    self.indices.add(idx)
+                self.cond.notify_all()
+        return done
+
+    def add(self, idx: int) -> None:
+        with self.cond:
+            self.indices.add(idx)
+
+    def take(self) -> set[int]:
+        with self.cond:
+            taken, self.indices = self.indices, set()
+        return taken
+
+    def settle(self) -> None:
+        """Wait until no stage is under way."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.busy == 0, self.SETTLE_S)
+
+
+def _give_back_staged(cache: SharedCache, tag: int, staged: _Staged, final: bool = True
+                      ) -> None:
+    """Free every staging slot that holds a sample staged with ``tag`` (found in the staging
+    map, so that loads whose result has not been seen are included), once the stages under
+    way are done; with ``final`` (the prefetcher is gone, or the program ends), no loader
+    thread stages anything afterwards. Quiet whatever was closed first."""
+    if final:
+        with staged.cond:
+            staged.closed = True
+    staged.settle()
+    staged.take()
+    _unstage_tagged(cache, tag)
+
+
+def _unstage_tagged(cache: SharedCache, tag: int) -> None:
+    """Free every staging slot that holds a sample staged with ``tag``; quiet when the
+    cache is closed."""
+    with contextlib.suppress(ValueError, OSError):  # the cache may be closed by now
+        oob = np.flatnonzero(cache.aux_array.numpy() == SlotState.OOB.value)
+        for idx in oob[cache.ready_mask(oob, tag=tag)].tolist():
             cache.unstage(idx, tag=tag)
-    staged.clear()
 
 
 class _Tap:
@@ -1191,15 +1413,38 @@ class _Tap:
                             f"but got sampler of type {type(base).__name__}")
         self.base, self.dataset_len = base, dataset_len
         self.order = np.zeros(0, dtype=np.int64)
+        # Whether the base records a position (its state_dict takes consumed), and else its
+        # state when the latest epoch started (None without state_dict).
+        state_dict = getattr(base, "state_dict", None)
+        try:
+            self.positional = state_dict is not None and \
+                "consumed" in inspect.signature(state_dict).parameters
+        except (TypeError, ValueError):
+            self.positional = False
+        self.start_state: Any = None
+        self._digest: str | None = None
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __iter__(self) -> Iterator[int]:
+        self.start_state = self.state_now()
         order = np.asarray(list(self.base), dtype=np.int64)
         _check_in_range("sampler", order, self.dataset_len)
-        self.order = order
+        self.order, self._digest = order, None
         return iter(order.tolist())
+
+    def state_now(self) -> Any:
+        """The base's own state now (None if it has none, or records a position)."""
+        state_dict = getattr(self.base, "state_dict", None)
+        return None if state_dict is None or self.positional else state_dict()
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the latest epoch's order."""
+        if self._digest is None:
+            self._digest = _digest(self.order)
+        return self._digest
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
         return getattr(self.__dict__["base"], name)
@@ -1272,6 +1517,14 @@ class _LoaderPool:
         self._stop.set()
         for _ in self._threads:
             self._jobs.put(None)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def dead(self) -> str:
+        """Threads do not die: ''."""
+        return ""
 
 
 class _ProcessLoaderPool:
@@ -1404,7 +1657,7 @@ class _ProcessLoaderPool:
                 if kind == "refused" and owner._may_refuse:  # (open sizes only)
                     owner._refused[job.idx] = True
                 if kind == "staged":
-                    owner._staged.add(job.idx)
+                    owner._staged.add(job.idx)  # (a _Staged)
                 if kind == "dropped":
                     owner.dropped += 1
         if kind == "error":
@@ -1436,6 +1689,11 @@ class _ProcessLoaderPool:
     def close(self) -> None:
         self._epoch.value += 1
         self._finalizer()
+
+    @property
+    def stopped(self) -> bool:
+        """Closed: its processes are gone."""
+        return not self._finalizer.alive
 
     @staticmethod
     def _shut(procs: list, jobs: list, results: Any) -> None:
@@ -1480,6 +1738,9 @@ def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, j
             mine.put(job)
     for t in loaders:
         t.join()
+    # The prefetcher is closing: what this process staged is of no use any more, and the
+    # training process may not be able to give it back (its cache closed first).
+    _unstage_tagged(cache, tag)
     done.put(None)
     sender.join()
 

@@ -251,9 +251,6 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices for the current epoch, from the loaded position if any."""
-        if self.shuffle and self._it is not None and self._it_epoch == self.epoch:
-            warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
-                          f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
         if self.num_replicas > 1 and not self._warned_dealt and \
                 _dealt_by_accelerate(self) is not None:
             self._warned_dealt = True
@@ -263,6 +260,14 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 f"1/{self.num_replicas} of its share. Build the loader with "
                 f"sampler=sampler.for_accelerate() (see docs/distributed.md)", stacklevel=2)
         start, self._resume = self._resume, 0
+        if self._it is not None and self._it_epoch == self.epoch:
+            if self._consumed() == self._it_start:
+                # The latest iterator yielded nothing: this one replaces it (loaders such as
+                # torchdata's StatefulDataLoader create one, then load a state, then another).
+                start = self._it_start
+            elif self.shuffle:
+                warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
+                              f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
         indices = self.epoch_indices(self.epoch)[start:].tolist()
         self._it = iter(indices)
         self._it_epoch, self._it_start, self._it_len = self.epoch, start, len(indices)

@@ -1052,6 +1052,11 @@ class _Closed:
 
 _CLOSED = _Closed()
 _LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
+# The read_tags a process set on a cache, with its pid: the tags of that process's stagers
+# (prefetchers), whose staged samples close() gives back. (A forked child inherits the entry
+# with its parent's pid, and a spawned one gets none: neither gives back its parent's.)
+_OWN_TAGS: "weakref.WeakKeyDictionary[SharedCache, tuple[int, frozenset]]" = \
+    weakref.WeakKeyDictionary()
 _FORK_HOOK_REGISTERED = False
 _NAME_COUNTER = itertools.count()
 _COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
@@ -1390,6 +1395,7 @@ class SharedCache:
     """
 
     _read_tags: frozenset = frozenset()
+    _closing = False  # set by close(), before it frees this process's staged samples
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
         # A cache of several fields per sample is a _FieldsCache: its own get_slot and
@@ -2662,7 +2668,11 @@ class SharedCache:
         except BaseException:
             table[k] = -1
             raise
-        table[k] = entry  # published only once the bytes are in
+        with self._tlock:  # not while close() frees this process's entries: see there
+            closing = self._closing
+            table[k] = -1 if closing else entry  # published only once the bytes are in
+        if closing:
+            raise ValueError(_CLOSED_MESSAGE)
         self._ctr[_STAGES] += 1
         return True
 
@@ -2677,6 +2687,7 @@ class SharedCache:
                             f"got read_tags={tags!r}")
         self._read_tags = frozenset(check_int("read_tags", t, low=0, high=MAX_STAGE_TAG)
                                     for t in tags)
+        _OWN_TAGS[self] = (os.getpid(), self._read_tags)
 
     def _take_staged(self, idx: int) -> torch.Tensor | None:
         """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
@@ -2820,12 +2831,27 @@ class SharedCache:
 
     def close(self) -> None:
         """Release this process's handle on the segment. Other processes keep theirs; the
-        memory is freed by the kernel when the last one is gone. Idempotent."""
+        memory is freed by the kernel when the last one is gone. Idempotent.
+
+        Staging slots holding samples staged under the ``read_tags`` set in this process
+        (its prefetchers') are freed first: nothing could give them back through a closed
+        handle, and the other local ranks share the staging area."""
         if getattr(self, "_closed", True):
             return
+        self._free_own_staging()
         self._unmap()
         if self._finalizer is not None:
             self._finalizer()
+
+    def _free_own_staging(self) -> None:
+        pid, tags = _OWN_TAGS.pop(self, (0, frozenset()))
+        if pid != os.getpid() or not tags or not self._staging:
+            return
+        with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
+            with self._locked(_STAGE_LOCK):  # (holds _tlock: a stage of this process that
+                self._closing = True         # publishes later sees _closing and withdraws)
+                table = self._stage_np
+                table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
 
     def _unmap(self) -> None:
         """Drop every view of the segment and unmap it now rather than when the object is

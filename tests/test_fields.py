@@ -314,7 +314,7 @@ def test_the_prefetcher_stages_and_stores_dicts(shm_dir):
     with fields_cache(shm_dir, slots=24, staging_slots=8) as c:
         ds = CachedDataset(c, N, fields_of)
         sampler = Prefetcher(RandomSampler(ds, generator=torch.Generator().manual_seed(0)), c,
-                             fields_of, window=8, stand_aside=False)
+                             fields_of, window=8, mode="adaptive", stand_aside=False)
         try:
             seen = []
             for i, x, hit in DataLoader(ds, batch_size=4, sampler=sampler):

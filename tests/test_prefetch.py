@@ -222,8 +222,8 @@ def test_small_or_no_staging_area_still_loads_each_index_once(shm_dir, loads_dir
     cache = make_cache(shm_dir, staging=staging)
     oob = oob_of(cache)
     base = Shuffled(N, seed=2)
-    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4,
-                    lookahead=16, stand_aside=False)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, mode="adaptive",
+                    threads=4, lookahead=16, stand_aside=False)
     ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork")
@@ -277,8 +277,8 @@ def test_load_that_raises_is_a_prefetch_error_with_index_and_cause(shm_dir, bad)
 @pytest.mark.timeout(300)
 def test_load_that_raises_reaches_the_training_loop(shm_dir):
     cache = make_cache(shm_dir)
-    pf = Prefetcher(Shuffled(N, seed=3), cache, load_that_fails(45), window=8, threads=4,
-                    stand_aside=False)
+    pf = Prefetcher(Shuffled(N, seed=3), cache, load_that_fails(45), window=8,
+                    mode="adaptive", threads=4, stand_aside=False)
     ds = PrefetchedDataset(cache, N, value_of)
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork")
@@ -406,7 +406,8 @@ def test_threads_start_and_stop_with_the_epoch(shm_dir):
     epoch after an abandoned one yields every index once and leaves nothing staged."""
     cache = make_cache(shm_dir)
     base = Shuffled(N, seed=4)
-    pf = Prefetcher(base, cache, value_of, window=8, threads=3, stand_aside=False)
+    pf = Prefetcher(base, cache, value_of, window=8, mode="adaptive", threads=3,
+                    stand_aside=False)
     others = set(prefetch_threads())  # (none, unless another test leaked some)
     it = iter(pf)
     assert set(prefetch_threads()) == others  # nothing before the first step
@@ -444,8 +445,8 @@ def test_abandoned_dataloader_epoch_then_a_full_one(shm_dir, loads_dir, persiste
     abandoned iterator until the next epoch starts, which stops its prefetcher.)"""
     cache = make_cache(shm_dir)
     base = Shuffled(N, seed=5)
-    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, threads=4,
-                    stand_aside=False)
+    pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), window=8, mode="adaptive",
+                    threads=4, stand_aside=False)
     ds = PrefetchedDataset(cache, N, Loads(loads_dir, "worker"))
     loader = DataLoader(ds, batch_size=BATCH, sampler=pf, num_workers=2,
                         multiprocessing_context="fork", persistent_workers=persistent)
@@ -622,6 +623,184 @@ def test_resume_through_the_prefetcher_gives_the_rest_once(shm_dir, mode):
     rest = read_epoch(loader_of(pf2))
     check_epoch(first + rest, base.order(1), 8)
     assert cache.stats()["staged"] == 0
+
+
+class Mixture:
+    """A WeightedMixtureSampler over two halves of the N indices: it resumes from a position."""
+
+    def __new__(cls):
+        from stocaching.mixtures import WeightedMixtureSampler
+        return WeightedMixtureSampler([N // 2, N // 2], [1, 2], seed=9)
+
+
+class CacheAware:
+    """A CacheAwareSampler over a dataset of the N indices: it resumes from a position."""
+
+    def __new__(cls, cache):
+        from stocaching import CacheAwareSampler
+        return CacheAwareSampler(PrefetchedDataset(cache, N, value_of), batch_size=BATCH,
+                                 seed=9)
+
+
+def resumable_base(kind, cache):
+    return {"mixture": Mixture, "cache-aware": lambda: CacheAware(cache),
+            "shuffled": lambda: Shuffled(N, seed=9)}[kind]()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [0, 1])
+@pytest.mark.parametrize("window, mode", [(None, "fixed"), (8, "fixed"), (8, "adaptive")])
+@pytest.mark.parametrize("kind", ["mixture", "cache-aware", "shuffled"])
+def test_default_state_is_what_the_prefetcher_yielded(shm_dir, kind, window, mode, processes):
+    """state_dict() with no consumed records the indices the iterator yielded (not what it read
+    ahead of the base sampler: the whole epoch); a new prefetcher loading it yields exactly the
+    rest, so the two runs give each index of the epoch once (issue 25, item 1)."""
+    cache = make_cache(shm_dir)
+    whole = list(resumable_base(kind, cache))
+    pf = Prefetcher(resumable_base(kind, cache), cache, value_of, window=window, mode=mode,
+                    threads=2, processes=processes, stand_aside=False)
+    it = iter(pf)
+    first = [next(it) for _ in range(37)]
+    state = pf.state_dict()
+    assert state["consumed"] == 37
+    it.close()
+    pf.close()
+    pf2 = Prefetcher(resumable_base(kind, cache), cache, value_of, window=window, mode=mode,
+                     threads=2, processes=processes, stand_aside=False)
+    pf2.load_state_dict(state)
+    assert pf2.state_dict()["consumed"] == 37  # loaded, not yet iterated
+    rest = list(pf2)
+    assert pf2.state_dict()["consumed"] == len(whole)
+    pf2.close()
+    assert sorted(first + rest) == sorted(whole) and len(rest) == len(whole) - 37
+    if window is None:
+        assert first + rest == whole
+    assert cache.stats()["staged"] == 0
+
+
+class CountsItself(Shuffled):
+    """A base with a state_dict that takes no consumed: its own count of what was taken."""
+
+    taken = 0
+
+    def __iter__(self):
+        for i in super().__iter__():
+            self.taken += 1
+            yield i
+
+    def state_dict(self):
+        return {"taken": self.taken}
+
+    def load_state_dict(self, state):
+        self.taken = state["taken"]
+
+
+@pytest.mark.parametrize("make", [lambda: Shuffled(N, seed=4), lambda: CountsItself(N, seed=4)],
+                         ids=["no state_dict", "state_dict without consumed"])
+def test_a_base_that_cannot_record_a_position_is_skipped_to_it(shm_dir, make):
+    """Without a window, over a base that cannot resume from a position, the prefetcher's own
+    state (epoch, consumed, a fingerprint of the base order) resumes the rest exactly once."""
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(make(), cache, value_of, threads=2, stand_aside=False)
+    pf.set_epoch(3)
+    it = iter(pf)
+    first = [next(it) for _ in range(21)]
+    state = pf.state_dict()
+    assert state["consumed"] == 21 and state["epoch"] == 3
+    it.close()
+    pf2 = Prefetcher(make(), cache, value_of, threads=2, stand_aside=False)
+    pf2.load_state_dict(state)
+    pf2.set_epoch(3)  # the same epoch keeps the position
+    assert pf2.state_dict() == state
+    rest = list(pf2)
+    assert first + rest == Shuffled(N, seed=4).order(3)
+    assert pf2.state_dict()["consumed"] == N
+
+
+def test_a_skipped_resume_into_another_base_order_is_refused(shm_dir):
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(Shuffled(N, seed=4), cache, value_of, threads=2, stand_aside=False)
+    it = iter(pf)
+    next(it)
+    state = pf.state_dict()
+    it.close()
+    other = Prefetcher(Shuffled(N, seed=5), cache, value_of, threads=2, stand_aside=False)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"the base order of epoch None differs from the one "
+                                         r"the loaded state was saved from"):
+        next(iter(other))
+    with pytest.raises(ValueError, match=r"state\['len'\] should be this prefetcher's len=3"):
+        Prefetcher([0, 1, 2], cache, value_of, threads=1).load_state_dict(state)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [0, 1])
+def test_closing_the_prefetcher_mid_epoch_ends_its_iterator_with_prefetch_error(shm_dir,
+                                                                               processes):
+    """close() stops the running epoch's loads; its iterator, advanced again, raises (once
+    it reaches an index that was not loaded yet) rather than wait for its timeout."""
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(list(range(N)), cache, value_of, threads=2, lookahead=4,
+                    processes=processes, timeout=600, stand_aside=False)
+    it = iter(pf)
+    first = [next(it) for _ in range(10)]
+    pf.close()
+    with pytest.raises(PrefetchError, match="the prefetcher was closed"):
+        for i in it:
+            first.append(i)
+    assert first == list(range(len(first))) and len(first) < N
+    assert cache.stats()["staged"] == 0
+
+
+def test_an_index_whose_load_failed_is_not_counted_as_yielded(shm_dir):
+    """A PrefetchError for index i: i was not yielded, so a state saved then resumes with i."""
+    base = Shuffled(N, seed=2)
+    bad = base.order()[5]
+    cache = make_cache(shm_dir)
+    pf = Prefetcher(base, cache, load_that_fails(bad), window=4, threads=2,
+                    stand_aside=False)
+    it = iter(pf)
+    got = []
+    with pytest.raises(PrefetchError):
+        for i in it:
+            got.append(i)
+    state = pf.state_dict()
+    assert state["consumed"] == len(got)
+    pf2 = Prefetcher(Shuffled(N, seed=2), cache, value_of, window=4, threads=2,
+                     stand_aside=False)
+    pf2.load_state_dict(state)
+    rest = list(pf2)
+    assert bad in rest and sorted(got + rest) == list(range(N))
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_workers_ahead_of_the_model_takes_what_the_model_used(shm_dir):
+    """With num_workers > 0 the DataLoader draws indices ahead of the model, so the default
+    state is ahead of it; state_dict(consumed=steps * batch_size) is what resumes the rest of
+    the epoch exactly once (docs/prefetch.md, Resume)."""
+    cache = make_cache(shm_dir)
+    whole = list(Mixture())
+
+    def loader_of(pf):
+        return DataLoader(PrefetchedDataset(cache, N, value_of), batch_size=BATCH, sampler=pf,
+                          num_workers=2, multiprocessing_context="fork")
+
+    pf = Prefetcher(Mixture(), cache, value_of, threads=2, stand_aside=False)
+    pf.set_epoch(0)
+    first, loader = [], loader_of(pf)
+    for step, (idx, x) in enumerate(loader):
+        first += idx.tolist()
+        if step == 4:
+            break
+    ahead = pf.state_dict()["consumed"]
+    state = pf.state_dict(consumed=5 * BATCH)
+    del loader
+    assert ahead > 5 * BATCH  # the workers had been handed more than the model used
+    pf2 = Prefetcher(Mixture(), cache, value_of, threads=2, stand_aside=False)
+    pf2.load_state_dict(state)
+    pf2.set_epoch(0)
+    rest = read_epoch(loader_of(pf2))
+    assert first + rest == whole
 
 
 def test_resumed_epoch_prefetches_its_rest(shm_dir, loads_dir):

@@ -58,7 +58,7 @@ def test_loader_processes_load_each_miss_once_outside_the_trainer(shm_dir, tmp_p
     cache = make_cache(shm_dir)
     oob = oob_of(cache)
     base = Shuffled(N, seed=5)
-    pf = Prefetcher(base, cache, PidLoads(loads), window=8, processes=2,
+    pf = Prefetcher(base, cache, PidLoads(loads), window=8, mode="adaptive", processes=2,
                     multiprocessing_context=start, stand_aside=False)
     # The loader processes start with the prefetcher, before its first epoch.
     assert [p.is_alive() for p in pf._procs._procs] == [True, True]

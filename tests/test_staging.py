@@ -167,3 +167,26 @@ def test_bad_stage_calls_change_nothing(shm_dir):
         with pytest.raises(ValueError, match="no staging slots; construct it with "
                                              "staging_slots"):
             plain.stage(99, value_of(99, DIMS))
+
+
+def test_close_frees_what_this_processs_prefetchers_staged_and_nothing_else(shm_dir):
+    """close() frees the staging slots staged under the read_tags this process set (its
+    prefetchers': nothing could give them back through a closed handle); another local rank,
+    attached to the same segment, sees them free and keeps its own."""
+    ranks = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in (0, 1)]
+    lead = staged_cache(shm_dir, world=ranks[0], job_key="close-frees", name="s")
+    other = staged_cache(shm_dir, world=ranks[1], job_key="close-frees", name="s")
+    try:
+        lead.read_tags = {5}
+        other.read_tags = {6}
+        assert lead.stage(50, value_of(50, DIMS), tag=5)
+        assert lead.stage(51, value_of(51, DIMS), tag=5)
+        assert other.stage(52, value_of(52, DIMS), tag=6)
+        assert other.stats()["staged"] == 3
+        lead.close()
+        assert list(other.ready_mask([50, 51, 52])) == [False, False, True]
+        with pytest.raises(ValueError, match="closed"):
+            lead.stage(53, value_of(53, DIMS), tag=5)
+    finally:
+        lead.close()
+        other.close()

@@ -31,7 +31,8 @@ listed = sorted(os.listdir(os.environ["STOCACHING_SHM_DIR"]))
 rank = dist.get_rank()
 ds = PrefetchedDataset(cache, N, Loads(loads, f"worker{rank}"))
 sampler = Prefetcher(DistributedSampler(ds, shuffle=True, seed=0), cache,
-                     Loads(loads, f"prefetcher{rank}"), window=WINDOW, threads=4, stand_aside=False)
+                     Loads(loads, f"prefetcher{rank}"), window=WINDOW, mode="adaptive", threads=4,
+                     stand_aside=False)
 loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2,
                     multiprocessing_context="fork")
 result = {"rank": rank, "local_world_size": world.local_world_size, "listed": listed,

@@ -28,7 +28,8 @@ def load(i):
 
 cache = SharedCache(budget(32, 64, N), N, DIMS, staging_slots=64)  # in $STOCACHING_SHM_DIR
 ds = PrefetchedDataset(cache, N, value_of)
-sampler = Prefetcher(base, cache, load, window=8, threads=4, timeout=3600, stand_aside=False)
+sampler = Prefetcher(base, cache, load, window=8, mode="adaptive", threads=4, timeout=3600,
+                     stand_aside=False)
 loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2,
                     multiprocessing_context="fork")
 for step, _ in enumerate(loader):

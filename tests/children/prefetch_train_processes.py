@@ -29,8 +29,8 @@ def load(i):  # runs in the loader processes, which import this module (spawn)
 if __name__ == "__main__":
     cache = SharedCache(budget(32, 64, N), N, DIMS, staging_slots=64)  # in $STOCACHING_SHM_DIR
     ds = PrefetchedDataset(cache, N, value_of)
-    sampler = Prefetcher(Shuffled(N), cache, load, window=8, processes=2, timeout=3600,
-                         stand_aside=False,
+    sampler = Prefetcher(Shuffled(N), cache, load, window=8, mode="adaptive", processes=2,
+                         timeout=3600, stand_aside=False,
                          multiprocessing_context=os.environ.get("PREFETCH_START") or None)
     loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2,
                         multiprocessing_context="fork")
