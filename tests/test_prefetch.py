@@ -19,7 +19,6 @@ import os
 import pickle
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,8 @@ import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
+
+from _helpers import free_port
 
 TESTS = Path(__file__).resolve().parent
 CHILDREN = TESTS / "children"
@@ -833,12 +834,6 @@ def test_resumed_epoch_prefetches_its_rest(shm_dir, loads_dir):
 # ----------------------------------------------------------------------------------------------
 # DDP: one prefetcher per rank on one node's cache, under the real torchrun
 # ----------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(400)
