@@ -1469,6 +1469,19 @@ class _Job:
             self.flag()
 
 
+def _halt_threads(stop: threading.Event, jobs: queue.SimpleQueue,
+                  threads: list[threading.Thread], timeout: float = 10.0) -> None:
+    """Stop a loader pool's threads and wait, up to ``timeout`` in all, for the loads they
+    run (a load that hangs on storage must not hold the exit for long)."""
+    stop.set()
+    for _ in threads:
+        jobs.put(None)
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 class _LoaderPool:
     """Daemon threads running ``fetch(job, stop)`` for submitted jobs, in the order
     submitted; ``stop()`` lets each finish its current load and go, and cancels the jobs
@@ -1483,6 +1496,12 @@ class _LoaderPool:
                                           daemon=True) for k in range(n)]
         for t in self._threads:
             t.start()
+        # At interpreter exit, stop the threads and wait for their current loads: a daemon
+        # thread still inside a load (torch's C++) when the interpreter finalizes is ended by
+        # pthread_exit, whose unwinding through C++ aborts the process ("terminate called
+        # without an active exception", seen once in a full CI run). The threads drop their
+        # target when they end, so this does not keep a finished pool alive.
+        weakref.finalize(self, _halt_threads, self._stop, self._jobs, self._threads)
 
     def submit(self, idx: int, staged: bool) -> _Job:
         job = _Job(idx, staged)
