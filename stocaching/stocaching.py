@@ -1224,12 +1224,12 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
     if isinstance(persistent, str) or not isinstance(persistent, (bool, Sequence)):
         raise TypeError(f"persistent should be a bool or a list of names, but got "
                         f"persistent={persistent!r}")
+    names = () if persistent is False else persistent
     removed = []
     for fname in sorted(os.listdir(shm_dir)):
         info = _parse_segment_name(fname)
         if info is not None and info["job_key"] == _PERSISTENT_JOB_KEY and \
-                not info["starting"] and persistent is not True and \
-                info["name"] not in persistent:
+                not info["starting"] and names is not True and info["name"] not in names:
             continue
         if info is not None and info["uid"] == os.getuid():
             path = os.path.join(shm_dir, fname)
@@ -1458,6 +1458,10 @@ class SharedCache:
                              "persistent=False")
         name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
         job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
+        if job_key == _PERSISTENT_JOB_KEY and not persistent:
+            raise ValueError(f"job_key (or $STOCACHING_JOB_KEY) should not be "
+                             f"{_PERSISTENT_JOB_KEY!r}, the key of persistent caches, but got "
+                             f"job_key={job_key!r} with persistent=False")
         shm_dir = shm_dir if shm_dir is not None else \
             os.environ.get("STOCACHING_SHM_DIR", DEFAULT_SHM_DIR)
         if not isinstance(shm_dir, (str, os.PathLike)) or not os.path.isdir(shm_dir):
@@ -1470,6 +1474,12 @@ class SharedCache:
                 raise ValueError(f"size_limit_gib='auto' needs samples of a fixed size; with open "
                                  f"sizes (data_dims={dims}) pass a number (python -m stocaching "
                                  "plan --mean-bytes sizes it), but got size_limit_gib='auto'")
+            if persistent:
+                raise ValueError("size_limit_gib='auto' cannot make a persistent cache: the size "
+                                 "it finds depends on what is free at the time, so the next job "
+                                 "would ask for another slot count than the cache it should "
+                                 "attach to; pass a number, but got size_limit_gib='auto' with "
+                                 "persistent=True")
             if world.num_nodes > 1:
                 raise ValueError(f"size_limit_gib='auto' is for one node: each node would choose "
                                  f"its own size, and the {world.num_nodes} nodes' layouts must "
@@ -1634,9 +1644,16 @@ class SharedCache:
 
     def _adopt_persistent(self, fd: int) -> bool:
         """Attach to an existing persistent segment; False if it was removed to be replaced."""
-        alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
+        for _ in range(3):  # (another process may probe it for an instant, as we do)
+            alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
+            if alone:
+                break
+            time.sleep(0.05)
         if not alone:
             fcntl.flock(fd, fcntl.LOCK_SH)
+        st = os.fstat(fd)
+        if not _names(self._path, st.st_ino, st.st_dev):
+            return False  # removed (or replaced) meanwhile: look again
         size = os.fstat(fd).st_size
         with mmap.mmap(fd, min(size, _HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
             head = _read_header(mm) if size >= _HEADER_BYTES else None
@@ -2044,6 +2061,8 @@ class SharedCache:
         from multiprocessing.reduction import DupFd
 
         state = {k: getattr(self, k) for k in self._STATE}
+        if self._persistent:  # (set on the instance only where they differ from the class's)
+            state.update(_persistent=True, _key=self._key)
         return _rebuild_cache, (DupFd(self._fd), type(self), state)
 
     def __reduce__(self) -> tuple:

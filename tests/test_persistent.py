@@ -5,6 +5,7 @@ removed only when asked for by name."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -17,6 +18,12 @@ from _helpers import (age, assert_the_killed_write_is_a_miss, named, rank_env,
 from stocaching import CacheConfigError, SharedCache, World, clean_segments, list_segments
 
 DIMS = (3, 8, 8)
+
+
+def write_slot(cache: SharedCache, idx: int) -> bool:
+    """A Pool task (module level, so that spawned workers can import it)."""
+    cache.set_slot(idx, value_of(idx, DIMS))
+    return cache.stats()["filled"] > 0
 
 
 def _persistent(shm_dir, **kw):
@@ -102,6 +109,14 @@ def test_two_local_ranks_attach_once_and_the_name_stays(shm_dir):
     assert len(named(shm_dir)) == 1
 
 
+@pytest.mark.timeout(120)
+def test_a_persistent_cache_goes_to_spawned_processes_too(shm_dir):
+    with _persistent(shm_dir) as c:
+        with mp.get_context("spawn").Pool(2) as pool:
+            assert pool.starmap(write_slot, [(c, 2), (c, 9)]) == [True, True]
+        assert torch.equal(c.get_slot(9), value_of(9, DIMS))
+
+
 def test_clean_removes_a_persistent_cache_only_by_name_or_flag(shm_dir):
     for name in ("a", "b"):
         _persistent(shm_dir, name=name).close()
@@ -109,6 +124,7 @@ def test_clean_removes_a_persistent_cache_only_by_name_or_flag(shm_dir):
         pass
     age([os.path.join(shm_dir, n) for n in named(shm_dir)])  # (files younger than 2 s are never stale: a job may be starting)
     assert clean_segments(shm_dir) == [] and len(named(shm_dir)) == 2
+    assert clean_segments(shm_dir, persistent=False) == [] and len(named(shm_dir)) == 2
     r = subprocess.run([sys.executable, "-m", "stocaching", "--shm-dir", shm_dir, "clean",
                         "--persistent", "a"], capture_output=True, text=True, timeout=60,
                        env=rank_env(shm_dir))
@@ -127,6 +143,9 @@ def test_clean_removes_a_persistent_cache_only_by_name_or_flag(shm_dir):
     (dict(on_mismatch="keep"), ValueError, r"on_mismatch should be 'raise' or 'replace'.*'keep'"),
     (dict(persistent=1), TypeError, r"persistent should be a bool, but got persistent=1"),
     (dict(persistent=False, key="v1"), ValueError, r"key and on_mismatch are for a persistent"),
+    (dict(size_limit_gib="auto"), ValueError, r"size_limit_gib='auto' cannot make a persistent"),
+    (dict(persistent=False, key="", job_key="persistent"), ValueError,
+     r"job_key .* should not be 'persistent'"),
 ])
 def test_bad_persistent_arguments_make_nothing(shm_dir, kw, exc, match):
     with pytest.raises(exc, match=match):
