@@ -1310,7 +1310,8 @@ class SharedCache:
             ``"auto"``: what the whole dataset needs, or less if /dev/shm or the RAM cannot
             hold it (the RAM warning's margin is kept free), decided once by the local leader
             and logged with its numbers; the other local ranks take the leader's slot count.
-            ``"auto"`` is for one node and samples of fixed size.
+            ``"auto"`` is for one node, samples of fixed size and a cache that is not
+            persistent.
         dataset_len: number of samples in the full dataset.
         data_dims: shape of one sample, e.g. ``(3, 256, 256)``; or, for samples of several
             tensors, a dict of 1 to 16 fields ``{name: shape}`` (``()`` for a scalar), e.g.
