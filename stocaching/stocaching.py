@@ -76,7 +76,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import psutil
@@ -1565,25 +1565,34 @@ class SharedCache:
                              for f in self._fields)
         return f"{tuple(self._dims)} {str(self._dtype).replace('torch.', '')}"
 
-    def _create(self) -> None:
+    def _make_segment(self, publish: Callable[[str, int], None]
+                      ) -> tuple[int, os.stat_result, dict]:
+        """Make this cache's segment in a private temporary file (header written, mapped),
+        then ``publish(tmp, fd)`` gives it its name, or not. The temporary name is gone
+        afterwards; on any error (``publish``'s included) so are the mapping and the
+        descriptor, and the error is raised."""
         head = self._expected_header()
-        shm_dir = os.path.dirname(self._path)
-        self._preflight(shm_dir, head["total_bytes"])
+        self._preflight(os.path.dirname(self._path), head["total_bytes"])
         tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         st = os.fstat(fd)
         try:
             self._init_segment(fd, head)
-            if self._world.local_world_size > 1:
-                self._publish(tmp, fd)
+            publish(tmp, fd)
         except BaseException:
-            _unlink_if_same(tmp, st.st_ino, st.st_dev)
             if getattr(self, "_mm", None) is not None:
                 self._unmap()  # the traceback keeps self alive: free the memory now
             _close_fd(fd)
             raise
-        _unlink_if_same(tmp, st.st_ino, st.st_dev)
+        finally:
+            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+        return fd, st, head
+
+    def _create(self) -> None:
+        shared = self._world.local_world_size > 1
+        fd, st, head = self._make_segment(self._publish if shared else lambda tmp, fd: None)
+        shm_dir = os.path.dirname(self._path)
         wait = self._timeout if self._world.local_world_size > 1 else 0.0
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, self._path,
                                            st.st_ino, st.st_dev, os.getpid(), wait)
@@ -1617,24 +1626,10 @@ class SharedCache:
 
     def _create_persistent(self) -> bool:
         """Make the segment and give it its name; False if another process named one first."""
-        head = self._expected_header()
-        self._preflight(os.path.dirname(self._path), head["total_bytes"])
-        tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        st = os.fstat(fd)
         try:
-            self._init_segment(fd, head)
-            os.link(tmp, self._path)
-        except BaseException as e:
-            if getattr(self, "_mm", None) is not None:
-                self._unmap()
-            _close_fd(fd)
-            if isinstance(e, FileExistsError):
-                return False
-            raise
-        finally:
-            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+            fd, _, head = self._make_segment(lambda tmp, fd: os.link(tmp, self._path))
+        except FileExistsError:
+            return False
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
         logger.info("stocaching: made the persistent cache %r (key %r): %d of %d samples of %s, "
                     "%s in %s; it stays after this job (python -m stocaching clean --persistent "
