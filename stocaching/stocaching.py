@@ -34,6 +34,7 @@ from __future__ import annotations
 
 __all__ = [
     "BYTES_PER_GIB",
+    "BatchRows",
     "C_DTYPES",
     "CacheCapacityError",
     "CacheConfigError",
@@ -1271,6 +1272,18 @@ def _more_room(shm_dir: str, total: int) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+class BatchRows(NamedTuple):
+    """Where the cached samples of a batch are (``SharedCache.locate``): for each position
+    ``k`` of ``indices``, the row of ``SharedCache.rows`` holding its sample, whether one was
+    found, and what ``confirm`` checks once the row is copied."""
+
+    indices: np.ndarray  # the dataset indices (int64)
+    rows: np.ndarray  # the row of cache.rows to copy for each (int64; 0 where not found)
+    found: np.ndarray  # True where the row held the index's sample when located (bool)
+    versions: np.ndarray  # the rows' sequence numbers when located (uint32)
+    entries: np.ndarray  # the staging map entry of a staged sample, -1 for a slot (int64)
+
+
 class SharedCache:
     """A cache of fixed-shape samples in shared memory, one per node, for PyTorch datasets.
 
@@ -2340,25 +2353,16 @@ class SharedCache:
         self._check_open()
         idx = self._batch_indices(indices)
         batch, pairs = self._batch_buffers(len(idx), out)
-        # The seqlock of _read, for every row at once: sequence numbers (even), then the
-        # states, then the copy, then the sequence numbers again, unchanged.
-        aux = self._aux_np[idx]
-        cand = aux == SET
-        slots = idx if self._slot_map is None else \
-            np.frombuffer(self._slot_map, self._slot_map.format)[idx]
-        hit = cand.copy()
-        if cand.any():  # (a cache without slots has no slot 0)
-            slots = np.where(cand, slots, 0)  # a miss copies slot 0, then is zeroed
-            seq = self._seq_np[slots]
-            hit = cand & (seq & 1 == 0) & (self._aux_np[idx] == SET)
-            for src, dst in pairs:  # (mode="clip" does not buffer; they are in range)
-                np.take(src, slots, axis=0, out=dst, mode="clip")
-            hit &= self._seq_np[slots] == seq
-        hits = int(np.count_nonzero(hit))  # the rows after this count themselves
-        if hits < len(idx):
-            for k in np.flatnonzero(~hit).tolist():  # raced rows and staged samples: alone
+        located = self._locate(idx)
+        if located.found.any():  # (a cache without slots has no row 0)
+            for src, dst in pairs:  # (mode="clip" does not buffer; the rows are in range)
+                np.take(src, located.rows, axis=0, out=dst, mode="clip")
+        hit = self._confirm(located)
+        if not hit.all():
+            aux = self._aux_np[idx]
+            for k in np.flatnonzero(~hit).tolist():  # raced rows and a staged repeat: alone
                 i = int(idx[k])
-                if cand[k]:
+                if aux[k] == SET:
                     row = self._read_again(i, True)
                 elif aux[k] == OOB and self._staging:
                     row = self._take_staged(i)
@@ -2372,8 +2376,125 @@ class SharedCache:
             miss = ~hit
             self._ctr[_MISSES] += int(np.count_nonzero(miss))
             self._ctr[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
-        self._ctr[_HITS] += hits
         return batch, torch.from_numpy(hit)
+
+    # -- reading rows elsewhere: locate, copy, confirm --------------------------------------
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """Every slot, then every staging slot, as bytes: a uint8 tensor of shape
+        ``(slots + staging_slots, row_bytes)`` viewing the segment, for a reader that copies
+        rows with its own means (the device loader gathers them on a GPU). Read the rows
+        that ``locate`` names and keep only those that ``confirm`` then confirms; turn the
+        bytes into samples with ``unpack_rows``.
+
+        .. warning::
+            Never write through it: a write here bypasses the locks and sequence numbers, and
+            every process reading the cache sees it.
+        """
+        self._check_open()
+        return torch.from_numpy(self._np_slots.reshape(len(self._np_slots), -1).view(np.uint8))
+
+    def unpack_rows(self, rows: torch.Tensor) -> Any:
+        """Rows copied from ``rows`` (a uint8 tensor of shape ``(k, row_bytes)`` on any
+        device) as a batch: a tensor of shape ``(k, *data_dims)`` and the cache's dtype (with
+        fields, a dict of such tensors), viewing ``rows`` (no copy)."""
+        return rows.view(self._dtype).view(len(rows), *self._dims)
+
+    def locate(self, indices: Any) -> BatchRows:
+        """Where the cached samples of ``indices`` are: the first half of a read whose copy
+        the caller makes itself (from ``rows``), the second being ``confirm``. ``get_batch``
+        is this read with a numpy copy.
+
+        A staged sample (of one of ``read_tags``, if any are set) is located in its staging
+        slot, and freed by ``confirm``: until then it stays staged, so that a copy still in
+        flight (a GPU's) never reads a slot given to another sample. A second occurrence of a
+        staged index in ``indices`` is not found (as for ``get_batch``).
+
+        Args:
+            indices: as for ``get_batch``.
+
+        Returns:
+            a :class:`BatchRows`: ``rows[k]`` is the row of ``rows`` to copy for
+            ``indices[k]`` (0 where ``found[k]`` is False: copy it anyway, or skip it).
+
+        Raises:
+            As ``get_batch`` for bad ``indices``.
+        """
+        self._check_open()
+        return self._locate(self._batch_indices(indices))
+
+    def _locate(self, idx: np.ndarray) -> BatchRows:
+        # The seqlock of _read for every row at once: the states, the sequence numbers (even),
+        # the states again; confirm() then checks the numbers once the rows are copied.
+        aux = self._aux_np[idx]
+        found = aux == SET
+        rows = idx if self._slot_map is None else \
+            np.frombuffer(self._slot_map, self._slot_map.format)[idx].astype(np.int64)
+        rows = np.where(found, rows, 0)
+        entries = np.full(len(idx), -1, dtype=np.int64)
+        if self._staging:
+            oob = np.flatnonzero(aux == OOB)
+            if oob.size:
+                self._locate_staged(idx, oob, rows, found, entries)
+        if not len(self._seq_np):  # a cache without slots or staging slots
+            return BatchRows(idx, rows, found, np.zeros(len(idx), np.uint32), entries)
+        versions = self._seq_np[rows]
+        found &= versions & 1 == 0
+        found[entries < 0] &= self._aux_np[idx[entries < 0]] == SET
+        return BatchRows(idx, rows, found, versions, entries)
+
+    def _locate_staged(self, idx: np.ndarray, oob: np.ndarray, rows: np.ndarray,
+                       found: np.ndarray, entries: np.ndarray) -> None:
+        """Fill in the staging slots of the positions ``oob`` of ``idx`` (indices without a
+        slot) that hold a staged sample: each staging slot once, the first occurrence."""
+        table = self._stage_np.copy()  # a snapshot: stagers change it meanwhile
+        live = np.flatnonzero(table >= 0)
+        if self._read_tags:
+            live = live[np.isin(table[live] >> _STAGE_TAG_SHIFT, list(self._read_tags))]
+        if not live.size:
+            return
+        where: dict[int, int] = {}
+        for k in live[::-1].tolist():  # the first staging slot of an index wins
+            where[int(table[k]) & _STAGE_INDEX_MASK] = k
+        for k in oob.tolist():
+            j = where.pop(int(idx[k]), None)
+            if j is not None:
+                rows[k], found[k], entries[k] = self._layout.slots + j, True, table[j]
+
+    def confirm(self, located: BatchRows) -> torch.Tensor:
+        """The second half of a read begun by ``locate``, once the copy of its rows is
+        complete: True where the row copied holds the sample of its index, whole (no write,
+        clear or unstaging ran since ``locate``); the staged samples read are freed. Call it
+        once per ``locate``. Rows not confirmed are the caller's to read again
+        (``get_slot``) or load; confirmed rows count as hits in ``stats()``, nothing else is
+        counted.
+
+        Returns:
+            a bool tensor of shape ``(len(indices),)``.
+        """
+        self._check_open()
+        return torch.from_numpy(self._confirm(located))
+
+    def _confirm(self, located: BatchRows) -> np.ndarray:
+        hit = located.found.copy()
+        if not hit.any():
+            return hit
+        hit &= self._seq_np[located.rows] == located.versions
+        staged = np.flatnonzero(hit & (located.entries >= 0))
+        if staged.size:
+            table = self._stage_np
+            k = located.rows[staged] - self._layout.slots
+            hit[staged] &= table[k] == located.entries[staged]
+            taken = staged[hit[staged]]
+            if taken.size:
+                k = located.rows[taken] - self._layout.slots
+                with self._locked(_STAGE_LOCK):
+                    k = k[table[k] == located.entries[taken]]  # (still there: freed once)
+                    table[k] = -1
+                self._ctr[_STAGED_HITS] += int(taken.size)
+        self._ctr[_HITS] += int(np.count_nonzero(hit))
+        return hit
 
     def _batch_indices(self, indices: Any) -> np.ndarray:
         """``indices`` of ``get_batch`` as a 1-D int64 array in range, or raise naming them."""
@@ -3019,6 +3140,10 @@ class _FieldsCache(SharedCache):
         for n, t in row.items():
             batch[n][k] = t
 
+    def unpack_rows(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(f.dtype).view(
+            len(rows), *f.dims) for f in self._fields}
+
     def __getitem__(self, slot: Any) -> dict[str, torch.Tensor]:
         """Raw slot access: ``cache[s]`` is a dict of views of slot ``s``'s fields."""
         return {n: t[slot] for n, t in self._array.items()}
@@ -3468,6 +3593,20 @@ class _ArenaCache(SharedCache):
 
     def __setitem__(self, slot: Any, value: Any) -> None:
         self.array
+
+    @property
+    def rows(self) -> torch.Tensor:
+        raise TypeError("a cache with open sizes has no rows of one size to copy; read its "
+                        "samples with get_slot or get_batch")
+
+    def locate(self, indices: Any) -> BatchRows:
+        return self.rows
+
+    def unpack_rows(self, rows: torch.Tensor) -> Any:
+        return self.rows
+
+    def confirm(self, located: BatchRows) -> torch.Tensor:
+        return self.rows
 
 
 def _a_local_rank_may_come() -> bool:
