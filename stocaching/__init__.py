@@ -8,6 +8,8 @@ re-exports all of them.
 from .stocaching import *  # noqa: F401,F403
 from .stocaching import __all__ as _core_all
 from .stocaching import __version__  # noqa: F401
+from .device import *  # noqa: F401,F403
+from .device import __all__ as _device_all
 from .mixtures import *  # noqa: F401,F403
 from .mixtures import __all__ as _mixtures_all
 from .prefetch import *  # noqa: F401,F403
@@ -15,4 +17,5 @@ from .prefetch import __all__ as _prefetch_all
 from .samplers import *  # noqa: F401,F403
 from .samplers import __all__ as _samplers_all
 
-__all__ = [*_core_all, *_samplers_all, *_prefetch_all, *_mixtures_all]
+__all__ = [*_core_all, *_samplers_all, *_prefetch_all, *_mixtures_all,
+           *_device_all]

@@ -999,6 +999,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                               f"{loaded['len']} indices consumed)", stacklevel=2)
         self._epoch = epoch
 
+    @property
+    def position(self) -> int:
+        """Indices of the current epoch used so far: the position the latest iterator of the
+        epoch started from (a resume's) plus what it has yielded; 0 before one started."""
+        progress = self._progress
+        return 0 if progress is None else progress[0] + progress[1]
+
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with what is needed to continue it.
 

@@ -1,0 +1,485 @@
+"""Batches of cached samples gathered straight onto the training device.
+
+A ``DataLoader`` copies a cached sample several times on its way to the GPU (out of the
+segment in a worker, into a collated batch, through the worker queue, into pinned memory, then
+to the device), and on a GPU machine that CPU path, not the cache, sets the pace once the data
+is cached. :class:`DeviceLoader` replaces it for the samples of a :class:`SharedCache`: the
+training process gathers each batch from the segment itself. On CUDA the segment is registered
+with the driver (page-locked in place) and the GPU reads the batch's rows from it directly, on a
+side stream; elsewhere (a CPU, or where registering is refused) ``get_batch`` gathers the batch
+in a background thread (into pinned buffers copied to the device, for a GPU). Misses are loaded
+ahead by a :class:`Prefetcher` into the cache or its staging slots, so that every row of a batch
+is read from the segment.
+
+Example::
+
+    cache = SharedCache(size_limit_gib=32, dataset_len=len(paths), data_dims=(3, 256, 256),
+                        staging_slots=4096)
+    loader = DeviceLoader(cache, RandomSampler(range(len(paths))), load=decode,
+                          batch_size=256, device="cuda", transform=augment_on_gpu)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for images, indices in loader:        # both on the GPU
+            loss = step(model, images, labels_on_gpu[indices])
+
+This module imports only the core's public names and the prefetcher, so copying
+``stocaching.py``, ``prefetch.py`` and this file into a project works.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DeviceLoader"]
+
+import itertools
+import logging
+import math
+import queue
+import threading
+import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+try:  # the package, or the modules copied side by side into a project
+    from .prefetch import Prefetcher
+    from .stocaching import SharedCache, SlotState, check_int
+except ImportError:  # pragma: no cover - the copied-files layout
+    from prefetch import Prefetcher  # type: ignore[no-redef]
+    from stocaching import SharedCache, SlotState, check_int  # type: ignore[no-redef]
+
+logger = logging.getLogger("stocaching")
+
+
+# -- the CUDA part: register the segment, view it from the device, gather on a side stream --
+
+_PAGE = 4096
+
+
+class _HostPointer:
+    """Rows of registered host memory as a CUDA array (``__cuda_array_interface__``): with
+    unified addressing, every 64-bit Linux CUDA setup, a registered host address is valid on
+    the device, so ``torch.as_tensor`` makes a CUDA tensor of it without a copy."""
+
+    def __init__(self, address: int, shape: tuple[int, int]) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "|u1",
+                                         "data": (address, False), "version": 3,
+                                         "strides": None}
+
+
+def _register(rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor | None, str]:
+    """Register the pages under ``rows`` (a uint8 CPU tensor viewing the segment) with CUDA
+    and view them from ``device``: (the CUDA view, "") or (None, why it was refused)."""
+    if rows.numel() == 0:
+        return None, "the cache has no rows"
+    cudart = torch.cuda.cudart()
+    start = rows.data_ptr() // _PAGE * _PAGE
+    end = -(-(rows.data_ptr() + rows.numel()) // _PAGE) * _PAGE
+    with torch.cuda.device(device):
+        err = int(cudart.cudaHostRegister(start, end - start, 0))
+        if err:
+            return None, f"cudaHostRegister returned error {err}"
+        try:
+            view = torch.as_tensor(_HostPointer(rows.data_ptr(), tuple(rows.shape)),
+                                   device=device)
+        except Exception as exc:  # an old driver without unified addressing, say
+            cudart.cudaHostUnregister(start)
+            return None, f"the registered segment could not be viewed from {device}: {exc}"
+    weakref.finalize(view, _unregister, start, device)
+    return view, ""
+
+
+def _unregister(start: int, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.synchronize(device)  # no gather may still read the pages
+        torch.cuda.cudart().cudaHostUnregister(start)
+
+
+class _DeviceGather:
+    """Gathers a batch's rows on the GPU from the registered segment, on a side stream; the
+    rows are confirmed only once the gather has completed."""
+
+    def __init__(self, cache: SharedCache, view: torch.Tensor, device: torch.device) -> None:
+        self.cache, self.view, self.device = cache, view, device
+        self.stream = torch.cuda.Stream(device)
+
+    def context(self) -> Any:
+        return torch.cuda.stream(self.stream)
+
+    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+        located = self.cache.locate(idx)
+        rows = torch.from_numpy(located.rows).to(self.device, non_blocking=True)
+        raw = self.view.index_select(0, rows)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        done.synchronize()  # the GPU has read the rows: now check they were whole
+        hit = self.cache.confirm(located).numpy()
+        return _contiguous(self.cache.unpack_rows(raw)), hit
+
+    def ready(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def close(self) -> None:
+        self.view = None  # type: ignore[assignment]  # the finalizer unregisters
+
+
+def _contiguous(batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return {n: t.contiguous() for n, t in batch.items()}
+    return batch.contiguous()
+
+
+class _PinnedGather:
+    """``get_batch`` into pinned buffers, then an asynchronous copy to the GPU on a side
+    stream: the path where the segment cannot be registered. A buffer is reused only once
+    its copy has completed."""
+
+    def __init__(self, cache: SharedCache, device: torch.device, batch_size: int,
+                 buffers: int) -> None:
+        self.cache, self.device = cache, device
+        self.stream = torch.cuda.Stream(device)
+        self.buffers = [_empty_batch(cache, batch_size, pin=True) for _ in range(buffers)]
+        self.copied: list[torch.cuda.Event | None] = [None] * buffers
+        self.turn = 0
+
+    def context(self) -> Any:
+        return torch.cuda.stream(self.stream)
+
+    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+        k, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()
+        buf = _rows_of(self.buffers[k], len(idx))
+        _, hit = self.cache.get_batch(idx, out=buf)
+        batch = _to(buf, self.device)
+        self.copied[k] = torch.cuda.Event()
+        self.copied[k].record(self.stream)
+        return batch, hit.numpy()
+
+    def ready(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def close(self) -> None:
+        self.buffers = []
+
+
+def _empty_batch(cache: SharedCache, n: int, pin: bool = False) -> Any:
+    row = cache.get_batch([])[0]  # an empty batch of the cache's dims and dtype(s)
+    if isinstance(row, Mapping):
+        return {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                for name, t in row.items()}
+    return torch.empty((n, *row.shape[1:]), dtype=row.dtype, pin_memory=pin)
+
+
+def _rows_of(batch: Any, n: int) -> Any:
+    if isinstance(batch, Mapping):
+        return {name: t[:n] for name, t in batch.items()}
+    return batch[:n]
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Mapping):
+        return {name: t.to(device, non_blocking=True) for name, t in batch.items()}
+    return batch.to(device, non_blocking=True)
+
+
+# -- the part every device walks: batches, misses, the producer thread, state ---------------
+
+class _HostGather:
+    """``get_batch`` into new tensors (a CPU device): each batch is the caller's to keep."""
+
+    def __init__(self, cache: SharedCache) -> None:
+        self.cache = cache
+
+    def context(self) -> Any:
+        return _no_context
+
+    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+        batch, hit = self.cache.get_batch(idx)
+        return batch, hit.numpy()
+
+    def ready(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class _NoContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_no_context = _NoContext()
+_END = object()  # the producer's last item of an epoch
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class DeviceLoader:
+    """Batches of a :class:`SharedCache`'s samples, gathered by the training process and
+    delivered on ``device``, with the dataset indices of each batch.
+
+    It replaces a ``DataLoader`` over a dataset that reads the cache: it takes the order
+    (any sampler: ``RandomSampler``, ``DistributedSampler``, ``CacheAwareSampler``, a
+    mixture sampler), and a :class:`Prefetcher` over that order loads the misses ahead (your
+    ``load`` function, phase one: read and decode) into the cache or its staging slots, in
+    threads or loader processes. Each batch is then read from the segment in one gather:
+
+    - on CUDA, the segment is registered with the driver once per process
+      (``cudaHostRegister``) and the GPU reads the batch's rows from it directly, on a side
+      stream, while the model runs; only the batch's bytes cross PCIe, once;
+    - on a CPU, or where registering is refused (a locked-memory limit, no unified
+      addressing; one warning says why and how to fix it), ``get_batch`` gathers the batch in
+      a background thread (for a GPU, into pinned buffers that are then copied to it).
+
+    Every row keeps ``get_batch``'s guarantee: a row whose slot was written, cleared or
+    unstaged while it was copied (on the GPU too: the check follows the completed gather) is
+    read again, or loaded, never yielded torn. A staged sample is freed once the gather that
+    read it has completed. A row that nothing holds by its turn (a miss that found no staging
+    slot, or one the prefetcher could not load ahead) is loaded by the loader's thread, and
+    stored with ``set_slot`` when it has a slot.
+
+    ``transform(batch)`` (phase two: random crops, flips, normalisation) runs on each
+    gathered batch on the device, in the loader's thread (on the side stream, on CUDA), so it
+    overlaps the model's step; it must return the batch it makes.
+
+    One loader per rank, as one ``DataLoader`` per rank: each rank's process registers the
+    node's one segment with its own GPU. Close the loader (``close()`` or ``with``) before the
+    cache: the registration must end before the segment is unmapped.
+
+    Args:
+        cache: the ``SharedCache`` (fixed sizes; a cache of open sizes cannot be gathered as
+            rows of one size and is refused).
+        sampler: the order of dataset indices, as a ``DataLoader``'s ``sampler``.
+        load: ``load(index)``: the sample as it is cached (a tensor; a dict of them for a
+            cache of fields).
+        batch_size: samples per batch, an int >= 1.
+        device: where batches are delivered: "cuda", "cuda:1", a ``torch.device``, or "cpu".
+            Default: None, the current CUDA device if CUDA is available, else "cpu".
+        transform: ``transform(batch) -> batch`` on the device, or None. Default: None.
+        drop_last: drop the last batch of an epoch if it is smaller than ``batch_size``.
+            Default: False.
+        depth: batches gathered ahead of the one the caller holds, an int >= 1. Default: 2.
+        register: on CUDA, gather from the registered segment (True) or always through
+            pinned buffers (False). Default: True.
+        **prefetch: passed to :class:`Prefetcher` (``window``, ``mode``, ``threads``,
+            ``processes``, ``lookahead``, ``timeout``, ``multiprocessing_context``).
+            ``stand_aside`` is always False: no ``DataLoader`` worker is there to take a miss.
+
+    Attributes:
+        path: how batches are gathered: "cuda" (the GPU reads the registered segment),
+            "pinned" (pinned buffers copied to the GPU) or "cpu".
+        prefetcher: the :class:`Prefetcher` that loads misses ahead.
+    """
+
+    def __init__(self, cache: SharedCache, sampler: Any, load: Callable[[int], Any], *,
+                 batch_size: int, device: Any = None,
+                 transform: Callable[[Any], Any] | None = None, drop_last: bool = False,
+                 depth: int = 2, register: bool = True, **prefetch: Any) -> None:
+        if not isinstance(cache, SharedCache):
+            raise TypeError(f"cache should be a SharedCache, but got cache of type "
+                            f"{type(cache).__name__}")
+        if "arena_bytes" in cache.stats():
+            raise TypeError("cache should have fixed sizes: a cache of open sizes (a None in "
+                            f"data_dims={cache.data_dims!r}) has no rows of one size to gather "
+                            "as a batch; use a DataLoader with get_batch in __getitems__")
+        self.batch_size = check_int("batch_size", batch_size, low=1)
+        self.depth = check_int("depth", depth, low=1)
+        for name, flag in (("drop_last", drop_last), ("register", register)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} should be True or False, but got {name}={flag!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform should be a callable transform(batch) -> batch or "
+                            f"None, but got transform of type {type(transform).__name__}")
+        if "stand_aside" in prefetch:
+            raise TypeError("stand_aside is not an argument of DeviceLoader: no DataLoader "
+                            "worker is there to load a miss the prefetcher stands aside from")
+        self.device = _device_of(device)
+        self.cache, self.load, self.transform, self.drop_last = cache, load, transform, drop_last
+        self.prefetcher = Prefetcher(sampler, cache, load, stand_aside=False, **prefetch)
+        self._gather, self.path = self._choose_gather(register)
+        # One thread for the loader's life gathers every batch (it runs an epoch at a time).
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="stocaching-gather")
+        self._epoch_drawn: int | None = None  # indices of this epoch taken by the producer
+        self._yielded = 0  # indices of this epoch in batches handed to the caller
+        self._closed = False
+
+    def _choose_gather(self, register: bool) -> tuple[Any, str]:
+        if self.device.type != "cuda":
+            return _HostGather(self.cache), "cpu"
+        why = "register=False"
+        if register:
+            view, why = _register(self.cache.rows, self.device)
+            if view is not None:
+                return _DeviceGather(self.cache, view, self.device), "cuda"
+            warnings.warn(f"stocaching: the cache's segment could not be registered with CUDA "
+                          f"({why}); batches go through pinned buffers instead, at the CPU's "
+                          f"copy speed. In a container, raise the locked-memory limit "
+                          f"(docker run --ulimit memlock=-1, or ulimit -l unlimited)",
+                          RuntimeWarning, stacklevel=3)
+        return _PinnedGather(self.cache, self.device, self.batch_size, self.depth + 2), "pinned"
+
+    def __len__(self) -> int:
+        n = len(self.prefetcher)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the prefetcher, and so to the sampler."""
+        self.prefetcher.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        """The epoch's batches: ``(batch, indices)``, both on the device; ``batch`` is a
+        tensor of shape ``(n, *data_dims)`` (a dict of them for a cache of fields) after
+        ``transform``, ``indices`` an int64 tensor of the n dataset indices."""
+        if self._closed:
+            raise ValueError("this DeviceLoader is closed")
+        order = iter(self.prefetcher)
+        start = self.prefetcher.position
+        out: queue.Queue = queue.Queue(self.depth)
+        stop = threading.Event()
+        self._yielded, self._epoch_drawn = start, start
+        producing = self._thread.submit(self._produce, order, out, stop)
+        try:
+            while True:
+                item = out.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                batch, indices, ready = item
+                if ready is not None:  # on CUDA: the caller's stream waits for the gather
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(ready)
+                    for t in _tensors(batch, indices):
+                        t.record_stream(stream)
+                self._yielded += len(indices)
+                yield batch, indices
+        finally:
+            stop.set()
+            while not producing.done():  # let it finish its batch and see the stop
+                try:
+                    out.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            order.close()  # the prefetcher gives back what it staged and was never read
+            self._epoch_drawn = None
+
+    def _produce(self, order: Iterator[int], out: queue.Queue, stop: threading.Event) -> None:
+        """The loader's thread: draw a batch of indices, gather it, hand it over."""
+        try:
+            with self._gather.context():
+                while not stop.is_set():
+                    idx = np.fromiter(itertools.islice(order, self.batch_size), np.int64)
+                    if not idx.size or (idx.size < self.batch_size and self.drop_last):
+                        break
+                    self._epoch_drawn += idx.size
+                    item = self._make(idx)
+                    while not stop.is_set():
+                        try:
+                            out.put(item, timeout=0.05)
+                            break
+                        except queue.Full:
+                            pass
+            item = _END
+        except BaseException as exc:  # handed to the caller's thread, raised there
+            item = _Failure(exc)
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                pass
+
+    def _make(self, idx: np.ndarray) -> tuple[Any, torch.Tensor, Any]:
+        batch, hit = self._gather.gather(idx)
+        if not hit.all():
+            self._fill_misses(batch, idx, hit)
+        indices = torch.from_numpy(idx)
+        if self.device.type != "cpu":
+            indices = indices.to(self.device, non_blocking=True)
+        if self.transform is not None:
+            batch = self.transform(batch)
+        return batch, indices, self._gather.ready()
+
+    def _fill_misses(self, batch: Any, idx: np.ndarray, hit: np.ndarray) -> None:
+        """Rows the gather did not confirm: read again alone, else loaded here (and stored
+        with ``set_slot`` when the index has a slot, as the two-line pattern does)."""
+        aux = self.cache.aux_array.numpy()
+        for k in np.flatnonzero(~hit).tolist():
+            i = int(idx[k])
+            sample = self.cache.get_slot(i)
+            if sample is None:
+                sample = self.load(i)
+                if aux[i] != SlotState.OOB.value:
+                    self.cache.set_slot(i, sample)
+            if isinstance(batch, Mapping):
+                for name, t in batch.items():
+                    t[k] = torch.as_tensor(sample[name])
+            else:
+                batch[k] = torch.as_tensor(sample)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the current epoch (the samples of the batches handed out so far),
+        as the prefetcher's state: ``load_state_dict`` on a new loader continues the epoch
+        with the next batch."""
+        if self._epoch_drawn is None:  # no epoch under way: the prefetcher's own position
+            return self.prefetcher.state_dict()
+        return self.prefetcher.state_dict(consumed=self._yielded)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``, a dict from ``state_dict()``."""
+        self.prefetcher.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stop the prefetcher's loads, the loader's thread, and end the registration of the
+        segment (on CUDA). Idempotent; also done when the loader is collected."""
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.shutdown(wait=True)
+        self._gather.close()
+        self.prefetcher.close()
+
+    def __enter__(self) -> "DeviceLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _device_of(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TypeError(f"device should be a torch.device or a string such as 'cuda:0' or "
+                        f"'cpu', but got device={device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device should be one this machine has, but got device={device!r} "
+                             f"and CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device should be 'cpu' or a CUDA device, but got device={device!r}")
+    return dev
+
+
+def _tensors(batch: Any, indices: torch.Tensor) -> list[torch.Tensor]:
+    found = list(batch.values()) if isinstance(batch, Mapping) else [batch]
+    return [t for t in found + [indices] if isinstance(t, torch.Tensor)]
