@@ -424,7 +424,7 @@ class DeviceLoader:
             if sample is None:
                 sample = self.load(i)
                 if aux[i] != SlotState.OOB.value:
-                    self.cache.set_slot(i, sample)
+                    self.cache.set_slot(i, sample, exist_ok=True)  # (a writer may be first)
             if isinstance(batch, Mapping):
                 for name, t in batch.items():
                     t[k] = torch.as_tensor(sample[name])

@@ -1,0 +1,349 @@
+"""DeviceLoader (stocaching/device.py): batches gathered from the segment by the training
+process. The machines that run this suite have no GPU: every test here walks the CPU path
+(which shares the batching, staging, misses, resume and DDP code with the CUDA path); the CUDA
+tests at the end run where CUDA is present and are skipped otherwise. The read that a GPU
+makes (locate, copy the rows elsewhere, confirm) is tested here with a numpy copy standing in
+for the GPU's, racing real writer processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import RandomSampler, SequentialSampler
+
+from _helpers import CHILDREN, FIELD_DTYPES, FIELDS, budget_for, fields_of, free_port, racing_writers, \
+    rank_env, value_of
+from stocaching import CacheAwareSampler, DeviceLoader, SharedCache, WeightedMixtureSampler
+
+DIMS = (3, 8, 8)
+N = 50
+
+
+def load(i: int) -> torch.Tensor:
+    return value_of(i, DIMS)
+
+
+@pytest.fixture
+def cache(shm_dir):
+    """Half of N with a slot, the rest staged: every path of a batch's rows."""
+    c = SharedCache(budget_for(N // 2 + 40, DIMS, dataset_len=N), N, DIMS, staging_slots=40,
+                    shm_dir=shm_dir)
+    yield c
+    c.close()
+
+
+def seeded(n: int = N, seed: int = 0) -> RandomSampler:
+    return RandomSampler(range(n), generator=torch.Generator().manual_seed(seed))
+
+
+def read_epoch(loader: DeviceLoader) -> list[int]:
+    seen = []
+    for batch, idx in loader:
+        assert batch.dtype == torch.uint8 and batch.shape == (len(idx), *DIMS)
+        for row, i in zip(batch, idx.tolist()):
+            assert torch.equal(row, load(i)), f"row of index {i}"
+        seen += idx.tolist()
+    return seen
+
+
+def test_every_index_once_per_epoch_rows_equal_get_slot(cache):
+    with DeviceLoader(cache, seeded(), load, batch_size=8, device="cpu", threads=4) as loader:
+        assert loader.path == "cpu" and len(loader) == 7
+        orders = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            seen = read_epoch(loader)
+            assert sorted(seen) == list(range(N))
+            orders.append(seen)
+            assert cache.stats()["staged"] == 0  # every staged sample was gathered and freed
+        assert orders[0] != orders[1]
+        for i in range(N // 2):  # the slots were filled, and hold what get_slot gives
+            assert torch.equal(cache.get_slot(i), load(i))
+        stats = cache.stats()
+        assert stats["misses"] == 0 and stats["staged_hits"] == 3 * (N - len(cache))
+
+
+def test_drop_last_and_len(cache):
+    loader = DeviceLoader(cache, SequentialSampler(range(N)), load, batch_size=8,
+                          drop_last=True, device="cpu")
+    seen = read_epoch(loader)
+    assert len(loader) == 6 and seen == list(range(48))
+    loader.close()
+    with pytest.raises(ValueError, match="closed"):
+        iter(loader).__next__()
+
+
+def test_a_cache_of_fields(shm_dir):
+    c = SharedCache(1e-3, N, FIELDS, dtype=FIELD_DTYPES, shm_dir=shm_dir)
+    with DeviceLoader(c, seeded(), fields_of, batch_size=7, device="cpu") as loader:
+        for _ in range(2):
+            seen = []
+            for batch, idx in loader:
+                assert set(batch) == set(FIELDS)
+                for k, i in enumerate(idx.tolist()):
+                    for name, want in fields_of(i).items():
+                        assert torch.equal(batch[name][k], want), (name, i)
+                seen += idx.tolist()
+            assert sorted(seen) == list(range(N))
+    c.close()
+
+
+def test_a_transform_runs_on_each_batch(cache):
+    def flip(batch):
+        return batch.flip(-1)
+
+    with DeviceLoader(cache, seeded(), load, batch_size=10, transform=flip) as loader:
+        for batch, idx in loader:
+            for row, i in zip(batch, idx.tolist()):
+                assert torch.equal(row, load(i).flip(-1))
+
+
+def test_misses_without_staging_are_loaded_by_the_loader(shm_dir):
+    c = SharedCache(budget_for(10, DIMS, dataset_len=N), N, DIMS, shm_dir=shm_dir)
+    with DeviceLoader(c, seeded(), load, batch_size=8, threads=2) as loader:
+        assert sorted(read_epoch(loader)) == list(range(N))
+        assert sorted(read_epoch(loader)) == list(range(N))
+    assert c.stats()["filled"] == 10
+    c.close()
+
+
+class Cached(torch.utils.data.Dataset):
+    """What CacheAwareSampler asks of a dataset: its length and its cache."""
+
+    def __init__(self, cache: SharedCache) -> None:
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return self.cache.dataset_len
+
+
+@pytest.mark.parametrize("sampler_kind", ["cache_aware", "mixture"])
+def test_the_package_samplers(cache, sampler_kind):
+    if sampler_kind == "cache_aware":
+        sampler = CacheAwareSampler(Cached(cache), batch_size=8, seed=1, num_replicas=1, rank=0)
+    else:
+        sampler = WeightedMixtureSampler([range(N // 2), range(N - N // 2)], weights=[1, 1],
+                                         seed=1, num_replicas=1, rank=0)
+    with DeviceLoader(cache, sampler, load, batch_size=8, window=8) as loader:
+        seen = read_epoch(loader)
+        assert len(seen) == len(sampler)
+        if sampler_kind == "cache_aware":
+            assert sorted(seen) == list(range(N))
+
+
+def test_a_resume_continues_the_epoch_exactly(cache):
+    first = DeviceLoader(cache, seeded(seed=5), load, batch_size=6, threads=2)
+    first.set_epoch(1)
+    it, got = iter(first), []
+    for _ in range(3):
+        got += next(it)[1].tolist()
+    state = first.state_dict()
+    it.close()
+    first.close()
+    again = DeviceLoader(cache, seeded(seed=5), load, batch_size=6, threads=2)
+    again.load_state_dict(state)
+    again.set_epoch(1)
+    rest = read_epoch(again)
+    full = DeviceLoader(cache, seeded(seed=5), load, batch_size=6, threads=2)
+    full.set_epoch(1)
+    assert got + rest == read_epoch(full)
+    again.close()
+    full.close()
+
+
+def test_an_epoch_left_early_gives_back_its_staging_slots(cache):
+    loader = DeviceLoader(cache, seeded(), load, batch_size=4, threads=4)
+    it = iter(loader)
+    next(it)
+    it.close()
+    assert cache.stats()["staged"] == 0
+    assert sorted(read_epoch(loader)) == list(range(N))  # the next epoch is whole
+    loader.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The read a GPU makes: locate, copy elsewhere, confirm
+# ----------------------------------------------------------------------------------------------
+
+
+def test_confirm_refuses_rows_written_cleared_or_unstaged_after_locate(shm_dir):
+    c = SharedCache(budget_for(8, DIMS, dataset_len=8), 8, DIMS, staging_slots=4,
+                    shm_dir=shm_dir)
+    for i in range(4):
+        c.set_slot(i, load(i))
+    for i in range(4, 8):
+        assert c.stage(i, load(i))
+    located = c.locate([0, 1, 4, 5, 6, 0])
+    assert located.found.tolist() == [True, True, True, True, True, True]
+    c.set_slot(1, load(9), allow_overwrite=True)  # written after locate: the copy may be torn
+    assert c.unstage(5)  # freed after locate: its staging slot may hold another sample
+    copied = c.rows[torch.from_numpy(located.rows)].clone()  # the "GPU's" copy
+    hit = c.confirm(located).tolist()
+    assert hit == [True, False, True, False, True, True]
+    batch = c.unpack_rows(copied)
+    assert torch.equal(batch[0], load(0)) and torch.equal(batch[2], load(4))
+    assert c.stats()["staged"] == 1  # 4 and 6 were taken by the confirmed read, 7 stays
+    c.clear()
+    located = c.locate([0, 2])
+    assert located.found.tolist() == [False, False]  # cleared: nothing to copy
+
+
+def test_locate_and_confirm_agree_with_get_batch_on_fields(shm_dir):
+    c = SharedCache(1e-3, 10, FIELDS, dtype=FIELD_DTYPES, shm_dir=shm_dir)
+    for i in range(0, 10, 2):
+        c.set_slot(i, fields_of(i))
+    located = c.locate(range(10))
+    batch = c.unpack_rows(c.rows[torch.from_numpy(located.rows)].clone())
+    hit = c.confirm(located)
+    want, want_hit = c.get_batch(range(10))
+    assert torch.equal(hit, want_hit)
+    for name in FIELDS:
+        assert torch.equal(batch[name][hit], want[name][hit])
+
+
+def _overwrite_forever(cache: SharedCache, k: int, writing, stop) -> None:
+    """A writer: every slot again and again, each sample one byte value (a torn row mixes
+    two)."""
+    writing.set()
+    turn = k
+    while not stop.is_set():
+        turn += 2
+        for i in range(len(cache)):
+            cache.set_slot(i, torch.full(DIMS, (i + turn) % 256, dtype=torch.uint8),
+                           allow_overwrite=True)
+
+
+def uniform_rows(loader: DeviceLoader, epochs: int) -> tuple[int, int]:
+    """(rows of one byte value, rows mixing values) over ``epochs`` epochs."""
+    whole = torn = 0
+    for _ in range(epochs):
+        for batch, _ in loader:
+            flat = batch.reshape(len(batch), -1).cpu()
+            same = (flat == flat[:, :1]).all(dim=1)
+            torn += int((~same).sum())
+            whole += int(same.sum())
+    return whole, torn
+
+
+def one_value(i: int) -> torch.Tensor:
+    return torch.full(DIMS, 7, dtype=torch.uint8)
+
+
+@pytest.mark.timeout(200)
+def test_a_writer_racing_the_gather_never_yields_a_torn_row(shm_dir):
+    n = 16
+    c = SharedCache(1e-3, n, DIMS, shm_dir=shm_dir)
+    for i in range(n):
+        c.set_slot(i, torch.full(DIMS, i, dtype=torch.uint8))
+    with racing_writers(_overwrite_forever, c), \
+            DeviceLoader(c, RandomSampler(range(n)), one_value, batch_size=n, threads=1) as loader:
+        assert uniform_rows(loader, 300) == (300 * n, 0)
+    c.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad arguments
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"batch_size": 0}, ValueError, "batch_size"),
+    ({"batch_size": True}, TypeError, "batch_size"),
+    ({"batch_size": 4, "depth": 0}, ValueError, "depth"),
+    ({"batch_size": 4, "drop_last": 1}, TypeError, "drop_last"),
+    ({"batch_size": 4, "transform": 3}, TypeError, "transform"),
+    ({"batch_size": 4, "device": "tpu"}, TypeError, "device"),
+    ({"batch_size": 4, "device": "meta"}, ValueError, "device"),
+    ({"batch_size": 4, "stand_aside": True}, TypeError, "stand_aside"),
+    ({"batch_size": 4, "threads": 0}, ValueError, "threads"),
+])
+def test_bad_arguments_are_refused_by_name(cache, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DeviceLoader(cache, seeded(), load, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_a_cuda_device_without_cuda_is_refused(cache):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        DeviceLoader(cache, seeded(), load, batch_size=4, device="cuda")
+
+
+def test_a_cache_of_open_sizes_is_refused(shm_dir):
+    c = SharedCache(1e-3, N, (None, 3), shm_dir=shm_dir)
+    with pytest.raises(TypeError, match="open sizes"):
+        DeviceLoader(c, seeded(), load, batch_size=4)
+    for call in (lambda: c.rows, lambda: c.locate([0])):
+        with pytest.raises(TypeError, match="open sizes"):
+            call()
+    c.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP: torchrun and mp.spawn
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_two_ranks_share_one_segment_every_index_once(shm_dir, launcher):
+    child = str(CHILDREN / "device_ddp.py")
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--master_port", str(free_port()), child]
+    else:
+        cmd = [sys.executable, child, "spawn", str(free_port())]
+    r = subprocess.run(cmd, env=rank_env(shm_dir), capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    ranks = out["ranks"]
+    assert all(o["right"] for o in ranks) and out["staged"] == 0
+    assert ranks[0]["segments"] == ranks[1]["segments"] and len(ranks[0]["segments"]) == 1
+    for epoch in range(2):
+        together = ranks[0]["epochs"][epoch] + ranks[1]["epochs"][epoch]
+        assert sorted(together) == list(range(60))
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU)
+# ----------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("register", [True, False])
+def test_cuda_batches_equal_get_slot(cache, register):
+    with DeviceLoader(cache, seeded(), load, batch_size=8, device="cuda",
+                      register=register) as loader:
+        assert loader.path == ("cuda" if register else "pinned")
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            seen = []
+            for batch, idx in loader:
+                assert batch.is_cuda and idx.is_cuda
+                for row, i in zip(batch.cpu(), idx.tolist()):
+                    assert torch.equal(row, load(i))
+                seen += idx.tolist()
+            assert sorted(seen) == list(range(N))
+            assert cache.stats()["staged"] == 0
+
+
+@cuda
+@pytest.mark.timeout(200)
+def test_cuda_a_writer_racing_the_gather_never_yields_a_torn_row(shm_dir):
+    n = 16
+    c = SharedCache(1e-3, n, DIMS, shm_dir=shm_dir)
+    for i in range(n):
+        c.set_slot(i, torch.full(DIMS, i, dtype=torch.uint8))
+    with racing_writers(_overwrite_forever, c), \
+            DeviceLoader(c, RandomSampler(range(n)), one_value, batch_size=n, threads=1,
+                         device="cuda") as loader:
+        assert loader.path == "cuda"
+        assert uniform_rows(loader, 200) == (200 * n, 0)
+    c.close()
