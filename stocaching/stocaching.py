@@ -1575,13 +1575,21 @@ class SharedCache:
             removed only by ``python -m stocaching clean --persistent NAME`` (or
             ``clean_segments(persistent=[NAME])``), never while in use. Default: False (the
             cache is freed when the job's last process exits).
-        key: with ``persistent``: which data the cache holds (a dataset version, a hash of
-            the file list, the transform's parameters), checked when a job attaches.
-            Default: "".
-        on_mismatch: with ``persistent``, when the cache of that name holds another key or
-            configuration: ``"raise"`` a ``CacheConfigError`` naming what differs, or
-            ``"replace"`` it with a new empty cache (not while another process uses it).
-            Default: "raise".
+        key: with ``persistent`` or ``load_from``: which data the cache holds (a dataset
+            version, a hash of the file list, the transform's parameters), checked when a job
+            attaches, or loads a file (``save`` writes it there). Default: "".
+        on_mismatch: with ``persistent`` or ``load_from``, when the cache of that name, or
+            the file, holds another key or configuration: ``"raise"`` a ``CacheConfigError``
+            naming what differs, or ``"replace"`` the cache with a new empty one (not while
+            another process uses it), or ignore the file with a warning (the next ``save``
+            writes it anew). Default: "raise".
+        load_from: a file that ``save`` wrote: the local leader fills the new segment from it
+            before the other local ranks attach (they wait as for any new segment), each
+            sample into the slot its index has here (so the file may come from a cache of
+            another size); the next ``save`` to it appends. A missing file starts empty
+            (logged); ``{node}`` in it becomes the node's rank. A persistent cache that
+            exists already is attached as it is, without reading the file. Not with open
+            sizes. Default: None.
 
     Open sizes: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
     number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
@@ -1604,7 +1612,9 @@ class SharedCache:
 
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
-        CacheConfigError: the leader's segment has another configuration.
+        CacheConfigError: the leader's segment (or the ``load_from`` file) has another
+            configuration.
+        CacheFileError: the ``load_from`` file is truncated, damaged or not a saved cache.
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
         RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
