@@ -38,6 +38,7 @@ __all__ = [
     "C_DTYPES",
     "CacheCapacityError",
     "CacheConfigError",
+    "CacheFileError",
     "CacheLayout",
     "CacheTimeoutError",
     "MAX_STAGE_TAG",
@@ -62,6 +63,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import json
 import logging
 import math
 import mmap
@@ -77,6 +79,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -638,6 +641,23 @@ class CacheConfigError(ValueError):
 
     def __reduce__(self) -> tuple:
         return type(self), (str(self), self.field, self.expected, self.found)
+
+
+class CacheFileError(ValueError):
+    """A file given to ``SharedCache(load_from=...)`` is not a whole saved cache: truncated,
+    damaged, or not written by ``SharedCache.save``. Nothing of it is loaded.
+
+    Attributes:
+        path: the file.
+        reason: what is wrong with it, in words.
+    """
+
+    def __init__(self, message: str, path: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.path, self.reason = path, reason
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.path, self.reason)
 
 
 class CacheTimeoutError(TimeoutError):
@@ -1248,6 +1268,11 @@ def _check_persistent(name: Any, job_key: Any, key: Any, on_mismatch: Any) -> No
     if job_key is not None:
         raise ValueError(f"a persistent cache is found by its name alone, not by a job key, but "
                          f"got job_key={job_key!r} with persistent=True")
+    _check_key(key, on_mismatch)
+
+
+def _check_key(key: Any, on_mismatch: Any) -> None:
+    """The key of a persistent cache or of a saved file, and what to do when it differs."""
     if not isinstance(key, str):
         raise TypeError(f"key should be a str (which data the cache holds), but got key={key!r}")
     if len(key.encode()) >= _KEY_BYTES or "\0" in key:
@@ -1265,6 +1290,196 @@ def _more_room(shm_dir: str, total: int) -> str:
     need_gib = math.ceil(((vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize + total) / BYTES_PER_GIB)
     return (f"Give it more room (docker run --shm-size={need_gib}g, or mount -o "
             f"remount,size={need_gib}G {shm_dir})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
+# ----------------------------------------------------------------------------------------------
+#
+# One file:
+#   [superblock 0, 4 KiB][superblock 1, 4 KiB][config: JSON, padded to 4 KiB][chunk]...
+# A chunk is one save's records: [rows: row_bytes each][int64 dataset index of each row]
+# [int64 indices emptied since the last save][pad][trailer, 64 bytes], its end 4 KiB aligned;
+# its trailer says where it starts, so the chunks are found from the end backwards. A later
+# chunk's record of an index replaces an earlier one's. A superblock (magic, generation, the
+# end of the last chunk, the chunk count, the config's length and CRC, and its own CRC) commits
+# a save: the valid one with the higher generation counts, and bytes past its end do not exist.
+# A first save writes a new file under a temporary name, syncs it and renames it over ``path``;
+# a later one appends a chunk past the committed end, syncs it, then writes the other
+# superblock (the one not in force) and syncs again. A save killed at any point leaves the
+# previous commit in force (or no file at all), and every byte of a commit is covered by a
+# CRC-32, so a truncated or damaged file is refused rather than loaded in part.
+
+_SAVE_MAGIC = b"STOSAVE1"
+_SAVE_VERSION = 1
+_SAVE_BLOCK = 4096
+_SUPER = struct.Struct("<8sqqqqqqq")  # magic, version, generation, end, chunks, config
+_SUPER_CRC = struct.Struct("<I")      # length and CRC, rows in the file; then the CRC of those
+_CONFIG_OFF = 2 * _SAVE_BLOCK
+_TRAILER = struct.Struct("<8sqqqqqq")  # magic, rows, emptied, row bytes, start, rows' CRC,
+_CHUNK_MAGIC = b"STOCHUNK"             # the indices' CRC; then the CRC of those
+_TRAILER_BYTES = 64
+_SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered, rows loaded)
+
+
+def _align(n: int) -> int:
+    return -(-n // _SAVE_BLOCK) * _SAVE_BLOCK
+
+
+def _pack_super(gen: int, end: int, chunks: int, config: bytes, rows: int) -> bytes:
+    body = _SUPER.pack(_SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
+                       zlib.crc32(config), rows)
+    return body + _SUPER_CRC.pack(zlib.crc32(body))
+
+
+def _super_off(gen: int) -> int:
+    """Where the superblock of generation ``gen`` goes: the one not in force."""
+    return (gen % 2) * _SAVE_BLOCK
+
+
+def _pack_trailer(rows: int, emptied: int, row_bytes: int, start: int, rows_crc: int,
+                  meta_crc: int) -> bytes:
+    body = _TRAILER.pack(_CHUNK_MAGIC, rows, emptied, row_bytes, start, rows_crc, meta_crc)
+    return (body + _SUPER_CRC.pack(zlib.crc32(body))).ljust(_TRAILER_BYTES, b"\0")
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """Write all of ``data`` (bytes or a contiguous array) at ``offset``; returns its length."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``offset``; a file that ends first is truncated."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise CacheFileError(f"{path} is truncated: it ends at byte {offset + done}, inside "
+                                 "a saved chunk; remove it (the next save writes it anew)",
+                                 path, "truncated")
+        done += got
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in the directory of ``path`` durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError:  # (some filesystems cannot sync a directory: the rename is all they give)
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_super(fd: int, path: str) -> dict:
+    """The superblock in force of the saved file open at ``fd``, checked against its size."""
+    raw = os.pread(fd, _CONFIG_OFF, 0)
+    best = None
+    for k in range(2):
+        block = raw[k * _SAVE_BLOCK: k * _SAVE_BLOCK + _SUPER.size + _SUPER_CRC.size]
+        if len(block) < _SUPER.size + _SUPER_CRC.size:
+            continue
+        body, (crc,) = block[:_SUPER.size], _SUPER_CRC.unpack(block[_SUPER.size:])
+        magic, version, gen, end, chunks, config_len, config_crc, rows = _SUPER.unpack(body)
+        if magic != _SAVE_MAGIC or zlib.crc32(body) != crc:
+            continue
+        if version != _SAVE_VERSION:
+            raise CacheFileError(f"{path} was saved by another stocaching version (file format "
+                                 f"{version}, this one reads {_SAVE_VERSION}); remove it",
+                                 path, "version")
+        if best is None or gen > best["gen"]:
+            best = {"gen": gen, "end": end, "chunks": chunks, "config_len": config_len,
+                    "config_crc": config_crc, "rows": rows, "slot": k}
+    if best is None:
+        raise CacheFileError(f"{path} is not a file saved by SharedCache.save, or its header is "
+                             "damaged; remove it (the next save writes it anew)", path, "header")
+    size = os.fstat(fd).st_size
+    if size < best["end"]:
+        raise CacheFileError(f"{path} is truncated: {size} bytes, but its last save ends at "
+                             f"byte {best['end']}; remove it (the next save writes it anew)",
+                             path, "truncated")
+    return best
+
+
+def _read_config(fd: int, sup: dict, path: str) -> dict:
+    raw = os.pread(fd, sup["config_len"], _CONFIG_OFF)
+    if len(raw) != sup["config_len"] or zlib.crc32(raw) != sup["config_crc"]:
+        raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
+                             path, "config")
+    return json.loads(raw)
+
+
+def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
+                 ) -> list[dict]:
+    """Every committed chunk of the file, first to last, with its indices (checked)."""
+    first, end, chunks = _CONFIG_OFF + _align(sup["config_len"]), sup["end"], []
+    while end > first:
+        raw = os.pread(fd, _TRAILER_BYTES, end - _TRAILER_BYTES)
+        body = raw[:_TRAILER.size]
+        crc = _SUPER_CRC.unpack_from(raw, _TRAILER.size)[0] if len(raw) == _TRAILER_BYTES \
+            else -1
+        magic, rows, emptied, rb, start, rows_crc, meta_crc = _TRAILER.unpack(body) \
+            if len(body) == _TRAILER.size else (b"", 0, 0, 0, 0, 0, 0)
+        meta_off = start + rows * rb
+        if magic != _CHUNK_MAGIC or zlib.crc32(body) != crc or rb != row_bytes or \
+                not first <= start < end or meta_off + 8 * (rows + emptied) > end - \
+                _TRAILER_BYTES or rows < 0 or emptied < 0:
+            raise CacheFileError(f"{path} is damaged: no valid save record ends at byte {end}; "
+                                 "remove it (the next save writes it anew)", path, "chunk")
+        meta = os.pread(fd, 8 * (rows + emptied), meta_off)
+        if zlib.crc32(meta) != meta_crc:
+            raise CacheFileError(f"{path} is damaged: the indices of the save record at byte "
+                                 f"{start} fail their check; remove it", path, "chunk")
+        idx = np.frombuffer(meta, np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= dataset_len):
+            raise CacheFileError(f"{path} is damaged: the save record at byte {start} names "
+                                 f"indices outside [0, {dataset_len}); remove it", path, "chunk")
+        chunks.append({"start": start, "rows": rows, "rows_crc": rows_crc,
+                       "indices": idx[:rows], "emptied": idx[rows:]})
+        end = start
+    if len(chunks) != sup["chunks"]:
+        raise CacheFileError(f"{path} is damaged: {len(chunks)} save records, but its header "
+                             f"counts {sup['chunks']}; remove it", path, "chunk")
+    return chunks[::-1]
+
+
+def _stale_temporaries(path: str) -> list[str]:
+    """Temporary files of saves to ``path`` whose process is gone (killed mid-save)."""
+    d, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(base) + r"\.(\d+)\.[0-9a-f]+\.tmp$")
+    found = []
+    with contextlib.suppress(OSError):
+        for fname in os.listdir(d):
+            m = pattern.match(fname)
+            if m and not _alive(int(m.group(1)), 0):
+                found.append(os.path.join(d, fname))
+    return found
+
+
+@dataclasses.dataclass
+class _SaveState:
+    """What this process knows of the file it saved to (or loaded from) last: the file's
+    identity and commit, and per slot the sequence number it had when the file last took it
+    (a slot whose number differs has changed since) and whether the file holds its sample."""
+
+    path: str
+    dev: int
+    ino: int
+    gen: int
+    end: int
+    chunks: int
+    rows: int  # rows in the file, the replaced ones included
+    seq: np.ndarray
+    held: np.ndarray
+
+
+# The save state of each cache in this process (kept off the instance: see _STATE).
+_SAVED: "weakref.WeakKeyDictionary[SharedCache, _SaveState]" = weakref.WeakKeyDictionary()
+_SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1373,13 +1588,21 @@ class SharedCache:
             removed only by ``python -m stocaching clean --persistent NAME`` (or
             ``clean_segments(persistent=[NAME])``), never while in use. Default: False (the
             cache is freed when the job's last process exits).
-        key: with ``persistent``: which data the cache holds (a dataset version, a hash of
-            the file list, the transform's parameters), checked when a job attaches.
-            Default: "".
-        on_mismatch: with ``persistent``, when the cache of that name holds another key or
-            configuration: ``"raise"`` a ``CacheConfigError`` naming what differs, or
-            ``"replace"`` it with a new empty cache (not while another process uses it).
-            Default: "raise".
+        key: with ``persistent`` or ``load_from``: which data the cache holds (a dataset
+            version, a hash of the file list, the transform's parameters), checked when a job
+            attaches, or loads a file (``save`` writes it there). Default: "".
+        on_mismatch: with ``persistent`` or ``load_from``, when the cache of that name, or
+            the file, holds another key or configuration: ``"raise"`` a ``CacheConfigError``
+            naming what differs, or ``"replace"`` the cache with a new empty one (not while
+            another process uses it), or ignore the file with a warning (the next ``save``
+            writes it anew). Default: "raise".
+        load_from: a file that ``save`` wrote: the local leader fills the new segment from it
+            before the other local ranks attach (they wait as for any new segment), each
+            sample into the slot its index has here (so the file may come from a cache of
+            another size); the next ``save`` to it appends. A missing file starts empty
+            (logged); ``{node}`` in it becomes the node's rank. A persistent cache that
+            exists already is attached as it is, without reading the file. Not with open
+            sizes. Default: None.
 
     Open sizes: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
     number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
@@ -1402,7 +1625,9 @@ class SharedCache:
 
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
-        CacheConfigError: the leader's segment has another configuration.
+        CacheConfigError: the leader's segment (or the ``load_from`` file) has another
+            configuration.
+        CacheFileError: the ``load_from`` file is truncated, damaged or not a saved cache.
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
         RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
@@ -1430,7 +1655,8 @@ class SharedCache:
                  world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
                  random_subset: bool = False, timeout: float = 300.0, staging_slots: int = 0,
                  mean_sample_bytes: int | None = None, persistent: bool = False,
-                 key: str = "", on_mismatch: str = "raise") -> None:
+                 key: str = "", on_mismatch: str = "raise",
+                 load_from: str | os.PathLike | None = None) -> None:
         auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
         if not auto:
             size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
@@ -1462,14 +1688,29 @@ class SharedCache:
         timeout = _check_positive("timeout", timeout, "seconds")
         if not isinstance(persistent, bool):
             raise TypeError(f"persistent should be a bool, but got persistent={persistent!r}")
+        if load_from is not None:
+            if not isinstance(load_from, (str, os.PathLike)):
+                raise TypeError(f"load_from should be the path of a file that save() wrote, or "
+                                f"None, but got load_from={load_from!r}")
+            if variable:
+                raise ValueError(f"load_from is for samples of a fixed size; a cache with open "
+                                 f"sizes (data_dims={dims}) cannot be saved or loaded yet, but "
+                                 f"got load_from={load_from!r}")
+            load_from = os.fspath(load_from).replace("{node}", str(world.node_rank))
         if persistent:
             _check_persistent(name, job_key, key, on_mismatch)
             job_key = _PERSISTENT_JOB_KEY
             self._persistent, self._key, self._on_mismatch = True, key, on_mismatch
+        elif load_from is not None:
+            _check_key(key, on_mismatch)
+            if key:  # (set on the instance only where it differs from the class's)
+                self._key = key
+            if on_mismatch != "raise":
+                self._on_mismatch = on_mismatch
         elif key or on_mismatch != "raise":
-            raise ValueError(f"key and on_mismatch are for a persistent cache (persistent=True), "
-                             f"but got key={key!r}, on_mismatch={on_mismatch!r} with "
-                             "persistent=False")
+            raise ValueError(f"key and on_mismatch are for a persistent cache (persistent=True) "
+                             f"or one loaded from a file (load_from=), but got key={key!r}, "
+                             f"on_mismatch={on_mismatch!r} with persistent=False")
         name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
         job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
         if job_key == _PERSISTENT_JOB_KEY and not persistent:
@@ -1542,7 +1783,7 @@ class SharedCache:
         self._timeout = float(timeout)
         self._finalizer: weakref.finalize | None = None
         if world.is_local_leader:
-            self._open_persistent() if persistent else self._create()
+            self._open_persistent(load_from) if persistent else self._create(load_from)
         else:
             self._attach_by_name(self._timeout)
 
@@ -1578,12 +1819,12 @@ class SharedCache:
                              for f in self._fields)
         return f"{tuple(self._dims)} {str(self._dtype).replace('torch.', '')}"
 
-    def _make_segment(self, publish: Callable[[str, int], None]
+    def _make_segment(self, publish: Callable[[str, int], None], load_from: str | None = None
                       ) -> tuple[int, os.stat_result, dict]:
         """Make this cache's segment in a private temporary file (header written, mapped),
-        then ``publish(tmp, fd)`` gives it its name, or not. The temporary name is gone
-        afterwards; on any error (``publish``'s included) so are the mapping and the
-        descriptor, and the error is raised."""
+        fill it from the saved file ``load_from`` if given, then ``publish(tmp, fd)`` gives it
+        its name, or not. The temporary name is gone afterwards; on any error (``publish``'s
+        included) so are the mapping and the descriptor, and the error is raised."""
         head = self._expected_header()
         self._preflight(os.path.dirname(self._path), head["total_bytes"])
         tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
@@ -1592,6 +1833,8 @@ class SharedCache:
         st = os.fstat(fd)
         try:
             self._init_segment(fd, head)
+            if load_from is not None:
+                self._load(load_from)
             publish(tmp, fd)
         except BaseException:
             if getattr(self, "_mm", None) is not None:
@@ -1602,9 +1845,10 @@ class SharedCache:
             _unlink_if_same(tmp, st.st_ino, st.st_dev)
         return fd, st, head
 
-    def _create(self) -> None:
+    def _create(self, load_from: str | None = None) -> None:
         shared = self._world.local_world_size > 1
-        fd, st, head = self._make_segment(self._publish if shared else lambda tmp, fd: None)
+        fd, st, head = self._make_segment(self._publish if shared else lambda tmp, fd: None,
+                                          load_from)
         shm_dir = os.path.dirname(self._path)
         wait = self._timeout if self._world.local_world_size > 1 else 0.0
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, self._path,
@@ -1616,19 +1860,23 @@ class SharedCache:
             100.0 * lay.slots / lay.dataset_len, self._describe(), self._world.node_rank,
             _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
 
-    def _open_persistent(self) -> None:
+    def _open_persistent(self, load_from: str | None = None) -> None:
         """The local leader of a persistent cache: attach to the segment of this name if it
         holds this configuration and key (a mismatch raises, or with on_mismatch="replace"
-        makes way for a new one), else make it. Its name stays after the job."""
+        makes way for a new one), else make it (filled from ``load_from`` if given). Its name
+        stays after the job."""
         for _ in range(5):
             try:
                 fd = _open_existing(self._path)
             except FileNotFoundError:
-                if self._create_persistent():
+                if self._create_persistent(load_from):
                     return
                 continue  # another job made it at the same moment: attach to theirs
             try:
                 if self._adopt_persistent(fd):
+                    if load_from is not None:
+                        logger.info("stocaching: the persistent cache %r exists: attached to it "
+                                    "as it is, without reading %s", self._name, load_from)
                     return
             except BaseException:
                 os.close(fd)
@@ -1637,10 +1885,11 @@ class SharedCache:
         raise CacheConfigError(f"could not open or make the persistent cache {self._path}: it "
                                "keeps changing", "name", self._name, self._path)
 
-    def _create_persistent(self) -> bool:
+    def _create_persistent(self, load_from: str | None = None) -> bool:
         """Make the segment and give it its name; False if another process named one first."""
         try:
-            fd, _, head = self._make_segment(lambda tmp, fd: os.link(tmp, self._path))
+            fd, _, head = self._make_segment(lambda tmp, fd: os.link(tmp, self._path),
+                                             load_from)
         except FileExistsError:
             return False
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
@@ -2061,6 +2310,7 @@ class SharedCache:
     _fields: tuple = ()  # the fields of a sample (_FieldsCache, _ArenaCache with a dict)
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
     _persistent, _key = False, ""  # a persistent cache and the key of the data it holds
+    _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
 
     def _reduce_for_process(self) -> tuple:
         """What multiprocessing's pickler sends: a duplicate of the descriptor and the
@@ -2070,8 +2320,8 @@ class SharedCache:
         from multiprocessing.reduction import DupFd
 
         state = {k: getattr(self, k) for k in self._STATE}
-        if self._persistent:  # (set on the instance only where they differ from the class's)
-            state.update(_persistent=True, _key=self._key)
+        if self._persistent or self._key:  # (on the instance only where not the class's)
+            state.update(_persistent=self._persistent, _key=self._key)
         return _rebuild_cache, (DupFd(self._fd), type(self), state)
 
     def __reduce__(self) -> tuple:
@@ -2431,7 +2681,7 @@ class SharedCache:
         found = aux == SET
         rows = idx if self._slot_map is None else \
             np.frombuffer(self._slot_map, self._slot_map.format)[idx].astype(np.int64)
-        rows = np.where(found, rows, 0)
+        rows = np.where(aux == OOB, 0, rows)  # (the slot of an empty index: its version)
         entries = np.full(len(idx), -1, dtype=np.int64)
         if self._staging:
             oob = np.flatnonzero(aux == OOB)
@@ -2476,7 +2726,7 @@ class SharedCache:
         self._check_open()
         return torch.from_numpy(self._confirm(located))
 
-    def _confirm(self, located: BatchRows) -> np.ndarray:
+    def _confirm(self, located: BatchRows, count: bool = True) -> np.ndarray:
         hit = located.found.copy()
         if not hit.any():
             return hit
@@ -2493,7 +2743,8 @@ class SharedCache:
                     k = k[table[k] == located.entries[taken]]  # (still there: freed once)
                     table[k] = -1
                 self._ctr[_STAGED_HITS] += int(taken.size)
-        self._ctr[_HITS] += int(np.count_nonzero(hit))
+        if count:
+            self._ctr[_HITS] += int(np.count_nonzero(hit))
         return hit
 
     def _batch_indices(self, indices: Any) -> np.ndarray:
@@ -2964,6 +3215,315 @@ class SharedCache:
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
                 "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
                                  if p)}
+
+    # -- saving to a file, and loading one ---------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Write the filled slots of this node to ``path``, atomically, for a later
+        ``SharedCache(..., load_from=path)`` (after a reboot, or on another machine).
+
+        The first save to a path in this process writes a new file under a temporary name
+        in the same directory, syncs it and renames it over ``path``. A later save to the
+        same path (by this process, or after this cache was loaded from it) appends only what
+        changed since: the samples filled (or overwritten) since, and the indices emptied
+        since; an unchanged cache writes nothing, so calling it every epoch costs a compare of
+        the slots' sequence numbers. When the file holds more replaced records than live
+        ones it is written anew. Either way a save killed at any point leaves the previous
+        state of the file loadable (or, for a first save, no file at ``path``), and a
+        truncated or damaged file is refused by ``load_from`` rather than loaded in part.
+
+        Only slots whose write is complete are saved (each is read as ``get_slot`` reads
+        it); a slot being written meanwhile is left for the next save. Training may go on in
+        other processes and threads during a save.
+
+        Under DDP, only the local leader (LOCAL_RANK 0) writes: on the other local ranks the
+        call returns at once and writes nothing (it is not a barrier). With several nodes,
+        each node saves its own slots: give each node its own path, e.g. on a shared
+        filesystem ``"cache-{node}.stc"`` (``{node}`` is replaced by the node's rank, in
+        ``load_from`` as well).
+
+        Args:
+            path: the file to write; ``{node}`` in it becomes this node's rank.
+
+        Returns:
+            A dict with ``path`` (as written), ``samples`` (samples written now), ``emptied``
+            (indices recorded as emptied), ``bytes`` (bytes written to the file), ``rewritten``
+            (True when the file was written anew) and ``saved`` (False on a rank that does
+            not save).
+
+        Raises:
+            TypeError: ``path`` is not a str or path.
+            OSError: the file cannot be written (the previous state stays in force).
+            NotImplementedError: a cache with open sizes (None in ``data_dims``).
+        """
+        self._check_open()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
+        path = os.fspath(path).replace("{node}", str(self._world.node_rank))
+        out = {"path": path, "samples": 0, "emptied": 0, "bytes": 0, "rewritten": False,
+               "saved": self._world.is_local_leader}
+        if not self._world.is_local_leader:
+            return out
+        with _SAVE_LOCK:
+            found = self._save_state(path)
+            if found is None:
+                out.update(self._save_anew(path), rewritten=True)
+            else:
+                state, fd = found
+                try:
+                    out.update(self._save_changes(state, fd, path))
+                finally:
+                    os.close(fd)
+        return out
+
+    def _save_state(self, path: str) -> tuple[_SaveState, int] | None:
+        """The state of the last save to (or load from) ``path`` in this process and the
+        file, open and locked, if the file is still the one it describes and not mostly
+        replaced records; else None (the save writes it anew)."""
+        state = _SAVED.get(self)
+        if state is None or state.path != os.path.realpath(path):
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (another process that appends to it waits)
+            st = os.fstat(fd)
+            sup = _read_super(fd, path)
+            same = (st.st_dev, st.st_ino, sup["gen"], sup["end"]) == \
+                (state.dev, state.ino, state.gen, state.end)
+            compact = state.rows > 2 * int(np.count_nonzero(state.held)) + 1024
+        except (OSError, CacheFileError):
+            same = False
+        if not same or compact:
+            os.close(fd)
+            return None
+        return state, fd
+
+    def _save_config(self) -> dict[str, Any]:
+        """What a saved file says of the samples it holds, checked by ``load_from``."""
+        lay = self._layout
+        fields = self._fields or (_Field("", self._dims, self._dtype, 0, self._slot_bytes),)
+        return {"key": self._key, "dataset_len": lay.dataset_len,
+                "fields": [[f.name, list(f.dims), str(f.dtype).replace("torch.", ""),
+                            f.offset] for f in fields],
+                "row_bytes": self._slot_bytes, "segment_layout_version": _LAYOUT_VERSION,
+                "node_rank": self._world.node_rank, "num_nodes": lay.num_nodes,
+                "slots": lay.slots, "layout_seed": lay.seed,
+                "random_subset": lay.random_subset}
+
+    def _slot_rows(self) -> np.ndarray:
+        """The bytes of every slot (not the staging slots): one row per slot."""
+        n = self._layout.slots
+        if not n:
+            return np.empty((0, self._slot_bytes), np.uint8)
+        return self._np_slots[:n].reshape(n, -1).view(np.uint8)
+
+    def _save_anew(self, path: str) -> dict[str, Any]:
+        """A first save (or a compaction): a new file under a temporary name, renamed over
+        ``path`` once complete and synced."""
+        for old in _stale_temporaries(path):  # left by saves that were killed
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+        config = json.dumps(self._save_config()).encode()
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            _pwrite_all(fd, config, _CONFIG_OFF)
+            first = _CONFIG_OFF + _align(len(config))
+            n = self._layout.slots
+            chunk = self._write_chunk(fd, first, np.arange(n), np.zeros(n, np.uint32),
+                                      np.zeros(n, bool))
+            rows = chunk["samples"]
+            end, chunks = (chunk["end"], 1) if rows else (first, 0)
+            _pwrite_all(fd, _pack_super(1, end, chunks, config, rows), _super_off(1))
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            st = os.fstat(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _close_fd(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        _fsync_dir(path)
+        _SAVED[self] = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
+                                  rows, chunk["seq"], chunk["held"])
+        logger.info("stocaching: saved %d samples of cache %r to %s (%s)", rows, self._name,
+                    path, _fmt_bytes(end))
+        return {"samples": rows, "bytes": end}
+
+    def _save_changes(self, state: _SaveState, fd: int, path: str) -> dict[str, Any]:
+        """An incremental save: one chunk of what changed since ``state``, appended past the
+        committed end, synced, then committed by the superblock not in force."""
+        changed = np.flatnonzero(self._seq_np[:self._layout.slots] != state.seq)
+        if not changed.size:
+            return {}
+        chunk = self._write_chunk(fd, state.end, changed, state.seq, state.held)
+        if not chunk["samples"] and not chunk["emptied"]:  # (written and emptied since)
+            state.seq, state.held = chunk["seq"], chunk["held"]
+            return {}
+        os.fdatasync(fd)
+        config_len = _read_super(fd, path)["config_len"]
+        config = os.pread(fd, config_len, _CONFIG_OFF)
+        gen, rows = state.gen + 1, state.rows + chunk["samples"]
+        written = chunk["end"] - state.end
+        written += _pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
+                                               rows), _super_off(gen))
+        os.fdatasync(fd)
+        _SAVED[self] = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
+                                  state.chunks + 1, rows, chunk["seq"], chunk["held"])
+        logger.info("stocaching: saved %d more samples of cache %r to %s (%d emptied, %s)",
+                    chunk["samples"], self._name, path, chunk["emptied"], _fmt_bytes(written))
+        return {"samples": chunk["samples"], "emptied": chunk["emptied"], "bytes": written}
+
+    def _write_chunk(self, fd: int, start: int, slots: np.ndarray, seq: np.ndarray,
+                     held: np.ndarray) -> dict[str, Any]:
+        """Write one chunk at ``start``: the complete samples of ``slots`` (each read with
+        the seqlock, as ``get_slot`` reads), and the indices of those the file holds
+        (``held``, per slot) that are not complete samples now. Returns its end, the counts,
+        and the per-slot sequence numbers (``seq`` as the file took them) and ``held`` for
+        the next save."""
+        indices = self._layout.indices(self._world.node_rank)
+        seq, held = seq.copy(), held.copy()
+        before = self._seq_np[slots]  # (read before the states, as the seqlock reads)
+        filled = self._aux_np[indices[slots]] == SET
+        seq[slots[~filled]] = before[~filled]  # empty at that number: changed if it moves
+        rows = self._slot_rows()
+        per = max(1, _SAVE_IO // max(1, rows.shape[1]))
+        todo = slots[filled]
+        buf = np.empty((min(per, len(todo)), rows.shape[1]), np.uint8)
+        off, crc, kept = start, 0, []
+        for k in range(0, len(todo), per):
+            sl = todo[k: k + per]
+            located = self._locate(indices[sl])  # (rows: the slots sl, as the file has them)
+            np.take(rows, located.rows, axis=0, out=buf[:len(sl)], mode="clip")
+            good, got = self._confirm(located, count=False), located.versions
+            data = buf[:len(sl)] if good.all() else buf[:len(sl)][good]
+            off += _pwrite_all(fd, data, off)
+            crc = zlib.crc32(data, crc)
+            kept.append(sl[good])
+            seq[sl] = got
+        kept_slots = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        gone = slots[held[slots]]
+        gone = gone[~np.isin(gone, kept_slots)]
+        held[gone] = False
+        held[kept_slots] = True
+        meta = np.concatenate([indices[kept_slots], indices[gone]]).astype(np.int64)
+        off += _pwrite_all(fd, meta, off)
+        end = _align(off + _TRAILER_BYTES)
+        _pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
+                                      zlib.crc32(meta)), end - _TRAILER_BYTES)
+        return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
+                "held": held}
+
+    def _load(self, path: str) -> None:
+        """Fill this new segment (not yet public: nobody reads it) from the saved file at
+        ``path``: every sample of an index that has a slot here, the last record of each;
+        a sample's state is set only once every row of the file has passed its check."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            logger.info("stocaching: no saved file at %s: cache %r starts empty", path,
+                        self._name)
+            return
+        try:
+            t0 = time.perf_counter()
+            st = os.fstat(fd)
+            sup = _read_super(fd, path)
+            mismatch = self._file_mismatch(_read_config(fd, sup, path), path)
+            if mismatch is not None:
+                if self._on_mismatch != "replace":
+                    raise mismatch
+                logger.warning("stocaching: ignored the saved file %s: %s", path,
+                               mismatch.args[0])
+                return
+            rows = self._slot_rows()
+            row_bytes = rows.shape[1]
+            chunks = _read_chunks(fd, sup, path, self._n, row_bytes)
+            indices = self._layout.indices(self._world.node_rank)
+            slot_of = np.full(self._n, -1, np.int64)
+            slot_of[indices] = np.arange(len(indices))
+            last = np.full(self._n, -1, np.int64)  # the record in force of each index
+            first = 0
+            for c in chunks:
+                c["first"] = first
+                last[c["indices"]] = first + np.arange(c["rows"])
+                last[c["emptied"]] = -1
+                first += c["rows"]
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            loaded = np.zeros(len(indices), bool)
+            per = max(1, _SAVE_IO // max(1, row_bytes))
+            buf = np.empty((0, row_bytes), np.uint8)
+            for c in chunks:
+                idx, crc = c["indices"], 0
+                target = slot_of[idx]
+                live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
+                for k in range(0, c["rows"], per):
+                    t, lv = target[k: k + per], live[k: k + per]
+                    off = c["start"] + k * row_bytes
+                    if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
+                        dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
+                        _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                    else:
+                        if len(buf) < len(t):
+                            buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
+                        dst = buf[:len(t)]
+                        _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                        rows[t[lv]] = dst[lv]
+                    crc = zlib.crc32(dst, crc)
+                    loaded[t[lv]] = True
+                if crc != c["rows_crc"]:
+                    raise CacheFileError(f"{path} is damaged: the samples of the save record "
+                                         f"at byte {c['start']} fail their check; nothing of "
+                                         "it was loaded. Remove it (the next save writes it "
+                                         "anew)", path, "rows")
+            self._aux_np[indices[loaded]] = SET
+        finally:
+            os.close(fd)
+        _SAVED[self] = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
+                                  sup["end"], sup["chunks"], sup["rows"],
+                                  self._seq_np[:self._layout.slots].copy(), loaded)
+        took = time.perf_counter() - t0
+        logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
+                    int(np.count_nonzero(loaded)), self._name, path, _fmt_bytes(sup["end"]),
+                    took)
+
+    def _file_mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
+        """The first difference between a saved file's configuration and this cache's that
+        makes its samples not this cache's, as the error that names it; None if none."""
+        mine = self._save_config()
+
+        def dims(cfg: dict) -> Any:
+            fs = cfg.get("fields") or [["", [], "", 0]]
+            if len(fs) == 1 and fs[0][0] == "":
+                return tuple(fs[0][1])
+            return {f[0]: tuple(f[1]) for f in fs}
+
+        def dtypes(cfg: dict) -> Any:
+            fs = cfg.get("fields") or [["", [], "", 0]]
+            if len(fs) == 1 and fs[0][0] == "":
+                return fs[0][2]
+            return {f[0]: f[2] for f in fs}
+
+        for label, exp, got in (
+                ("key", mine["key"], theirs.get("key")),
+                ("dataset_len", mine["dataset_len"], theirs.get("dataset_len")),
+                ("data_dims", dims(mine), dims(theirs)),
+                ("dtype", dtypes(mine), dtypes(theirs)),
+                ("layout", (mine["fields"], mine["row_bytes"]),
+                 (theirs.get("fields"), theirs.get("row_bytes")))):
+            if exp != got:
+                return CacheConfigError(
+                    f"the saved file {path} holds {label}={got!r}, but this cache has "
+                    f"{label}={exp!r}: its samples are not this cache's. Pass another "
+                    "load_from=, or on_mismatch='replace' to start empty instead (the next "
+                    "save writes the file anew)", label, exp, got)
+        return None
 
     def close(self) -> None:
         """Release this process's handle on the segment. Other processes keep theirs; the
@@ -3521,6 +4081,10 @@ class _ArenaCache(SharedCache):
         for k in range(1, self._rec_words):
             rec[base + k] = 0
         rec[base] = seq + 2
+
+    def save(self, path: str | os.PathLike) -> dict[str, Any]:
+        raise NotImplementedError("save() is for samples of a fixed size; a cache with open "
+                                  "sizes (None in data_dims) cannot be saved to a file yet")
 
     def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
         raise ValueError("this cache has open sizes and no staging slots (not supported yet)")

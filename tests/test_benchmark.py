@@ -582,14 +582,16 @@ def test_crop_of_varied_sizes_equals_pad_then_crop(seed):
 def test_persistent_command_prints_its_checks_and_leaves_nothing(jpeg_dir, shm_dir, capsys):
     rc = main(["persistent", "--data-dir", str(jpeg_dir), "--num-images", str(N),
                "--image-size", str(SRC), "--decoded-size", str(DEC), "--attach-gib", "0.01",
-               "--repeats", "1"])
+               "--save-gib", "0.01", "--repeats", "1"])
     assert rc == 0
     text = capsys.readouterr().out
     checks = [line for line in text.splitlines() if line.startswith("[")]
-    assert len(checks) == 2 and all(line[:6] in ("[PASS]", "[MISS]") for line in checks)
+    assert len(checks) == 4 and all(line[:6] in ("[PASS]", "[MISS]") for line in checks)
     hits = {line.split("  ")[0].strip(): line.split()[-1] for line in text.splitlines()
-            if line.startswith(("first job", "second job")) and "epoch" in line}
+            if line.startswith(("first job", "second job", "job loaded")) and "epoch" in line}
     assert hits == {"first job, epoch 1 (decodes)": "0", "first job, epoch 2 (warm)": str(N),
                     "first job, epoch 3 (warm)": str(N),
-                    "second job #1, epoch 1 (attached)": str(N)}  # it found them all
+                    "second job #1, epoch 1 (attached)": str(N),
+                    "job loaded from the file, epoch 1": str(N)}  # they found them all
     assert os.listdir(shm_dir) == []  # both persistent caches removed at the end
+    assert "saved again unchanged" in text and "(0 bytes written)" in text

@@ -1,0 +1,260 @@
+"""A cache saved to a file and loaded in a later job: the samples come back as they were and
+the rest are misses; a save killed mid-write leaves the previous file loadable; a truncated,
+damaged or foreign file is refused and nothing of it is loaded; a file of other data or another
+configuration is refused by name (or ignored when asked); a save of an unchanged cache writes
+nothing; under torchrun the leader loads once and the other local rank attaches."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _helpers import CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env, value_of
+from stocaching import CacheConfigError, CacheFileError, SharedCache, World
+
+DIMS = (4, 32, 32)  # tests/children/saved.py's
+
+
+def _cache(shm_dir, path, n=64, **kw):
+    args = dict(size_limit_gib=n * 4200 / 2**30, dataset_len=n, data_dims=DIMS, name="saved",
+                load_from=path, key="k1", shm_dir=shm_dir)
+    args.update(kw)
+    return SharedCache(**args)
+
+
+def _job(shm_dir, path, steps, n=64, slow_mib=0, **kw):
+    return subprocess.Popen([sys.executable, str(CHILDREN / "saved.py"), str(path), str(n),
+                             str(slow_mib)], env=rank_env(shm_dir, SAVED_STEPS=steps),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _run(shm_dir, path, steps, n=64) -> str:
+    p = _job(shm_dir, path, steps, n)
+    out, err = p.communicate(timeout=100)
+    assert p.returncode == 0, err[-3000:]
+    return out
+
+
+def _holds(c: SharedCache, filled) -> None:
+    """``c`` serves value_of(i) for every i in ``filled``, and misses for the others."""
+    for i in range(c.dataset_len):
+        got = c.get_slot(i)
+        assert (got is not None) == (i in filled), i
+        assert got is None or torch.equal(got, value_of(i, DIMS))
+
+
+@pytest.mark.timeout(120)
+def test_a_saved_cache_loads_in_a_new_process_with_the_same_samples(shm_dir, tmp_path):
+    path = tmp_path / "c.stc"
+    out = _run(shm_dir, path, "load,fill:0:64:3,save")
+    assert "LOADED 0" in out and "SAVED 22 " in out
+    assert os.listdir(shm_dir) == []  # a plain cache: nothing is left in shared memory
+    out = _run(shm_dir, path, "load,check")
+    assert "LOADED 22" in out and "CHECKED 22" in out and "WRONG" not in out
+    with _cache(shm_dir, path) as c:
+        _holds(c, set(range(0, 64, 3)))
+        assert c.stats()["filled"] == 22
+
+
+def test_fields_and_another_slot_count_load_by_index(shm_dir, tmp_path):
+    path = str(tmp_path / "f.stc")
+    kw = dict(size_limit_gib=1e-3, dataset_len=40, data_dims=FIELDS,
+              dtype=FIELD_DTYPES, shm_dir=shm_dir)
+    with SharedCache(**kw) as c:
+        for i in range(0, 40, 2):
+            c.set_slot(i, fields_of(i))
+        assert c.save(path)["samples"] == 20
+    with SharedCache(**kw, load_from=path) as c:
+        for i in range(40):
+            got = c.get_slot(i)
+            assert (got is None) == (i % 2 == 1)
+            assert got is None or all(torch.equal(got[k], v) for k, v in fields_of(i).items())
+        row = c._slot_bytes
+    # A smaller cache (10 slots, a random subset) takes the saved samples of its own indices.
+    small = dict(kw, size_limit_gib=(10 * row + 40.5) / 2**30)
+    with SharedCache(**small, random_subset=True, load_from=path) as c:
+        held = set(c.cached_indices().tolist())
+        assert len(c) == 10 and c.stats()["filled"] == len(held & set(range(0, 40, 2)))
+        for i in held & set(range(0, 40, 2)):
+            assert torch.equal(c.get_slot(i)["box"], fields_of(i)["box"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["first save (a new file)", "later save (appended)"])
+def test_a_save_killed_mid_write_leaves_the_previous_file_loadable(shm_dir, tmp_path, kind):
+    path = tmp_path / "c.stc"
+    n = 2048  # 8 MiB of samples
+    _run(shm_dir, path, "load,fill:0:100:1,save", n=n)
+    before = path.read_bytes()
+    # A process that never saved to the file writes it anew; one that loaded it appends.
+    first = kind.startswith("first")
+    p = _job(shm_dir, path, ("new" if first else "load") + ",fill:0:2048:1,save", n=n,
+             slow_mib=4)
+    try:
+        assert p.stdout.readline().startswith("LOADED")
+        assert p.stdout.readline() == "MID\n"  # rows written, nothing committed yet
+        temporaries = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+        assert len(temporaries) == (1 if first else 0)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        p.communicate(timeout=30)
+    if first:
+        assert path.read_bytes() == before  # the new file was never renamed over it
+    else:
+        assert path.stat().st_size > len(before)  # rows appended past the committed end
+    with _cache(shm_dir, path, n=n) as c:
+        assert c.stats()["filled"] == 100  # the previous save, and nothing of the killed one
+        _holds(c, set(range(100)))
+        assert c.save(path)["rewritten"] is False  # the file is its own again: appended to
+        c.set_slot(200, value_of(200, DIMS))
+        assert c.save(path)["samples"] == 1
+    with _cache(shm_dir, None, key="", n=n) as c:
+        c.set_slot(0, value_of(0, DIMS))
+        assert c.save(path)["rewritten"]  # a new file, and the dead save's temporary goes
+    assert sorted(os.listdir(tmp_path)) == ["c.stc"]
+
+
+def _saved_file(shm_dir, tmp_path) -> str:
+    path = str(tmp_path / "c.stc")
+    with _cache(shm_dir, path) as c:
+        for i in range(0, 64, 2):
+            c.set_slot(i, value_of(i, DIMS))
+        c.save(path)
+    return path
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("truncate", r"is truncated"),
+    ("flip a sample byte", r"the samples of the save record at byte \d+ fail their check"),
+    ("flip an index byte", r"the indices of the save record .* fail their check"),
+    ("zero the header", r"not a file saved by SharedCache.save, or its header is damaged"),
+    ("not a saved file", r"not a file saved by SharedCache.save"),
+])
+def test_a_truncated_or_damaged_file_is_refused_and_nothing_is_loaded(shm_dir, tmp_path,
+                                                                       damage, match):
+    path = _saved_file(shm_dir, tmp_path)
+    data = bytearray(open(path, "rb").read())
+    rows_at = 3 * 4096  # superblocks, config, then the first chunk's samples
+    if damage == "truncate":
+        data = data[:len(data) - 5000]
+    elif damage == "flip a sample byte":
+        data[rows_at + 4096 * 7 + 100] ^= 1
+    elif damage == "flip an index byte":
+        data[rows_at + 4096 * 32 + 8] ^= 1
+    elif damage == "zero the header":
+        data[:8192] = bytes(8192)
+    else:
+        data = bytearray(b"#!/bin/sh\n" * 2000)
+    open(path, "wb").write(data)
+    with pytest.raises(CacheFileError, match=match) as e:
+        _cache(shm_dir, path)
+    assert e.value.path == path and "remove it" in str(e.value).lower()
+    assert os.listdir(shm_dir) == []  # nothing made
+
+
+@pytest.mark.parametrize("kw,field,match", [
+    (dict(key="k2"), "key", r"holds key='k1', but this cache has key='k2'"),
+    (dict(data_dims=(4, 32, 16)), "data_dims", r"holds data_dims=\(4, 32, 32\), but this cache "
+                                               r"has data_dims=\(4, 32, 16\)"),
+    (dict(dtype=torch.int16), "dtype", r"holds dtype='uint8', but this cache has dtype='int16'"),
+    (dict(n=65), "dataset_len", r"holds dataset_len=64, but this cache has dataset_len=65"),
+])
+def test_a_file_of_other_data_is_refused_by_name_or_ignored_when_asked(shm_dir, tmp_path,
+                                                                        caplog, kw, field,
+                                                                        match):
+    path = _saved_file(shm_dir, tmp_path)
+    with pytest.raises(CacheConfigError, match=match) as e:
+        _cache(shm_dir, path, **kw)
+    assert e.value.field == field and "on_mismatch='replace'" in str(e.value)
+    assert os.listdir(shm_dir) == []
+    with caplog.at_level(logging.WARNING, "stocaching"):
+        with _cache(shm_dir, path, on_mismatch="replace", **kw) as c:
+            assert c.stats()["filled"] == 0
+            assert c.save(path)["rewritten"]  # never appended to a file of other data
+    assert f"ignored the saved file {path}" in caplog.text
+    with pytest.raises(CacheConfigError):  # the file is the new cache's now
+        _cache(shm_dir, path)
+
+
+def test_saving_an_unchanged_cache_writes_nothing(shm_dir, tmp_path):
+    path = _saved_file(shm_dir, tmp_path)
+    with _cache(shm_dir, path) as c:  # loaded from the file: its saves append to it
+        st = os.stat(path)
+        for _ in range(3):
+            assert c.save(path) == {"path": path, "samples": 0, "emptied": 0, "bytes": 0,
+                                    "rewritten": False, "saved": True}
+        after = os.stat(path)
+        assert (after.st_size, after.st_mtime_ns, after.st_ino) == \
+            (st.st_size, st.st_mtime_ns, st.st_ino)
+        c.set_slot(1, value_of(1, DIMS))
+        out = c.save(path)  # one sample: its row, its index, a trailer and a superblock
+        assert (out["samples"], out["rewritten"]) == (1, False)
+        assert out["bytes"] <= 2 * 4096 + 128
+        c.clear()
+        assert c.save(path)["emptied"] == 33
+        assert c.save(path)["bytes"] == 0
+    with _cache(shm_dir, path) as c:
+        assert c.stats()["filled"] == 0
+
+
+def test_only_the_local_leader_saves_and_each_node_names_its_file(shm_dir, tmp_path):
+    worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
+    path = str(tmp_path / "n{node}.stc")
+    lead = _cache(shm_dir, path, world=worlds[0], timeout=60)
+    other = _cache(shm_dir, path, world=worlds[1], timeout=60)
+    other.set_slot(5, value_of(5, DIMS))
+    assert other.save(path) == {"path": str(tmp_path / "n0.stc"), "samples": 0, "emptied": 0,
+                                "bytes": 0, "rewritten": False, "saved": False}
+    assert not os.path.exists(tmp_path / "n0.stc")
+    assert lead.save(path)["samples"] == 1 and os.path.exists(tmp_path / "n0.stc")
+    other.close()
+    lead.close()
+
+
+def test_a_persistent_cache_is_filled_from_the_file_only_when_made(shm_dir, tmp_path):
+    path = _saved_file(shm_dir, tmp_path)
+    kw = dict(name="kept", persistent=True)
+    with _cache(shm_dir, path, **kw) as c:
+        assert c.stats()["filled"] == 32
+        c.set_slot(1, value_of(1, DIMS))
+        assert c.save(path)["samples"] == 1  # it loaded the file: appends to it
+    with _cache(shm_dir, None, **kw) as c:  # attached: the segment as it was
+        assert c.stats()["filled"] == 33
+
+
+def test_bad_arguments_and_open_sizes_are_refused(shm_dir, tmp_path):
+    with pytest.raises(TypeError, match=r"load_from should be the path .* load_from=3"):
+        _cache(shm_dir, 3)
+    with pytest.raises(ValueError, match=r"load_from is for samples of a fixed size"):
+        SharedCache(1e-3, 10, (None, 3), shm_dir=shm_dir, load_from=str(tmp_path / "x"))
+    with SharedCache(1e-3, 10, (None, 3), shm_dir=shm_dir) as c:
+        with pytest.raises(NotImplementedError, match=r"open sizes .* cannot be saved"):
+            c.save(tmp_path / "x")
+    with _cache(shm_dir, None, key="") as c:
+        with pytest.raises(TypeError, match=r"path should be a str or os.PathLike"):
+            c.save(None)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(200)
+def test_two_local_ranks_under_torchrun_load_once(shm_dir, tmp_path):
+    path = tmp_path / "c.stc"
+    _run(shm_dir, path, "load,fill:0:64:2,save")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master-port={free_port()}", str(CHILDREN / "saved.py"), str(path), "64", "0"]
+    r = subprocess.run(cmd, env=rank_env(shm_dir, SAVED_STEPS="load,check,save",
+                                         SAVED_LOG="1"),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("LOADED 32") == 2 and r.stdout.count("CHECKED 32") == 2, r.stdout
+    assert r.stdout.count("SAVED 0 0 False") == 1, r.stdout  # the leader alone: unchanged
+    assert r.stdout.count("stocaching: loaded 32 samples") == 1, r.stdout  # it alone loads
+    with _cache(shm_dir, path) as c:
+        _holds(c, set(range(0, 64, 2)))
