@@ -258,7 +258,8 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 f"accelerate's prepare() deals this loader's batches to its processes, and this "
                 f"CacheAwareSampler already yields only rank {self.rank}'s: each rank trains on "
                 f"1/{self.num_replicas} of its share. Build the loader with "
-                f"sampler=sampler.for_accelerate() (see docs/distributed.md)", stacklevel=2)
+                f"sampler=sampler.for_accelerate(), or a Prefetcher over it "
+                f"(see docs/distributed.md)", stacklevel=2)
         start, self._resume = self._resume, 0
         if self._it is not None and self._it_epoch == self.epoch:
             if self._consumed() == self._it_start:
