@@ -460,9 +460,10 @@ def loaded_by_prefetchers(samplers: dict) -> dict[str, list[int]]:
 
 class TrainRecord:
     """What one rank trained on from each of its loaders (by kind) epoch by epoch, the
-    stocaching segments it saw while training, and the warnings raised in it that speak of a
-    sampler or a cache (the trainers' other advice, such as Lightning's about DataLoader
-    workers, is left out); ``write`` saves it as ``<out>/rank<r>.json``."""
+    stocaching segments it saw while training (at each kind's first batch, together), and the
+    warnings raised in it that speak of a sampler or a cache (the trainers' other advice, such
+    as Lightning's about DataLoader workers, is left out); ``write`` saves it as
+    ``<out>/rank<r>.json``."""
 
     def __init__(self) -> None:
         self.epochs: dict[str, dict[int, list[int]]] = {}
@@ -472,11 +473,14 @@ class TrainRecord:
         warnings.simplefilter("always")
 
     def batch(self, kind: str, epoch: int, indices) -> None:
-        if self.segments is None:  # every local rank has its caches by the first batch
+        if kind not in self.epochs:  # every local rank has the kind's caches by its first batch
             from stocaching import list_segments
             shm = os.environ.get("STOCACHING_SHM_DIR", "/dev/shm")
             names = [os.path.basename(s["path"]).split("_n0_")[-1] for s in list_segments(shm)]
-            self.segments = {n: names.count(n) for n in sorted(set(names))}
+            seen = self.segments or {}  # (loaders trained one after another: the union)
+            for n in set(names):
+                seen[n] = max(seen.get(n, 0), names.count(n))
+            self.segments = dict(sorted(seen.items()))
         self.epochs.setdefault(kind, {}).setdefault(epoch, []).extend(int(i) for i in indices)
 
     def write(self, out: str, rank: int, **extra) -> None:
