@@ -33,7 +33,6 @@ __all__ = ["MixtureDataset", "WeightedMixtureSampler"]
 
 import logging
 import math
-import sys
 import time
 import warnings
 from fractions import Fraction
@@ -43,9 +42,10 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import SharedCache, World, check_int
+    from .stocaching import SharedCache, World, check_int, in_lightnings_wrapper
 except ImportError:  # copied beside stocaching.py
-    from stocaching import SharedCache, World, check_int  # type: ignore[no-redef]
+    from stocaching import (SharedCache, World,  # type: ignore[no-redef]
+                            check_int, in_lightnings_wrapper)
 
 logger = logging.getLogger("stocaching")
 
@@ -276,19 +276,6 @@ def _interleave(lengths: Sequence[int], counts: np.ndarray, offsets: np.ndarray,
 # ----------------------------------------------------------------------------------------------
 
 
-def _in_lightnings_wrapper() -> bool:
-    """True when the caller is Lightning's ``_DatasetSamplerWrapper``, which lists a sampler
-    that is not a ``DistributedSampler`` to split it over the ranks again (its ``reset`` calls
-    ``list(sampler)``, so it is the frame right above ``__iter__``). Lightning offers no other
-    sign; if it changes, this says False and only the warning is lost."""
-    try:
-        kind = type(sys._getframe(2).f_locals.get("self"))
-    except ValueError:  # __iter__ called from no Python frame
-        return False
-    return kind.__name__ == "_DatasetSamplerWrapper" and kind.__module__.startswith(
-        ("lightning", "pytorch_lightning"))
-
-
 class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
     """Sampler of a weighted mixture of datasets; also a drop-in for ``DistributedSampler``.
 
@@ -487,7 +474,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices for the current epoch, from the loaded position if any."""
-        if self.num_replicas > 1 and not self._warned_wrapped and _in_lightnings_wrapper():
+        if self.num_replicas > 1 and not self._warned_wrapped and in_lightnings_wrapper():
             self._warned_wrapped = True
             warnings.warn(
                 f"Lightning (use_distributed_sampler=True) put this WeightedMixtureSampler, "

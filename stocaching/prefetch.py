@@ -60,10 +60,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import MAX_STAGE_TAG, SharedCache, SlotState, check_int
+    from .stocaching import (MAX_STAGE_TAG, SharedCache, SlotState, check_int,
+                             dealt_by_accelerate, in_lightnings_wrapper)
 except ImportError:  # copied beside stocaching.py
     from stocaching import (MAX_STAGE_TAG, SharedCache, SlotState,  # type: ignore[no-redef]
-                            check_int)
+                            check_int, dealt_by_accelerate, in_lightnings_wrapper)
 
 logger = logging.getLogger("stocaching")
 
@@ -259,6 +260,77 @@ def _digest(indices: np.ndarray) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Under trainers: a DistributedSampler over one, and the positions accelerate deals a process
+# ----------------------------------------------------------------------------------------------
+
+#: What a sampler over a ``DistributedSampler`` shows of it, to be one too.
+_MIRRORED = ("dataset", "num_replicas", "rank", "shuffle", "seed", "drop_last", "num_samples",
+             "total_size")
+
+
+class _OverDistributed(torch.utils.data.DistributedSampler):
+    """What makes a sampler over a ``DistributedSampler`` one too: the base's arguments and
+    attributes (``_MIRRORED``), read from it, so that trainers which replace any sampler that
+    is not distributed (Lightning's ``use_distributed_sampler=True``) leave it as it is.
+    ``DistributedSampler.__init__`` is not called: the base has done what it does. The
+    subclass says where its base is (``_distributed_base``)."""
+
+    def _distributed_base(self) -> torch.utils.data.DistributedSampler:
+        raise NotImplementedError
+
+
+def _mirror(name: str) -> property:
+    return property(lambda self: getattr(self._distributed_base(), name),
+                    doc=f"The base sampler's ``{name}``.")
+
+
+for _name in _MIRRORED:
+    setattr(_OverDistributed, _name, _mirror(_name))
+del _name
+
+
+def _base_of(args: tuple, kwargs: dict, keyword: str) -> Any:
+    """The first argument of a constructor, given by position or as ``keyword``."""
+    return args[0] if args else kwargs.get(keyword)
+
+
+def _positions_dealt(shard: Any, sampler: Any, n: int) -> np.ndarray | None:
+    """Which of the ``n`` positions of ``sampler``'s epoch the process of ``shard`` (accelerate's
+    ``BatchSamplerShard``) reads, as a bool mask: found by running a shard like it over the
+    positions themselves, so that accelerate's own rules (batches dealt in turn or split, the
+    last round evened out or dropped) decide. None unless the shard's batches are a torch
+    ``BatchSampler`` drawing from ``sampler`` itself (positions of anything else are unknown)."""
+    inner = shard.batch_sampler
+    if not isinstance(inner, torch.utils.data.BatchSampler) or inner.sampler is not sampler \
+            or inner.batch_size is None:
+        return None
+    positions = torch.utils.data.BatchSampler(range(n), inner.batch_size, inner.drop_last)
+    like = type(shard)(positions, num_processes=shard.num_processes,
+                       process_index=shard.process_index, split_batches=shard.split_batches,
+                       even_batches=shard.even_batches)
+    read = np.fromiter(itertools.chain.from_iterable(like), dtype=np.int64)
+    # Positions come in increasing order until even_batches fills the last round with the
+    # epoch's first indices again: those the shard takes from batches already drawn.
+    back = np.flatnonzero(np.diff(read) <= 0)
+    mine = np.zeros(n, dtype=bool)
+    mine[read[:back[0] + 1] if back.size else read] = True
+    return mine
+
+
+def _wrapped_by_lightning(what: str, base: Any, cost: str = "") -> str:
+    """The warning of a sampler that Lightning's default wrapped: what it costs, the fix."""
+    split = ", of this rank's share, already split over the ranks" \
+        if getattr(base, "num_replicas", 1) > 1 else ""
+    return (f"Lightning (use_distributed_sampler=True) put this {what} inside a "
+            f"DistributedSampler of its own, since its base sampler ({type(base).__name__}) is "
+            f"not one: that wrapper lists the whole epoch at its start{cost} and trains each "
+            f"rank on a share of the list{split}. Give the {what} a DistributedSampler or a "
+            f"CacheAwareSampler as its base (for a WeightedMixtureSampler: "
+            f"CacheAwareSampler(dataset, batch_size=..., order=it)): the {what} is then a "
+            f"DistributedSampler too, which Lightning leaves alone")
+
+
+# ----------------------------------------------------------------------------------------------
 # The sampler
 # ----------------------------------------------------------------------------------------------
 
@@ -286,6 +358,15 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
       sampler, so which rank gets which index is unchanged, and a sample of global batch j is
       trained in a global step between ``j - ceil(W / B)`` and ``j + ceil(W / B)``;
     - with every sample ready, or none, the order is the base order.
+
+    Over a ``DistributedSampler`` (``CacheAwareSampler`` is one) it is one too: the sampler
+    made is of a subclass that is also a ``DistributedSampler``, with the base's
+    ``num_replicas``, ``rank``, ``shuffle``, ``seed``, ``drop_last``, ``num_samples`` and
+    ``total_size``, so Lightning's default (``use_distributed_sampler=True``) leaves it as it
+    is. Over another sampler Lightning wraps it in a distributed sampler of its own, and it
+    warns once. Under accelerate's ``prepare()`` it warns once: each process would reorder the
+    epoch by what it sees ready, and the processes would deal batches from different orders;
+    use a :class:`Prefetcher` with a window there.
 
     Ready means: for a ``SharedCache``, the index's slot is set on this node
     (``aux_array == SlotState.SET``) or it is staged (``SharedCache.ready_mask``); for a
@@ -347,6 +428,12 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             Default: ``min(window, 64)``.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "ReadyFirstSampler":
+        if cls is ReadyFirstSampler and isinstance(_base_of(args, kwargs, "base"),
+                                                   torch.utils.data.DistributedSampler):
+            cls = _DistributedReadyFirstSampler
+        return super().__new__(cls)
+
     def __init__(self, base: Any, ready: SharedCache | ReadyFn, *, window: int,
                  mode: str = "fixed", refresh_every: int | None = None) -> None:
         if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
@@ -374,6 +461,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         self._ep: _Epoch | None = None          # the latest iterator's epoch
         self._loaded: dict | None = None        # a state to resume from at the next __iter__
         self._spare: np.ndarray | None = None   # see load_state_dict
+        self._warned: set[str] = set()          # the trainers it warned about
 
     # -- the public surface -----------------------------------------------------------------
 
@@ -408,6 +496,19 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         state, and create another). Iterating an epoch again after an iterator has yielded
         warns, unless ``set_epoch`` was called meanwhile.
         """
+        if "lightning" not in self._warned and in_lightnings_wrapper():
+            self._warned.add("lightning")
+            warnings.warn(_wrapped_by_lightning("ReadyFirstSampler", self.base), stacklevel=2)
+        shard = dealt_by_accelerate(self) if "accelerate" not in self._warned else None
+        if shard is not None:
+            self._warned.add("accelerate")
+            warnings.warn(
+                f"accelerate's prepare() deals this loader's batches to its "
+                f"{shard.num_processes} processes, each drawing them from its own "
+                f"ReadyFirstSampler, whose order depends on what that process saw ready: the "
+                f"processes deal from different orders, and samples are lost or doubled. Give "
+                f"the loader Prefetcher(sampler, cache, load, window=...) instead, which under "
+                f"prepare() reorders only the batches of its own process", stacklevel=2)
         ep = self._ep
         if self._loaded is None and ep is not None and ep.epoch == self.epoch:
             if ep.done == ep.start:  # never advanced: the same epoch, order and position
@@ -647,6 +748,13 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             t = stop
 
 
+class _DistributedReadyFirstSampler(ReadyFirstSampler, _OverDistributed):
+    """A ``ReadyFirstSampler`` over a ``DistributedSampler``: one too (see ``_OverDistributed``)."""
+
+    def _distributed_base(self) -> torch.utils.data.DistributedSampler:
+        return self.base
+
+
 # ----------------------------------------------------------------------------------------------
 # The prefetcher: misses loaded ahead of need, with many reads in flight
 # ----------------------------------------------------------------------------------------------
@@ -845,6 +953,20 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     the dataset behind ``load`` are not seen, and the threads of clients made before (HTTP or
     object-store connection pools) are not copied, so make such clients in ``load`` lazily.
 
+    Under trainers: over a ``DistributedSampler`` (``CacheAwareSampler`` is one) the
+    prefetcher is one too, as :class:`ReadyFirstSampler` is, so Lightning's default
+    (``use_distributed_sampler=True``) leaves it as it is and calls its ``set_epoch``; over
+    another sampler Lightning wraps it in a distributed sampler of its own, which lists the
+    whole epoch first (every sample loaded before the first batch), and it warns once. Under
+    accelerate's ``prepare()``, which deals the loader's batches to its processes, give it the
+    sampler accelerate expects (``CacheAwareSampler(...).for_accelerate()``, or a
+    ``RandomSampler``, whose generator it shares with accelerate so that every process draws
+    the same order): each process's prefetcher loads only the positions its process reads,
+    and with a window reorders only those, so each process reads exactly its own batches. A
+    base that gives each rank its share (a ``CacheAwareSampler`` itself) warns once there,
+    since ``prepare()`` splits that share again. The resume of a prefetcher under
+    ``prepare()`` is not supported.
+
     Errors: an exception in ``load`` (or in storing its result, e.g. a wrong shape) is raised
     by the iterator as :class:`PrefetchError` naming the index, with the original exception
     and traceback as its cause (with ``processes``, as the text of a RuntimeError); a load
@@ -879,6 +1001,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             misses into the epoch's last batches). Default: True.
 
     Attributes:
+        base: the base order, ``sampler``.
         loaded: loads this prefetcher finished, over all epochs.
         dropped: loads whose sample found no free staging slot by the time its index was
             due, and which were left to the DataLoader (not counted in ``loaded``), over all
@@ -886,6 +1009,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         left: misses left to the ``DataLoader`` because the loads were CPU-bound
             (``stand_aside``), over all epochs.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Prefetcher":
+        if cls is Prefetcher and isinstance(_base_of(args, kwargs, "sampler"),
+                                            torch.utils.data.DistributedSampler):
+            cls = _DistributedPrefetcher
+        return super().__new__(cls)
 
     def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "fixed", threads: int = 16,
@@ -958,6 +1087,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._progress: list | None = None
         self._epoch: int | None = None  # the latest set_epoch
         self._skip_loaded: dict | None = None  # see _skip_state
+        self._warned: set[str] = set()  # the trainers it warned about
         if self.processes:
             self._procs = self._start_processes()
         # This rank's workers read this rank's copies only: with epochs that drift apart, two
@@ -984,7 +1114,23 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         _give_back_staged(self.cache, self._tag, self._staged, final=False)
 
     def __len__(self) -> int:
-        return len(self._tap)
+        return len(self._tap.base)
+
+    @property
+    def base(self) -> Any:
+        """The base order, ``sampler``."""
+        return self._tap.base
+
+    @property
+    def generator(self) -> Any:
+        """The base sampler's ``generator`` (an AttributeError if it has none): accelerate's
+        ``prepare()`` shares it between its processes, as for a ``RandomSampler`` of its own,
+        so that every process draws the same order."""
+        return self._tap.base.generator
+
+    @generator.setter
+    def generator(self, value: Any) -> None:
+        self._tap.base.generator = value
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the order (and so to the base sampler, if it has one)."""
@@ -1099,6 +1245,51 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._skip_loaded = dict(state, consumed=consumed, epoch=epoch) if digest else None
 
     def __iter__(self) -> Iterator[int]:
+        if "lightning" not in self._warned and in_lightnings_wrapper():
+            self._warned.add("lightning")
+            warnings.warn(_wrapped_by_lightning(
+                "Prefetcher", self._tap.base, " (the prefetcher loads every sample of it before "
+                "the first batch)"), stacklevel=2)
+        mine = self._dealt_positions()
+        self._tap.keep = mine
+        if mine is None:
+            yield from self._iter_loaded()
+            return
+        # Under accelerate's prepare(): every position is yielded, this process's once loaded,
+        # in the order of the loads (the window reorders them among themselves); the others,
+        # which the shard passes over here, at once.
+        self._tap.take()
+        loaded = self._iter_loaded()
+        try:
+            for idx, ours in zip(self._tap.full.tolist(), mine.tolist()):
+                yield next(loaded) if ours else idx
+        finally:
+            loaded.close()
+
+    def _dealt_positions(self) -> np.ndarray | None:
+        """Under accelerate's ``prepare()``, the positions of the epoch this process reads
+        (see ``_positions_dealt``); else None. Warns once when the base already gives each
+        rank its share, which ``prepare()`` splits again."""
+        shard = dealt_by_accelerate(self)
+        if shard is None:
+            return None
+        base = self._tap.base
+        # (a base with for_accelerate(), a CacheAwareSampler, says so itself)
+        if getattr(base, "num_replicas", 1) > 1 and not hasattr(base, "for_accelerate") and \
+                "accelerate" not in self._warned:
+            self._warned.add("accelerate")
+            warnings.warn(
+                f"accelerate's prepare() deals this loader's batches to its "
+                f"{shard.num_processes} processes, but this Prefetcher's sampler "
+                f"({type(base).__name__}) already gives each of {base.num_replicas} ranks its "
+                f"share: each rank reads 1/{shard.num_processes} of its share. Give the "
+                f"prefetcher sampler.for_accelerate() (of a CacheAwareSampler), which yields "
+                f"every rank's batches in the turn prepare() deals them", stacklevel=3)
+        return _positions_dealt(shard, self, len(self))
+
+    def _iter_loaded(self) -> Iterator[int]:
+        """The epoch's indices of this process (all of them, but under ``prepare()``), each
+        yielded once loaded."""
         staged = self._staged.take()
         if staged:  # staged last epoch, yielded and never read: give them back
             staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
@@ -1339,6 +1530,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                                     f"{type(e).__name__}: {e}", idx) from e
 
 
+class _DistributedPrefetcher(Prefetcher, _OverDistributed):
+    """A ``Prefetcher`` over a ``DistributedSampler``: one too (see ``_OverDistributed``)."""
+
+    def _distributed_base(self) -> torch.utils.data.DistributedSampler:
+        return self._tap.base
+
+    @property
+    def epoch(self) -> int:
+        """The base sampler's ``epoch``."""
+        return self._tap.base.epoch
+
+
 class _Staged:
     """The indices a prefetcher's loads staged, and how many stages are under way. A loader
     thread stages only while its epoch (``stop``) and the prefetcher (``closed``) go on, so
@@ -1430,16 +1633,33 @@ class _Tap:
             self.positional = False
         self.start_state: Any = None
         self._digest: str | None = None
+        # Under accelerate's prepare(): the positions of the epoch this process reads (bool),
+        # which alone it passes on; the whole epoch's order; whether take() has listed an
+        # epoch that __iter__ has not passed on yet.
+        self.keep: np.ndarray | None = None
+        self.full = self.order
+        self._taken = False
 
     def __len__(self) -> int:
-        return len(self.base)
+        return len(self.base) if self.keep is None else int(np.count_nonzero(self.keep))
 
-    def __iter__(self) -> Iterator[int]:
+    def take(self) -> None:
+        """List the base's epoch now; the next ``__iter__`` passes it on."""
         self.start_state = self.state_now()
         order = np.asarray(list(self.base), dtype=np.int64)
         _check_in_range("sampler", order, self.dataset_len)
-        self.order, self._digest = order, None
-        return iter(order.tolist())
+        if self.keep is not None and order.size != self.keep.size:
+            raise ValueError(f"sampler should yield len(sampler)={self.keep.size} indices per "
+                             f"epoch, but it yielded {order.size}")
+        self.full = order
+        self.order = order if self.keep is None else order[self.keep]
+        self._digest, self._taken = None, True
+
+    def __iter__(self) -> Iterator[int]:
+        if not self._taken:
+            self.take()
+        self._taken = False
+        return iter(self.order.tolist())
 
     def state_now(self) -> Any:
         """The base's own state now (None if it has none, or records a position)."""

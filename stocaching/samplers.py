@@ -21,7 +21,6 @@ __all__ = ["CacheAwareSampler"]
 
 import logging
 import math
-import sys
 import time
 import warnings
 from typing import Any, Iterator, Mapping, Sequence
@@ -30,9 +29,10 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import CacheLayout, World, check_int
+    from .stocaching import CacheLayout, World, check_int, dealt_by_accelerate
 except ImportError:  # copied beside stocaching.py
-    from stocaching import CacheLayout, World, check_int  # type: ignore[no-redef]
+    from stocaching import (CacheLayout, World,  # type: ignore[no-redef]
+                            check_int, dealt_by_accelerate)
 
 logger = logging.getLogger("stocaching")
 
@@ -252,13 +252,14 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         """This rank's indices for the current epoch, from the loaded position if any."""
         if self.num_replicas > 1 and not self._warned_dealt and \
-                _dealt_by_accelerate(self) is not None:
+                dealt_by_accelerate(self) is not None:
             self._warned_dealt = True
             warnings.warn(
                 f"accelerate's prepare() deals this loader's batches to its processes, and this "
                 f"CacheAwareSampler already yields only rank {self.rank}'s: each rank trains on "
                 f"1/{self.num_replicas} of its share. Build the loader with "
-                f"sampler=sampler.for_accelerate() (see docs/distributed.md)", stacklevel=2)
+                f"sampler=sampler.for_accelerate(), or a Prefetcher over it "
+                f"(see docs/distributed.md)", stacklevel=2)
         start, self._resume = self._resume, 0
         if self._it is not None and self._it_epoch == self.epoch:
             if self._consumed() == self._it_start:
@@ -429,26 +430,6 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
 
 
 
-def _dealt_by_accelerate(sampler: Any) -> Any:
-    """The ``BatchSamplerShard`` of a loader prepared by ``accelerate`` that draws its batches
-    from ``sampler`` right now and deals them to its processes, else None. A prepared loader
-    registers as the ``active_dataloader`` of accelerate's ``GradientState`` before it starts
-    drawing, which is when a sampler's ``__iter__`` runs. Nothing is imported: without
-    accelerate, None."""
-    state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
-    if state is None or loaders is None or not getattr(state.GradientState, "_shared_state", None):
-        return None
-    try:
-        active = state.GradientState().active_dataloader
-    except Exception:  # noqa: BLE001 - a state we do not understand is not a prepared loader
-        return None
-    shard = getattr(active, "batch_sampler", None)
-    if not isinstance(shard, loaders.BatchSamplerShard) or shard.num_processes < 2:
-        return None
-    inner = shard.batch_sampler
-    return shard if inner is sampler or getattr(inner, "sampler", None) is sampler else None
-
-
 class _AccelerateOrder(torch.utils.data.Sampler[int]):
     """``CacheAwareSampler.for_accelerate()``: every rank's batches, dealt in turn."""
 
@@ -465,7 +446,7 @@ class _AccelerateOrder(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         s = self.sampler
         if s.num_replicas > 1 and not self._warned:
-            shard = _dealt_by_accelerate(self)
+            shard = dealt_by_accelerate(self)
             if shard is None or shard.num_processes != s.num_replicas:
                 self._warned = True
                 warnings.warn(

@@ -47,7 +47,9 @@ __all__ = [
     "World",
     "check_int",
     "clean_segments",
+    "dealt_by_accelerate",
     "get_shm_size",
+    "in_lightnings_wrapper",
     "list_segments",
     "plan",
 ]
@@ -370,6 +372,51 @@ def _fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------------------------
+# What a trainer did to a sampler (public for the opt-in samplers, like check_int)
+# ----------------------------------------------------------------------------------------------
+
+
+def in_lightnings_wrapper() -> bool:
+    """True when the caller, a sampler's ``__iter__``, runs for Lightning's
+    ``_DatasetSamplerWrapper``, which lists a sampler that is not a ``DistributedSampler`` to
+    split it over the ranks again (its ``reset`` and ``__getitem__`` call ``list(sampler)``, so
+    it is the frame right above ``__iter__``). Lightning offers no other sign; if it changes,
+    this says False and only the warning is lost."""
+    try:
+        kind = type(sys._getframe(2).f_locals.get("self"))
+    except ValueError:  # __iter__ called from no Python frame
+        return False
+    return kind.__name__ == "_DatasetSamplerWrapper" and kind.__module__.startswith(
+        ("lightning", "pytorch_lightning"))
+
+
+def dealt_by_accelerate(sampler: Any) -> Any:
+    """The ``BatchSamplerShard`` of a loader prepared by ``accelerate`` that draws its batches
+    from ``sampler`` right now and deals them to its processes, else None. ``sampler`` may sit
+    inside the loader's sampler, as the ``base`` of a ``Prefetcher`` or a
+    ``ReadyFirstSampler``. A prepared loader registers as the ``active_dataloader`` of
+    accelerate's ``GradientState`` before it starts drawing, which is when a sampler's
+    ``__iter__`` runs. Nothing is imported: without accelerate, None."""
+    state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
+    if state is None or loaders is None or not getattr(state.GradientState, "_shared_state", None):
+        return None
+    try:
+        active = state.GradientState().active_dataloader
+    except Exception:  # noqa: BLE001 - a state we do not understand is not a prepared loader
+        return None
+    shard = getattr(active, "batch_sampler", None)
+    if not isinstance(shard, loaders.BatchSamplerShard) or shard.num_processes < 2:
+        return None
+    inner = shard.batch_sampler
+    drawn = inner if inner is sampler else getattr(inner, "sampler", None)
+    for _ in range(8):  # down the wrappers' bases
+        if drawn is sampler:
+            return shard
+        drawn = getattr(drawn, "base", None)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ It provides
   ``racing_writers``, writer processes that overwrite a cache while a test reads it;
 * trainers (``tests/children/lightning_train.py``, ``accelerate_train.py``):
   ``training_data(kind)``, a dataset of ``TRAIN_LEN`` samples with one cache (or a mixture of
-  two) and its ``CacheAwareSampler`` (or a ``Prefetcher`` over it); ``TrainRecord``, what a
+  two) and its ``CacheAwareSampler`` (or a ``Prefetcher`` over it, whose loads
+  ``RecordedLoad`` records); ``TrainRecord``, what a
   rank trained on, written as JSON; ``run_bounded``, a launcher run whose whole process group
   is killed past its timeout;
 * leak probes that read /proc: which names are left in a directory, who maps or holds a file of
@@ -387,25 +388,50 @@ class WithIndex(torch.utils.data.Dataset):
         return i, self.dataset[i][1]
 
 
-def training_data(kind: str):
+class RecordedLoad:
+    """``value_of`` as a prefetcher's ``load`` (in its threads), recording the indices."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+
+    def __call__(self, i: int) -> torch.Tensor:
+        self.indices.append(int(i))
+        return value_of(i)
+
+
+#: The training_data kinds with a Prefetcher, and its window.
+PREFETCH_KINDS = {"prefetch": None, "prefetch window": 2 * TRAIN_BATCH, "random prefetch": None}
+
+
+def training_data(kind: str, *, for_accelerate: bool = False):
     """``(dataset, sampler, plan)`` for a trainer's loader, made on every rank once the ranks
     can find each other; ``plan`` is the ``CacheAwareSampler`` whose ``epoch_indices`` say
     what this rank should train on (None where no sampler plans per rank). ``kind``:
-    ``"cache"``, one cache of a third of ``TRAIN_LEN`` samples; ``"prefetch"``, the same with
-    a ``Prefetcher`` (2 threads) over the sampler; ``"mixture"``, two sub-datasets with a
+    ``"cache"``, one cache of a third of ``TRAIN_LEN`` samples; ``"prefetch"``, the same (a
+    cache of its own) with a ``Prefetcher`` (2 threads, loads recorded by a ``RecordedLoad``)
+    over the sampler, ``sampler.for_accelerate()`` with ``for_accelerate``; ``"prefetch
+    window"``, the same with a window of two batches; ``"random prefetch"``, a
+    ``Prefetcher`` over a ``RandomSampler`` (no plan); ``"mixture"``, two sub-datasets with a
     cache each, mixed by a ``WeightedMixtureSampler`` with its default weights (every sample
     once an epoch) that a ``CacheAwareSampler`` routes; ``"bare mixture"``, the same with the
-    ``WeightedMixtureSampler`` alone."""
+    ``WeightedMixtureSampler`` alone. Otherwise the sampler is the plan itself, or with
+    ``for_accelerate`` its ``for_accelerate()``."""
     from stocaching import CacheAwareSampler, MixtureDataset, Prefetcher, WeightedMixtureSampler
     dims = (3, 8, 8)
-    if kind in ("cache", "prefetch"):
+    if kind == "cache" or kind in PREFETCH_KINDS:
         n = TRAIN_LEN
+        name = "train" if kind == "cache" else kind.replace(" ", "-")
         ds = CachedDataset(SharedCache(budget_for(n // 3, dims, dataset_len=n), n, dims,
-                                       name="train", timeout=60), n)
-        plan = CacheAwareSampler(ds, batch_size=TRAIN_BATCH, seed=1)
-        if kind == "prefetch":
-            return WithIndex(ds), Prefetcher(plan, ds.cache, value_of, threads=2), plan
-        return WithIndex(ds), plan, plan
+                                       name=name, timeout=60), n)
+        if kind == "random prefetch":
+            base, plan = torch.utils.data.RandomSampler(ds), None
+        else:
+            plan = CacheAwareSampler(ds, batch_size=TRAIN_BATCH, seed=1)
+            base = plan.for_accelerate() if for_accelerate else plan
+        if kind in PREFETCH_KINDS:
+            return WithIndex(ds), Prefetcher(base, ds.cache, RecordedLoad(), threads=2,
+                                             window=PREFETCH_KINDS[kind]), plan
+        return WithIndex(ds), base, plan
     if kind in ("mixture", "bare mixture"):
         parts = [CachedDataset(SharedCache(budget_for(n // 2, dims, dataset_len=n), n, dims,
                                            name=f"mix{k}", timeout=60), n)
@@ -415,16 +441,29 @@ def training_data(kind: str):
         if kind == "bare mixture":
             return WithIndex(mix), order, None
         plan = CacheAwareSampler(mix, batch_size=TRAIN_BATCH, order=order)
-        return WithIndex(mix), plan, plan
-    raise ValueError(f"kind should be 'cache', 'prefetch', 'mixture' or 'bare mixture', but "
-                     f"got kind={kind!r}")
+        return WithIndex(mix), plan.for_accelerate() if for_accelerate else plan, plan
+    raise ValueError(f"kind should be 'cache', 'prefetch', 'prefetch window', 'random "
+                     f"prefetch', 'mixture' or 'bare mixture', but got kind={kind!r}")
+
+
+def loaded_by_prefetchers(samplers: dict) -> dict[str, list[int]]:
+    """By kind, the indices that the prefetcher of each sampler (the sampler, or the one
+    inside Lightning's wrapper) loaded, for those that have one."""
+    out = {}
+    for kind, sampler in samplers.items():
+        inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's
+        for s in (sampler, inner):
+            if isinstance(getattr(s, "load", None), RecordedLoad):
+                out[kind] = sorted(s.load.indices)
+    return out
 
 
 class TrainRecord:
     """What one rank trained on from each of its loaders (by kind) epoch by epoch, the
-    stocaching segments it saw while training, and the warnings raised in it that speak of a
-    sampler or a cache (the trainers' other advice, such as Lightning's about DataLoader
-    workers, is left out); ``write`` saves it as ``<out>/rank<r>.json``."""
+    stocaching segments it saw while training (at each kind's first batch, together), and the
+    warnings raised in it that speak of a sampler or a cache (the trainers' other advice, such
+    as Lightning's about DataLoader workers, is left out); ``write`` saves it as
+    ``<out>/rank<r>.json``."""
 
     def __init__(self) -> None:
         self.epochs: dict[str, dict[int, list[int]]] = {}
@@ -434,11 +473,14 @@ class TrainRecord:
         warnings.simplefilter("always")
 
     def batch(self, kind: str, epoch: int, indices) -> None:
-        if self.segments is None:  # every local rank has its caches by the first batch
+        if kind not in self.epochs:  # every local rank has the kind's caches by its first batch
             from stocaching import list_segments
             shm = os.environ.get("STOCACHING_SHM_DIR", "/dev/shm")
             names = [os.path.basename(s["path"]).split("_n0_")[-1] for s in list_segments(shm)]
-            self.segments = {n: names.count(n) for n in sorted(set(names))}
+            seen = self.segments or {}  # (loaders trained one after another: the union)
+            for n in set(names):
+                seen[n] = max(seen.get(n, 0), names.count(n))
+            self.segments = dict(sorted(seen.items()))
         self.epochs.setdefault(kind, {}).setdefault(epoch, []).extend(int(i) for i in indices)
 
     def write(self, out: str, rank: int, **extra) -> None:

@@ -15,27 +15,38 @@ import torch
 
 from torch.utils.data import DataLoader
 
-from _helpers import (CHILDREN, REPO, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, CachedDataset,
-                      WithIndex, budget_for, free_port, named, rank_env, read_records,
-                      run_bounded)
-from stocaching import CacheAwareSampler, CacheLayout, SharedCache, WeightedMixtureSampler, World
+from _helpers import (CHILDREN, PREFETCH_KINDS, REPO, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN,
+                      CachedDataset, WithIndex, budget_for, free_port, named, rank_env,
+                      read_records, run_bounded, value_of)
+from stocaching import (CacheAwareSampler, CacheLayout, Prefetcher, ReadyFirstSampler,
+                        SharedCache, WeightedMixtureSampler, World)
 
-KINDS = ["cache", "mixture"]
-SEGMENTS = {"cache": {"train": 1}, "prefetch": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1}}
+KINDS = ["cache", "mixture", "prefetch", "prefetch window"]
+SEGMENTS = {"cache": {"train": 1}, "mixture": {"mix0": 1, "mix1": 1},
+            **{kind: {kind.replace(" ", "-"): 1} for kind in PREFETCH_KINDS}}
+SAMPLERS = {"cache": "CacheAwareSampler", "mixture": "CacheAwareSampler",
+            "prefetch": "_DistributedPrefetcher", "prefetch window": "_DistributedPrefetcher"}
 
 
 def assert_trained_as_planned(records: list[dict], kinds: list[str]) -> None:
     """One segment per cache on the node; for each kind, each rank trained on exactly the
-    indices its CacheAwareSampler planned for it, and all ranks together on every index once
-    per epoch."""
+    indices its CacheAwareSampler planned for it (in its order; with a prefetcher's window,
+    reordered within it) and a prefetcher loaded only some of those, and all ranks together
+    trained on every index once per epoch."""
     segments = {name: 1 for kind in kinds for name in SEGMENTS[kind]}
     for rec in records:
         assert rec["segments"] == segments, rec["segments"]
     for kind in kinds:
         for rec in records:
-            got = rec["epochs"][kind]
-            assert got == rec["planned"][kind], f"{kind}: rank {rec['rank']} trained on others"
+            got, plan = rec["epochs"][kind], rec["planned"].get(kind)
+            if PREFETCH_KINDS.get(kind) and plan is not None:
+                got, plan = [sorted(e) for e in got], [sorted(e) for e in plan]
+            assert plan is None or got == plan, f"{kind}: rank {rec['rank']} trained on others"
             assert len(got[0]) == TRAIN_LEN // 2
+            if kind in PREFETCH_KINDS:
+                loaded = set(rec["loaded"][kind])
+                assert loaded and loaded <= {i for e in got for i in e}, \
+                    f"{kind}: rank {rec['rank']} loaded what another rank reads"
         for epoch in range(TRAIN_EPOCHS):
             every = sorted(i for rec in records for i in rec["epochs"][kind][epoch])
             assert every == list(range(TRAIN_LEN)), f"{kind}, epoch {epoch}: not every index once"
@@ -49,28 +60,24 @@ def assert_trained_as_planned(records: list[dict], kinds: list[str]) -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("strategy, kinds", [("ddp", KINDS), ("ddp_spawn", KINDS),
-                                             ("ddp", ["prefetch"])],
-                         ids=["ddp-cache+mixture", "ddp_spawn-cache+mixture", "ddp-prefetch"])
-def test_lightning_trains_each_rank_on_its_own_cache_aware_share(strategy, kinds, shm_dir,
-                                                                  tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_lightning_trains_each_rank_on_its_own_cache_aware_share(strategy, shm_dir, tmp_path):
     """Trainer(devices=2) with its defaults (use_distributed_sampler=True), the datasets made
-    in train_dataloader() (one cache; a mixture of two), trained on together. Under "ddp"
-    rank 0 starts rank 1 as its child, so the ranks have different parent processes and agree
-    on each segment through the process group; the samplers, DistributedSamplers, are left
-    unwrapped. A Prefetcher over one is not one: with it, use_distributed_sampler=False, as
-    the docs say."""
+    in train_dataloader() (one cache; a mixture of two; a cache under a Prefetcher, without
+    and with a window), trained on together. Under "ddp" rank 0 starts rank 1 as its child,
+    so the ranks have different parent processes and agree on each segment through the
+    process group; the samplers, DistributedSamplers (a Prefetcher over one is one too), are
+    left unwrapped, and each rank's prefetcher loads only what its rank reads."""
     pytest.importorskip("lightning")
     cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), strategy,
-           ",".join(kinds)]
+           ",".join(KINDS)]
     r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     records = read_records(str(tmp_path))
-    want = "Prefetcher" if kinds == ["prefetch"] else "CacheAwareSampler"
     for rec in records:
-        assert rec["samplers"] == {kind: want for kind in kinds}
+        assert rec["samplers"] == SAMPLERS
         assert rec["warnings"] == []
-    assert_trained_as_planned(records, kinds)
+    assert_trained_as_planned(records, KINDS)
 
 
 @pytest.mark.timeout(200)
@@ -90,21 +97,28 @@ def test_lightning_cache_made_before_the_launch_fails_at_once(shm_dir, tmp_path)
 
 
 @pytest.mark.timeout(200)
-def test_lightning_wrapping_a_bare_mixture_sampler_warns_once_with_the_fix(shm_dir, tmp_path):
-    """A WeightedMixtureSampler alone is not a DistributedSampler: Lightning's default wraps
-    it and splits each rank's share again. Each rank warns once, naming both ways out."""
+def test_lightning_wrapping_a_sampler_that_is_not_distributed_warns_once_with_the_fix(
+        shm_dir, tmp_path):
+    """A WeightedMixtureSampler alone, and a Prefetcher over a RandomSampler, are not
+    DistributedSamplers: Lightning's default wraps them (splitting the mixture's per-rank share
+    again). Each rank warns once for each, naming the way out."""
     pytest.importorskip("lightning")
     cmd = [sys.executable, str(CHILDREN / "lightning_train.py"), str(tmp_path), "ddp",
-           "bare mixture"]
+           "bare mixture,random prefetch"]
     r = run_bounded(cmd, env=rank_env(shm_dir), timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     for rec in read_records(str(tmp_path)):
-        assert rec["samplers"] == {"bare mixture": "DistributedSamplerWrapper"}
+        assert rec["samplers"] == {"bare mixture": "DistributedSamplerWrapper",
+                                   "random prefetch": "DistributedSamplerWrapper"}
         wrapped = [w for w in rec["warnings"] if "use_distributed_sampler=True" in w]
-        assert len(wrapped) == 1, rec["warnings"]
-        assert "order=this sampler" in wrapped[0]
-        assert "use_distributed_sampler=False" in wrapped[0]
-        assert len(rec["epochs"]["bare mixture"][0]) == TRAIN_LEN // 4
+        assert len(wrapped) == 2, rec["warnings"]
+        mixture, prefetcher = sorted(wrapped, key=lambda w: "Prefetcher" in w)
+        assert "order=this sampler" in mixture and "use_distributed_sampler=False" in mixture
+        assert "put this Prefetcher inside" in prefetcher
+        assert "Give the Prefetcher a DistributedSampler or a CacheAwareSampler" in prefetcher
+        # (Lightning cycles the shorter loader, the mixture's, to the other's length)
+        assert len(set(rec["epochs"]["bare mixture"][0])) == TRAIN_LEN // 4
+        assert len(rec["epochs"]["random prefetch"][0]) == TRAIN_LEN // 2
 
 
 def test_a_mixture_sampler_in_lightnings_wrapper_warns_once_and_alone_does_not():
@@ -142,33 +156,41 @@ def run_accelerate(tmp_path, shm_dir: str, kind: str, use: str,
     return read_records(str(tmp_path))
 
 
+ACCELERATE_KINDS = ["cache", "mixture", "prefetch", "prefetch window", "random prefetch"]
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("launcher, kind", [("torchrun", "cache"), ("torchrun", "mixture"),
-                                            ("notebook", "cache")])
-def test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches(launcher, kind,
+@pytest.mark.parametrize("launcher, kinds", [("torchrun", ACCELERATE_KINDS),
+                                             ("notebook", ["cache"])], ids=["torchrun", "notebook"])
+def test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches(launcher, kinds,
                                                                         shm_dir, tmp_path):
     """accelerator.prepare(model, optimizer, loader) with its defaults, the loader's sampler
-    sampler.for_accelerate(), under torchrun (what accelerate launch runs) and Accelerate's
-    notebook_launcher: prepare's dealing of batches gives each rank exactly its
-    CacheAwareSampler's batches, and len(loader) counts them."""
+    sampler.for_accelerate() (or a Prefetcher over it, without and with a window; or a
+    Prefetcher over a RandomSampler), under torchrun (what accelerate launch runs) and
+    Accelerate's notebook_launcher: prepare's dealing of batches gives each rank exactly its
+    CacheAwareSampler's batches (and, from a RandomSampler, the ranks every index once: they
+    share its generator), len(loader) counts them, and each rank's prefetcher loads only
+    what its rank reads."""
     pytest.importorskip("accelerate")
-    records = run_accelerate(tmp_path, shm_dir, kind, "for_accelerate", launcher)
+    records = run_accelerate(tmp_path, shm_dir, ",".join(kinds), "for_accelerate", launcher)
     assert [rec["warnings"] for rec in records] == [[], []]
-    assert [rec["batches"] for rec in records] == [TRAIN_LEN // 2 // TRAIN_BATCH] * 2
-    assert_trained_as_planned(records, [kind])
+    assert [rec["batches"] for rec in records] == \
+        [{kind: TRAIN_LEN // 2 // TRAIN_BATCH for kind in kinds}] * 2
+    assert_trained_as_planned(records, kinds)
 
 
 @pytest.mark.timeout(180)
 def test_accelerate_prepare_of_a_per_rank_sampler_warns_once_with_the_fix(shm_dir, tmp_path):
-    """The CacheAwareSampler itself in a prepared loader: prepare deals its batches again and
-    each rank trains on half its share. Each rank warns once (not once an epoch), naming
-    for_accelerate()."""
+    """The CacheAwareSampler itself in a prepared loader, alone and under a Prefetcher:
+    prepare deals its batches again and each rank trains on half its share. Each rank warns
+    once for each loader (not once an epoch), naming for_accelerate()."""
     pytest.importorskip("accelerate")
-    records = run_accelerate(tmp_path, shm_dir, "cache", "sampler")
+    records = run_accelerate(tmp_path, shm_dir, "cache,prefetch", "sampler")
     for rec in records:
-        assert len(rec["warnings"]) == 1, rec["warnings"]
-        assert "sampler=sampler.for_accelerate()" in rec["warnings"][0]
-        assert len(rec["epochs"]["cache"][0]) == TRAIN_LEN // 4
+        assert len(rec["warnings"]) == 2, rec["warnings"]
+        assert all("sampler=sampler.for_accelerate()" in w for w in rec["warnings"])
+        for kind in ("cache", "prefetch"):
+            assert len(rec["epochs"][kind][0]) == TRAIN_LEN // 4
 
 
 @pytest.mark.parametrize("length, batch_size, num_nodes, ranks_per_node",
@@ -221,6 +243,109 @@ def test_a_loader_prepared_for_two_processes_reads_what_each_rank_planned_or_war
             assert epochs == [sampler.epoch_indices(e).tolist() for e in range(2)]
         else:
             assert len(ours) == 1 and re.search(warns, ours[0]), ours
+    cache.close()
+
+
+@pytest.mark.parametrize("use", ["for_accelerate", "random"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_prefetcher_prepared_for_two_processes_loads_and_reads_only_its_own_positions(
+        use, window, shm_dir):
+    """accelerate's prepare_data_loader for process r of 2, in this process, over a
+    Prefetcher of sampler.for_accelerate() or of a RandomSampler (the same generator seed on
+    both, as prepare() makes it): process r reads exactly rank r's batches (with a window, the
+    same indices reordered), the two together every index once an epoch, and each loads only
+    indices it reads. No warning."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
+    ds = CachedDataset(cache, 40)
+    read = []
+    for r in range(2):
+        loads: list[int] = []
+        sampler = CacheAwareSampler(ds, 2, r, batch_size=4)
+        base = sampler.for_accelerate() if use == "for_accelerate" else \
+            torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+        prefetcher = Prefetcher(base, cache, lambda i: loads.append(i) or value_of(i),
+                                threads=2, window=window)
+        loader = DataLoader(WithIndex(ds), batch_size=4, sampler=prefetcher)
+        prepared = data_loader.prepare_data_loader(loader, num_processes=2, process_index=r)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            epochs = [[i for idx, _ in prepared for i in idx.tolist()] for _ in range(2)]
+        assert len(prepared) == 5 and set(loads) and set(loads) <= set(epochs[0] + epochs[1])
+        if use == "for_accelerate":
+            planned = [sampler.epoch_indices(e).tolist() for e in range(2)]
+            if window:
+                epochs, planned = [sorted(e) for e in epochs], [sorted(e) for e in planned]
+            assert epochs == planned
+        read.append(epochs)
+        prefetcher.close()
+    for e in range(2):
+        assert sorted(read[0][e] + read[1][e]) == list(range(40))
+    cache.close()
+
+
+def test_a_ready_first_sampler_prepared_for_two_processes_warns_once():
+    """Each process would reorder the whole epoch by what it saw ready: the message names
+    the prefetcher, which reorders only its own process's batches."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    sampler = CacheAwareSampler(CacheLayout(40, 13), 2, 0, batch_size=4)
+    order = ReadyFirstSampler(sampler.for_accelerate(), lambda i: i % 3 == 0, window=4)
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.arange(40)), batch_size=4,
+                        sampler=order)
+    prepared = data_loader.prepare_data_loader(loader, num_processes=2, process_index=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            order.set_epoch(epoch)
+            list(prepared)
+    ours = [str(w.message) for w in caught if "ReadyFirstSampler" in str(w.message)]
+    assert len(ours) == 1 and "Prefetcher(sampler, cache, load, window=...)" in ours[0], ours
+
+
+@pytest.mark.parametrize("make", ["ReadyFirstSampler", "Prefetcher"])
+def test_a_sampler_over_a_distributed_sampler_is_one_with_its_attributes(make, shm_dir):
+    """What Lightning reads: over a CacheAwareSampler (a DistributedSampler) the sampler is a
+    DistributedSampler with the base's arguments, so Lightning's default leaves it alone;
+    over a RandomSampler it is not one. The same sampler, the same indices."""
+    cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
+    ds = CachedDataset(cache, 40)
+    base = CacheAwareSampler(ds, 2, 1, shuffle=True, seed=5, drop_last=True, batch_size=4)
+    wrap = (lambda b: ReadyFirstSampler(b, cache, window=4)) if make == "ReadyFirstSampler" \
+        else (lambda b: Prefetcher(sampler=b, cache=cache, load=value_of, threads=2))
+    ours = wrap(base)
+    assert isinstance(ours, torch.utils.data.DistributedSampler) and isinstance(ours, eval(make))
+    for name in ("dataset", "num_replicas", "rank", "shuffle", "seed", "drop_last",
+                 "num_samples", "total_size"):
+        assert getattr(ours, name) == getattr(base, name), name
+    ours.set_epoch(3)
+    assert ours.epoch == 3 and len(ours) == len(base)
+    assert sorted(ours) == sorted(base.epoch_indices(3).tolist())
+    plain = wrap(torch.utils.data.RandomSampler(ds))
+    assert not isinstance(plain, torch.utils.data.DistributedSampler)
+    for s in (ours, plain):
+        getattr(s, "close", lambda: None)()
+    cache.close()
+
+
+@pytest.mark.parametrize("make", ["ReadyFirstSampler", "Prefetcher"])
+def test_a_sampler_over_a_plain_order_in_lightnings_wrapper_warns_once(make, shm_dir):
+    """Lightning's DistributedSamplerWrapper, as its default puts around a sampler that is
+    not a DistributedSampler, in this process: a ReadyFirstSampler or a Prefetcher over a
+    RandomSampler inside it warns once over two epochs, naming the fix."""
+    lightning_distributed = pytest.importorskip("lightning.fabric.utilities.distributed")
+    cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
+    base = torch.utils.data.RandomSampler(range(40))
+    sampler = ReadyFirstSampler(base, cache, window=4) if make == "ReadyFirstSampler" else \
+        Prefetcher(base, cache, value_of, threads=2)
+    wrapper = lightning_distributed.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(2):
+            wrapper.set_epoch(epoch)
+            assert len(list(wrapper)) == 20
+    ours = [str(w.message) for w in caught if "Lightning" in str(w.message)]
+    assert len(ours) == 1 and f"Give the {make} a DistributedSampler" in ours[0], ours
+    getattr(sampler, "close", lambda: None)()
     cache.close()
 
 

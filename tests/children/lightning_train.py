@@ -4,11 +4,10 @@ STRATEGY is "ddp" (Lightning's own launcher: this process is rank 0 and starts r
 child, running this file again) or "ddp_spawn". KINDS are ``training_data`` kinds of
 ``_helpers``, joined by commas: one loader each, trained on together (Lightning's combined
 loader). The loaders are built in ``train_dataloader()``, once the process group exists, with
-Lightning's defaults (``use_distributed_sampler=True``; False with KINDS "prefetch", as
-docs/distributed.md says for a ``Prefetcher``); with KINDS "import", a dataset is made as the
-file is run instead, before any process group (the wrong place). Each rank writes
-``OUT/rank<r>.json`` (``TrainRecord``) with, by kind, the type of sampler its loader used and
-the indices the kind's plan had for this rank.
+Lightning's defaults (``use_distributed_sampler=True``); with KINDS "import", a dataset is
+made as the file is run instead, before any process group (the wrong place). Each rank writes
+``OUT/rank<r>.json`` (``TrainRecord``) with, by kind, the type of sampler its loader used, the
+indices the kind's plan had for this rank, and the indices its prefetcher loaded (if any).
 """
 
 import sys
@@ -17,7 +16,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import TRAIN_BATCH, TRAIN_EPOCHS, TrainRecord, training_data
+from _helpers import (TRAIN_BATCH, TRAIN_EPOCHS, TrainRecord, loaded_by_prefetchers,
+                      training_data)
 
 out, strategy, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 if kinds == ["import"]:
@@ -55,12 +55,13 @@ class Recorded(L.LightningModule):
         planned = {kind: None if plan is None else
                    [plan.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)]
                    for kind, plan in self.plans.items()}
-        self.record.write(out, self.global_rank, samplers=samplers, planned=planned)
+        self.record.write(out, self.global_rank, samplers=samplers, planned=planned,
+                          loaded=loaded_by_prefetchers(
+                              {kind: loaders[kind].sampler for kind in kinds}))
 
 
 if __name__ == "__main__":
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=TRAIN_EPOCHS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        use_distributed_sampler=kinds != ["prefetch"])
+                        enable_model_summary=False)
     trainer.fit(Recorded())
