@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality|mixture|persistent] ...`` (``run`` when
+"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality|mixture|persistent|device] ...`` (``run`` when
 omitted).
 
     python -m benchmark                                   # the default run, a few minutes
@@ -11,6 +11,7 @@ omitted).
     python -m benchmark quality                           # accuracy and batch diversity, digits
     python -m benchmark mixture                           # weighted mixtures: shares, hits, build
     python -m benchmark persistent                        # a cache that outlives its job
+    python -m benchmark device                            # batches straight to the device
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any, Sequence
 
 from . import arguments as A
 
-SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture", "persistent")
+SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture", "persistent",
+               "device")
 
 
 def _default_start_method() -> str:
@@ -124,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fraction of the dataset cached, with no-cache and in-RAM baselines.",
         epilog="Without a subcommand, 'run' is assumed.  Under torchrun every rank runs the same "
                "command; rank 0 prints and writes the results.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality,mixture,persistent}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality,mixture,persistent,device}")
     run = sub.add_parser("run", help="one loader setup, a few cache fractions (the default)",
                          description="One loader setup: no cache, each cache fraction, in-RAM.")
     _add_common(run, sweep=False)
@@ -140,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("csv", type=Path)
     an.add_argument("--out", type=Path, default=None,
                     help="where the PNGs go (default: next to the CSV)")
-    from . import latency, mixture, persistent, quality
+    from . import device, latency, mixture, persistent, quality
 
     lat = sub.add_parser("latency", help="EMULATED storage latency: plain DataLoader vs the "
                                          "Prefetcher (plain, fixed and adaptive window)",
@@ -157,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     per = sub.add_parser("persistent", help="a cache that outlives its job: the next job's attach "
                                             "and epoch 1", description=persistent.__doc__.split("\n\n")[0])
     persistent.add_arguments(per)
+    dev = sub.add_parser("device", help="batches straight to the device: DataLoader, the "
+                                        "training-process gather and the DeviceLoader",
+                         description=device.__doc__.split("\n\n")[0])
+    device.add_arguments(dev)
     return parser
 
 
@@ -293,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "mixture":
         from . import mixture
         return mixture.main(args, argv, _say)
+    if args.command == "device":
+        from . import device
+        return device.main(args, _say)
     if args.command == "persistent":
         from . import persistent
         return persistent.main(args, argv, _say)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 __all__ = ["DeviceLoader"]
 
-import itertools
 import logging
 import math
 import queue
@@ -346,7 +345,7 @@ class DeviceLoader:
         ``transform``, ``indices`` an int64 tensor of the n dataset indices."""
         if self._closed:
             raise ValueError("this DeviceLoader is closed")
-        order = iter(self.prefetcher)
+        order = self.prefetcher.batches(self.batch_size)
         start = self.prefetcher.position
         out: queue.Queue = queue.Queue(self.depth)
         stop = threading.Event()
@@ -377,16 +376,20 @@ class DeviceLoader:
             order.close()  # the prefetcher gives back what it staged and was never read
             self._epoch_drawn = None
 
-    def _produce(self, order: Iterator[int], out: queue.Queue, stop: threading.Event) -> None:
-        """The loader's thread: draw a batch of indices, gather it, hand it over."""
+    def _produce(self, order: Iterator[list[int]], out: queue.Queue, stop: threading.Event
+                 ) -> None:
+        """The loader's thread: take a batch of indices, gather it, hand it over."""
         try:
             with self._gather.context():
-                while not stop.is_set():
-                    idx = np.fromiter(itertools.islice(order, self.batch_size), np.int64)
-                    if not idx.size or (idx.size < self.batch_size and self.drop_last):
-                        break
+                for ids in order:
+                    idx = np.array(ids, dtype=np.int64)
                     self._epoch_drawn += idx.size
-                    item = self._make(idx)
+                    # Gathered even when it is not handed over (the epoch stopped, or a last
+                    # batch dropped): the gather frees the staged samples it reads.
+                    batch, hit = self._gather.gather(idx)
+                    if stop.is_set() or (len(ids) < self.batch_size and self.drop_last):
+                        break
+                    item = self._finish(batch, hit, idx)
                     while not stop.is_set():
                         try:
                             out.put(item, timeout=0.05)
@@ -403,8 +406,10 @@ class DeviceLoader:
             except queue.Full:
                 pass
 
-    def _make(self, idx: np.ndarray) -> tuple[Any, torch.Tensor, Any]:
-        batch, hit = self._gather.gather(idx)
+    def _finish(self, batch: Any, hit: np.ndarray, idx: np.ndarray
+                ) -> tuple[Any, torch.Tensor, Any]:
+        """The gathered batch with its misses filled in and ``transform`` applied, its indices
+        on the device, and the event the caller's stream waits for (CUDA)."""
         if not hit.all():
             self._fill_misses(batch, idx, hit)
         indices = torch.from_numpy(idx)
