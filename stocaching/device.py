@@ -100,6 +100,8 @@ class _DeviceGather:
     """Gathers a batch's rows on the GPU from the registered segment, on a side stream; the
     rows are confirmed only once the gather has completed."""
 
+    rereads = False  # rows not confirmed are read again alone by the loader
+
     def __init__(self, cache: SharedCache, view: torch.Tensor, device: torch.device) -> None:
         self.cache, self.view, self.device = cache, view, device
         self.stream = torch.cuda.Stream(device)
@@ -136,6 +138,8 @@ class _PinnedGather:
     """``get_batch`` into pinned buffers, then an asynchronous copy to the GPU on a side
     stream: the path where the segment cannot be registered. A buffer is reused only once
     its copy has completed."""
+
+    rereads = True  # get_batch reads a raced row again alone: what it misses is a miss
 
     def __init__(self, cache: SharedCache, device: torch.device, batch_size: int,
                  buffers: int) -> None:
@@ -192,6 +196,8 @@ def _to(batch: Any, device: torch.device) -> Any:
 
 class _HostGather:
     """``get_batch`` into new tensors (a CPU device): each batch is the caller's to keep."""
+
+    rereads = True
 
     def __init__(self, cache: SharedCache) -> None:
         self.cache = cache
@@ -420,12 +426,13 @@ class DeviceLoader:
         return batch, indices, self._gather.ready()
 
     def _fill_misses(self, batch: Any, idx: np.ndarray, hit: np.ndarray) -> None:
-        """Rows the gather did not confirm: read again alone, else loaded here (and stored
-        with ``set_slot`` when the index has a slot, as the two-line pattern does)."""
+        """Rows the gather did not confirm: read again alone (unless the gather did), else
+        loaded here (and stored with ``set_slot`` when the index has a slot, as the two-line
+        pattern does)."""
         aux = self.cache.aux_array.numpy()
         for k in np.flatnonzero(~hit).tolist():
             i = int(idx[k])
-            sample = self.cache.get_slot(i)
+            sample = None if self._gather.rereads else self.cache.get_slot(i)
             if sample is None:
                 sample = self.load(i)
                 if aux[i] != SlotState.OOB.value:

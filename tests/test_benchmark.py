@@ -595,3 +595,22 @@ def test_persistent_command_prints_its_checks_and_leaves_nothing(jpeg_dir, shm_d
                     "job loaded from the file, epoch 1": str(N)}  # they found them all
     assert os.listdir(shm_dir) == []  # both persistent caches removed at the end
     assert "saved again unchanged" in text and "(0 bytes written)" in text
+
+
+@pytest.mark.timeout(180)
+def test_device_command_prints_every_arm_and_its_checks(shm_dir, capsys):
+    """Tiny sizes, no GPU here: the four loader-only arms of one shape with their figures,
+    the path the DeviceLoader took, two [PASS]/[MISS] lines and the load average."""
+    rc = main(["device", "--num-samples", "300", "--repeats", "1", "--shapes", "3,16,16",
+               "--batch-size", "32", "--workers", "1"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    arms = [line.split()[0] for line in text.splitlines()
+            if line.split() and line.split()[0] in ("dataloader_get_slot", "dataloader_get_batch",
+                                                     "bare_get_batch", "device_loader")]
+    assert arms == ["dataloader_get_slot", "dataloader_get_batch", "bare_get_batch",
+                    "device_loader"]
+    assert "(path cpu)" in text and "load average before" in text
+    checks = [line for line in text.splitlines() if line.startswith("[")]
+    assert len(checks) == 2 and all(c[:6] in ("[PASS]", "[MISS]") for c in checks)
+    assert os.listdir(shm_dir) == []

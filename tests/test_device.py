@@ -347,3 +347,25 @@ def test_cuda_a_writer_racing_the_gather_never_yields_a_torn_row(shm_dir):
         assert loader.path == "cuda"
         assert uniform_rows(loader, 200) == (200 * n, 0)
     c.close()
+
+
+def test_the_prefetchers_batches_are_its_order_in_lists(cache, shm_dir):
+    """Prefetcher.batches(n), the DeviceLoader's iterator: the same indices in the same order
+    as iterating the prefetcher, n at a time, each list loaded whole by the time it comes."""
+    from stocaching import Prefetcher
+
+    one = Prefetcher(seeded(seed=2), cache, load, threads=2)
+    by_index = list(one)
+    other = SharedCache(budget_for(N // 2 + 40, DIMS, dataset_len=N), N, DIMS,
+                        staging_slots=40, shm_dir=shm_dir)
+    two = Prefetcher(seeded(seed=2), other, load, threads=2, stand_aside=False)
+    lists = []
+    for ids in two.batches(7):
+        assert all(other.get_slot(i) is not None for i in ids)  # loaded: a hit, or staged
+        lists.append(ids)
+    assert [len(b) for b in lists] == [7] * 7 + [1]
+    assert sum(lists, []) == by_index
+    with pytest.raises(ValueError, match="batch_size"):
+        two.batches(0)
+    two.close()
+    other.close()
