@@ -254,7 +254,8 @@ def main(args: argparse.Namespace, say: Callable[[str], None]) -> int:
                 cache.set_slot(s + j, torch.from_numpy(row))
         arms = _arms(cache, args.num_samples, batch, args.workers, cuda, args.repeats)
         say(f"\n== samples {dims} uint8 ({nbytes / 1024:.1f} KiB), every one cached")
-        say(f"{'arm':24} {'samples/s':>12} {'GB/s':>7} {'spread':>22} {'CPU ms/1k':>10}  (CPU: this process only, not the DataLoader's workers)")
+        say(f"{'arm':24} {'samples/s':>12} {'GB/s':>7} {'spread':>22} {'CPU ms/1k':>10}"
+            "  (CPU: this process's, not the DataLoader workers')")
         for name, r in arms.items():
             say(f"{name:24} {r['rate']:12,.0f} {r['rate'] * nbytes / 1e9:7.2f} "
                 f"{r['lo']:10,.0f}-{r['hi']:<10,.0f} {r['cpu_ms_per_1k']:10.1f}"
