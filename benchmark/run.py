@@ -186,6 +186,14 @@ class Dist:
                                     timeout=datetime.timedelta(minutes=60))
 
     @property
+    def device(self) -> torch.device:
+        """Where the model trains: this rank's GPU when CUDA is available (as the peer's
+        benchmark trains), else the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.world.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    @property
     def is_main(self) -> bool:
         return self.world.rank == 0
 
@@ -384,7 +392,8 @@ def build_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, d
                   persistent_workers=setup.persistent_workers)
     data.loader = torch.utils.data.DataLoader(data.dataset, batch_size=setup.batch_size,
                                               sampler=data.sampler, num_workers=setup.workers,
-                                              drop_last=False, **kw)
+                                              drop_last=False,
+                                              pin_memory=torch.cuda.is_available(), **kw)
     return data
 
 
@@ -392,9 +401,11 @@ def train_epochs(opts: Options, setup: Setup, data: ConfigData, dw: Dist,
                  say: Callable[[str], None]) -> list[dict[str, Any]]:
     """Train a new model ``opts.epochs`` epochs on ``data``; return one row per epoch (the same
     on every rank) and add every rank's measurements to ``data.info["per_rank"]``."""
-    model: nn.Module = SmallCNN(opts.num_classes)
+    device = dw.device
+    model: nn.Module = SmallCNN(opts.num_classes).to(device)
     if dw.enabled:
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     cache, sampler, label = data.cache, data.sampler, data.columns.spec.label
@@ -404,7 +415,8 @@ def train_epochs(opts: Options, setup: Setup, data: ConfigData, dw: Dist,
             sampler.set_epoch(epoch - 1)
         s0 = cache.stats() if cache is not None else None  # nothing runs between epochs
         dw.barrier()
-        elapsed, wait, seen, hits, loss, cpu = _train_epoch(data.loader, model, opt, loss_fn)
+        elapsed, wait, seen, hits, loss, cpu = _train_epoch(data.loader, model, opt, loss_fn,
+                                                            device)
         dw.barrier()
         delta = None
         if cache is not None:
@@ -523,7 +535,8 @@ def _cpu_between(a: tuple[float, dict[int, float]], b: tuple[float, dict[int, fl
 
 
 def _train_epoch(loader: torch.utils.data.DataLoader, model: nn.Module,
-                 opt: torch.optim.Optimizer, loss_fn: nn.Module
+                 opt: torch.optim.Optimizer, loss_fn: nn.Module,
+                 device: torch.device = torch.device("cpu")
                  ) -> tuple[float, float, int, int, float, float]:
     """One epoch. Returns (seconds, seconds waiting in ``next(loader)``, samples, samples that
     came from the cache, mean loss, CPU seconds). The epoch starts at ``iter(loader)`` (worker
@@ -545,6 +558,8 @@ def _train_epoch(loader: torch.utils.data.DataLoader, model: nn.Module,
             x, y, hit = next(it)
         except StopIteration:
             break
+        if device.type != "cpu":  # (pinned by the DataLoader: the copies overlap)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         wait += time.perf_counter() - tw
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
