@@ -369,3 +369,16 @@ def test_the_prefetchers_batches_are_its_order_in_lists(cache, shm_dir):
         two.batches(0)
     two.close()
     other.close()
+
+
+@pytest.mark.timeout(120)
+def test_loader_processes_load_the_misses(cache):
+    """processes=1: the misses are loaded ahead by a loader process (fork), stored in the
+    segment, and gathered by the loader like the rest."""
+    with DeviceLoader(cache, seeded(seed=4), load, batch_size=8, processes=1, threads=2,
+                      multiprocessing_context="fork") as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            assert sorted(read_epoch(loader)) == list(range(N))
+        assert loader.prefetcher.loaded >= N
+    assert cache.stats()["staged"] == 0
