@@ -337,8 +337,11 @@ class DeviceLoader:
         self._gather, self.path = self._choose_gather(register)
         # One thread for the loader's life gathers every batch (it runs an epoch at a time).
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="stocaching-gather")
-        self._epoch_drawn: int | None = None  # indices of this epoch taken by the producer
-        self._yielded = 0  # indices of this epoch in batches handed to the caller
+        # The position in the epoch: its indices in the batches handed out by the latest
+        # iterator (None before one of this epoch started): kept when an iterator is left
+        # early, since the batches gathered ahead were never handed out.
+        self._position: int | None = None
+        self._epoch: int | None = None
         self._closed = False
 
     def _choose_gather(self, register: bool) -> tuple[Any, str]:
@@ -363,6 +366,9 @@ class DeviceLoader:
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the prefetcher, and so to the sampler."""
         self.prefetcher.set_epoch(epoch)
+        if epoch != self._epoch:  # (the same epoch again keeps the position)
+            self._position = None
+        self._epoch = epoch
 
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
         """The epoch's batches: ``(batch, indices)``, both on the device; ``batch`` is a
@@ -374,7 +380,7 @@ class DeviceLoader:
         start = self.prefetcher.position
         out: queue.Queue = queue.Queue(self.depth)
         stop = threading.Event()
-        self._yielded, self._epoch_drawn = start, start
+        self._position = start
         for _ in range(self.depth + 1):  # the first batches' tensors, made here
             self._gather.replenish()
         producing = self._thread.submit(self._produce, order, out, stop)
@@ -392,7 +398,7 @@ class DeviceLoader:
                     stream.wait_event(ready)
                     for t in _tensors(batch, indices):
                         t.record_stream(stream)
-                self._yielded += len(indices)
+                self._position += len(indices)
                 yield batch, indices
         finally:
             stop.set()
@@ -402,7 +408,6 @@ class DeviceLoader:
                 except queue.Empty:
                     pass
             order.close()  # the prefetcher gives back what it staged and was never read
-            self._epoch_drawn = None
 
     def _produce(self, order: Iterator[list[int]], out: queue.Queue, stop: threading.Event
                  ) -> None:
@@ -411,7 +416,6 @@ class DeviceLoader:
             with self._gather.context():
                 for ids in order:
                     idx = np.array(ids, dtype=np.int64)
-                    self._epoch_drawn += idx.size
                     # Gathered even when it is not handed over (the epoch stopped, or a last
                     # batch dropped): the gather frees the staged samples it reads.
                     batch, hit = self._gather.gather(idx)
@@ -469,13 +473,14 @@ class DeviceLoader:
         """The position in the current epoch (the samples of the batches handed out so far),
         as the prefetcher's state: ``load_state_dict`` on a new loader continues the epoch
         with the next batch."""
-        if self._epoch_drawn is None:  # no epoch under way: the prefetcher's own position
+        if self._position is None:  # no iterator of this epoch: the prefetcher knows
             return self.prefetcher.state_dict()
-        return self.prefetcher.state_dict(consumed=self._yielded)
+        return self.prefetcher.state_dict(consumed=self._position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``, a dict from ``state_dict()``."""
         self.prefetcher.load_state_dict(state)
+        self._position = None
 
     def close(self) -> None:
         """Stop the prefetcher's loads, the loader's thread, and end the registration of the

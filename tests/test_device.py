@@ -136,14 +136,20 @@ def test_the_package_samplers(cache, sampler_kind):
             assert sorted(seen) == list(range(N))
 
 
-def test_a_resume_continues_the_epoch_exactly(cache):
+@pytest.mark.parametrize("saved", ["in_the_loop", "after_leaving_it"])
+def test_a_resume_continues_the_epoch_exactly(cache, saved):
+    """The state is the position of the batches handed out, not of those gathered ahead,
+    also once the loop was left (the loader's thread had gathered more by then)."""
     first = DeviceLoader(cache, seeded(seed=5), load, batch_size=6, threads=2)
     first.set_epoch(1)
     it, got = iter(first), []
     for _ in range(3):
         got += next(it)[1].tolist()
-    state = first.state_dict()
+    if saved == "in_the_loop":
+        state = first.state_dict()
     it.close()
+    if saved == "after_leaving_it":
+        state = first.state_dict()
     first.close()
     again = DeviceLoader(cache, seeded(seed=5), load, batch_size=6, threads=2)
     again.load_state_dict(state)
