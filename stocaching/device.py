@@ -31,9 +31,9 @@ from __future__ import annotations
 __all__ = ["DeviceLoader"]
 
 import logging
-import math
 import queue
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +50,65 @@ except ImportError:  # pragma: no cover - the copied-files layout
     from stocaching import SharedCache, SlotState, check_int  # type: ignore[no-redef]
 
 logger = logging.getLogger("stocaching")
+
+# -- the gathers: gather(indices) -> (batch, confirmed rows), one interface ----------------
+
+def _empty_batch(cache: SharedCache, n: int, pin: bool = False) -> Any:
+    row = cache.get_batch([])[0]  # an empty batch of the cache's dims and dtype(s)
+    if isinstance(row, Mapping):
+        return {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                for name, t in row.items()}
+    return torch.empty((n, *row.shape[1:]), dtype=row.dtype, pin_memory=pin)
+
+
+def _rows_of(batch: Any, n: int) -> Any:
+    if isinstance(batch, Mapping):
+        return {name: t[:n] for name, t in batch.items()}
+    return batch[:n]
+
+class _HostGather:
+    """``get_batch`` into new tensors (a CPU device): each batch is the caller's to keep.
+
+    The tensors are made by the caller's thread (``replenish``), which is also where they are
+    freed: made in the loader's thread and freed in another, each batch's memory came back
+    from the kernel page by page (the thread's malloc arena gives freed memory back), 160 us
+    for a 192 KiB batch, more than gathering it."""
+
+    rereads = True
+
+    def __init__(self, cache: SharedCache, batch_size: int) -> None:
+        self.cache, self.batch_size = cache, batch_size
+        self.blanks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def context(self) -> Any:
+        return _no_context
+
+    def replenish(self) -> None:
+        self.blanks.put(_empty_batch(self.cache, self.batch_size))
+
+    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+        try:
+            blank = self.blanks.get_nowait()
+        except queue.Empty:
+            blank = _empty_batch(self.cache, self.batch_size)
+        batch, hit = self.cache.get_batch(idx, out=_rows_of(blank, len(idx)))
+        return batch, hit.numpy()
+
+    def ready(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+class _NoContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_no_context = _NoContext()
 
 
 # -- the CUDA part: register the segment, view it from the device, gather on a side stream --
@@ -136,7 +195,6 @@ def _contiguous(batch: Any) -> Any:
         return {n: t.contiguous() for n, t in batch.items()}
     return batch.contiguous()
 
-
 class _PinnedGather:
     """``get_batch`` into pinned buffers, then an asynchronous copy to the GPU on a side
     stream: the path where the segment cannot be registered. A buffer is reused only once
@@ -177,80 +235,19 @@ class _PinnedGather:
     def close(self) -> None:
         self.buffers = []
 
-
-def _empty_batch(cache: SharedCache, n: int, pin: bool = False) -> Any:
-    row = cache.get_batch([])[0]  # an empty batch of the cache's dims and dtype(s)
-    if isinstance(row, Mapping):
-        return {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-                for name, t in row.items()}
-    return torch.empty((n, *row.shape[1:]), dtype=row.dtype, pin_memory=pin)
-
-
-def _rows_of(batch: Any, n: int) -> Any:
-    if isinstance(batch, Mapping):
-        return {name: t[:n] for name, t in batch.items()}
-    return batch[:n]
-
-
 def _to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {name: t.to(device, non_blocking=True) for name, t in batch.items()}
     return batch.to(device, non_blocking=True)
 
+# -- the loader -------------------------------------------------------------------------
 
-# -- the part every device walks: batches, misses, the producer thread, state ---------------
-
-class _HostGather:
-    """``get_batch`` into new tensors (a CPU device): each batch is the caller's to keep.
-
-    The tensors are made by the caller's thread (``replenish``), which is also where they are
-    freed: made in the loader's thread and freed in another, each batch's memory came back
-    from the kernel page by page (the thread's malloc arena gives freed memory back), 160 us
-    for a 192 KiB batch, more than gathering it."""
-
-    rereads = True
-
-    def __init__(self, cache: SharedCache, batch_size: int) -> None:
-        self.cache, self.batch_size = cache, batch_size
-        self.blanks: queue.SimpleQueue = queue.SimpleQueue()
-
-    def context(self) -> Any:
-        return _no_context
-
-    def replenish(self) -> None:
-        self.blanks.put(_empty_batch(self.cache, self.batch_size))
-
-    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
-        try:
-            blank = self.blanks.get_nowait()
-        except queue.Empty:
-            blank = _empty_batch(self.cache, self.batch_size)
-        batch, hit = self.cache.get_batch(idx, out=_rows_of(blank, len(idx)))
-        return batch, hit.numpy()
-
-    def ready(self) -> None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class _NoContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_no_context = _NoContext()
 _END = object()  # the producer's last item of an epoch
 
 
 class _Failure:
     def __init__(self, error: BaseException) -> None:
         self.error = error
-
 
 class DeviceLoader:
     """Batches of a :class:`SharedCache`'s samples, gathered by the training process and
@@ -349,8 +346,12 @@ class DeviceLoader:
             return _HostGather(self.cache, self.batch_size), "cpu"
         why = "register=False"
         if register:
+            t0 = time.perf_counter()
             view, why = _register(self.cache.rows, self.device)
             if view is not None:
+                logger.info("stocaching: the DeviceLoader's GPU (%s) reads the cache's segment "
+                            "itself: %.1f MiB registered in %.3f s", self.device,
+                            view.numel() / 2**20, time.perf_counter() - t0)
                 return _DeviceGather(self.cache, view, self.device), "cuda"
             warnings.warn(f"stocaching: the cache's segment could not be registered with CUDA "
                           f"({why}); batches go through pinned buffers instead, at the CPU's "
