@@ -222,6 +222,9 @@ class _Epoch:
         # length: its length hint tells how many it has handed out.
         self.chunk: tuple[int, int, Iterator[int]] = (start, 0, iter(()))
         self.base_state = base_state           # the base's state at the epoch's start
+        # The state of the base's generator at the epoch's start and after its draw (None:
+        # no generator, or not known).
+        self.generators: tuple[bytes | None, bytes | None] = (None, None)
         self.mask = mask                       # fixed: ready bits seen at the epoch's start
         self._digest: str | None = None
         self.owner = object()                  # the iterator that may yield from it
@@ -257,6 +260,56 @@ class _Epoch:
 def _digest(indices: np.ndarray) -> str:
     return hashlib.blake2b(indices.astype("<i8", copy=False).tobytes(),
                            digest_size=16).hexdigest()
+
+
+# A base that draws each epoch from a torch.Generator of its own (RandomSampler,
+# SubsetRandomSampler, WeightedRandomSampler with generator=...) gives as epoch k the generator's
+# k-th draw: its order is a function of the generator's state, not of a seed and an epoch
+# number, and a fresh sampler made with the same seed gives the first epoch's order again. A
+# resume therefore restores the generator's state: the one at the epoch's start (the epoch is
+# drawn again and the generator ends where it did), or, when the resumed epoch is not iterated
+# again (set_epoch of another epoch discards the position), the one after the epoch's draw.
+# States saved before these fields existed lack them: nothing is restored then.
+_GENERATOR_FIELDS = ("generator", "generator_after")
+
+
+def _generator_of(base: Any) -> torch.Generator | None:
+    """The ``torch.Generator`` the base order draws its epochs from, or None."""
+    generator = getattr(base, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+def _generator_state(base: Any) -> bytes | None:
+    """The state of the base's generator now, or None if it has none."""
+    generator = _generator_of(base)
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+def _checked_generator_state(base: Any, state: Mapping[str, Any], field: str
+                             ) -> torch.Tensor | None:
+    """``state[field]`` (a ``_generator_state``; None or absent: nothing to restore) as the
+    state of the base's generator; a ValueError where it cannot be one."""
+    value = state.get(field)
+    if value is None:
+        return None
+    generator = _generator_of(base)
+    if generator is None:
+        raise ValueError(f"state['{field}'] is the state of the base sampler's generator, but "
+                         f"this base sampler ({type(base).__name__}) has no torch.Generator: "
+                         f"make it as it was saved, with generator=torch.Generator()")
+    size = generator.get_state().numel()
+    if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else \
+            f"type {type(value).__name__}"
+        raise ValueError(f"state['{field}'] should be the {size} bytes of the state of the base "
+                         f"sampler's generator, but got {got}")
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+
+
+def _set_generator_state(base: Any, value: torch.Tensor | None) -> None:
+    """Set the base's generator to ``value`` (from ``_checked_generator_state``), if any."""
+    if value is not None:
+        _generator_of(base).set_state(value)  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,6 +534,9 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                 warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
                               f"epoch {self.epoch} ({self._loaded['consumed']} of "
                               f"{self._loaded['len']} indices consumed)", stacklevel=2)
+            # The loaded epoch is not drawn again: its base goes on from after it.
+            _set_generator_state(self.base, _checked_generator_state(
+                self.base, self._loaded, "generator_after"))  # (checked when loaded)
             self._loaded = None
         set_base = getattr(self.base, "set_epoch", None)
         if set_base is not None:
@@ -524,8 +580,11 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         if spare is not None and self._loaded is not None and spare.size == n and \
                 _digest(spare) == self._loaded["order_digest"]:
             indices = spare  # the order the state continues, taken before it was loaded
+            generators = (None, _generator_state(self.base))  # its start is not known
         else:
+            before = _generator_state(self.base)
             indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, once
+            generators = (before, _generator_state(self.base))
         if indices.size != n:
             raise ValueError(f"base should yield len(base)={n} indices per epoch, but it "
                              f"yielded {indices.size}; if the base sampler was resumed on its "
@@ -533,6 +592,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         if self._cache is not None:
             _check_in_range("base", indices, self._cache.dataset_len)
         ep = self._start(indices, base_state)
+        ep.generators = generators
         self._ep = ep
         if self.mode == "fixed":
             logger.debug("epoch %d: %d indices from step %d, %.1f%% ready at the start, order "
@@ -557,9 +617,12 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             ``epoch``, ``consumed``, ``window``, ``mode``, ``len``, ``base`` (the base
             sampler's state at the epoch's start, or None), ``order_digest`` (a fingerprint of
             the epoch's base order), ``emitted`` (packed bits: which base positions in
-            ``[consumed - W, consumed + W]`` were already emitted) and ``ready`` (fixed mode:
+            ``[consumed - W, consumed + W]`` were already emitted), ``ready`` (fixed mode:
             packed ready bits seen at the epoch's start, from base position
-            ``consumed - W`` on).
+            ``consumed - W`` on), and, for a base that draws its epochs from a
+            ``torch.Generator`` (``RandomSampler(generator=...)``), ``generator`` and
+            ``generator_after``: that generator's state at the epoch's start and after the
+            epoch's order was drawn (bytes; None where there is none, or before the draw).
         """
         n = len(self)
         if consumed is not None:
@@ -585,6 +648,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         W = self.window
         lo, hi = max(0, consumed - W), min(n, consumed + W + 1)
         state = self._state(consumed, ep.base_state)
+        state["generator"], state["generator_after"] = ep.generators
         state["order_digest"] = ep.digest
         state["emitted"] = np.packbits(ep.emitted_before(consumed, lo, hi)).tobytes()
         if self.mode == "fixed":
@@ -595,9 +659,13 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         """Continue from ``state``: the next iterator yields the rest of its epoch.
 
         ``window``, ``mode`` and ``len`` must match; the base sampler's state is loaded into
-        the base sampler (or, without ``load_state_dict``, its epoch is set), and the next
-        iterator checks that the base order is the one the state was saved from. Nothing is
-        changed when the state is refused.
+        the base sampler (or, without ``load_state_dict``, its epoch is set), its generator
+        (if the state has one) is set to its state at the epoch's start, and the next
+        iterator checks that the base order is the one the state was saved from. If
+        ``set_epoch`` of another epoch discards the position instead, the generator is set to
+        its state after the saved epoch, so later epochs are those of an uninterrupted run.
+        Nothing is changed when the state is refused. States without the ``generator``
+        fields (saved by an older version) load; their generator is left as it is.
 
         Args:
             state: a dict from ``state_dict()`` of a sampler of the same rank.
@@ -606,7 +674,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             raise TypeError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
                             f"got {type(state).__name__}")
         mine = self._state(0, None)
-        missing = sorted(set(mine) - set(state))
+        missing = sorted(set(mine) - set(state) - set(_GENERATOR_FIELDS))
         if missing:
             raise ValueError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
                              f"it lacks {missing}")
@@ -638,16 +706,20 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                     raise ValueError(f"state['{field}'] should be {size} bytes of packed bits "
                                      f"for consumed={consumed}, window={self.window}, "
                                      f"len={n}, but got {got}")
+        generator = _checked_generator_state(self.base, state, "generator")
+        _checked_generator_state(self.base, state, "generator_after")
         if state["base"] is not None and hasattr(self.base, "load_state_dict"):
             self.base.load_state_dict(state["base"])  # may refuse; ours is unchanged then
         elif hasattr(self.base, "set_epoch"):
             self.base.set_epoch(epoch)
+        _set_generator_state(self.base, generator)
         self.epoch = epoch
         # The base order that an iterator which never yielded took: a base whose order
-        # depends on how often it was iterated (RandomSampler with a generator) would give
-        # another one if iterated again.
+        # depends on how often it was iterated (RandomSampler with a generator whose state
+        # the state does not carry) would give another one if iterated again.
         ep = self._ep
-        self._spare = ep.indices if ep is not None and ep.done == ep.start else None
+        self._spare = ep.indices if ep is not None and ep.done == ep.start and \
+            generator is None else None
         self._ep = None
         self._loaded = loaded if started else None
 
@@ -656,7 +728,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     def _state(self, consumed: int, base_state: Any) -> dict[str, Any]:
         return {"epoch": self.epoch, "consumed": consumed, "window": self.window,
                 "mode": self.mode, "len": len(self), "base": base_state,
-                "order_digest": None, "emitted": None, "ready": None}
+                "order_digest": None, "emitted": None, "ready": None,
+                "generator": _generator_state(self.base), "generator_after": None}
 
     def _base_state(self) -> Any:
         """The base sampler's state now, positioned at the start of its epoch when its
@@ -1143,6 +1216,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
                               f"epoch {loaded['epoch']} ({loaded['consumed']} of "
                               f"{loaded['len']} indices consumed)", stacklevel=2)
+            if loaded is not None:  # the loaded epoch is not drawn again: go on from after it
+                _set_generator_state(self._tap.base, _checked_generator_state(
+                    self._tap.base, loaded, "generator_after"))  # (checked when loaded)
         self._epoch = epoch
 
     @property
@@ -1161,10 +1237,16 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         (its state); without one, to a base whose ``state_dict`` takes ``consumed``
         (``CacheAwareSampler``, ``WeightedMixtureSampler``: the state is the base's). Any
         other base gets the prefetcher's own state: ``epoch``, ``consumed``, ``len``,
-        ``base`` (the base's ``state_dict()`` at the epoch's start, or None) and
-        ``order_digest`` (a fingerprint of the epoch's base order); a resume takes the base's
-        epoch again and skips ``consumed`` indices, and refuses (``ValueError``) a base order
-        that differs, so the base's order must be a function of its seed and epoch.
+        ``base`` (the base's ``state_dict()`` at the epoch's start, or None),
+        ``order_digest`` (a fingerprint of the epoch's base order), and ``generator`` and
+        ``generator_after`` (for a base that draws its epochs from a ``torch.Generator``, as
+        ``RandomSampler(generator=...)`` does: its state at the epoch's start and after the
+        epoch's order was drawn, bytes; else None). A resume sets the generator to its state
+        at the epoch's start, takes the base's epoch again and skips ``consumed`` indices
+        (the generator then ends where it did, so later epochs are the uninterrupted run's;
+        ``set_epoch`` of another epoch instead sets it to its state after the saved epoch),
+        and refuses (``ValueError``) a base order that differs: the base's order must be a
+        function of its seed and epoch, or of its generator's state.
 
         Args:
             consumed: indices of this epoch that were used. Default: the number the latest
@@ -1194,7 +1276,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     # A base that cannot record a position (no state_dict(consumed=...)), without a window:
     # the prefetcher's own state says how many indices of the epoch's base order were used,
     # with a fingerprint of that order, and a resume takes the base's epoch again and skips
-    # them (the base's epoch must be reproducible: seeded, set_epoch; another order is refused).
+    # them (the base's epoch must be reproducible: seeded, set_epoch, or its generator's state
+    # restored, see _generator_of; another order is refused). The generator fields are not
+    # required: older states lack them.
     _SKIP_FIELDS = ("epoch", "consumed", "len", "base", "order_digest")
 
     def _skip_state(self, consumed: int | None) -> dict[str, Any]:
@@ -1212,9 +1296,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 raise ValueError(f"consumed should be 0: no iterator of this epoch has run, "
                                  f"but got consumed={consumed}")
             return {"epoch": self._epoch, "consumed": 0, "len": n,
-                    "base": self._tap.state_now(), "order_digest": None}
+                    "base": self._tap.state_now(), "order_digest": None,
+                    "generator": _generator_state(self._tap.base), "generator_after": None}
+        before, after = self._tap.generators
         return {"epoch": self._epoch, "consumed": consumed, "len": n,
-                "base": self._tap.start_state, "order_digest": self._tap.digest}
+                "base": self._tap.start_state, "order_digest": self._tap.digest,
+                "generator": before, "generator_after": after}
 
     def _load_skip_state(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping):
@@ -1238,10 +1325,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             raise ValueError(f"state['order_digest'] should be a str for consumed={consumed}, "
                              f"but got state['order_digest']={digest!r}")
         base = self._tap.base
+        generator = _checked_generator_state(base, state, "generator")
+        _checked_generator_state(base, state, "generator_after")
         if state["base"] is not None and hasattr(base, "load_state_dict"):
             base.load_state_dict(state["base"])
         elif epoch is not None and hasattr(base, "set_epoch"):
             base.set_epoch(epoch)
+        _set_generator_state(base, generator)
         self._skip_loaded = dict(state, consumed=consumed, epoch=epoch) if digest else None
 
     def __iter__(self) -> Iterator[int]:
@@ -1647,6 +1737,9 @@ class _Tap:
         except (TypeError, ValueError):
             self.positional = False
         self.start_state: Any = None
+        # The state of its generator (see _generator_of) before and after the latest epoch's
+        # order was drawn.
+        self.generators: tuple[bytes | None, bytes | None] = (None, None)
         self._digest: str | None = None
         # Under accelerate's prepare(): the positions of the epoch this process reads (bool),
         # which alone it passes on; the whole epoch's order; whether take() has listed an
@@ -1661,7 +1754,9 @@ class _Tap:
     def take(self) -> None:
         """List the base's epoch now; the next ``__iter__`` passes it on."""
         self.start_state = self.state_now()
+        before = _generator_state(self.base)
         order = np.asarray(list(self.base), dtype=np.int64)
+        self.generators = (before, _generator_state(self.base))
         _check_in_range("sampler", order, self.dataset_len)
         if self.keep is not None and order.size != self.keep.size:
             raise ValueError(f"sampler should yield len(sampler)={self.keep.size} indices per "

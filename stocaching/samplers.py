@@ -361,7 +361,9 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         return self._it_start + self._it_len - self._it.__length_hint__()  # type: ignore
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
-        """The position in the current epoch, with everything that fixes the order.
+        """The position in the current epoch, with everything that fixes the order: the
+        global order's fields, this rank's place, and the cache layout the epoch was routed
+        over (``num_nodes``, ``slots``, ``layout_seed``, ``random_subset``).
 
         Args:
             consumed: indices of this epoch this rank has used. Default: the number the
@@ -378,6 +380,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 "num_nodes": layout.num_nodes if layout is not None else 1,
                 "slots": layout.slots if layout is not None else 0,
                 "layout_seed": layout.seed if layout is not None else 0,
+                "random_subset": layout.random_subset if layout is not None else False,
                 "order": self._order_state()}
 
     def _order_state(self) -> Any:
@@ -389,8 +392,10 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
 
         The fields that fix the global batches (seed, shuffle, drop_last, dataset_len,
         num_replicas, batch_size) must match. The node layout (local_world_size, num_nodes,
-        slots, layout_seed) may differ when ``consumed`` is at a batch boundary: then only the
-        split of the remaining global batches over ranks changes. ``rank`` is not checked.
+        slots, layout_seed, random_subset: a cache made differently) may differ when
+        ``consumed`` is at a batch boundary: then only the split of the remaining global
+        batches over ranks changes. ``rank`` is not checked. A state saved before
+        ``random_subset`` was recorded loads without that check.
         With an ``order``, its saved state is loaded into it (a ``WeightedMixtureSampler``
         checks its own fields, and finishes the saved epoch with the saved weights).
 
@@ -401,7 +406,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             raise TypeError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
                             f"got {type(state).__name__}")
         mine = self.state_dict()
-        missing = sorted(set(mine) - set(state) - {"order"})
+        missing = sorted(set(mine) - set(state) - {"order", "random_subset"})
         if missing:
             raise ValueError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
                              f"it lacks {missing}")
@@ -409,10 +414,10 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                               high=self.num_samples)
         at_boundary = consumed % self.batch_size == 0 or consumed == self.num_samples
         layout_fields = () if at_boundary else ("local_world_size", "num_nodes", "slots",
-                                                "layout_seed")
+                                                "layout_seed", "random_subset")
         for field in ("seed", "shuffle", "drop_last", "dataset_len", "num_replicas",
                       "batch_size", *layout_fields):
-            if state[field] != mine[field]:
+            if field in state and state[field] != mine[field]:  # (older: no random_subset)
                 raise ValueError(f"state['{field}'] should be this sampler's {field}="
                                  f"{mine[field]!r}, but got state['{field}']={state[field]!r}; "
                                  f"the rest of the epoch would differ")
@@ -473,7 +478,8 @@ class _AccelerateOrder(torch.utils.data.Sampler[int]):
 class _JoinedLayout:
     """The node layouts of several caches side by side: one layout over the concatenation of
     their datasets (a ``MixtureDataset``'s ``caches``; a sub-dataset without a cache is cached
-    on no node). ``slots`` and ``seed`` are lists, one entry per cache (0 without one)."""
+    on no node). ``slots``, ``seed`` and ``random_subset`` are lists, one entry per cache (0 or
+    False without one)."""
 
     def __init__(self, caches: Any, lengths: Any) -> None:
         layouts = []
@@ -501,6 +507,7 @@ class _JoinedLayout:
         self.dataset_len = sum(self.lengths)
         self.slots = [0 if x is None else x.slots for x in layouts]
         self.seed = [0 if x is None else x.seed for x in layouts]
+        self.random_subset = [False if x is None else x.random_subset for x in layouts]
 
     def owner_rows(self) -> Iterator[np.ndarray]:
         rows = [None if x is None else x.owner_rows() for x in self.layouts]

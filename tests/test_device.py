@@ -162,6 +162,43 @@ def test_a_resume_continues_the_epoch_exactly(cache, saved):
     full.close()
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_epochs_after_a_resumed_one_are_an_uninterrupted_runs(cache, window):
+    """Over a RandomSampler whose epoch k is its seeded generator's k-th draw: stopped after 3
+    batches of epoch 1, resumed in a new loader and sampler, epochs 1 and 2 are the
+    uninterrupted run's."""
+    for i in range(N):  # ready at each epoch's start: the same in every run, and so the order
+        cache.set_slot(i, load(i))
+
+    def loader() -> DeviceLoader:
+        return DeviceLoader(cache, seeded(seed=5), load, batch_size=6, threads=2, window=window)
+
+    def epochs(of: DeviceLoader, first: int, stop: int) -> list[list[int]]:
+        out = []
+        for epoch in range(first, stop):
+            of.set_epoch(epoch)
+            out.append(read_epoch(of))
+        return out
+
+    with loader() as full:
+        whole = epochs(full, 0, 3)
+    with loader() as first:
+        got = epochs(first, 0, 1)
+        first.set_epoch(1)
+        it, head = iter(first), []
+        for _ in range(3):
+            head += next(it)[1].tolist()
+        state = first.state_dict()
+        it.close()
+    with loader() as again:
+        again.load_state_dict(state)
+        again.set_epoch(1)
+        got.append(head + read_epoch(again))
+        got += epochs(again, 2, 3)
+    assert all(sorted(epoch) == list(range(N)) for epoch in got)
+    assert got == whole
+
+
 def test_an_epoch_left_early_gives_back_its_staging_slots(cache):
     loader = DeviceLoader(cache, seeded(), load, batch_size=4, threads=4)
     it = iter(loader)

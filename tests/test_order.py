@@ -309,7 +309,8 @@ def test_state_dict_defaults_to_what_the_iterator_yielded():
     state = s.state_dict()
     assert state["consumed"] == 7
     assert set(state) == {"epoch", "consumed", "window", "mode", "len", "base", "order_digest",
-                          "emitted", "ready"}
+                          "emitted", "ready", "generator", "generator_after"}
+    assert state["generator"] is None and state["generator_after"] is None  # a list has none
     assert len(state["emitted"]) == math.ceil((2 * 4 + 1) / 8)
     assert len(state["ready"]) == math.ceil((30 - 3) / 8)  # from position consumed - W on
 
@@ -419,6 +420,43 @@ def test_malformed_state_is_refused(change, match):
         t.load_state_dict(change(s.state_dict()))
     with pytest.raises(TypeError, match="state should be a dict"):
         t.load_state_dict([1, 2])
+
+
+def seeded_random(n: int = 30, seed: int = 0) -> RandomSampler:
+    return RandomSampler(range(n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("base, change, match", [
+    (seeded_random, lambda s: dict(s, generator=b"x"),
+     "state\\['generator'\\] should be the \\d+ bytes of the state of the base sampler's "
+     "generator, but got 1 bytes"),
+    (seeded_random, lambda s: dict(s, generator_after=7), "but got type int"),
+    (lambda: RandomSampler(range(30)), lambda s: s,
+     "this base sampler \\(RandomSampler\\) has no torch.Generator"),
+])
+def test_a_generator_state_that_cannot_be_restored_is_refused(base, change, match):
+    s = ReadyFirstSampler(seeded_random(), from_set(set()), window=4)
+    s.set_epoch(1)
+    it = iter(s)
+    next(it)
+    t = ReadyFirstSampler(base(), from_set(set()), window=4)
+    with pytest.raises(ValueError, match=match):
+        t.load_state_dict(change(s.state_dict()))
+    assert t.epoch == 0  # nothing changed
+
+
+def test_a_state_without_the_generator_fields_loads_as_before():
+    """States saved before the generator fields existed: nothing is restored, and the rest of
+    an epoch whose order the fresh generator gives again (the first) continues exactly."""
+    s = ReadyFirstSampler(seeded_random(), from_set({1, 5}), window=4)
+    whole = list(s)
+    s = ReadyFirstSampler(seeded_random(), from_set({1, 5}), window=4)
+    it = iter(s)
+    head = [next(it) for _ in range(11)]
+    old = {k: v for k, v in s.state_dict().items() if not k.startswith("generator")}
+    t = ReadyFirstSampler(seeded_random(), from_set({1, 5}), window=4)
+    t.load_state_dict(old)
+    assert head + list(t) == whole
 
 
 def test_consumed_beyond_what_is_known_is_refused():

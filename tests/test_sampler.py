@@ -425,6 +425,32 @@ def test_cache_layout_may_change_only_at_a_batch_boundary():
         sampler(100).load_state_dict(sampler(300).state_dict(consumed=17))
 
 
+def test_a_cache_made_with_another_random_subset_is_refused_mid_batch():
+    """The layout's identity includes random_subset (a cache made differently): refused where
+    the other layout fields are, mid-batch, naming the field and both values."""
+    def sampler(random_subset):
+        return CacheAwareSampler(CacheLayout(1000, 300, random_subset=random_subset), 2, 0,
+                                 batch_size=8, local_world_size=2)
+
+    state = sampler(True).state_dict(consumed=17)
+    assert state["random_subset"] is True
+    with pytest.raises(ValueError, match=r"state\['random_subset'\] should be this sampler's "
+                                         r"random_subset=False, but got "
+                                         r"state\['random_subset'\]=True"):
+        sampler(False).load_state_dict(state)
+    sampler(False).load_state_dict(sampler(True).state_dict(consumed=16))  # a batch boundary
+
+
+def test_a_state_saved_without_random_subset_loads_unchecked():
+    s = CacheAwareSampler(CacheLayout(1000, 300, random_subset=True), 2, 0, batch_size=8,
+                          local_world_size=2)
+    s.set_epoch(2)
+    old = {k: v for k, v in s.state_dict(consumed=17).items() if k != "random_subset"}
+    fresh = CacheAwareSampler(CacheLayout(1000, 300), 2, 0, batch_size=8, local_world_size=2)
+    fresh.load_state_dict(old)
+    assert list(fresh) == s.epoch_indices(2).tolist()[17:]
+
+
 def test_set_epoch_after_load_to_another_epoch_warns():
     s = CacheAwareSampler(CacheLayout(100, 10), 1, 0, batch_size=4)
     s.load_state_dict({**s.state_dict(), "consumed": 8, "epoch": 2})

@@ -156,3 +156,72 @@ def test_a_replaced_ready_first_iterator_refuses_to_run(shm_dir):
     assert next(new) == 0
     with pytest.raises(RuntimeError, match="replaced by a newer one"):
         next(old)
+
+
+# ----------------------------------------------------------------------------------------------
+# A resume that spans epochs: the epochs after the resumed one are an uninterrupted run's
+# ----------------------------------------------------------------------------------------------
+
+EPOCHS = 3
+
+
+def filled_cache(shm_dir, name):
+    """A cache whose slots are all set before the first epoch: what is ready at each epoch's
+    start is then the same in every run, and so is a window's order."""
+    cache = make_cache(shm_dir, name)
+    for i in range(N):
+        cache.set_slot(i, value_of(i))
+    return cache
+
+
+# name -> order(cache); each one's base draws its epochs from one seeded generator, so epoch e's
+# order depends on the epochs drawn before it.
+ACROSS = {
+    "Prefetcher(RandomSampler)": lambda c: Prefetcher(seeded_random(range(N)), c, value_of,
+                                                      threads=2),
+    "Prefetcher(RandomSampler, window)": lambda c: Prefetcher(
+        seeded_random(range(N)), c, value_of, window=BATCH, threads=2),
+    "ReadyFirstSampler(RandomSampler)": lambda c: ReadyFirstSampler(seeded_random(range(N)), c,
+                                                                    window=BATCH),
+}
+
+
+def epochs_of(order, first: int, stop: int) -> list[list[int]]:
+    out = []
+    for epoch in range(first, stop):
+        order.set_epoch(epoch)
+        out.append(list(order))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop_at", [37, N])
+@pytest.mark.parametrize("stopped_in", [0, 1])
+@pytest.mark.parametrize("name", list(ACROSS))
+def test_the_epochs_after_a_resumed_one_are_an_uninterrupted_runs(shm_dir, name, stopped_in,
+                                                                  stop_at):
+    """Stopped after ``stop_at`` indices of epoch ``stopped_in``, resumed in a new order object
+    from its state: that epoch and every later one are the uninterrupted run's, each index once
+    per epoch. A finished epoch (``stop_at=N``) is not iterated again: the loop goes on with
+    set_epoch of the next, which discards the loaded position."""
+    whole = epochs_of(ACROSS[name](filled_cache(shm_dir, "whole")), 0, EPOCHS)
+
+    order = ACROSS[name](filled_cache(shm_dir, "first"))
+    got = epochs_of(order, 0, stopped_in)
+    order.set_epoch(stopped_in)
+    it = iter(order)
+    head = [next(it) for _ in range(stop_at)]
+    state = order.state_dict()
+    it.close()
+    del it, order
+
+    again = ACROSS[name](filled_cache(shm_dir, "resumed"))
+    again.load_state_dict(state)
+    if stop_at < N:
+        again.set_epoch(stopped_in)
+        head += list(again)
+    got.append(head)
+    got += epochs_of(again, stopped_in + 1, EPOCHS)
+
+    assert all(sorted(epoch) == list(range(N)) for epoch in got)
+    assert got == whole
