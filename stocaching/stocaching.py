@@ -1130,6 +1130,36 @@ _NAME_COUNTER = itertools.count()
 _COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
 
 
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; an older kernel refuses it and nothing is done
+_POPULATE_PIECE = 16 * BYTES_PER_MIB  # (a close waits for one piece at most)
+
+
+def _populate_in_background(addr: int, nbytes: int) -> tuple[threading.Thread, threading.Event]:
+    """Map the ``nbytes`` of this process's mapping at ``addr`` (a segment's slots) into its
+    page table in a daemon thread, piece by piece, so that the first epoch after attaching
+    to a filled cache does not fault in each page on its first read. Returns the thread and
+    the event that stops it after the piece at hand; whoever unmaps sets it and joins first."""
+    stop = threading.Event()
+
+    def populate() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)  # (a foreign call releases the GIL)
+            madvise = libc.madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            return
+        start, end = addr - addr % mmap.PAGESIZE, addr + nbytes
+        for off in range(start, end, _POPULATE_PIECE):
+            if stop.is_set() or \
+                    madvise(off, min(_POPULATE_PIECE, end - off), _MADV_POPULATE_READ) != 0:
+                return  # (an older kernel refuses it: the reads fault the pages in, as before)
+
+    thread = threading.Thread(target=populate, name="stocaching-populate", daemon=True)
+    if nbytes and sys.platform.startswith("linux"):
+        thread.start()
+    return thread, stop
+
+
 def _held_here(path: str) -> bool:
     """True when a live cache of this process maps the file at ``path``. Such a file must not
     be opened and closed again here: closing any descriptor of a file drops every POSIX record
@@ -1991,15 +2021,22 @@ class SharedCache:
             logger.warning("stocaching: replaced the persistent cache %s: %s", self._path,
                            mismatch.args[0])
             return False
-        self._map_existing(fd)
+        head = self._map_existing(fd)
         if alone:  # what the last job left staged is nobody's now
             self._stage_np[:] = -1
             fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive to shared, like every user
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        self._populate(head["data_off"])
         logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
                     "filled", self._name, self._key, int(np.count_nonzero(self._aux_np == SET)),
                     self._layout.slots)
         return True
+
+    def _populate(self, data_off: int) -> None:
+        """Map the slots of a segment that holds samples in the background (the read-write
+        mapping: the one every copying read reads); ``_unmap`` stops it first."""
+        rows = np.frombuffer(self._mm, np.uint8, self._total - data_off, data_off)
+        self._populating = _populate_in_background(rows.ctypes.data, rows.nbytes)
 
     def _preflight(self, shm_dir: str, total: int) -> None:
         """Before anything is made: drop stale segments, refuse what cannot fit, warn about
@@ -2148,6 +2185,8 @@ class SharedCache:
             os.close(fd)
             raise
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        if head["persistent"]:  # (it may hold a past job's samples)
+            self._populate(head["data_off"])
 
     def _map_existing(self, fd: int) -> dict:
         """Map a segment someone else made (by name, or an inherited descriptor), check its
@@ -3602,6 +3641,10 @@ class SharedCache:
         (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
         self._closed = True
         _LIVE_CACHES.discard(self)
+        thread, stop = getattr(self, "_populating", (None, None))
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            stop.set()
+            thread.join()  # (it reads the mapping's addresses: they must stay mapped)
         self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
         self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
         self._stage_np = _CLOSED  # type: ignore
