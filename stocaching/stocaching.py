@@ -1190,10 +1190,11 @@ def _sendable_by_multiprocessing(cls: type) -> None:
         _SENDABLE_CLASSES.add(cls)
 
 
-def _is_stale_file(path: str, *, remove: bool = False) -> bool:
+def _is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> bool:
     """True when no live process holds the segment at ``path``; optionally remove it then.
-    Files of other users, links, files younger than two seconds and files of this process's
-    own caches are never stale."""
+    Files of other users, links, files younger than ``min_age`` seconds (a segment being
+    made is open for an instant before its maker locks it) and files of this process's own
+    caches are never stale."""
     if _held_here(path):
         return False
     try:
@@ -1203,7 +1204,7 @@ def _is_stale_file(path: str, *, remove: bool = False) -> bool:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or \
-                time.time() - st.st_mtime < 2.0:
+                time.time() - st.st_mtime < min_age:
             return False
         if not _try_stale(fd):
             return False
@@ -1249,7 +1250,9 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         and ``state``: "live" (in use), "starting" (being created), "stale" (nobody holds
         it: ``clean_segments`` removes it) or "kept" (a persistent cache nobody uses now);
         a persistent cache's dict adds ``name``, ``key``, ``filled`` (samples stored),
-        ``slots`` and ``age_s`` (seconds since it was made).
+        ``slots`` and ``age_s`` (seconds since a job last made or attached to it: the
+        file's mtime, which each attach sets; a job attached for days shows days, and its
+        ``state`` says "live").
     """
     mapped = _mapped_segments(shm_dir)
     out = []
@@ -1293,7 +1296,7 @@ def _describe_persistent(path: str, name: str) -> dict:
         return out
     try:
         st = os.fstat(fd)
-        out["age_s"] = time.time() - st.st_ctime
+        out["age_s"] = time.time() - st.st_mtime
         head_bytes = os.pread(fd, _HEADER_BYTES, 0)
         head = _read_header(head_bytes)
         aux = np.frombuffer(os.pread(fd, head["dataset_len"], head["aux_off"]), np.uint8)
@@ -1331,7 +1334,10 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
             continue
         if info is not None and info["uid"] == os.getuid():
             path = os.path.join(shm_dir, fname)
-            if _is_stale_file(path, remove=not dry_run):
+            # A persistent cache gets its name only once made and locked: asked for by name,
+            # it goes as soon as no process holds it (a job script's last line runs at once)
+            kept = info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]
+            if _is_stale_file(path, remove=not dry_run, min_age=0.0 if kept else 2.0):
                 removed.append(path)
                 logger.info("stocaching: removed stale segment %s", path)
     return removed
@@ -2021,10 +2027,18 @@ class SharedCache:
             logger.warning("stocaching: replaced the persistent cache %s: %s", self._path,
                            mismatch.args[0])
             return False
+        if alone:
+            # What the last job left staged is nobody's now (cleared before mapping, still
+            # alone). flock cannot turn exclusive into shared atomically: it drops the lock
+            # first, and a `clean` of this name or a job replacing it may take the segment
+            # in between. Once shared it is ours to keep, so look at the name again then.
+            _pwrite_all(fd, np.full(self._staging, -1, np.int64), head["stage_off"])
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not _names(self._path, st.st_ino, st.st_dev):
+                return False  # removed meanwhile: look again
+        with contextlib.suppress(OSError):
+            os.utime(fd)  # the listing's age: since a job last attached
         head = self._map_existing(fd)
-        if alone:  # what the last job left staged is nobody's now
-            self._stage_np[:] = -1
-            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive to shared, like every user
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
         self._populate(head["data_off"])
         logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
@@ -4557,7 +4571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "key" in s:
                 age = "?" if s["age_s"] is None else f"{s['age_s'] / 3600:.1f} h"
                 out(f"           persistent: name={s['name']} key={s['key']!r} filled "
-                    f"{s['filled']} of {s['slots']} slots, made {age} ago\n")
+                    f"{s['filled']} of {s['slots']} slots, last attached {age} ago\n")
     return 0
 
 
