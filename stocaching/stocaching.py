@@ -1131,32 +1131,44 @@ _COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default n
 
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14; an older kernel refuses it and nothing is done
-_POPULATE_PIECE = 16 * BYTES_PER_MIB  # (a close waits for one piece at most)
+_POPULATE_NOW = 64 * BYTES_PER_MIB  # mapped during the attach (~10 ms): a job that reads at
+                                    # once would race the thread for the first pages
+_POPULATE_PIECE = 256 * BYTES_PER_MIB  # a close waits for one (~30 ms); between two the
+                                       # thread waits for the GIL, up to 5 ms
+
+
+def _madvise_populate(addr: int, nbytes: int) -> bool:
+    """Map ``nbytes`` of this process's mapping at ``addr`` into its page table now (one
+    ``madvise`` call, without the GIL); False where the kernel or the platform cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = addr - addr % mmap.PAGESIZE
+    return madvise(start, addr + nbytes - start, _MADV_POPULATE_READ) == 0
 
 
 def _populate_in_background(addr: int, nbytes: int) -> tuple[threading.Thread, threading.Event]:
     """Map the ``nbytes`` of this process's mapping at ``addr`` (a segment's slots) into its
-    page table in a daemon thread, piece by piece, so that the first epoch after attaching
-    to a filled cache does not fault in each page on its first read. Returns the thread and
-    the event that stops it after the piece at hand; whoever unmaps sets it and joins first."""
+    page table, so that the first epoch after attaching to a filled cache does not fault in
+    each page on its first read: the first ``_POPULATE_NOW`` bytes now, the rest in a daemon
+    thread, piece by piece. Returns the thread and the event that stops it after the piece
+    at hand; whoever unmaps sets it and joins first."""
     stop = threading.Event()
+    first = min(nbytes, _POPULATE_NOW)
 
     def populate() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)  # (a foreign call releases the GIL)
-            madvise = libc.madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            return
-        start, end = addr - addr % mmap.PAGESIZE, addr + nbytes
-        for off in range(start, end, _POPULATE_PIECE):
+        for off in range(first, nbytes, _POPULATE_PIECE):
             if stop.is_set() or \
-                    madvise(off, min(_POPULATE_PIECE, end - off), _MADV_POPULATE_READ) != 0:
-                return  # (an older kernel refuses it: the reads fault the pages in, as before)
+                    not _madvise_populate(addr + off, min(_POPULATE_PIECE, nbytes - off)):
+                return
 
     thread = threading.Thread(target=populate, name="stocaching-populate", daemon=True)
-    if nbytes and sys.platform.startswith("linux"):
-        thread.start()
+    if nbytes and _madvise_populate(addr, first) and first < nbytes:
+        thread.start()  # (an older kernel refuses the first: the reads fault, as before)
     return thread, stop
 
 
