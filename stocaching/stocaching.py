@@ -2059,8 +2059,9 @@ class SharedCache:
         return True
 
     def _populate(self, data_off: int) -> None:
-        """Map the slots of a segment that holds samples in the background (the read-write
-        mapping: the one every copying read reads); ``_unmap`` stops it first."""
+        """Map the pages of the slots of a segment that holds samples into this process
+        ahead of the reads, the first now and the rest in the background (the read-write
+        mapping: the one every copying read reads); ``_unmap`` stops the thread first."""
         rows = np.frombuffer(self._mm, np.uint8, self._total - data_off, data_off)
         self._populating = _populate_in_background(rows.ctypes.data, rows.nbytes)
 
