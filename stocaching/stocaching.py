@@ -1130,6 +1130,48 @@ _NAME_COUNTER = itertools.count()
 _COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
 
 
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; an older kernel refuses it and nothing is done
+_POPULATE_NOW = 64 * BYTES_PER_MIB  # mapped during the attach (~10 ms): a job that reads at
+                                    # once would race the thread for the first pages
+_POPULATE_PIECE = 256 * BYTES_PER_MIB  # a close waits for one (~30 ms); between two the
+                                       # thread waits for the GIL, up to 5 ms
+
+
+def _madvise_populate(addr: int, nbytes: int) -> bool:
+    """Map ``nbytes`` of this process's mapping at ``addr`` into its page table now (one
+    ``madvise`` call, without the GIL); False where the kernel or the platform cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = addr - addr % mmap.PAGESIZE
+    return madvise(start, addr + nbytes - start, _MADV_POPULATE_READ) == 0
+
+
+def _populate_in_background(addr: int, nbytes: int) -> tuple[threading.Thread, threading.Event]:
+    """Map the ``nbytes`` of this process's mapping at ``addr`` (a segment's slots) into its
+    page table, so that the first epoch after attaching to a filled cache does not fault in
+    each page on its first read: the first ``_POPULATE_NOW`` bytes now, the rest in a daemon
+    thread, piece by piece. Returns the thread and the event that stops it after the piece
+    at hand; whoever unmaps sets it and joins first."""
+    stop = threading.Event()
+    first = min(nbytes, _POPULATE_NOW)
+
+    def populate() -> None:
+        for off in range(first, nbytes, _POPULATE_PIECE):
+            if stop.is_set() or \
+                    not _madvise_populate(addr + off, min(_POPULATE_PIECE, nbytes - off)):
+                return
+
+    thread = threading.Thread(target=populate, name="stocaching-populate", daemon=True)
+    if nbytes and _madvise_populate(addr, first) and first < nbytes:
+        thread.start()  # (an older kernel refuses the first: the reads fault, as before)
+    return thread, stop
+
+
 def _held_here(path: str) -> bool:
     """True when a live cache of this process maps the file at ``path``. Such a file must not
     be opened and closed again here: closing any descriptor of a file drops every POSIX record
@@ -1160,10 +1202,11 @@ def _sendable_by_multiprocessing(cls: type) -> None:
         _SENDABLE_CLASSES.add(cls)
 
 
-def _is_stale_file(path: str, *, remove: bool = False) -> bool:
+def _is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> bool:
     """True when no live process holds the segment at ``path``; optionally remove it then.
-    Files of other users, links, files younger than two seconds and files of this process's
-    own caches are never stale."""
+    Files of other users, links, files younger than ``min_age`` seconds (a segment being
+    made is open for an instant before its maker locks it) and files of this process's own
+    caches are never stale."""
     if _held_here(path):
         return False
     try:
@@ -1173,7 +1216,7 @@ def _is_stale_file(path: str, *, remove: bool = False) -> bool:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or \
-                time.time() - st.st_mtime < 2.0:
+                time.time() - st.st_mtime < min_age:
             return False
         if not _try_stale(fd):
             return False
@@ -1219,7 +1262,9 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         and ``state``: "live" (in use), "starting" (being created), "stale" (nobody holds
         it: ``clean_segments`` removes it) or "kept" (a persistent cache nobody uses now);
         a persistent cache's dict adds ``name``, ``key``, ``filled`` (samples stored),
-        ``slots`` and ``age_s`` (seconds since it was made).
+        ``slots`` and ``age_s`` (seconds since a job last made or attached to it: the
+        file's mtime, which each attach sets; a job attached for days shows days, and its
+        ``state`` says "live").
     """
     mapped = _mapped_segments(shm_dir)
     out = []
@@ -1263,7 +1308,7 @@ def _describe_persistent(path: str, name: str) -> dict:
         return out
     try:
         st = os.fstat(fd)
-        out["age_s"] = time.time() - st.st_ctime
+        out["age_s"] = time.time() - st.st_mtime
         head_bytes = os.pread(fd, _HEADER_BYTES, 0)
         head = _read_header(head_bytes)
         aux = np.frombuffer(os.pread(fd, head["dataset_len"], head["aux_off"]), np.uint8)
@@ -1301,7 +1346,10 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
             continue
         if info is not None and info["uid"] == os.getuid():
             path = os.path.join(shm_dir, fname)
-            if _is_stale_file(path, remove=not dry_run):
+            # A persistent cache gets its name only once made and locked: asked for by name,
+            # it goes as soon as no process holds it (a job script's last line runs at once)
+            kept = info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]
+            if _is_stale_file(path, remove=not dry_run, min_age=0.0 if kept else 2.0):
                 removed.append(path)
                 logger.info("stocaching: removed stale segment %s", path)
     return removed
@@ -1991,15 +2039,31 @@ class SharedCache:
             logger.warning("stocaching: replaced the persistent cache %s: %s", self._path,
                            mismatch.args[0])
             return False
-        self._map_existing(fd)
-        if alone:  # what the last job left staged is nobody's now
-            self._stage_np[:] = -1
-            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive to shared, like every user
+        if alone:
+            # What the last job left staged is nobody's now (cleared before mapping, still
+            # alone). flock cannot turn exclusive into shared atomically: it drops the lock
+            # first, and a `clean` of this name or a job replacing it may take the segment
+            # in between. Once shared it is ours to keep, so look at the name again then.
+            _pwrite_all(fd, np.full(self._staging, -1, np.int64), head["stage_off"])
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not _names(self._path, st.st_ino, st.st_dev):
+                return False  # removed meanwhile: look again
+        with contextlib.suppress(OSError):
+            os.utime(fd)  # the listing's age: since a job last attached
+        head = self._map_existing(fd)
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        self._populate(head["data_off"])
         logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
                     "filled", self._name, self._key, int(np.count_nonzero(self._aux_np == SET)),
                     self._layout.slots)
         return True
+
+    def _populate(self, data_off: int) -> None:
+        """Map the pages of the slots of a segment that holds samples into this process
+        ahead of the reads, the first now and the rest in the background (the read-write
+        mapping: the one every copying read reads); ``_unmap`` stops the thread first."""
+        rows = np.frombuffer(self._mm, np.uint8, self._total - data_off, data_off)
+        self._populating = _populate_in_background(rows.ctypes.data, rows.nbytes)
 
     def _preflight(self, shm_dir: str, total: int) -> None:
         """Before anything is made: drop stale segments, refuse what cannot fit, warn about
@@ -2148,6 +2212,8 @@ class SharedCache:
             os.close(fd)
             raise
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        if head["persistent"]:  # (it may hold a past job's samples)
+            self._populate(head["data_off"])
 
     def _map_existing(self, fd: int) -> dict:
         """Map a segment someone else made (by name, or an inherited descriptor), check its
@@ -3602,6 +3668,10 @@ class SharedCache:
         (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
         self._closed = True
         _LIVE_CACHES.discard(self)
+        thread, stop = getattr(self, "_populating", (None, None))
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            stop.set()
+            thread.join()  # (it reads the mapping's addresses: they must stay mapped)
         self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
         self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
         self._stage_np = _CLOSED  # type: ignore
@@ -4514,7 +4584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "key" in s:
                 age = "?" if s["age_s"] is None else f"{s['age_s'] / 3600:.1f} h"
                 out(f"           persistent: name={s['name']} key={s['key']!r} filled "
-                    f"{s['filled']} of {s['slots']} slots, made {age} ago\n")
+                    f"{s['filled']} of {s['slots']} slots, last attached {age} ago\n")
     return 0
 
 

@@ -122,7 +122,7 @@ def test_clean_removes_a_persistent_cache_only_by_name_or_flag(shm_dir):
         _persistent(shm_dir, name=name).close()
     with SharedCache(1e-3, 50, DIMS, shm_dir=shm_dir):  # a plain cache: never named at all
         pass
-    age([os.path.join(shm_dir, n) for n in named(shm_dir)])  # (files younger than 2 s are never stale: a job may be starting)
+    # (no age(): a persistent cache asked for by name goes at once, as on a script's last line)
     assert clean_segments(shm_dir) == [] and len(named(shm_dir)) == 2
     assert clean_segments(shm_dir, persistent=False) == [] and len(named(shm_dir)) == 2
     r = subprocess.run([sys.executable, "-m", "stocaching", "--shm-dir", shm_dir, "clean",
@@ -133,6 +133,39 @@ def test_clean_removes_a_persistent_cache_only_by_name_or_flag(shm_dir):
     b = os.path.join(shm_dir, f"stocaching_{os.getuid()}_persistent_n0_b")
     assert clean_segments(shm_dir, persistent=True) == [b]
     assert named(shm_dir) == []
+
+
+def test_the_listing_says_how_long_ago_a_job_last_attached(shm_dir):
+    _persistent(shm_dir).close()
+    age([os.path.join(shm_dir, n) for n in named(shm_dir)], 3600.0)
+    [seg] = list_segments(shm_dir)
+    assert 3590 < seg["age_s"] < 3700 and seg["state"] == "kept"
+    _persistent(shm_dir).close()  # the next job attaches: the age starts again
+    [seg] = list_segments(shm_dir)
+    assert seg["age_s"] < 60
+
+
+def test_a_cache_removed_while_a_job_turns_its_lock_shared_is_made_anew(shm_dir,
+                                                                         monkeypatch):
+    """flock turns exclusive into shared by dropping the lock first: a `clean` of the name
+    may run in between. The attaching job then makes a new cache rather than keep one that
+    has no name (the next job could not find it)."""
+    with _persistent(shm_dir) as c:
+        c.set_slot(1, value_of(1, DIMS))
+    import stocaching.stocaching as core
+    flock, cleaned = core.fcntl.flock, []
+
+    def flock_with_a_clean_in_between(fd, op):
+        if op == core.fcntl.LOCK_SH and not cleaned:  # (the first one: the switch)
+            flock(fd, core.fcntl.LOCK_UN)
+            cleaned.extend(clean_segments(shm_dir, persistent=["digits"]))
+        return flock(fd, op)
+
+    monkeypatch.setattr(core.fcntl, "flock", flock_with_a_clean_in_between)
+    with _persistent(shm_dir) as c:
+        assert len(cleaned) == 1 and c.stats()["filled"] == 0
+        st = os.stat(os.path.join(shm_dir, named(shm_dir)[0]))
+        assert (st.st_dev, st.st_ino) == c._file_id  # the name is this cache's
 
 
 @pytest.mark.parametrize("kw,exc,match", [

@@ -62,19 +62,24 @@ def test_a_saved_cache_loads_in_a_new_process_with_the_same_samples(shm_dir, tmp
         assert c.stats()["filled"] == 22
 
 
-def test_fields_and_another_slot_count_load_by_index(shm_dir, tmp_path):
+@pytest.mark.parametrize("image", [(3, 8, 8), (4, 32, 32)],
+                         ids=["rows under a page",
+                              "rows of a page or more"])
+def test_fields_and_another_slot_count_load_by_index(shm_dir, tmp_path, image):
     path = str(tmp_path / "f.stc")
-    kw = dict(size_limit_gib=1e-3, dataset_len=40, data_dims=FIELDS,
+    dims = dict(FIELDS, image=image)
+    kw = dict(size_limit_gib=1e-3, dataset_len=40, data_dims=dims,
               dtype=FIELD_DTYPES, shm_dir=shm_dir)
     with SharedCache(**kw) as c:
         for i in range(0, 40, 2):
-            c.set_slot(i, fields_of(i))
+            c.set_slot(i, fields_of(i, dims))
         assert c.save(path)["samples"] == 20
     with SharedCache(**kw, load_from=path) as c:
         for i in range(40):
             got = c.get_slot(i)
             assert (got is None) == (i % 2 == 1)
-            assert got is None or all(torch.equal(got[k], v) for k, v in fields_of(i).items())
+            assert got is None or all(torch.equal(got[k], v)
+                                      for k, v in fields_of(i, dims).items())
         row = c._slot_bytes
     # A smaller cache (10 slots, a random subset) takes the saved samples of its own indices.
     small = dict(kw, size_limit_gib=(10 * row + 40.5) / 2**30)
@@ -82,7 +87,7 @@ def test_fields_and_another_slot_count_load_by_index(shm_dir, tmp_path):
         held = set(c.cached_indices().tolist())
         assert len(c) == 10 and c.stats()["filled"] == len(held & set(range(0, 40, 2)))
         for i in held & set(range(0, 40, 2)):
-            assert torch.equal(c.get_slot(i)["box"], fields_of(i)["box"])
+            assert all(torch.equal(c.get_slot(i)[k], v) for k, v in fields_of(i, dims).items())
 
 
 @pytest.mark.timeout(120)
