@@ -2552,10 +2552,10 @@ class SharedCache:
         if type(idx) is not int or idx < 0 or idx >= self._n:
             idx = self._index(idx)
         if self._aux_mv[idx] == SET:  # the hit path: no lock, no system call
-            # The first try is _read and _read_row inlined, the one copy of them: the two
-            # calls cost more than 5 % of a small hit (docs/benchmarks.md), and
-            # tests/test_concurrency.py checks that the two give the same answer whatever
-            # write or clear() lands between any two of their reads.
+            # The first try is _read and _read_row inlined, the one copy of them (else this is
+            # _get_slot_by_read): the two calls cost more than 5 % of a small hit
+            # (docs/benchmarks.md), and tests/test_concurrency.py checks that the two give the
+            # same answer whatever write or clear() lands before any of their reads.
             slot = idx if self._slot_map is None else self._slot_map[idx]
             seq = self._seq_mv[slot]
             if not seq & 1:
@@ -2565,6 +2565,26 @@ class SharedCache:
                     self._ctr[_HITS] += 1
                     return out if self._view_as is None or not copy else out.view(self._view_as)
             out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        elif self._staging and self._aux_mv[idx] == OOB:
+            out = self._take_staged(idx)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _get_slot_by_read(self, idx: int, allow_oob_idx: bool = True,
+                          allow_empty_slot: bool = True, *, copy: bool = True) -> Any:
+        """The cached sample of dataset index ``idx`` (with fields, a dict ``{field:
+        tensor}``; with open sizes, in its own sizes), or None; as ``SharedCache.get_slot``,
+        whose first try is ``_read`` inlined: this is the get_slot of the caches of fields and
+        of open sizes, whose samples ``_read`` makes."""
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
             if out is not None:
                 return out
         elif self._staging and self._aux_mv[idx] == OOB:
@@ -3671,23 +3691,7 @@ class _FieldsCache(SharedCache):
         self._field_np = self._ro_fields = _CLOSED  # type: ignore
         super()._unmap()
 
-    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
-                 copy: bool = True) -> dict[str, torch.Tensor] | None:
-        """The cached sample of dataset index ``idx`` as a dict ``{field: tensor}``, or None
-        if it is not cached; otherwise as ``SharedCache.get_slot``."""
-        if type(idx) is not int or idx < 0 or idx >= self._n:
-            idx = self._index(idx)
-        if self._aux_mv[idx] == SET:
-            out = self._read(idx, copy)
-            if out is None:
-                out = self._read_again(idx, copy)
-            if out is not None:
-                return out
-        elif self._staging and self._aux_mv[idx] == OOB:
-            out = self._take_staged(idx)
-            if out is not None:
-                return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+    get_slot = SharedCache._get_slot_by_read
 
     def _view_row(self, row: int) -> dict[str, torch.Tensor]:
         return {n: t[row] for n, t in self._ro_fields.items()}
@@ -3927,19 +3931,7 @@ class _ArenaCache(SharedCache):
 
     # -- reading ----------------------------------------------------------------------------
 
-    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
-                 copy: bool = True) -> Any:
-        """The cached sample of ``idx`` in its own sizes (a dict with fields), or None; as
-        ``SharedCache.get_slot``."""
-        if type(idx) is not int or idx < 0 or idx >= self._n:
-            idx = self._index(idx)
-        if self._aux_mv[idx] == SET:
-            out = self._read(idx, copy)
-            if out is None:
-                out = self._read_again(idx, copy)
-            if out is not None:
-                return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+    get_slot = SharedCache._get_slot_by_read
 
     def _read(self, idx: int, copy: bool) -> Any:
         """The sample of ``idx``, read with ``_read_record`` and counted as a hit; or None."""

@@ -276,10 +276,11 @@ class _Views:
 
 @pytest.mark.parametrize("copy", [True, False])
 def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
-    """get_slot's first try is _read (_read_row) inlined. For every write, clear() or
-    unfinished write landing before each read of shared memory the two make, both give the
-    same answer: the same sample, or both give up (the inlined one then calls _read_again,
-    replaced here so that its answer shows), and each answer is a sample that the slot held."""
+    """get_slot's first try is _read (_read_row) inlined; _get_slot_by_read, the get_slot of
+    the caches of fields and of open sizes, calls it. For every write, clear() or unfinished
+    write landing before each read of shared memory the two make, both give the same answer:
+    the same sample, or both give up (and call _read_again, replaced here so that this shows),
+    or a miss; with the same counts; and each sample is one that the slot held."""
     old, new = torch.full((8,), 1, dtype=torch.uint8), torch.full((8,), 2, dtype=torch.uint8)
     with SharedCache(1, 4, (8,), name="agree", shm_dir=tmpfs) as cache:
         cache._read_again = lambda idx, copy: _RETRY
@@ -287,11 +288,8 @@ def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
         def inlined():
             return cache.get_slot(0, copy=copy)
 
-        def by_function():  # get_slot with _read for its first try
-            if cache._aux_mv[0] == 1:  # SET
-                out = cache._read(0, copy)
-                return _RETRY if out is None else out
-            return cache._miss(0, True, True)
+        def by_function():  # the get_slot of the other kinds of cache
+            return cache._get_slot_by_read(0, copy=copy)
 
         seen = set()
         for name, event in [("overwrite", _overwrite_with(new)), ("clear", _clear),
