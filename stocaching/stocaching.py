@@ -3934,30 +3934,12 @@ class _ArenaCache(SharedCache):
     get_slot = SharedCache._get_slot_by_read
 
     def _read(self, idx: int, copy: bool) -> Any:
-        """The sample of ``idx``, read with ``_read_record`` and counted as a hit; or None."""
-        got = self._read_record(idx, copy)
-        if got is None:
-            return None
-        self._ctr[_HITS] += 1
-        r, data = got
-        if self._one is not None and copy:  # already in its shape and dtype
-            return torch.from_numpy(data) if self._view_as is None else \
-                torch.from_numpy(data).view(self._view_as)
-        return self._unpack(data if copy else data.numpy(), r[4:])
-
-    def _read_record(self, idx: int, copy: bool) -> tuple[tuple, Any] | None:
-        """The seqlock read of the record and bytes of ``idx``: every read of an open-size
-        sample is this one. As ``_read_row`` for a slot: the record's sequence number (its
-        first word, read first) even, the bytes the record names copied, then the number
-        again, unchanged, and the state SET (writers change both only while the number is
-        odd). A record read while a writer changes it may not fit its bytes: a retry, not an
-        error.
-
-        Returns:
-            ``(record, data)``: the record as a tuple, and a copy of the bytes (one tensor and
-            ``copy``: an array of the sample's shape and dtype; ``copy=False``: a read-only
-            view), or None.
-        """
+        """The seqlock read of the record and bytes of ``idx``, the one read of an open-size
+        sample: a sample (counted as a hit), or None. As ``_read_row`` for a slot: the
+        record's sequence number (its first word, read first) even, the bytes the record names
+        copied, then the number again, unchanged, and the state SET (writers change both only
+        while the number is odd). A record read while a writer changes it may not fit its
+        bytes: a retry, not an error."""
         r = self._rec_of.unpack_from(self._rec_buf, idx * self._rec_of.size)
         seq = r[0]
         if seq & 1:
@@ -3974,7 +3956,11 @@ class _ArenaCache(SharedCache):
             data = self._arena_np[off: end].copy() if copy else self._ro_arena[off: end]
         if self._rec_mv[idx * self._rec_words] != seq or self._aux_mv[idx] != SET:
             return None
-        return r, data
+        self._ctr[_HITS] += 1
+        if self._one is not None and copy:  # already in its shape and dtype
+            return torch.from_numpy(data) if self._view_as is None else \
+                torch.from_numpy(data).view(self._view_as)
+        return self._unpack(data if copy else data.numpy(), r[4:])
 
     def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
         it = iter(sizes)
