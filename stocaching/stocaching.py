@@ -2618,15 +2618,16 @@ class SharedCache:
         if type(idx) is not int or idx < 0 or idx >= self._n:
             idx = self._index(idx)
         if self._aux_mv[idx] == SET:  # the hit path: no lock, no system call
-            # The first try is _read inlined: the call cost 7-12 % of a small hit (3x32x32
-            # uint8: 2.33 / 2.55 us min / median through _read, 2.17 / 2.27 us inlined,
-            # `python -m benchmark.microbench --before`, load 0.2). Keep the two in step.
+            # The first try is _read and _read_row inlined, the one copy of them (else this is
+            # _get_slot_by_read): the two calls cost more than 5 % of a small hit
+            # (docs/benchmarks.md), and tests/test_concurrency.py checks that the two give the
+            # same answer whatever write or clear() lands before any of their reads.
             slot = idx if self._slot_map is None else self._slot_map[idx]
             seq = self._seq_mv[slot]
-            if not seq & 1 and self._aux_mv[idx] == SET:
+            if not seq & 1:
                 out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
                     else self._ro_slots[slot]
-                if self._seq_mv[slot] == seq:
+                if self._seq_mv[slot] == seq and self._aux_mv[idx] == SET:
                     self._ctr[_HITS] += 1
                     return out if self._view_as is None or not copy else out.view(self._view_as)
             out = self._read_again(idx, copy)
@@ -2638,7 +2639,27 @@ class SharedCache:
                 return out
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
 
-    def _read_again(self, idx: int, copy: bool) -> torch.Tensor | None:
+    def _get_slot_by_read(self, idx: int, allow_oob_idx: bool = True,
+                          allow_empty_slot: bool = True, *, copy: bool = True) -> Any:
+        """The cached sample of dataset index ``idx`` (with fields, a dict ``{field:
+        tensor}``; with open sizes, in its own sizes), or None; as ``SharedCache.get_slot``,
+        whose first try is ``_read`` inlined: this is the get_slot of the caches of fields and
+        of open sizes, whose samples ``_read`` makes."""
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        elif self._staging and self._aux_mv[idx] == OOB:
+            out = self._take_staged(idx)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read_again(self, idx: int, copy: bool) -> Any:
         """A read that met a writer: yield the CPU and try twice more while the slot is set."""
         for _ in range(2):
             time.sleep(0)
@@ -2649,23 +2670,43 @@ class SharedCache:
                 return out
         return None
 
-    def _read(self, idx: int, copy: bool) -> torch.Tensor | None:
-        """The seqlock read of the slot of ``idx``: a consistent copy (or view), or None.
-
-        The sequence number is odd while a writer is at work. The state is checked under an
-        even one, since a clear() (or a write) that ended between the caller's check and the
-        read of seq leaves an even number and an emptied slot, which would pass as a hit; an
-        unchanged number after the copy means that no write or clear() ran during it.
-        (get_slot's first try is this read inlined; keep them in step.)"""
+    def _read(self, idx: int, copy: bool) -> Any:
+        """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
+        read with ``_read_row`` and counted as a hit; or None."""
         slot = idx if self._slot_map is None else self._slot_map[idx]
-        seq = self._seq_mv[slot]
-        if seq & 1 or self._aux_mv[idx] != SET:
-            return None
-        out = torch.from_numpy(self._np_slots[slot].copy()) if copy else self._ro_slots[slot]
-        if self._seq_mv[slot] != seq:
+        row = self._read_row(slot, copy, self._aux_mv, idx, SET)
+        if row is None:
             return None
         self._ctr[_HITS] += 1
-        return out if self._view_as is None or not copy else out.view(self._view_as)
+        return self._from_row(row) if copy else row
+
+    def _read_row(self, row: int, copy: bool, marks: Any, at: int, mark: int) -> Any:
+        """The seqlock read of one row (a slot or a staging slot): every read of a row of a
+        fixed size is this one, or, for many rows at once, ``_locate`` and ``_confirm``.
+
+        The row's sequence number is odd while a writer is at work and changes with every
+        write and ``clear()``; writers change the slot states only while it is odd. So a row
+        copied between two reads of one even number is whole, and ``marks[at] == mark`` read
+        after the copy says that it still holds what was asked for: the index's state SET,
+        for a slot (a clear() or write that ended between the caller's check of the state and
+        the first read of the number leaves an even number and an emptied slot); the staging
+        map's entry, for a staging slot (readers free one without a write).
+
+        Returns:
+            a copy of the row as ``_np_slots`` holds it (``copy=False``: its read-only view,
+            ``_view_row``), or None: a writer was at work, or the row holds something else.
+        """
+        seq = self._seq_mv[row]
+        if seq & 1:
+            return None
+        out = self._np_slots[row].copy() if copy else self._view_row(row)
+        if self._seq_mv[row] != seq or marks[at] != mark:
+            return None
+        return out
+
+    def _view_row(self, row: int) -> Any:
+        """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
+        return self._ro_slots[row]
 
     def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
         if self._aux_mv[idx] == OOB:
@@ -2788,7 +2829,7 @@ class SharedCache:
         return self._locate(self._batch_indices(indices))
 
     def _locate(self, idx: np.ndarray) -> BatchRows:
-        # The seqlock of _read for every row at once: the states, the sequence numbers (even),
+        # The seqlock of _read_row for every row at once: the states, the sequence numbers (even),
         # the states again; confirm() then checks the numbers once the rows are copied.
         aux = self._aux_np[idx]
         found = aux == SET
@@ -3202,20 +3243,15 @@ class SharedCache:
         if not found:
             return None
         k = found[0]
-        slot = self._layout.slots + k
-        seq = self._seq_mv[slot]
-        if seq & 1:
+        entry = int(table[k])  # (the scan's entry unless another reader took it meanwhile)
+        if entry < 0 or entry & _STAGE_INDEX_MASK != idx or \
+                (self._read_tags and entry >> _STAGE_TAG_SHIFT not in self._read_tags):
             return None
-        row = self._np_slots[slot].copy()
-
-        def still_there() -> bool:  # one entry: plain ints are faster than numpy here
-            entry = int(table[k])
-            return entry >= 0 and entry & _STAGE_INDEX_MASK == idx
-
-        if self._seq_mv[slot] != seq or not still_there():
+        row = self._read_row(self._layout.slots + k, True, table, k, entry)
+        if row is None:
             return None
         with self._locked(_STAGE_LOCK):
-            if still_there():
+            if table[k] == entry:  # (still there: freed once)
                 table[k] = -1
         self._ctr[_HITS] += 1
         self._ctr[_STAGED_HITS] += 1
@@ -3725,36 +3761,10 @@ class _FieldsCache(SharedCache):
         self._field_np = self._ro_fields = _CLOSED  # type: ignore
         super()._unmap()
 
-    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
-                 copy: bool = True) -> dict[str, torch.Tensor] | None:
-        """The cached sample of dataset index ``idx`` as a dict ``{field: tensor}``, or None
-        if it is not cached; otherwise as ``SharedCache.get_slot``."""
-        if type(idx) is not int or idx < 0 or idx >= self._n:
-            idx = self._index(idx)
-        if self._aux_mv[idx] == SET:
-            out = self._read(idx, copy)
-            if out is None:
-                out = self._read_again(idx, copy)
-            if out is not None:
-                return out
-        elif self._staging and self._aux_mv[idx] == OOB:
-            out = self._take_staged(idx)
-            if out is not None:
-                return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+    get_slot = SharedCache._get_slot_by_read
 
-    def _read(self, idx: int, copy: bool) -> Any:
-        """The seqlock read of ``SharedCache._read``, of the whole slot."""
-        slot = idx if self._slot_map is None else self._slot_map[idx]
-        seq = self._seq_mv[slot]
-        if seq & 1 or self._aux_mv[idx] != SET:
-            return None
-        out = self._np_slots[slot].copy() if copy else \
-            {n: t[slot] for n, t in self._ro_fields.items()}
-        if self._seq_mv[slot] != seq:
-            return None
-        self._ctr[_HITS] += 1
-        return self._from_row(out) if copy else out
+    def _view_row(self, row: int) -> dict[str, torch.Tensor]:
+        return {n: t[row] for n, t in self._ro_fields.items()}
 
     def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
         """The fields in a copy of a slot's bytes: tensors that share that one copy."""
@@ -3991,62 +4001,36 @@ class _ArenaCache(SharedCache):
 
     # -- reading ----------------------------------------------------------------------------
 
-    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
-                 copy: bool = True) -> Any:
-        """The cached sample of ``idx`` in its own sizes (a dict with fields), or None; as
-        ``SharedCache.get_slot``."""
-        if type(idx) is not int or idx < 0 or idx >= self._n:
-            idx = self._index(idx)
-        if self._aux_mv[idx] == SET:
-            if self._one is not None and copy:  # _read's first path inlined (keep in step)
-                # the record as a tuple; its sequence number r[0] is read first
-                r = self._rec_of.unpack_from(self._rec_buf, idx * self._rec_of.size)
-                if not r[0] & 1 and self._aux_mv[idx] == SET:
-                    off, isz = r[_REC_OFF], self._isz
-                    try:  # a record read while a writer changes it may not fit its bytes
-                        arr = self._one_arena[off // isz: (off + r[_REC_BYTES]) // isz].reshape(
-                            self._shape_of(r + self._one)).copy()
-                    except ValueError:
-                        arr = None
-                    if arr is not None and self._rec_mv[idx * self._rec_words] == r[0]:
-                        self._ctr[_HITS] += 1
-                        return torch.from_numpy(arr) if self._view_as is None else \
-                            torch.from_numpy(arr).view(self._view_as)
-                out = None
-            else:
-                out = self._read(idx, copy)
-            if out is None:
-                out = self._read_again(idx, copy)
-            if out is not None:
-                return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+    get_slot = SharedCache._get_slot_by_read
 
     def _read(self, idx: int, copy: bool) -> Any:
-        """The seqlock read of the record and bytes of ``idx``: a sample, or None."""
-        rec, base = self._rec_mv, idx * self._rec_words
-        r = self._rec_of.unpack_from(self._rec_buf, idx * self._rec_of.size)  # r[0] read first
+        """The seqlock read of the record and bytes of ``idx``, the one read of an open-size
+        sample: a sample (counted as a hit), or None. As ``_read_row`` for a slot: the
+        record's sequence number (its first word, read first) even, the bytes the record names
+        copied, then the number again, unchanged, and the state SET (writers change both only
+        while the number is odd). A record read while a writer changes it may not fit its
+        bytes: a retry, not an error."""
+        r = self._rec_of.unpack_from(self._rec_buf, idx * self._rec_of.size)
         seq = r[0]
-        if seq & 1 or self._aux_mv[idx] != SET:
+        if seq & 1:
             return None
         off = r[_REC_OFF]
         end = off + r[_REC_BYTES]
         if self._one is not None and copy:  # one tensor: the shape, then a single copy
-            try:  # a record read while a writer changes it may not fit its bytes
-                arr = self._one_arena[off // self._isz: end // self._isz].reshape(
+            try:
+                data = self._one_arena[off // self._isz: end // self._isz].reshape(
                     self._shape_of(r + self._one)).copy()
             except ValueError:
                 return None
-            if rec[base] != seq:
-                return None
-            self._ctr[_HITS] += 1
-            return torch.from_numpy(arr) if self._view_as is None else \
-                torch.from_numpy(arr).view(self._view_as)
-        sizes = r[4:]
-        data = self._arena_np[off: end].copy() if copy else self._ro_arena[off: end]
-        if rec[base] != seq:
+        else:
+            data = self._arena_np[off: end].copy() if copy else self._ro_arena[off: end]
+        if self._rec_mv[idx * self._rec_words] != seq or self._aux_mv[idx] != SET:
             return None
         self._ctr[_HITS] += 1
-        return self._unpack(data if copy else data.numpy(), sizes)
+        if self._one is not None and copy:  # already in its shape and dtype
+            return torch.from_numpy(data) if self._view_as is None else \
+                torch.from_numpy(data).view(self._view_as)
+        return self._unpack(data if copy else data.numpy(), r[4:])
 
     def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
         it = iter(sizes)

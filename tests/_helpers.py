@@ -15,7 +15,8 @@ It provides
   ``CachedDataset``, the README's two-line pattern, and ``BatchedDataset``, its
   ``__getitems__`` recipe; ``fields_of(i)`` (a ``load`` for them) for a cache of several
   fields a sample; ``outcome``, ``bits`` and ``same``, how the fuzz tests compare results;
-* sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots;
+* sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots (and
+  staging slots);
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
   ``run_child``/``start_child`` for a program of ``tests/children/``, and ``Child``, a job driven
   one command per line (``tests/children/job.py``); ``ranks_with_a_killed_writer`` (two ranks,
@@ -27,8 +28,12 @@ It provides
   ``RecordedLoad`` records); ``TrainRecord``, what a
   rank trained on, written as JSON; ``run_bounded``, a launcher run whose whole process group
   is killed past its timeout;
-* leak probes that read /proc: which names are left in a directory, who maps or holds a file of
-  it, and how much of a tmpfs is still in use.
+* leak probes that read /proc: which names are left in a directory (``named``), who maps or
+  holds a file of it (``mappers``, ``holders``, both: ``users``; ``mapped_segments``, which
+  segments one process maps), and how much of a tmpfs is still in use (``used_bytes``).
+
+The prefetcher's tests have a few more of their own, beside their child programs:
+``tests/children/prefetch_common.py``, which takes its values and sizes from here.
 """
 
 from __future__ import annotations
@@ -148,15 +153,16 @@ def fields_of(i: int, dims=FIELDS) -> dict:
             "box": torch.arange(4, dtype=torch.float32) + i / 4}
 
 
-def budget_for(n_slots: int, dims, dtype: torch.dtype = torch.uint8, *,
-               dataset_len: int) -> float:
-    """A ``size_limit_gib`` that gives exactly ``n_slots`` slots (``n_slots < dataset_len``).
+def budget_for(n_slots: int, dims, dtype: torch.dtype = torch.uint8, *, dataset_len: int,
+               staging: int = 0) -> float:
+    """A ``size_limit_gib`` that gives exactly ``n_slots`` slots (``n_slots < dataset_len``)
+    after ``staging`` staging slots (which are paid first).
 
     0.2.1's sizing rule: the budget covers the slots and one aux byte per sample of the dataset,
     so the dataset's length is part of the answer. Half a byte more keeps the float division
     from rounding down to one slot less."""
     slot_bytes = math.prod(dims) * dtype.itemsize
-    return (n_slots * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
+    return ((n_slots + staging) * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
 
 
 def rerun(shm_dir: str, job_key: str, name: str, n: int, d: int, local_world_size: int) -> None:
@@ -187,19 +193,32 @@ def named(shm_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(shm_dir) if n.startswith(SEGMENT_PREFIX))
 
 
+def _mapped(shm_dir: str, pid: int | str, start: str = "") -> list[list[str]]:
+    """The lines of ``/proc/<pid>/maps`` that map a file of ``shm_dir`` whose name begins
+    with ``start`` (named or already unlinked), split into their six fields; none if ``pid`` is
+    gone. The one reader of /proc/*/maps."""
+    prefix = os.path.realpath(shm_dir) + "/" + start
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = [ln.split(maxsplit=5) for ln in f]
+    except OSError:
+        return []
+    return [ln for ln in lines if len(ln) == 6 and ln[5].startswith(prefix)]
+
+
 def mappers(shm_dir: str) -> dict[int, list[str]]:
     """Processes that map a file of ``shm_dir`` (named or already unlinked), from /proc."""
-    prefix = os.path.realpath(shm_dir) + "/"
     out: dict[int, list[str]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                hits = sorted({ln.split(maxsplit=5)[5].strip() for ln in f if prefix in ln})
-        except (OSError, IndexError):
-            continue
+        hits = sorted({ln[5].strip() for ln in _mapped(shm_dir, pid)})
         if hits:
             out[int(pid)] = hits
     return out
+
+
+def mapped_segments(shm_dir: str, pid: int | str = "self") -> set[tuple[str, str]]:
+    """(device, inode) of every stocaching file of ``shm_dir`` that process ``pid`` maps."""
+    return {(ln[3], ln[4]) for ln in _mapped(shm_dir, pid, SEGMENT_PREFIX)}
 
 
 def holders(shm_dir: str) -> dict[int, list[str]]:
@@ -219,6 +238,16 @@ def holders(shm_dir: str) -> dict[int, list[str]]:
             if target.startswith(prefix):
                 out.setdefault(int(pid), []).append(target)
     return out
+
+
+def users(shm_dir: str) -> dict[int, list[str]]:
+    """Processes that map, or hold a descriptor on, a file of ``shm_dir``: ``mappers`` and
+    ``holders`` together."""
+    found: dict[int, set[str]] = {}
+    for probe in (mappers, holders):
+        for pid, names in probe(shm_dir).items():
+            found.setdefault(pid, set()).update(names)
+    return {pid: sorted(names) for pid, names in found.items()}
 
 
 def used_bytes(shm_dir: str) -> int:

@@ -211,3 +211,112 @@ def test_read_racing_clear_is_a_miss_not_zeros(tmpfs):
         got = cache.get_slot(0)
         cache._seq_mv = seq
     assert got is None, f"read after clear() returned {got.tolist()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# get_slot's inlined first try against the one seqlock read (_read, _read_row)
+# ----------------------------------------------------------------------------------------------
+
+_RETRY = "retry"  # what get_slot gives below when its first try failed
+
+
+def _overwrite_with(value):
+    def event(cache):
+        cache.set_slot(0, value, allow_overwrite=True)
+    return event
+
+
+def _clear(cache):
+    cache.clear()
+
+
+def _begin_write(cache):  # a writer in the middle of its copy (it finishes after the read)
+    cache._seq_np[0] |= 1
+    cache._aux_np[0] = 3  # WRITING
+
+
+class _Views:
+    """Stands in for the cache's views of shared memory that a read uses (``_aux_mv``,
+    ``_seq_mv``, ``_np_slots``, ``_ro_slots``), counts the items read through them, and runs
+    ``event(cache)`` just before the ``at``-th (never, if the read makes fewer)."""
+
+    NAMES = ("_aux_mv", "_seq_mv", "_np_slots", "_ro_slots")
+
+    def __init__(self, cache, event, at: int):
+        self.cache, self.event, self.at, self.reads, self.busy = cache, event, at, 0, False
+        self.real = {n: getattr(cache, n) for n in self.NAMES}
+
+    def __enter__(self):
+        outer = self
+
+        class View:
+            def __init__(self, real):
+                self.real = real
+
+            def __getitem__(self, k):
+                if not outer.busy:  # (the event's own reads are not the reader's)
+                    outer.reads += 1
+                    if outer.reads == outer.at:
+                        outer.busy = True
+                        outer.event(outer.cache)
+                        outer.busy = False
+                return self.real[k]
+
+            def __setitem__(self, k, v):
+                self.real[k] = v
+
+        for n, real in self.real.items():
+            setattr(self.cache, n, View(real))
+        return self
+
+    def __exit__(self, *exc):
+        for n, real in self.real.items():
+            setattr(self.cache, n, real)
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
+    """get_slot's first try is _read (_read_row) inlined; _get_slot_by_read, the get_slot of
+    the caches of fields and of open sizes, calls it. For every write, clear() or unfinished
+    write landing before each read of shared memory the two make, both give the same answer:
+    the same sample, or both give up (and call _read_again, replaced here so that this shows),
+    or a miss; with the same counts; and each sample is one that the slot held."""
+    old, new = torch.full((8,), 1, dtype=torch.uint8), torch.full((8,), 2, dtype=torch.uint8)
+    with SharedCache(1, 4, (8,), name="agree", shm_dir=tmpfs) as cache:
+        cache._read_again = lambda idx, copy: _RETRY
+
+        def inlined():
+            return cache.get_slot(0, copy=copy)
+
+        def by_function():  # the get_slot of the other kinds of cache
+            return cache._get_slot_by_read(0, copy=copy)
+
+        seen = set()
+        for name, event in [("overwrite", _overwrite_with(new)), ("clear", _clear),
+                            ("unfinished write", _begin_write)]:
+            for at in range(1, 8):
+                answers = []
+                for read in (inlined, by_function):
+                    cache._seq_np[0] |= 1
+                    cache._seq_np[0] += 1  # a writer that finished (the number even again)
+                    cache.set_slot(0, old, allow_overwrite=True)
+                    before = cache.stats()
+                    with _Views(cache, event, at) as views:
+                        got = read()
+                    got = got if got is None or got is _RETRY else got.clone()
+                    after = cache.stats()
+                    answers.append((got, [after[k] - before[k] for k in ("hits", "misses")],
+                                    views.reads))
+                (a, a_counts, a_reads), (b, b_counts, b_reads) = answers
+                where = f"{name} before read {at}"
+                assert a_reads == b_reads, where  # the same reads of shared memory
+                assert a_counts == b_counts == [int(isinstance(a, torch.Tensor)),
+                                                int(a is None)], where
+                if isinstance(a, torch.Tensor):
+                    assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+                    assert torch.equal(a, old) or torch.equal(a, new), where
+                    seen.add("sample")
+                else:
+                    assert a is b, (where, a, b)
+                    seen.add(a)
+        assert seen == {"sample", _RETRY, None}  # every kind of answer was compared

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from _helpers import (FIELD_DTYPES, FIELDS, BatchedDataset, CachedDataset, assert_no_leak,
-                      assert_the_killed_write_is_a_miss, fields_of, ranks_with_a_killed_writer)
+                      assert_the_killed_write_is_a_miss, budget_for, fields_of,
+                      ranks_with_a_killed_writer)
 from stocaching import (BYTES_PER_GIB, CacheConfigError, Prefetcher, SharedCache, World, plan)
 from stocaching import stocaching as core
 
@@ -24,8 +25,8 @@ ROW = 216  # image 192 B at 0, label 8 B at 192, box 16 B at 200 (see the first 
 
 
 def budget(slots: int, n: int = N, staging: int = 0) -> float:
-    """size_limit_gib that buys exactly ``slots`` slots of FIELDS (as budget_for does)."""
-    return ((slots + staging) * ROW + n + 0.5) / BYTES_PER_GIB
+    """size_limit_gib that buys exactly ``slots`` slots of FIELDS (rows of ROW bytes)."""
+    return budget_for(slots, (ROW,), staging=staging, dataset_len=n)
 
 
 def fields_cache(shm_dir, slots=30, n=N, **kw) -> SharedCache:

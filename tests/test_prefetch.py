@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -32,16 +31,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import free_port
+from _helpers import CHILDREN, budget_for, free_port, rank_env, users
 
-TESTS = Path(__file__).resolve().parent
-CHILDREN = TESTS / "children"
-REPO = TESTS.parent
 if str(CHILDREN) not in sys.path:  # prefetch_common, for this module and spawned workers
     sys.path.insert(0, str(CHILDREN))
 
 from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled,  # noqa: E402
-                             budget, load_counts, overlaps, value_of)
+                             load_counts, overlaps, value_of)
 from stocaching import PrefetchError, Prefetcher, SharedCache, SlotState  # noqa: E402
 
 N, SLOTS, STAGING, BATCH = 64, 32, 64, 4
@@ -54,8 +50,8 @@ THREAD_PREFIX = "stocaching-prefetch"
 
 
 def make_cache(shm_dir, *, slots=SLOTS, staging=STAGING, name=None) -> SharedCache:
-    cache = SharedCache(budget(slots, staging, N), N, DIMS, shm_dir=shm_dir,
-                        staging_slots=staging, name=name)
+    cache = SharedCache(budget_for(slots, DIMS, staging=staging, dataset_len=N), N, DIMS,
+                        shm_dir=shm_dir, staging_slots=staging, name=name)
     assert len(cache) == slots and cache.stats()["staging_slots"] == staging
     return cache
 
@@ -105,29 +101,6 @@ def read_epoch(loader):
     return seen
 
 
-def users(shm_dir) -> dict[int, list[str]]:
-    """Processes that map, or hold a descriptor on, a file of ``shm_dir`` (read from /proc)."""
-    prefix = os.path.realpath(shm_dir) + "/"
-    found: dict[int, list[str]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        names = set()
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                names |= {ln.split(maxsplit=5)[5].strip() for ln in f if prefix in ln}
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if target.startswith(prefix):
-                    names.add(target)
-        except (OSError, IndexError):
-            continue
-        if names:
-            found[int(pid)] = sorted(names)
-    return found
-
-
 def wait_exit(pid: int, bound: float) -> bool:
     """Wait until process ``pid`` (not necessarily our child) has ended: a pidfd becomes
     readable then. True if it ended within ``bound`` seconds."""
@@ -139,20 +112,6 @@ def wait_exit(pid: int, bound: float) -> bool:
         return bool(select.select([fd], [], [], bound)[0])
     finally:
         os.close(fd)
-
-
-def child_env(shm_dir, **extra) -> dict[str, str]:
-    """The environment of a child program: the checkout and tests/children on the path, one
-    OpenMP thread, no rank variables of an enclosing job."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "STOCACHING_JOB_KEY", "SLURM_PROCID")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(CHILDREN),
-                                                        env.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
-               STOCACHING_SHM_DIR=str(shm_dir))
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
 
 
 @pytest.fixture
@@ -526,7 +485,7 @@ def test_sigkill_of_the_trainer_leaves_nothing(shm_dir, tmp_path):
     err = open(tmp_path / "train.stderr", "w")
     workers: list[int] = []
     p = subprocess.Popen([sys.executable, str(CHILDREN / "prefetch_train.py")],
-                         env=child_env(shm_dir), stdout=subprocess.PIPE, stderr=err, text=True,
+                         env=rank_env(shm_dir), stdout=subprocess.PIPE, stderr=err, text=True,
                          start_new_session=True)
     try:
         line = p.stdout.readline()  # returns at READY, or at EOF if the child died
@@ -841,7 +800,7 @@ def test_ddp_two_ranks_one_cache_each_index_once(shm_dir, tmp_path):
     (tmp_path / "loads").mkdir()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                         "--master_port", str(free_port()), str(CHILDREN / "prefetch_ddp.py")],
-                       env=child_env(shm_dir, TEST_OUT=tmp_path), capture_output=True,
+                       env=rank_env(shm_dir, TEST_OUT=tmp_path), capture_output=True,
                        text=True, timeout=360)
     assert r.returncode == 0, r.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
@@ -981,7 +940,7 @@ def waits_on_storage(i):
 
 def test_loads_that_wait_on_storage_are_all_prefetched(shm_dir):
     n = 128
-    cache = SharedCache(budget(n, 0, n), n, DIMS, shm_dir=shm_dir)
+    cache = SharedCache(budget_for(n, DIMS, dataset_len=n), n, DIMS, shm_dir=shm_dir)
     pf = Prefetcher(Shuffled(n, seed=8), cache, waits_on_storage, threads=4)
     try:
         for i in pf:

@@ -21,8 +21,8 @@ from stocaching import SharedCache, World
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "children"))
-from _helpers import rank_env, run_child  # noqa: E402
-from prefetch_common import DIMS, budget  # noqa: E402
+from _helpers import budget_for, rank_env, run_child  # noqa: E402
+from prefetch_common import DIMS  # noqa: E402
 
 N, SLOTS, STAGING = 64, 16, 64  # as in tests/children/prefetch_closing.py
 
@@ -35,8 +35,9 @@ SCENARIOS = ["abandoned", "cache-closed-first", "prefetcher-closed-first", "exit
 def test_ending_in_any_order_is_quiet_and_frees_the_staging_area(shm_dir, scenario, processes):
     key = f"closing-{os.getpid()}-{scenario}-{processes}"
     world = World(rank=0, world_size=2, local_rank=0, local_world_size=2)
-    cache = SharedCache(budget(SLOTS, STAGING, N), N, DIMS, staging_slots=STAGING,
-                        name="closing", world=world, shm_dir=shm_dir, job_key=key)
+    cache = SharedCache(budget_for(SLOTS, DIMS, staging=STAGING, dataset_len=N), N, DIMS,
+                        staging_slots=STAGING, name="closing", world=world, shm_dir=shm_dir,
+                        job_key=key)
     try:
         run = run_child("prefetch_closing.py", scenario, processes,
                         env=rank_env(shm_dir, key), timeout=100)

@@ -20,10 +20,11 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader
 
-from test_prefetch import (CHILDREN, N, BATCH, check_epoch, child_env, loads_since, make_cache,
-                           oob_of, read_epoch, users, wait_exit)
-from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled, budget, load_counts,
-                             overlaps, value_of)
+from _helpers import budget_for, rank_env, users
+from test_prefetch import (CHILDREN, N, BATCH, check_epoch, loads_since, make_cache, oob_of,
+                           read_epoch, wait_exit)
+from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled, load_counts, overlaps,
+                             value_of)
 from stocaching import PrefetchError, Prefetcher, SharedCache, SlotState
 
 
@@ -308,7 +309,7 @@ def test_sigkill_of_the_trainer_takes_its_loader_processes_along(shm_dir, tmp_pa
     the fork server for a dead trainer and exited at once)."""
     err = open(tmp_path / "train.stderr", "w")
     p = subprocess.Popen([sys.executable, str(CHILDREN / "prefetch_train_processes.py")],
-                         env={**child_env(shm_dir), "PREFETCH_START": start},
+                         env={**rank_env(shm_dir), "PREFETCH_START": start},
                          stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     loaders: list[int] = []
     try:
@@ -382,7 +383,7 @@ def test_cpu_bound_loads_are_left_to_the_dataloader(shm_dir, stand_aside):
     # waits on nothing at all (in threads of the trainer it could wait for the GIL, which
     # the meter counts as waiting: the prefetcher then keeps loading, the safe side).
     n = 256
-    cache = SharedCache(budget(n, 0, n), n, DIMS, shm_dir=shm_dir)
+    cache = SharedCache(budget_for(n, DIMS, dataset_len=n), n, DIMS, shm_dir=shm_dir)
     pf = Prefetcher(Shuffled(n, seed=9), cache, Computes(), processes=1, threads=1,
                     stand_aside=stand_aside)
     try:
@@ -429,7 +430,7 @@ def test_cpu_bound_loads_holding_the_gil_are_left_with_the_default_threads(shm_d
     hold is not taken for storage waits. (Before, bursts of probes ran together, the verdict
     turned to "not CPU-bound" and half the misses were loaded ahead: left was 300 of 600.)"""
     n = 400
-    cache = SharedCache(budget(n, 0, n), n, DIMS, shm_dir=shm_dir)
+    cache = SharedCache(budget_for(n, DIMS, dataset_len=n), n, DIMS, shm_dir=shm_dir)
     pf = Prefetcher(Shuffled(n, seed=11), cache, ComputesHoldingTheGil(), processes=2)
     loader = DataLoader(PrefetchedDataset(cache, n, value_of), batch_size=16, sampler=pf,
                         num_workers=2, multiprocessing_context="fork")
@@ -460,8 +461,8 @@ def test_standing_aside_still_loads_each_miss_once(shm_dir, tmp_path, window, mo
     loads = tmp_path / "loads"
     loads.mkdir()
     n, slots, staging = 512, 256, 128
-    cache = SharedCache(budget(slots, staging, n), n, DIMS, shm_dir=shm_dir,
-                        staging_slots=staging)
+    cache = SharedCache(budget_for(slots, DIMS, staging=staging, dataset_len=n), n, DIMS,
+                        shm_dir=shm_dir, staging_slots=staging)
     assert len(cache) == slots
     oob = oob_of(cache)
     base = Shuffled(n, seed=4)
@@ -493,7 +494,7 @@ def test_standing_aside_the_adaptive_window_keeps_the_base_order(shm_dir, mode):
     batches of the epoch: the adaptive order then is the base order. The fixed order stays
     what the cache state at the epoch's start gives (deterministic), ready samples first."""
     n, window = 256, 8
-    cache = SharedCache(budget(n // 2, 0, n), n, DIMS, shm_dir=shm_dir)
+    cache = SharedCache(budget_for(n // 2, DIMS, dataset_len=n), n, DIMS, shm_dir=shm_dir)
     base = Shuffled(n, seed=6)
     pf = Prefetcher(base, cache, Computes(), window=window, mode=mode, processes=1, threads=1)
     try:

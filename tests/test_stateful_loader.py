@@ -23,7 +23,8 @@ CHILDREN = Path(__file__).resolve().parent / "children"
 if str(CHILDREN) not in sys.path:
     sys.path.insert(0, str(CHILDREN))
 
-from prefetch_common import DIMS, PrefetchedDataset, budget, value_of  # noqa: E402
+from _helpers import budget_for  # noqa: E402
+from prefetch_common import DIMS, PrefetchedDataset, value_of  # noqa: E402
 from stocaching import CacheAwareSampler, Prefetcher, SharedCache  # noqa: E402
 from stocaching.mixtures import WeightedMixtureSampler  # noqa: E402
 from stocaching.prefetch import ReadyFirstSampler  # noqa: E402
@@ -35,8 +36,8 @@ N, SLOTS, STAGING, BATCH, STEPS = 96, 48, 96, 8, 7
 
 
 def make_cache(shm_dir, name):
-    return SharedCache(budget(SLOTS, STAGING, N), N, DIMS, shm_dir=shm_dir,
-                       staging_slots=STAGING, name=name)
+    return SharedCache(budget_for(SLOTS, DIMS, staging=STAGING, dataset_len=N), N, DIMS,
+                       shm_dir=shm_dir, staging_slots=STAGING, name=name)
 
 
 def seeded_random(ds, cache=None):

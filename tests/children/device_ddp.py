@@ -15,8 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 
-from _helpers import budget_for, value_of
-from prefetch_common import mapped_segments
+from _helpers import budget_for, mapped_segments, value_of
 from stocaching import DeviceLoader, SharedCache
 
 N, SLOTS, STAGING, DIMS, EPOCHS = 60, 30, 64, (3, 8, 8), 2

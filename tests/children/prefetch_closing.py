@@ -17,15 +17,16 @@ traceback holds the iterator, is kept until the program ends).
 import gc
 import sys
 
-from prefetch_common import DIMS, Shuffled, budget, value_of
+from _helpers import budget_for
+from prefetch_common import DIMS, Shuffled, value_of
 from stocaching import Prefetcher, SharedCache, World
 
 N, SLOTS, STAGING, TAKEN = 64, 16, 64, 20
 
 scenario, processes = sys.argv[1], int(sys.argv[2])
 world = World(rank=1, world_size=2, local_rank=1, local_world_size=2)
-cache = SharedCache(budget(SLOTS, STAGING, N), N, DIMS, staging_slots=STAGING, name="closing",
-                    world=world)
+cache = SharedCache(budget_for(SLOTS, DIMS, staging=STAGING, dataset_len=N), N, DIMS,
+                    staging_slots=STAGING, name="closing", world=world)
 pf = Prefetcher(Shuffled(N, seed=1), cache, value_of, window=8, threads=4, processes=processes,
                 stand_aside=False)
 

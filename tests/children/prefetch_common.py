@@ -4,36 +4,31 @@ Not a program: a module imported by the test, by the child programs (their own d
 ``sys.path``), and by DataLoader workers started with spawn or forkserver (multiprocessing hands
 them the parent's ``sys.path``, where the test put this directory).
 
-* ``value_of(i)``: the sample of index ``i``, a tensor filled with ``i % 251``;
+* ``value_of(i)``: the sample of index ``i``, ``_helpers.value_of`` at ``DIMS``;
 * ``Loads``: a load function that records every call in a directory, so that loads in the
   prefetcher's threads and in DataLoader workers of any start method, and in several ranks, are
   counted in one place: a file ``<i>.<k>`` for the k-th load of index i (claimed with O_EXCL,
   so two processes never take the same k), holding who loaded it, and a file ``overlap.<i>.*``
   whenever a load of i starts while another load of i is still running;
 * ``PrefetchedDataset``: the README's two lines, with ``Loads`` as the load on a miss;
-* ``budget``: the ``size_limit_gib`` that gives exactly ``slots`` slots plus the staging slots.
+* ``Shuffled``: a seeded shuffle whose order the test can compute.
+
+The rest (sizes, environments, /proc probes) is in ``tests/_helpers.py``, which this imports:
+``rank_env()`` puts ``tests/`` on the path of every child program.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
 import torch
 
+import _helpers
+
 DIMS = (2, 4, 4)
-SLOT_BYTES = 2 * 4 * 4  # uint8
-BYTES_PER_GIB = 1024**3
-
-
-def value_of(i: int) -> torch.Tensor:
-    return torch.full(DIMS, i % 251, dtype=torch.uint8)
-
-
-def budget(slots: int, staging: int, dataset_len: int) -> float:
-    """size_limit_gib buying ``slots`` slots after ``staging`` staging slots (the aux array
-    takes a byte per index; half a byte over so that rounding cannot lose a slot)."""
-    return ((slots + staging) * SLOT_BYTES + dataset_len + 0.5) / BYTES_PER_GIB
+value_of = functools.partial(_helpers.value_of, dims=DIMS)
 
 
 class Loads:
@@ -126,17 +121,3 @@ class Shuffled(torch.utils.data.Sampler):
     def __iter__(self):
         return iter(self.order())
 
-
-def mapped_segments(shm_dir: str, pid: int | str = "self") -> set[tuple[str, str]]:
-    """(device, inode) of every stocaching file of ``shm_dir`` that process ``pid`` maps."""
-    real = os.path.realpath(shm_dir) + "/stocaching_"
-    found = set()
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith(real):
-                    found.add((fields[3], fields[4]))
-    except OSError:  # gone
-        pass
-    return found

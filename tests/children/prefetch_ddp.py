@@ -14,8 +14,8 @@ import os
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from prefetch_common import DIMS, Loads, PrefetchedDataset, budget, load_counts, \
-    mapped_segments, value_of
+from _helpers import budget_for, mapped_segments
+from prefetch_common import DIMS, Loads, PrefetchedDataset, load_counts, value_of
 from stocaching import Prefetcher, SharedCache, SlotState, World
 
 N, SLOTS, STAGING, WINDOW, EPOCHS = 64, 32, 96, 8, 2
@@ -24,8 +24,8 @@ dist.init_process_group("gloo")
 world = World.discover()
 out = os.environ["TEST_OUT"]
 loads = os.path.join(out, "loads")
-cache = SharedCache(budget(SLOTS, STAGING, N), N, DIMS, name="pf", staging_slots=STAGING,
-                    timeout=120)
+cache = SharedCache(budget_for(SLOTS, DIMS, staging=STAGING, dataset_len=N), N, DIMS, name="pf",
+                    staging_slots=STAGING, timeout=120)
 dist.barrier()  # both ranks attached: the segment's name is gone
 listed = sorted(os.listdir(os.environ["STOCACHING_SHM_DIR"]))
 rank = dist.get_rank()

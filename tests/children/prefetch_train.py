@@ -11,7 +11,8 @@ import threading
 
 from torch.utils.data import DataLoader
 
-from prefetch_common import DIMS, PrefetchedDataset, Shuffled, budget, value_of
+from _helpers import budget_for
+from prefetch_common import DIMS, PrefetchedDataset, Shuffled, value_of
 from stocaching import Prefetcher, SharedCache
 
 N = 64
@@ -26,7 +27,8 @@ def load(i):
     return value_of(i)
 
 
-cache = SharedCache(budget(32, 64, N), N, DIMS, staging_slots=64)  # in $STOCACHING_SHM_DIR
+cache = SharedCache(budget_for(32, DIMS, staging=64, dataset_len=N), N, DIMS,
+                    staging_slots=64)  # in $STOCACHING_SHM_DIR
 ds = PrefetchedDataset(cache, N, value_of)
 sampler = Prefetcher(base, cache, load, window=8, mode="adaptive", threads=4, timeout=3600,
                      stand_aside=False)

@@ -13,7 +13,8 @@ import time
 
 from torch.utils.data import DataLoader
 
-from prefetch_common import DIMS, PrefetchedDataset, Shuffled, budget, value_of
+from _helpers import budget_for
+from prefetch_common import DIMS, PrefetchedDataset, Shuffled, value_of
 from stocaching import Prefetcher, SharedCache
 
 N = 64
@@ -27,7 +28,8 @@ def load(i):  # runs in the loader processes, which import this module (spawn)
 
 
 if __name__ == "__main__":
-    cache = SharedCache(budget(32, 64, N), N, DIMS, staging_slots=64)  # in $STOCACHING_SHM_DIR
+    cache = SharedCache(budget_for(32, DIMS, staging=64, dataset_len=N), N, DIMS,
+                        staging_slots=64)  # in $STOCACHING_SHM_DIR
     ds = PrefetchedDataset(cache, N, value_of)
     sampler = Prefetcher(Shuffled(N), cache, load, window=8, mode="adaptive", processes=2,
                          timeout=3600, stand_aside=False,
