@@ -384,13 +384,20 @@ def in_lightnings_wrapper() -> bool:
     ``_DatasetSamplerWrapper``, which lists a sampler that is not a ``DistributedSampler`` to
     split it over the ranks again (its ``reset`` and ``__getitem__`` call ``list(sampler)``, so
     it is the frame right above ``__iter__``). Lightning offers no other sign; if it changes,
-    this says False and only the warning is lost."""
+    this says False and only the warning is lost. The frame's code and module are read, never
+    its ``f_locals``: that builds a snapshot of the caller's locals which the frame keeps, so
+    an object the caller then deletes (a prefetcher, whose finalizer stops its loader
+    processes) would live on until the caller returns."""
     try:
-        kind = type(sys._getframe(2).f_locals.get("self"))
+        frame = sys._getframe(2)
     except ValueError:  # __iter__ called from no Python frame
         return False
-    return kind.__name__ == "_DatasetSamplerWrapper" and kind.__module__.startswith(
-        ("lightning", "pytorch_lightning"))
+    code, module = frame.f_code, frame.f_globals.get("__name__", "")
+    del frame
+    name = getattr(code, "co_qualname", None)  # Python 3.11+
+    where = name.split(".")[0] == "_DatasetSamplerWrapper" if name is not None else \
+        code.co_name in ("reset", "__getitem__")
+    return where and module.startswith(("lightning", "pytorch_lightning"))
 
 
 def dealt_by_accelerate(sampler: Any) -> Any:
