@@ -76,15 +76,18 @@ class _HostGather:
 
     rereads = True
 
-    def __init__(self, cache: SharedCache, batch_size: int) -> None:
-        self.cache, self.batch_size = cache, batch_size
+    def __init__(self, cache: SharedCache, batch_size: int, most: int) -> None:
+        self.cache, self.batch_size, self.most = cache, batch_size, most
         self.blanks: queue.SimpleQueue = queue.SimpleQueue()
 
     def context(self) -> Any:
         return _no_context
 
     def replenish(self) -> None:
-        self.blanks.put(_empty_batch(self.cache, self.batch_size))
+        """Make the tensors of a batch to come, unless ``most`` wait already (an epoch that
+        ends leaves its unused ones for the next)."""
+        if self.blanks.qsize() < self.most:
+            self.blanks.put(_empty_batch(self.cache, self.batch_size))
 
     def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
         try:
@@ -343,7 +346,7 @@ class DeviceLoader:
 
     def _choose_gather(self, register: bool) -> tuple[Any, str]:
         if self.device.type != "cuda":
-            return _HostGather(self.cache, self.batch_size), "cpu"
+            return _HostGather(self.cache, self.batch_size, self.depth + 2), "cpu"
         why = "register=False"
         if register:
             t0 = time.perf_counter()
