@@ -30,6 +30,7 @@ from __future__ import annotations
 
 __all__ = ["DeviceLoader"]
 
+import contextlib
 import logging
 import queue
 import threading
@@ -81,7 +82,7 @@ class _HostGather:
         self.blanks: queue.SimpleQueue = queue.SimpleQueue()
 
     def context(self) -> Any:
-        return _no_context
+        return contextlib.nullcontext()
 
     def replenish(self) -> None:
         """Make the tensors of a batch to come, unless ``most`` wait already (an epoch that
@@ -103,15 +104,6 @@ class _HostGather:
     def close(self) -> None:
         pass
 
-class _NoContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_no_context = _NoContext()
 
 
 # -- the CUDA part: register the segment, view it from the device, gather on a side stream --
@@ -246,6 +238,16 @@ def _to(batch: Any, device: torch.device) -> Any:
 # -- the loader -------------------------------------------------------------------------
 
 _END = object()  # the producer's last item of an epoch
+
+
+def _hand_over(out: queue.Queue, item: Any, stop: threading.Event) -> None:
+    """Put ``item`` in the queue as soon as there is room, unless the epoch stops first."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.05)
+            return
+        except queue.Full:
+            pass
 
 
 class _Failure:
@@ -425,22 +427,11 @@ class DeviceLoader:
                     batch, hit = self._gather.gather(idx)
                     if stop.is_set() or (len(ids) < self.batch_size and self.drop_last):
                         break
-                    item = self._finish(batch, hit, idx)
-                    while not stop.is_set():
-                        try:
-                            out.put(item, timeout=0.05)
-                            break
-                        except queue.Full:
-                            pass
+                    _hand_over(out, self._finish(batch, hit, idx), stop)
             item = _END
         except BaseException as exc:  # handed to the caller's thread, raised there
             item = _Failure(exc)
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                pass
+        _hand_over(out, item, stop)
 
     def _finish(self, batch: Any, hit: np.ndarray, idx: np.ndarray
                 ) -> tuple[Any, torch.Tensor, Any]:

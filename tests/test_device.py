@@ -277,15 +277,22 @@ def one_value(i: int) -> torch.Tensor:
     return torch.full(DIMS, 7, dtype=torch.uint8)
 
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
 @pytest.mark.timeout(200)
-def test_a_writer_racing_the_gather_never_yields_a_torn_row(shm_dir):
+@pytest.mark.parametrize("device, path, epochs", [
+    ("cpu", "cpu", 300), pytest.param("cuda", "cuda", 200, marks=cuda)])
+def test_a_writer_racing_the_gather_never_yields_a_torn_row(shm_dir, device, path, epochs):
     n = 16
     c = SharedCache(1e-3, n, DIMS, shm_dir=shm_dir)
     for i in range(n):
         c.set_slot(i, torch.full(DIMS, i, dtype=torch.uint8))
     with racing_writers(_overwrite_forever, c), \
-            DeviceLoader(c, RandomSampler(range(n)), one_value, batch_size=n, threads=1) as loader:
-        assert uniform_rows(loader, 300) == (300 * n, 0)
+            DeviceLoader(c, RandomSampler(range(n)), one_value, batch_size=n, threads=1,
+                         device=device) as loader:
+        assert loader.path == path
+        assert uniform_rows(loader, epochs) == (epochs * n, 0)
     c.close()
 
 
@@ -356,9 +363,6 @@ def test_two_ranks_share_one_segment_every_index_once(shm_dir, launcher):
 # CUDA (skipped without a GPU)
 # ----------------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @cuda
 @pytest.mark.parametrize("register", [True, False])
 def test_cuda_batches_equal_get_slot(cache, register):
@@ -375,21 +379,6 @@ def test_cuda_batches_equal_get_slot(cache, register):
                 seen += idx.tolist()
             assert sorted(seen) == list(range(N))
             assert cache.stats()["staged"] == 0
-
-
-@cuda
-@pytest.mark.timeout(200)
-def test_cuda_a_writer_racing_the_gather_never_yields_a_torn_row(shm_dir):
-    n = 16
-    c = SharedCache(1e-3, n, DIMS, shm_dir=shm_dir)
-    for i in range(n):
-        c.set_slot(i, torch.full(DIMS, i, dtype=torch.uint8))
-    with racing_writers(_overwrite_forever, c), \
-            DeviceLoader(c, RandomSampler(range(n)), one_value, batch_size=n, threads=1,
-                         device="cuda") as loader:
-        assert loader.path == "cuda"
-        assert uniform_rows(loader, 200) == (200 * n, 0)
-    c.close()
 
 
 def test_the_prefetchers_batches_are_its_order_in_lists(cache, shm_dir):
