@@ -339,20 +339,26 @@ def test_a_cache_of_open_sizes_is_refused(shm_dir):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_two_ranks_share_one_segment_every_index_once(shm_dir, launcher):
+@pytest.mark.parametrize("launcher, device", [
+    ("torchrun", "cpu"), ("spawn", "cpu"),
+    pytest.param("torchrun", "cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_two_ranks_share_one_segment_every_index_once(shm_dir, launcher, device):
+    """On CUDA, each rank's process registers the node's one segment with its GPU (with one
+    GPU, both with the same one)."""
     child = str(CHILDREN / "device_ddp.py")
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                "--master_port", str(free_port()), child]
     else:
         cmd = [sys.executable, child, "spawn", str(free_port())]
-    r = subprocess.run(cmd, env=rank_env(shm_dir), capture_output=True, text=True,
-                       timeout=240)
+    r = subprocess.run(cmd, env=rank_env(shm_dir, STOCACHING_TEST_DEVICE=device),
+                       capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     ranks = out["ranks"]
     assert all(o["right"] for o in ranks) and out["staged"] == 0
+    assert [o["path"] for o in ranks] == [device] * 2
     assert ranks[0]["segments"] == ranks[1]["segments"] and len(ranks[0]["segments"]) == 1
     for epoch in range(2):
         together = ranks[0]["epochs"][epoch] + ranks[1]["epochs"][epoch]
@@ -425,3 +431,27 @@ def test_the_batch_tensors_made_ahead_stay_few_over_epochs(cache):
             loader.set_epoch(epoch)
             read_epoch(loader)
             assert loader._gather.blanks.qsize() <= loader.depth + 2
+
+
+@cuda
+def test_cuda_a_cache_of_fields_with_a_transform(shm_dir):
+    """Fields gathered on the GPU as one row each, split into their tensors there, then the
+    transform on the side stream."""
+    c = SharedCache(1e-3, N, FIELDS, dtype=FIELD_DTYPES, shm_dir=shm_dir)
+
+    def double(batch):
+        assert all(t.is_cuda for t in batch.values())
+        return {name: t * 2 for name, t in batch.items()}
+
+    with DeviceLoader(c, seeded(), fields_of, batch_size=7, device="cuda",
+                      transform=double) as loader:
+        assert loader.path == "cuda"
+        for _ in range(2):
+            seen = []
+            for batch, idx in loader:
+                for k, i in enumerate(idx.tolist()):
+                    for name, want in fields_of(i).items():
+                        assert torch.equal(batch[name][k].cpu(), want * 2), (name, i)
+                seen += idx.tolist()
+            assert sorted(seen) == list(range(N))
+    c.close()
