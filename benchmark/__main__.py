@@ -95,6 +95,13 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
                     **grid([0.0, 5.0] if sweep else 0.0),
                     help="EMULATED storage latency: sleep this long before every read from "
                          "disk (every cache miss); 0 = local files (default: %(default)s)")
+    lo.add_argument("--loader", choices=("dataloader", "device"),
+                    **grid(["dataloader"] if sweep else "dataloader"),
+                    help="what reads the caches: a DataLoader over the two-line Dataset, or "
+                         "stocaching.DeviceLoader (batches gathered from the segment onto the "
+                         "training device, phase two there; the workers become its loader "
+                         "processes); the no-cache and in-RAM baselines keep the DataLoader "
+                         "(default: %(default)s)")
     lo.add_argument("--persistent-workers", action="store_true",
                     help="keep the workers between epochs")
     lo.add_argument("--get-slot", choices=("copy", "view"), default="copy",
@@ -208,10 +215,10 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     setups = [R.Setup(workers=w, batch_size=b, start_method=sm,
                       persistent_workers=args.persistent_workers, sampler=s,
-                      get_slot=args.get_slot, read_latency_ms=lat)
-              for w, b, sm, s, lat in itertools.product(
+                      get_slot=args.get_slot, read_latency_ms=lat, loader=ld)
+              for w, b, sm, s, lat, ld in itertools.product(
                   as_list(args.workers), as_list(args.batch_size), as_list(args.start_method),
-                  as_list(args.sampler), as_list(args.read_latency_ms))]
+                  as_list(args.sampler), as_list(args.read_latency_ms), as_list(args.loader))]
     specs = R.specs_from(args.cache_fraction, args.cache_gib, args.in_ram)
     opts = R.Options(data_dir=args.data_dir, num_images=args.num_images,
                      image_size=args.image_size, decoded_size=args.decoded_size,

@@ -278,6 +278,33 @@ class Augment:
         return x.float().div_(255.0).sub_(self.mean).div_(self.std)
 
 
+class BatchAugment:
+    """Phase two of a whole uint8 batch ``(B, 3, H, W)`` where it is (the GPU, for the
+    DeviceLoader): for each sample, what :class:`Augment` does with a fixed size (zero-pad by
+    ``pad``, a random ``H`` x ``W`` crop, a horizontal flip with probability 1/2), then float,
+    [0, 1] and :data:`MEAN` / :data:`STD`. One gather of the padded batch per batch."""
+
+    def __init__(self, pad: int = 4, flip: bool = True) -> None:
+        self.pad, self.flip = pad, flip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        p, dev = self.pad, x.device
+        padded = F.pad(x, (p, p, p, p))
+        top = torch.randint(0, 2 * p + 1, (b, 1), device=dev)
+        left = torch.randint(0, 2 * p + 1, (b, 1), device=dev)
+        rows = top + torch.arange(h, device=dev)  # (B, H)
+        cols = torch.arange(w, device=dev).expand(b, w)
+        if self.flip:
+            cols = torch.where(torch.rand(b, 1, device=dev) < 0.5, cols.flip(-1), cols)
+        cols = left + cols  # (B, W)
+        out = padded[torch.arange(b, device=dev)[:, None, None], :, rows[:, :, None],
+                     cols[:, None, :]]  # (B, H, W, C)
+        mean = torch.tensor(MEAN, device=dev).view(1, 3, 1, 1)
+        std = torch.tensor(STD, device=dev).view(1, 3, 1, 1)
+        return out.permute(0, 3, 1, 2).float().div_(255.0).sub_(mean).div_(std)
+
+
 # ----------------------------------------------------------------------------------------------
 # Datasets
 # ----------------------------------------------------------------------------------------------

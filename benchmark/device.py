@@ -13,18 +13,22 @@ shape: samples per second and GB/s of
 - ``device_loader``: :class:`stocaching.DeviceLoader` (on CUDA the GPU gathers from the
   registered segment; on a CPU ``get_batch`` in its background thread);
 - with CUDA, ``pinned_copy``: one pinned host-to-device copy of a batch's bytes per batch, the
-  bandwidth reference.
+  bandwidth reference; and ``gather_kernel_only``: the GPU's gathers of random rows from the
+  registered segment with nothing around them, the device path's own ceiling.
 
 With CUDA, end to end: the benchmark's CNN, one step per batch with per-sample random crop and
 flip done on the GPU (``affine_grid`` + ``grid_sample`` on the uint8 batch), fed by the
 DeviceLoader, against the same model fed from one batch already on the GPU (the model's own
-rate). Each arm runs ``--repeats`` rounds; the median round is reported with its spread, the
+rate); and the same training with only ``--latency-fraction`` of ``--latency-samples`` samples
+cached, the rest read with ``--latency-ms`` of EMULATED latency (a sleep before a read from
+RAM) by the loader's prefetcher, against the same run without the latency. Each arm runs ``--repeats`` rounds; the median round is reported with its spread, the
 process's CPU seconds, and the load average.
 
 Target checks (measured, not asserted): without CUDA, the DeviceLoader >= 3 x the DataLoader
 with ``get_batch`` and >= 0.8 x the bare loop; with CUDA, the device gather >= 10 x the
 DataLoader for (3, 256, 256) and >= 0.8 x the pinned copy's GB/s, end to end >= 0.9 x the
-model's own rate.
+model's own rate, and with half the dataset cached and 20 ms EMULATED reads >= 0.85 x the same
+run without latency.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ CPU_VS_BARE = 0.8
 CUDA_VS_DATALOADER = 10.0
 CUDA_VS_COPY = 0.8
 CUDA_END_TO_END = 0.9
+CUDA_LATENCY = 0.85
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DataLoader workers of the DataLoader arms (default: %(default)s)")
     p.add_argument("--repeats", type=A.positive_int, default=3,
                    help="rounds of every arm (default: %(default)s)")
+    p.add_argument("--latency-ms", type=float, default=20.0,
+                   help="with CUDA: EMULATED read latency of the misses in the end-to-end arm "
+                        "with a part of the dataset cached (default: %(default)s)")
+    p.add_argument("--latency-fraction", type=float, default=0.5,
+                   help="the fraction cached in that arm (default: %(default)s)")
+    p.add_argument("--latency-samples", type=A.positive_int, default=24000,
+                   help="samples of (3, 256, 256) in that arm (default: %(default)s)")
+    p.add_argument("--latency-loaders", type=A.positive_int, nargs=2, default=(8, 64),
+                   metavar=("PROCESSES", "THREADS"),
+                   help="loader processes and threads each for the misses in that arm "
+                        "(default: 8 64)")
     p.add_argument("--shapes", default=None,
                    help="sample shapes, e.g. '3,128,128 3,32,32' (default: 3,256,256 and "
                         "4,32,32 with CUDA, 3,128,128 and 3,32,32 without)")
@@ -163,6 +179,17 @@ def _arms(cache: Any, n: int, batch: int, workers: int, cuda: bool,
     device_epoch()
     out["device_loader"] = _rounds(device_epoch, repeats)
     out["device_loader"]["path"] = loader.path  # type: ignore[assignment]
+    if loader.path == "cuda":
+        words = loader._gather.words  # the registered segment, as the loader reads it
+
+        def gather_only() -> int:
+            idx = torch.randperm(n, device=device)
+            for s in range(0, n, batch):
+                words.index_select(0, idx[s:s + batch])
+            torch.cuda.synchronize()
+            return n
+        gather_only()
+        out["gather_kernel_only"] = _rounds(gather_only, repeats)
     loader.close()
     return out
 
@@ -226,6 +253,66 @@ def _end_to_end(cache: Any, n: int, batch: int, repeats: int) -> dict[str, dict[
     return out
 
 
+def _with_latency(dims: tuple[int, ...], n: int, batch: int, repeats: int, latency_ms: float,
+                  fraction: float, processes: int, threads: int,
+                  device: torch.device = torch.device("cuda")) -> dict[str, dict[str, float]]:
+    """End to end with ``fraction`` of the dataset cached and the rest read from EMULATED
+    storage (a sleep of ``latency_ms`` before each read of a decoded row kept in RAM): the
+    misses are loaded ahead by the DeviceLoader's prefetcher (``processes`` loader processes
+    of ``threads`` threads) into staging slots. The same run with no latency is the reference."""
+    from stocaching import DeviceLoader, SharedCache
+
+    from .model import SmallCNN
+
+    nbytes = int(np.prod(dims))
+    storage = torch.empty((n, *dims), dtype=torch.uint8)
+    storage.copy_((torch.arange(n) % 251).to(torch.uint8).view(n, *[1] * len(dims))
+                  .expand(n, *dims))
+    delay = torch.zeros(1, dtype=torch.float64).share_memory_()  # read by forked loaders too
+
+    def load(i: int) -> torch.Tensor:
+        if delay[0] > 0:
+            time.sleep(float(delay[0]))
+        return storage[i]
+
+    slots, staging = int(fraction * n), 4096
+    cache = SharedCache(((slots + staging) * nbytes + n + 0.5) / 2**30, n, dims,
+                        staging_slots=staging)
+    for i in range(n):
+        cache.set_slot(i, storage[i])  # (ignored for an index without a slot)
+    side = dims[-1]
+    model = SmallCNN(num_classes=10).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    labels = torch.randint(0, 10, (n,), device=device)
+    order = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(2))
+    loader = DeviceLoader(cache, order, load, batch_size=batch, device=device, drop_last=True,
+                          transform=lambda b: _augment(b, side), processes=processes,
+                          threads=threads, multiprocessing_context="fork")
+
+    def fed() -> int:
+        got = 0
+        for x, idx in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), labels[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            got += len(idx)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return got
+
+    out = {}
+    for name, ms in (("no_latency", 0.0), (f"latency_{latency_ms:g}ms", latency_ms)):
+        delay[0] = ms / 1000
+        fed()
+        out[name] = _rounds(fed, repeats)
+    out["stats"] = {"slots": len(cache), "staging_slots": staging,  # type: ignore[dict-item]
+                    "dropped": loader.prefetcher.dropped}
+    loader.close()
+    cache.close()
+    return out
+
+
 def _check(name: str, got: float, want: float, detail: str) -> str:
     return f"[{'PASS' if got >= want else 'MISS'}] {name}: {got:.2f} x (target >= {want:g} x; {detail})"
 
@@ -278,6 +365,20 @@ def main(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             checks.append(_check(f"{dims} end to end vs the model's own rate",
                                  e2e["device_loader_train"]["rate"] / e2e["model_only"]["rate"],
                                  CUDA_END_TO_END, "samples/s"))
+            lat = _with_latency(dims, args.latency_samples, batch, args.repeats,
+                                args.latency_ms, args.latency_fraction, *args.latency_loaders)
+            slow = f"latency_{args.latency_ms:g}ms"
+            say(f"end to end, {args.latency_fraction:.0%} cached, the misses read with "
+                f"{args.latency_ms:g} ms EMULATED latency by {args.latency_loaders[0]} x "
+                f"{args.latency_loaders[1]} loaders ({args.latency_samples} samples, "
+                f"{lat['stats']}): no latency {lat['no_latency']['rate']:,.0f} samples/s "
+                f"({lat['no_latency']['lo']:,.0f}-{lat['no_latency']['hi']:,.0f}), with "
+                f"latency {lat[slow]['rate']:,.0f} ({lat[slow]['lo']:,.0f}-"
+                f"{lat[slow]['hi']:,.0f})")
+            checks.append(_check(f"{dims} {args.latency_fraction:.0%} cached: "
+                                 f"{args.latency_ms:g} ms reads vs none",
+                                 lat[slow]["rate"] / lat["no_latency"]["rate"],
+                                 CUDA_LATENCY, "samples/s, end to end"))
         else:
             checks.append(_check(f"{dims} DeviceLoader vs DataLoader + get_batch",
                                  dev / arms["dataloader_get_batch"]["rate"], CPU_VS_DATALOADER,

@@ -24,7 +24,7 @@ COLUMNS = [
     "shm_construct_bytes", "cache_bytes",
     "workers", "batch_size", "start_method", "persistent_workers", "sampler", "sampler_used",
     "get_slot", "read_latency_ms", "world_size", "threads",
-    "num_images", "image_size", "decoded_size", "sizes",
+    "num_images", "image_size", "decoded_size", "sizes", "loader", "device",
 ]
 
 #: The loader setup a row belongs to (one line per group in a sweep's plots). ``sampler`` is
@@ -32,7 +32,7 @@ COLUMNS = [
 #: no cache to be aware of, so they use the random sampler).
 GROUP_FIELDS = ["workers", "batch_size", "start_method", "persistent_workers", "sampler",
                 "get_slot", "read_latency_ms", "world_size", "threads", "num_images",
-                "image_size", "decoded_size", "sizes"]
+                "image_size", "decoded_size", "sizes", "loader", "device"]
 
 _INT = {"slots", "repeat", "repeats", "epoch", "samples", "hits", "misses", "writes", "bench_hits",
         "shm_construct_bytes", "cache_bytes", "workers", "batch_size", "world_size", "threads",
@@ -149,6 +149,10 @@ def group_title(rows: Sequence[dict[str, Any]], only: Sequence[str] | None = Non
         parts.append(f"ranks={r.get('world_size')}")
     if want("sizes") and (r.get("sizes") or "fixed") != "fixed":
         parts.append(f"sizes {r['sizes']}")
+    if want("loader") and (r.get("loader") or "dataloader") != "dataloader":
+        parts.append(f"the caches read by the {r['loader']} loader")
+    if want("device") and (r.get("device") or "cpu") != "cpu":
+        parts.append(f"trained on {r['device']}")
     lat = r.get("read_latency_ms") or 0.0
     if want("read_latency_ms") and (lat or only is not None):
         parts.append(f"EMULATED read latency {lat:g} ms/miss" if lat else "no added latency")
@@ -170,6 +174,8 @@ def group_slug(rows: Sequence[dict[str, Any]]) -> str:
     if (r.get("world_size") or 1) > 1:
         s += f"-ranks{r.get('world_size')}"
     s += f"-lat{r.get('read_latency_ms') or 0:g}ms"
+    if (r.get("loader") or "dataloader") != "dataloader":
+        s += f"-{r['loader']}"
     return s
 
 

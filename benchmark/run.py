@@ -70,6 +70,9 @@ class Setup:
     sampler: str
     get_slot: str
     read_latency_ms: float
+    # "dataloader", or "device": the caches read by stocaching.DeviceLoader (phase two on the
+    # training device, batches gathered from the segment); the baselines keep the DataLoader
+    loader: str = "dataloader"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +296,15 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
     before = shm_used_bytes()
     t0 = time.perf_counter()
     dims = (3, None, None) if varied else (3, d, d)
-    cache = stocaching.SharedCache(gib, n, dims, torch.uint8, name=name)
+    staging = 0
+    if setup.loader == "device":
+        if varied:
+            raise SystemExit("--loader device needs samples of one size: the DeviceLoader "
+                             "gathers rows of one size (use --sizes fixed)")
+        # The misses its prefetcher loads ahead wait in staging slots (docs/device.md).
+        staging = device_staging_slots(setup)
+        gib += staging * 3 * d * d / GIB
+    cache = stocaching.SharedCache(gib, n, dims, torch.uint8, name=name, staging_slots=staging)
     info["construct_s"] = time.perf_counter() - t0
     dw.barrier()
     after = shm_used_bytes()
@@ -313,6 +324,20 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
                       shm_construct_bytes=shm_construct, cache_bytes=info["cache_bytes"],
                       arena=varied)
     return ConfigData(columns, info, ds, cache=cache)
+
+
+def device_loader_threads(setup: Setup) -> tuple[int, int]:
+    """(loader processes, threads each) of the DeviceLoader's prefetcher: the DataLoader's
+    workers become loader processes, of 4 threads each (with --read-latency-ms, enough to keep
+    the emulated waits overlapped); without workers, 4 threads of the training process."""
+    return setup.workers, 4 if not setup.read_latency_ms else 16
+
+
+def device_staging_slots(setup: Setup) -> int:
+    """The staging slots of a cache read by the DeviceLoader: twice the prefetcher's lookahead
+    (4 x the loads in flight) plus the batches held (the depth, 2, and the caller's one)."""
+    processes, threads = device_loader_threads(setup)
+    return 2 * 4 * max(1, processes) * threads + 3 * setup.batch_size
 
 
 def jpeg_dataset(opts: Options, root: Path, **kw: Any) -> D.JpegDataset:
@@ -386,6 +411,10 @@ def build_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, d
     data.sampler, sampler_used = _make_sampler(setup, data.dataset, data.cache, dw.world,
                                                opts.seed)
     data.columns = dataclasses.replace(data.columns, sampler_used=sampler_used)
+    if setup.loader == "device" and data.cache is not None:
+        data.loader = DeviceBatches(data.cache, data.sampler, data.dataset, setup, dw.device,
+                                    opts.num_classes)
+        return data
     kw: dict[str, Any] = {}
     if setup.workers > 0:
         kw.update(multiprocessing_context=setup.start_method,
@@ -395,6 +424,34 @@ def build_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, d
                                               drop_last=False,
                                               pin_memory=torch.cuda.is_available(), **kw)
     return data
+
+
+class DeviceBatches:
+    """A cache's batches through ``stocaching.DeviceLoader``, as the training loop takes a
+    DataLoader's: ``(images, labels, hits)`` on the training device. The misses are loaded
+    ahead by its prefetcher (``JpegDataset.load``: read and decode) into the cache or staging
+    slots; phase two (:class:`~benchmark.data.BatchAugment`) runs on the gathered batch there.
+    ``hits`` is empty: the epoch's hits come from ``cache.stats()`` (see ``_row``)."""
+
+    def __init__(self, cache: Any, sampler: Any, ds: D.JpegDataset, setup: Setup,
+                 device: torch.device, num_classes: int) -> None:
+        processes, threads = device_loader_threads(setup)
+        self.loader = stocaching.DeviceLoader(
+            cache, sampler, ds.load, batch_size=setup.batch_size, device=device,
+            transform=D.BatchAugment(), processes=processes, threads=threads,
+            **({"multiprocessing_context": setup.start_method} if processes else {}))
+        self.labels = torch.arange(len(ds), device=device) % num_classes  # D.label_of
+        self.none = torch.zeros(0, dtype=torch.bool)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        for images, indices in self.loader:
+            yield images, self.labels[indices], self.none
+
+    def close(self) -> None:
+        self.loader.close()
 
 
 def train_epochs(opts: Options, setup: Setup, data: ConfigData, dw: Dist,
@@ -413,6 +470,8 @@ def train_epochs(opts: Options, setup: Setup, data: ConfigData, dw: Dist,
     for epoch in range(1, opts.epochs + 1):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch - 1)
+        if isinstance(data.loader, DeviceBatches):
+            data.loader.set_epoch(epoch - 1)
         s0 = cache.stats() if cache is not None else None  # nothing runs between epochs
         dw.barrier()
         elapsed, wait, seen, hits, loss, cpu = _train_epoch(data.loader, model, opt, loss_fn,
@@ -421,9 +480,11 @@ def train_epochs(opts: Options, setup: Setup, data: ConfigData, dw: Dist,
         delta = None
         if cache is not None:
             s1 = cache.stats()
-            delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "writes")}
+            delta = {k: s1.get(k, 0) - s0.get(k, 0)
+                     for k in ("hits", "misses", "writes", "staged_hits")}
             delta["filled"] = s1.get("filled")
         mine = {"rank": dw.world.rank, "local_rank": dw.world.local_rank, "time": elapsed,
+                "device": str(device),
                 "wait": wait, "samples": seen, "hits": hits, "loss": loss, "cpu": cpu,
                 "stats": delta}
         per_rank = dw.all_gather(mine)
@@ -462,6 +523,8 @@ def _row(opts: Options, setup: Setup, columns: Columns, epoch: int,
         "world_size": world_size, "threads": torch.get_num_threads(),
         "num_images": opts.num_images, "image_size": opts.image_size,
         "decoded_size": opts.decoded_size, "sizes": opts.sizes,
+        "loader": setup.loader,  # (the no-cache and in-RAM rows: a DataLoader regardless)
+        "device": per_rank[0].get("device", "cpu"),
     }
     if opts.sides is not None:
         row["image_size"] = None  # the sides vary: see ``sizes``
@@ -470,9 +533,15 @@ def _row(opts: Options, setup: Setup, columns: Columns, epoch: int,
         leaders = [r["stats"] for r in per_rank if r["local_rank"] == 0 and r["stats"]]
         hits = sum(s["hits"] for s in leaders)
         misses = sum(s["misses"] for s in leaders)
+        bench_hits = sum(r["hits"] for r in per_rank)
+        if setup.loader == "device":
+            # The DeviceLoader counts a row read from a slot or from staging as a hit and
+            # counts no miss: the cache's hits are the first; every other sample was loaded.
+            hits -= sum(s["staged_hits"] for s in leaders)
+            misses, bench_hits = samples - hits, hits
         row.update(hits=hits, misses=misses, writes=sum(s["writes"] for s in leaders),
                    hit_rate=hits / (hits + misses) if hits + misses else None,
-                   bench_hits=sum(r["hits"] for r in per_rank),
+                   bench_hits=bench_hits,
                    rank_hit_rates=[r["hits"] / r["samples"] if r["samples"] else None
                                    for r in per_rank])
         if columns.arena:  # what the budget held at the end of this epoch
@@ -484,6 +553,8 @@ def _row(opts: Options, setup: Setup, columns: Columns, epoch: int,
 def release(data: ConfigData, dw: Dist) -> None:
     """Give a configuration's memory back before the next one starts: the workers (they map
     the cache) first, then the cache or the in-RAM tensor. Records /dev/shm use in ``info``."""
+    if isinstance(data.loader, DeviceBatches):
+        data.loader.close()  # (its CUDA registration ends before the cache is unmapped)
     data.loader = data.sampler = data.dataset = None
     gc.collect()
     info = data.info

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 __all__ = ["DeviceLoader"]
 
+import collections
 import contextlib
 import logging
 import queue
@@ -52,7 +53,11 @@ except ImportError:  # pragma: no cover - the copied-files layout
 
 logger = logging.getLogger("stocaching")
 
-# -- the gathers: gather(indices) -> (batch, confirmed rows), one interface ----------------
+# -- the gathers: start(indices) -> ticket, finish(ticket) -> (batch, confirmed, indices) -----
+#
+# A gather is started, then finished (the rows it read confirmed, which frees their staging
+# slots); ``ahead`` more gathers may be started before the oldest is finished, so that a GPU's
+# copy of one batch runs while the CPU locates the next.
 
 def _empty_batch(cache: SharedCache, n: int, pin: bool = False) -> Any:
     row = cache.get_batch([])[0]  # an empty batch of the cache's dims and dtype(s)
@@ -75,7 +80,8 @@ class _HostGather:
     from the kernel page by page (the thread's malloc arena gives freed memory back), 160 us
     for a 192 KiB batch, more than gathering it."""
 
-    rereads = True
+    rereads = True  # get_batch reads a raced row again alone: what it misses is a miss
+    ahead = 0
 
     def __init__(self, cache: SharedCache, batch_size: int, most: int) -> None:
         self.cache, self.batch_size, self.most = cache, batch_size, most
@@ -90,13 +96,16 @@ class _HostGather:
         if self.blanks.qsize() < self.most:
             self.blanks.put(_empty_batch(self.cache, self.batch_size))
 
-    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+    def start(self, idx: np.ndarray) -> Any:
         try:
             blank = self.blanks.get_nowait()
         except queue.Empty:
             blank = _empty_batch(self.cache, self.batch_size)
         batch, hit = self.cache.get_batch(idx, out=_rows_of(blank, len(idx)))
-        return batch, hit.numpy()
+        return batch, hit.numpy(), torch.from_numpy(idx)
+
+    def finish(self, ticket: Any) -> tuple[Any, np.ndarray, torch.Tensor]:
+        return ticket
 
     def ready(self) -> None:
         return None
@@ -122,11 +131,23 @@ class _HostPointer:
                                          "strides": None}
 
 
+# The registrations of this process, by (address, bytes, device): a second loader over the
+# same cache (a training and an evaluation loader, say) shares the first one's, since CUDA
+# refuses to register the same pages twice.
+_registered: dict[tuple[int, int, torch.device], "weakref.ref[torch.Tensor]"] = {}
+
+
 def _register(rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor | None, str]:
     """Register the pages under ``rows`` (a uint8 CPU tensor viewing the segment) with CUDA
-    and view them from ``device``: (the CUDA view, "") or (None, why it was refused)."""
+    and view them from ``device``: (the CUDA view, "") or (None, why it was refused). The
+    registration ends when no view of it is left."""
     if rows.numel() == 0:
         return None, "the cache has no rows"
+    key = (rows.data_ptr(), rows.numel(), device)
+    known = _registered.get(key)
+    view = known() if known is not None else None
+    if view is not None:
+        return view, ""
     cudart = torch.cuda.cudart()
     start = rows.data_ptr() // _PAGE * _PAGE
     end = -(-(rows.data_ptr() + rows.numel()) // _PAGE) * _PAGE
@@ -140,25 +161,45 @@ def _register(rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor | 
         except Exception as exc:  # an old driver without unified addressing, say
             cudart.cudaHostUnregister(start)
             return None, f"the registered segment could not be viewed from {device}: {exc}"
-    weakref.finalize(view, _unregister, start, device)
+    _registered[key] = weakref.ref(view)
+    weakref.finalize(view, _unregister, start, device, key)
     return view, ""
 
 
-def _unregister(start: int, device: torch.device) -> None:
+def _unregister(start: int, device: torch.device, key: tuple) -> None:
+    _registered.pop(key, None)
     with torch.cuda.device(device):
         torch.cuda.synchronize(device)  # no gather may still read the pages
         torch.cuda.cudart().cudaHostUnregister(start)
 
 
+def _as_words(view: torch.Tensor) -> torch.Tensor:
+    """The rows as 8-byte words where their size and address allow: the GPU then reads the
+    host's memory 8 bytes a thread instead of 1."""
+    if view.shape[1] % 8 == 0 and view.data_ptr() % 8 == 0:
+        return view.view(torch.int64)
+    return view
+
+
 class _DeviceGather:
     """Gathers a batch's rows on the GPU from the registered segment, on a side stream; the
-    rows are confirmed only once the gather has completed."""
+    rows are confirmed only once the gather has completed. One gather runs ahead: the next
+    batch's rows are located and its copy queued before the last one is waited for."""
 
     rereads = False  # rows not confirmed are read again alone by the loader
+    ahead = 1
 
-    def __init__(self, cache: SharedCache, view: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, cache: SharedCache, view: torch.Tensor, device: torch.device,
+                 batch_size: int) -> None:
         self.cache, self.view, self.device = cache, view, device
+        self.words = _as_words(view)
         self.stream = torch.cuda.Stream(device)
+        # Rows to read, then dataset indices, in pinned memory: one copy to the GPU a batch.
+        # A buffer is written again only after the gather that used it finished (ahead + 1
+        # are in use at most).
+        self.where = [torch.empty(2 * batch_size, dtype=torch.int64, pin_memory=True)
+                      for _ in range(self.ahead + 2)]
+        self.turn = 0
 
     def replenish(self) -> None:
         pass  # (batches are made on the device)
@@ -166,15 +207,23 @@ class _DeviceGather:
     def context(self) -> Any:
         return torch.cuda.stream(self.stream)
 
-    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+    def start(self, idx: np.ndarray) -> Any:
         located = self.cache.locate(idx)
-        rows = torch.from_numpy(located.rows).to(self.device, non_blocking=True)
-        raw = self.view.index_select(0, rows)
+        n = len(idx)
+        where, self.turn = self.where[self.turn], (self.turn + 1) % len(self.where)
+        both = where.numpy()
+        both[:n], both[n:2 * n] = located.rows, idx
+        on_device = where[:2 * n].to(self.device, non_blocking=True)
+        raw = self.words.index_select(0, on_device[:n])
         done = torch.cuda.Event()
         done.record(self.stream)
+        return located, raw, on_device[n:], done
+
+    def finish(self, ticket: Any) -> tuple[Any, np.ndarray, torch.Tensor]:
+        located, raw, indices, done = ticket
         done.synchronize()  # the GPU has read the rows: now check they were whole
         hit = self.cache.confirm(located).numpy()
-        return _contiguous(self.cache.unpack_rows(raw)), hit
+        return _contiguous(self.cache.unpack_rows(raw.view(torch.uint8))), hit, indices
 
     def ready(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -182,7 +231,7 @@ class _DeviceGather:
         return event
 
     def close(self) -> None:
-        self.view = None  # type: ignore[assignment]  # the finalizer unregisters
+        self.view = self.words = None  # type: ignore[assignment]  # the finalizer unregisters
 
 
 def _contiguous(batch: Any) -> Any:
@@ -196,6 +245,7 @@ class _PinnedGather:
     its copy has completed."""
 
     rereads = True  # get_batch reads a raced row again alone: what it misses is a miss
+    ahead = 0
 
     def __init__(self, cache: SharedCache, device: torch.device, batch_size: int,
                  buffers: int) -> None:
@@ -211,7 +261,7 @@ class _PinnedGather:
     def context(self) -> Any:
         return torch.cuda.stream(self.stream)
 
-    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray]:
+    def start(self, idx: np.ndarray) -> Any:
         k, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
         if self.copied[k] is not None:
             self.copied[k].synchronize()
@@ -220,7 +270,10 @@ class _PinnedGather:
         batch = _to(buf, self.device)
         self.copied[k] = torch.cuda.Event()
         self.copied[k].record(self.stream)
-        return batch, hit.numpy()
+        return batch, hit.numpy(), torch.from_numpy(idx).to(self.device, non_blocking=True)
+
+    def finish(self, ticket: Any) -> tuple[Any, np.ndarray, torch.Tensor]:
+        return ticket
 
     def ready(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -357,7 +410,7 @@ class DeviceLoader:
                 logger.info("stocaching: the DeviceLoader's GPU (%s) reads the cache's segment "
                             "itself: %.1f MiB registered in %.3f s", self.device,
                             view.numel() / 2**20, time.perf_counter() - t0)
-                return _DeviceGather(self.cache, view, self.device), "cuda"
+                return _DeviceGather(self.cache, view, self.device, self.batch_size), "cuda"
             warnings.warn(f"stocaching: the cache's segment could not be registered with CUDA "
                           f"({why}); batches go through pinned buffers instead, at the CPU's "
                           f"copy speed. In a container, raise the locked-memory limit "
@@ -417,40 +470,46 @@ class DeviceLoader:
 
     def _produce(self, order: Iterator[list[int]], out: queue.Queue, stop: threading.Event
                  ) -> None:
-        """The loader's thread: take a batch of indices, gather it, hand it over."""
+        """The loader's thread: take a batch of indices, start its gather, and finish and
+        hand over the oldest gather once ``ahead`` more are started."""
+        started: collections.deque = collections.deque()
         try:
             with self._gather.context():
                 for ids in order:
-                    idx = np.array(ids, dtype=np.int64)
-                    # Gathered even when it is not handed over (the epoch stopped, or a last
-                    # batch dropped): the gather frees the staged samples it reads.
-                    batch, hit = self._gather.gather(idx)
-                    if stop.is_set() or (len(ids) < self.batch_size and self.drop_last):
+                    started.append(self._gather.start(np.array(ids, dtype=np.int64)))
+                    if len(started) > self._gather.ahead:
+                        self._deliver(started.popleft(), out, stop)
+                    if stop.is_set():
                         break
-                    _hand_over(out, self._finish(batch, hit, idx), stop)
+                while started:
+                    self._deliver(started.popleft(), out, stop)
             item = _END
         except BaseException as exc:  # handed to the caller's thread, raised there
             item = _Failure(exc)
+            with contextlib.suppress(BaseException):
+                while started:  # (their staged samples are freed by finishing them)
+                    self._gather.finish(started.popleft())
         _hand_over(out, item, stop)
 
-    def _finish(self, batch: Any, hit: np.ndarray, idx: np.ndarray
-                ) -> tuple[Any, torch.Tensor, Any]:
-        """The gathered batch with its misses filled in and ``transform`` applied, its indices
-        on the device, and the event the caller's stream waits for (CUDA)."""
+    def _deliver(self, ticket: Any, out: queue.Queue, stop: threading.Event) -> None:
+        """Finish a gather (always: that frees the staged samples it read) and hand the batch
+        over, unless the epoch stopped or it is a last batch to drop; with its misses filled
+        in, ``transform`` applied, and the event the caller's stream waits for (CUDA)."""
+        batch, hit, indices = self._gather.finish(ticket)
+        if stop.is_set() or (len(indices) < self.batch_size and self.drop_last):
+            return
         if not hit.all():
-            self._fill_misses(batch, idx, hit)
-        indices = torch.from_numpy(idx)
-        if self.device.type != "cpu":
-            indices = indices.to(self.device, non_blocking=True)
+            self._fill_misses(batch, indices, hit)
         if self.transform is not None:
             batch = self.transform(batch)
-        return batch, indices, self._gather.ready()
+        _hand_over(out, (batch, indices, self._gather.ready()), stop)
 
-    def _fill_misses(self, batch: Any, idx: np.ndarray, hit: np.ndarray) -> None:
+    def _fill_misses(self, batch: Any, indices: torch.Tensor, hit: np.ndarray) -> None:
         """Rows the gather did not confirm: read again alone (unless the gather did), else
         loaded here (and stored with ``set_slot`` when the index has a slot, as the two-line
         pattern does)."""
         aux = self.cache.aux_array.numpy()
+        idx = indices.cpu().numpy()
         for k in np.flatnonzero(~hit).tolist():
             i = int(idx[k])
             sample = None if self._gather.rereads else self.cache.get_slot(i)

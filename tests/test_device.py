@@ -455,3 +455,34 @@ def test_cuda_a_cache_of_fields_with_a_transform(shm_dir):
                 seen += idx.tolist()
             assert sorted(seen) == list(range(N))
     c.close()
+
+
+def read_epoch_cuda(loader: DeviceLoader) -> list[int]:
+    seen = []
+    for batch, idx in loader:
+        assert batch.is_cuda and idx.is_cuda
+        for row, i in zip(batch.cpu(), idx.tolist()):
+            assert torch.equal(row, load(i))
+        seen += idx.tolist()
+    return seen
+
+
+@cuda
+def test_cuda_two_loaders_over_one_cache_share_its_registration(cache):
+    """A training and an evaluation loader over the same cache in one process: CUDA refuses
+    to register the same pages twice, so the second shares the first's registration (both
+    read through it), and it ends once both are closed (a third registers afresh)."""
+    train = DeviceLoader(cache, seeded(), load, batch_size=8, device="cuda")
+    evaluate = DeviceLoader(cache, SequentialSampler(range(N)), load, batch_size=16,
+                            device="cuda")
+    assert (train.path, evaluate.path) == ("cuda", "cuda")
+    for loader in (train, evaluate, train):
+        assert sorted(read_epoch_cuda(loader)) == list(range(N))
+    train.close()
+    evaluate.close()
+    from stocaching import device as device_module
+    assert not device_module._registered  # (white-box: the registration ended)
+    with DeviceLoader(cache, seeded(), load, batch_size=8, device="cuda") as again:
+        assert again.path == "cuda"
+        assert sorted(read_epoch_cuda(again)) == list(range(N))
+
