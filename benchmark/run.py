@@ -535,9 +535,11 @@ def _row(opts: Options, setup: Setup, columns: Columns, epoch: int,
         misses = sum(s["misses"] for s in leaders)
         bench_hits = sum(r["hits"] for r in per_rank)
         if setup.loader == "device":
-            # The DeviceLoader counts a row read from a slot or from staging as a hit and
-            # counts no miss: the cache's hits are the first; every other sample was loaded.
-            hits -= sum(s["staged_hits"] for s in leaders)
+            # The DeviceLoader counts every row it reads from the segment as a hit (a slot, a
+            # staging slot, a slot its prefetcher filled this epoch) and counts no miss: the
+            # cache's hits are the slots' rows less those written this epoch; every other
+            # sample was loaded.
+            hits -= sum(s["staged_hits"] + s["writes"] for s in leaders)
             misses, bench_hits = samples - hits, hits
         row.update(hits=hits, misses=misses, writes=sum(s["writes"] for s in leaders),
                    hit_rate=hits / (hits + misses) if hits + misses else None,

@@ -614,3 +614,47 @@ def test_device_command_prints_every_arm_and_its_checks(shm_dir, capsys):
     checks = [line for line in text.splitlines() if line.startswith("[")]
     assert len(checks) == 2 and all(c[:6] in ("[PASS]", "[MISS]") for c in checks)
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.timeout(120)
+def test_run_with_the_device_loader(tmp_path, jpeg_dir, shm_dir, capsys):
+    """--loader device: the caches are read by the DeviceLoader (its prefetcher loads the
+    misses, here in one loader process, into staging slots); the baselines keep the
+    DataLoader. Half the dataset cached: the hit rate is the slots' share, every sample read."""
+    out = tmp_path / "out"
+    rc = main(["--data-dir", str(jpeg_dir), "--num-images", str(N), "--image-size", str(SRC),
+               "--decoded-size", str(DEC), "--batch-size", "8", "--cache-fraction", "0.5",
+               "--threads", "1", "--out", str(out), "--epochs", "2", "--workers", "1",
+               "--no-in-ram", "--loader", "device", "--no-plot"])
+    assert rc == 0
+    rows = report.read_csv(out / "results.csv")
+    assert [(r["config"], r["epoch"]) for r in rows] == [
+        ("no cache", 1), ("no cache", 2), ("cache 50%", 1), ("cache 50%", 2)]
+    assert all(r["samples"] == N and r["loader"] == "device" and r["device"] == "cpu"
+               for r in rows)
+    half = [r for r in rows if r["kind"] == "cache"]
+    assert half[0]["hit_rate"] == 0.0 and half[0]["writes"] == N // 2  # epoch 1 fills the slots
+    assert half[1]["hits"] == N // 2 and half[1]["misses"] == N - N // 2
+    assert "the caches read by the device loader" in capsys.readouterr().out
+
+
+def test_batch_augment_crops_flips_and_normalises_each_sample():
+    """BatchAugment (phase two of the device loader) on a batch: each sample is a crop of the
+    zero-padded sample, flipped or not, normalised as Augment does."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (12, 3, 10, 10), dtype=torch.uint8)
+    assert torch.equal(D.BatchAugment(pad=0, flip=False)(x),
+                       torch.stack([D.Augment(pad=0, flip=False)(t) for t in x]))
+    y = D.BatchAugment(pad=2)(x)
+    plain = D.BatchAugment(pad=0, flip=False)
+    flips = 0
+    for got, sample in zip(y, x):
+        padded = F.pad(sample, (2, 2, 2, 2))
+        crops = [padded[:, i:i + 10, j:j + 10] for i in range(5) for j in range(5)]
+        same = [torch.allclose(got, plain(c[None])[0]) for c in crops]
+        flipped = [torch.allclose(got, plain(c.flip(-1)[None])[0]) for c in crops]
+        assert any(same) or any(flipped)
+        flips += any(flipped) and not any(same)
+    assert 0 < flips < 12  # both kinds drawn (seeded)
