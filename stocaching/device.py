@@ -131,46 +131,79 @@ class _HostPointer:
                                          "strides": None}
 
 
-# The registrations of this process, by (address, bytes, device): a second loader over the
-# same cache (a training and an evaluation loader, say) shares the first one's, since CUDA
+class _Registration:
+    """One registration of a cache's segment with CUDA in this process. It ends when the
+    view made of it is collected, or earlier when another segment is mapped where it was (its
+    cache was closed first: the registration still pins the old pages, which the GPU would
+    read in place of the new ones)."""
+
+    def __init__(self, cache: SharedCache, start: int, end: int, device: torch.device) -> None:
+        self.cache = weakref.ref(cache)
+        self.start, self.end, self.device = start, end, device
+        self.view: "weakref.ref[torch.Tensor] | None" = None
+        self.active = True
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        _registrations.remove(self)
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)  # no gather may still read the pages
+            if int(torch.cuda.cudart().cudaHostUnregister(self.start)):
+                _take_cuda_error(self.device)
+
+
+# The registrations of this process, one per cache and device: a second loader over the same
+# cache (a training and an evaluation loader, say) reads through the first one's, since CUDA
 # refuses to register the same pages twice.
-_registered: dict[tuple[int, int, torch.device], "weakref.ref[torch.Tensor]"] = {}
+_registrations: list[_Registration] = []
 
 
-def _register(rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor | None, str]:
-    """Register the pages under ``rows`` (a uint8 CPU tensor viewing the segment) with CUDA
-    and view them from ``device``: (the CUDA view, "") or (None, why it was refused). The
-    registration ends when no view of it is left."""
+def _take_cuda_error(device: torch.device) -> None:
+    """A failed CUDA runtime call leaves its error to the next check in this thread, which
+    torch makes after its next kernel launch and raises there, on an unrelated operation: a
+    launch here, whose check takes the error."""
+    with contextlib.suppress(Exception):
+        torch.ones(1, device=device)
+
+
+def _register(cache: SharedCache, rows: torch.Tensor, device: torch.device
+              ) -> tuple[torch.Tensor | None, str]:
+    """Register the pages under ``rows`` (the cache's rows, a uint8 CPU tensor viewing its
+    segment) with CUDA and view them from ``device``: (the CUDA view, "") or (None, why it
+    was refused). The registration ends when no view of it is left."""
     if rows.numel() == 0:
         return None, "the cache has no rows"
-    key = (rows.data_ptr(), rows.numel(), device)
-    known = _registered.get(key)
-    view = known() if known is not None else None
-    if view is not None:
-        return view, ""
-    cudart = torch.cuda.cudart()
     start = rows.data_ptr() // _PAGE * _PAGE
     end = -(-(rows.data_ptr() + rows.numel()) // _PAGE) * _PAGE
+    for known in list(_registrations):
+        if known.start < end and start < known.end:
+            if known.cache() is not cache:
+                known.close()  # a closed cache's, whose segment was where this one is now
+                continue
+            view = known.view() if known.view is not None else None
+            if known.device == device and view is not None:
+                return view, ""
+            return None, (f"this process registered the segment with {known.device} already "
+                          f"(one process gathers for one GPU)")
+    cudart = torch.cuda.cudart()
     with torch.cuda.device(device):
         err = int(cudart.cudaHostRegister(start, end - start, 0))
         if err:
+            _take_cuda_error(device)
             return None, f"cudaHostRegister returned error {err}"
+        registration = _Registration(cache, start, end, device)
+        _registrations.append(registration)
         try:
             view = torch.as_tensor(_HostPointer(rows.data_ptr(), tuple(rows.shape)),
                                    device=device)
         except Exception as exc:  # an old driver without unified addressing, say
-            cudart.cudaHostUnregister(start)
+            registration.close()
             return None, f"the registered segment could not be viewed from {device}: {exc}"
-    _registered[key] = weakref.ref(view)
-    weakref.finalize(view, _unregister, start, device, key)
+    registration.view = weakref.ref(view)
+    weakref.finalize(view, registration.close)
     return view, ""
-
-
-def _unregister(start: int, device: torch.device, key: tuple) -> None:
-    _registered.pop(key, None)
-    with torch.cuda.device(device):
-        torch.cuda.synchronize(device)  # no gather may still read the pages
-        torch.cuda.cudart().cudaHostUnregister(start)
 
 
 def _as_words(view: torch.Tensor) -> torch.Tensor:
@@ -405,7 +438,7 @@ class DeviceLoader:
         why = "register=False"
         if register:
             t0 = time.perf_counter()
-            view, why = _register(self.cache.rows, self.device)
+            view, why = _register(self.cache, self.cache.rows, self.device)
             if view is not None:
                 logger.info("stocaching: the DeviceLoader's GPU (%s) reads the cache's segment "
                             "itself: %.1f MiB registered in %.3f s", self.device,

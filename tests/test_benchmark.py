@@ -630,7 +630,8 @@ def test_run_with_the_device_loader(tmp_path, jpeg_dir, shm_dir, capsys):
     rows = report.read_csv(out / "results.csv")
     assert [(r["config"], r["epoch"]) for r in rows] == [
         ("no cache", 1), ("no cache", 2), ("cache 50%", 1), ("cache 50%", 2)]
-    assert all(r["samples"] == N and r["loader"] == "device" and r["device"] == "cpu"
+    trained_on = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert all(r["samples"] == N and r["loader"] == "device" and r["device"] == trained_on
                for r in rows)
     half = [r for r in rows if r["kind"] == "cache"]
     assert half[0]["hit_rate"] == 0.0 and half[0]["writes"] == N // 2  # epoch 1 fills the slots

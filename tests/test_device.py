@@ -1,7 +1,8 @@
 """DeviceLoader (stocaching/device.py): batches gathered from the segment by the training
 process. The machines that run this suite have no GPU: every test here walks the CPU path
 (which shares the batching, staging, misses, resume and DDP code with the CUDA path); the CUDA
-tests at the end run where CUDA is present and are skipped otherwise. The read that a GPU
+tests at the end run where CUDA is present and are skipped otherwise, and there the tests that
+name no device run on the GPU (the loader's default). The read that a GPU
 makes (locate, copy the rows elsewhere, confirm) is tested here with a numpy copy standing in
 for the GPU's, racing real writer processes."""
 
@@ -45,7 +46,7 @@ def read_epoch(loader: DeviceLoader) -> list[int]:
     seen = []
     for batch, idx in loader:
         assert batch.dtype == torch.uint8 and batch.shape == (len(idx), *DIMS)
-        for row, i in zip(batch, idx.tolist()):
+        for row, i in zip(batch.cpu(), idx.tolist()):
             assert torch.equal(row, load(i)), f"row of index {i}"
         seen += idx.tolist()
     return seen
@@ -99,7 +100,7 @@ def test_a_transform_runs_on_each_batch(cache):
 
     with DeviceLoader(cache, seeded(), load, batch_size=10, transform=flip) as loader:
         for batch, idx in loader:
-            for row, i in zip(batch, idx.tolist()):
+            for row, i in zip(batch.cpu(), idx.tolist()):
                 assert torch.equal(row, load(i).flip(-1))
 
 
@@ -426,7 +427,8 @@ def test_the_batch_tensors_made_ahead_stay_few_over_epochs(cache):
     """White-box: on a CPU the caller's thread makes each batch's tensors ahead of the gather;
     those an epoch did not use wait for the next, so they never pile up (a loader that made
     depth + 1 more every epoch held 37 MB more per epoch of 64 x 3x256x256)."""
-    with DeviceLoader(cache, seeded(), load, batch_size=8, depth=2, drop_last=True) as loader:
+    with DeviceLoader(cache, seeded(), load, batch_size=8, depth=2, drop_last=True,
+                      device="cpu") as loader:
         for epoch in range(6):
             loader.set_epoch(epoch)
             read_epoch(loader)
@@ -481,8 +483,52 @@ def test_cuda_two_loaders_over_one_cache_share_its_registration(cache):
     train.close()
     evaluate.close()
     from stocaching import device as device_module
-    assert not device_module._registered  # (white-box: the registration ended)
+    assert not device_module._registrations  # (white-box: the registration ended)
     with DeviceLoader(cache, seeded(), load, batch_size=8, device="cuda") as again:
         assert again.path == "cuda"
         assert sorted(read_epoch_cuda(again)) == list(range(N))
 
+
+
+@cuda
+def test_cuda_a_refused_registration_falls_back_and_leaves_no_error(cache):
+    """CUDA refuses to register pages twice: registered here first, behind the loader's
+    back, the loader warns, gathers through pinned buffers, and the refusal's error is not
+    left for torch to raise on a later, unrelated operation."""
+    rows = cache.rows
+    start = rows.data_ptr() // 4096 * 4096
+    size = -(-(rows.data_ptr() + rows.numel()) // 4096) * 4096 - start
+    assert int(torch.cuda.cudart().cudaHostRegister(start, size, 0)) == 0
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be registered"):
+            loader = DeviceLoader(cache, seeded(), load, batch_size=8, device="cuda")
+        assert loader.path == "pinned"
+        torch.ones(3, device="cuda").sum().item()  # no error of the refusal left over
+        assert sorted(read_epoch_cuda(loader)) == list(range(N))
+        loader.close()
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(start)
+
+
+@cuda
+def test_cuda_a_loader_left_open_over_a_closed_cache_does_not_serve_the_next(shm_dir):
+    """Its cache closed under it, a loader left open still holds its registration, which
+    pins the old pages; a new cache mapped at the same address must not be read through it
+    (its rows would be the old cache's): the new loader registers afresh and reads the new
+    values."""
+    old = SharedCache(budget_for(N, DIMS, dataset_len=N), N, DIMS, shm_dir=shm_dir)
+    for i in range(N):
+        old.set_slot(i, torch.zeros(DIMS, dtype=torch.uint8))
+    stale = DeviceLoader(old, seeded(), load, batch_size=8, device="cuda")
+    assert stale.path == "cuda"
+    address = old.rows.data_ptr()
+    old.close()
+    new = SharedCache(budget_for(N, DIMS, dataset_len=N), N, DIMS, shm_dir=shm_dir)
+    for i in range(N):
+        new.set_slot(i, load(i))
+    with DeviceLoader(new, seeded(), load, batch_size=8, device="cuda") as loader:
+        assert loader.path == "cuda"
+        assert sorted(read_epoch_cuda(loader)) == list(range(N))
+    print("the new segment reused the old address:", new.rows.data_ptr() == address)
+    stale.close()
+    new.close()
