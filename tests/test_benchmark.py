@@ -599,20 +599,26 @@ def test_persistent_command_prints_its_checks_and_leaves_nothing(jpeg_dir, shm_d
 
 @pytest.mark.timeout(180)
 def test_device_command_prints_every_arm_and_its_checks(shm_dir, capsys):
-    """Tiny sizes, no GPU here: the four loader-only arms of one shape with their figures,
-    the path the DeviceLoader took, two [PASS]/[MISS] lines and the load average."""
+    """Tiny sizes: the loader-only arms of one shape with their figures, the path the
+    DeviceLoader took, the [PASS]/[MISS] lines and the load average. Without a GPU (CI):
+    four arms and two checks; with one: the pinned copy and the kernel alone too, and the
+    end-to-end and latency checks."""
+    cuda = torch.cuda.is_available()
     rc = main(["device", "--num-samples", "300", "--repeats", "1", "--shapes", "3,16,16",
-               "--batch-size", "32", "--workers", "1"])
+               "--batch-size", "32", "--workers", "1", "--latency-samples", "600",
+               "--latency-loaders", "1", "4"])
     assert rc == 0
     text = capsys.readouterr().out
+    names = ["dataloader_get_slot", "dataloader_get_batch", "bare_get_batch"] + \
+        (["pinned_copy"] if cuda else []) + ["device_loader"] + \
+        (["gather_kernel_only"] if cuda else [])
     arms = [line.split()[0] for line in text.splitlines()
-            if line.split() and line.split()[0] in ("dataloader_get_slot", "dataloader_get_batch",
-                                                     "bare_get_batch", "device_loader")]
-    assert arms == ["dataloader_get_slot", "dataloader_get_batch", "bare_get_batch",
-                    "device_loader"]
-    assert "(path cpu)" in text and "load average before" in text
+            if line.split() and line.split()[0] in names]
+    assert arms == names
+    assert f"(path {'cuda' if cuda else 'cpu'})" in text and "load average before" in text
     checks = [line for line in text.splitlines() if line.startswith("[")]
-    assert len(checks) == 2 and all(c[:6] in ("[PASS]", "[MISS]") for c in checks)
+    assert len(checks) == (3 if cuda else 2) and all(c[:6] in ("[PASS]", "[MISS]")
+                                                     for c in checks)
     assert os.listdir(shm_dir) == []
 
 
