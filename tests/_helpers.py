@@ -43,6 +43,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import select
 import queue
 import signal
 import socket
@@ -656,3 +657,16 @@ class Child:
             with contextlib.suppress(Exception):
                 s.close()
         self._err.close()
+
+
+def wait_exit(pid: int, bound: float) -> bool:
+    """Wait until process ``pid`` (not necessarily our child) has ended: a pidfd becomes
+    readable then. True if it ended within ``bound`` seconds."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], bound)[0])
+    finally:
+        os.close(fd)

@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import pickle
-import select
 import signal
 import subprocess
 import sys
@@ -31,34 +30,22 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import CHILDREN, budget_for, free_port, rank_env, users
+from _helpers import CHILDREN, budget_for, free_port, rank_env, users, wait_exit
 
 if str(CHILDREN) not in sys.path:  # prefetch_common, for this module and spawned workers
     sys.path.insert(0, str(CHILDREN))
 
-from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled,  # noqa: E402
-                             load_counts, overlaps, value_of)
-from stocaching import PrefetchError, Prefetcher, SharedCache, SlotState  # noqa: E402
+from prefetch_common import (BATCH, DIMS, N, SLOTS, Loads,  # noqa: E402
+                             PrefetchedDataset, Shuffled, check_epoch, load_counts, loads_since,
+                             make_cache, oob_of, overlaps, read_epoch, value_of)
+from stocaching import PrefetchError, Prefetcher, SharedCache  # noqa: E402
 
-N, SLOTS, STAGING, BATCH = 64, 32, 64, 4
 THREAD_PREFIX = "stocaching-prefetch"
 
 
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def make_cache(shm_dir, *, slots=SLOTS, staging=STAGING, name=None) -> SharedCache:
-    cache = SharedCache(budget_for(slots, DIMS, staging=staging, dataset_len=N), N, DIMS,
-                        shm_dir=shm_dir, staging_slots=staging, name=name)
-    assert len(cache) == slots and cache.stats()["staging_slots"] == staging
-    return cache
-
-
-def oob_of(cache) -> set[int]:
-    """Indices without a slot in ``cache`` (with one node: the last N - SLOTS)."""
-    return {int(i) for i in (cache.aux_array.numpy() == SlotState.OOB.value).nonzero()[0]}
 
 
 def prefetch_threads() -> list[threading.Thread]:
@@ -72,46 +59,6 @@ def wait_prefetch_threads_gone(bound: float = 60) -> list[str]:
     for t in prefetch_threads():
         t.join(max(0.0, deadline - time.monotonic()))
     return [t.name for t in prefetch_threads()]
-
-
-def loads_since(directory, before: dict[int, list[str]]) -> dict[int, list[str]]:
-    """Loads recorded since the snapshot ``before``: index -> who, one entry per load."""
-    now = load_counts(directory)
-    return {i: w[len(before.get(i, [])):] for i, w in now.items()
-            if len(w) > len(before.get(i, []))}
-
-
-def check_epoch(seen, base_order, window):
-    """Every index of the base order exactly once, none moved more than ``window``."""
-    assert sorted(seen) == sorted(base_order) == list(range(len(base_order)))
-    if window is None:
-        assert seen == base_order
-    else:
-        where = {i: p for p, i in enumerate(base_order)}
-        assert max(abs(t - where[i]) for t, i in enumerate(seen)) <= window
-
-
-def read_epoch(loader):
-    """Indices of one epoch through ``loader``, each value checked."""
-    seen = []
-    for idx, x in loader:
-        for i, xi in zip(idx.tolist(), x):
-            assert torch.equal(xi, value_of(i)), f"wrong sample for index {i}"
-        seen += idx.tolist()
-    return seen
-
-
-def wait_exit(pid: int, bound: float) -> bool:
-    """Wait until process ``pid`` (not necessarily our child) has ended: a pidfd becomes
-    readable then. True if it ended within ``bound`` seconds."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], bound)[0])
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture

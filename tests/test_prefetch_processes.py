@@ -20,12 +20,15 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader
 
-from _helpers import budget_for, rank_env, users
-from test_prefetch import (CHILDREN, N, BATCH, check_epoch, loads_since, make_cache, oob_of,
-                           read_epoch, wait_exit)
-from prefetch_common import (DIMS, Loads, PrefetchedDataset, Shuffled, load_counts, overlaps,
+from _helpers import CHILDREN, budget_for, rank_env, users, wait_exit
+
+if str(CHILDREN) not in sys.path:  # prefetch_common, for this module and spawned workers
+    sys.path.insert(0, str(CHILDREN))
+
+from prefetch_common import (BATCH, DIMS, N, Loads, PrefetchedDataset, Shuffled, check_epoch,
+                             load_counts, loads_since, make_cache, oob_of, overlaps, read_epoch,
                              value_of)
-from stocaching import PrefetchError, Prefetcher, SharedCache, SlotState
+from stocaching import PrefetchError, Prefetcher, SharedCache, SlotState  # noqa: E402
 
 
 class PidLoads(Loads):

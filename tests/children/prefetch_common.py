@@ -11,7 +11,10 @@ them the parent's ``sys.path``, where the test put this directory).
   so two processes never take the same k), holding who loaded it, and a file ``overlap.<i>.*``
   whenever a load of i starts while another load of i is still running;
 * ``PrefetchedDataset``: the README's two lines, with ``Loads`` as the load on a miss;
-* ``Shuffled``: a seeded shuffle whose order the test can compute.
+* ``Shuffled``: a seeded shuffle whose order the test can compute;
+* the tests' sizes (``N``, ``SLOTS``, ``STAGING``, ``BATCH``), ``make_cache``, ``oob_of``,
+  ``loads_since``, ``check_epoch`` and ``read_epoch``, shared by tests/test_prefetch.py and
+  tests/test_prefetch_processes.py.
 
 The rest (sizes, environments, /proc probes) is in ``tests/_helpers.py``, which this imports:
 ``rank_env()`` puts ``tests/`` on the path of every child program.
@@ -26,9 +29,50 @@ import threading
 import torch
 
 import _helpers
+from stocaching import SharedCache, SlotState
 
 DIMS = (2, 4, 4)
 value_of = functools.partial(_helpers.value_of, dims=DIMS)
+N, SLOTS, STAGING, BATCH = 64, 32, 64, 4  # the tests' dataset: half of it with a slot
+
+
+def make_cache(shm_dir, *, slots=SLOTS, staging=STAGING, name=None) -> SharedCache:
+    cache = SharedCache(_helpers.budget_for(slots, DIMS, staging=staging, dataset_len=N), N, DIMS,
+                        shm_dir=shm_dir, staging_slots=staging, name=name)
+    assert len(cache) == slots and cache.stats()["staging_slots"] == staging
+    return cache
+
+
+def oob_of(cache) -> set[int]:
+    """Indices without a slot in ``cache`` (with one node: the last N - SLOTS)."""
+    return {int(i) for i in (cache.aux_array.numpy() == SlotState.OOB.value).nonzero()[0]}
+
+
+def loads_since(directory, before: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Loads recorded since the snapshot ``before``: index -> who, one entry per load."""
+    now = load_counts(directory)
+    return {i: w[len(before.get(i, [])):] for i, w in now.items()
+            if len(w) > len(before.get(i, []))}
+
+
+def check_epoch(seen, base_order, window):
+    """Every index of the base order exactly once, none moved more than ``window``."""
+    assert sorted(seen) == sorted(base_order) == list(range(len(base_order)))
+    if window is None:
+        assert seen == base_order
+    else:
+        where = {i: p for p, i in enumerate(base_order)}
+        assert max(abs(t - where[i]) for t, i in enumerate(seen)) <= window
+
+
+def read_epoch(loader):
+    """Indices of one epoch through ``loader``, each value checked."""
+    seen = []
+    for idx, x in loader:
+        for i, xi in zip(idx.tolist(), x):
+            assert torch.equal(xi, value_of(i)), f"wrong sample for index {i}"
+        seen += idx.tolist()
+    return seen
 
 
 class Loads:
