@@ -261,10 +261,12 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         _say("cache.stats() agrees with the Dataset's own hit count in every epoch.")
     cores = os.cpu_count() or 1
     busy = res["loadavg_before"] > 0.5 * cores
+    others = res["others_cpu_cores"]
+    busy_during = others > 0.25
     _say(f"1-minute load average when the benchmark started: {res['loadavg_before']:.2f} "
-         f"({cores} cores)" + ("; other processes were using the CPU, so expect noisy wall "
-                               "times (compare the CPU seconds, or use --repeats 3)"
-                               if busy else ""))
+         f"({cores} cores); other programs used {others:.2f} cores on average during the run"
+         + ("; other processes were using the CPU, so expect noisy wall times (compare the "
+            "CPU seconds, or use --repeats 3)" if busy or busy_during else ""))
     if note:
         _say(note)
     plots = plot.make_plots(rows, out) if args.plot else []
@@ -274,6 +276,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "note": note, "data_dir": res["data_dir"], "generate_s": res["generate_s"],
         "elapsed_s": res["elapsed_s"], "world_size": res["world_size"],
         "loadavg_before": res["loadavg_before"], "loadavg_after": res["loadavg_after"],
+        "others_cpu_cores": res["others_cpu_cores"],
         "environment": res["environment"], "setups": [dataclasses.asdict(s) for s in setups],
         "configs": res["configs"], "checks": res["checks"], "stats_mismatches": bad,
         "rows": rows,

@@ -27,7 +27,7 @@ def plot_epoch_time(rows: Sequence[dict[str, Any]], path: str | Path,
     curve = [c for c in cfgs if c[0]["kind"] in ("none", "cache")]
     ram = next((c for c in cfgs if c[0]["kind"] == "ram"), None)
     epochs = sorted({r["epoch"] for c in curve for r in c})
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    fig, ax = plt.subplots(figsize=(9.5, 4.8), dpi=110)
     for e in epochs:
         pts = sorted((r["cached_pct"], r["epoch_time_s"]) for c in curve for r in c
                      if r["epoch"] == e and r.get("cached_pct") is not None)
@@ -45,7 +45,7 @@ def plot_epoch_time(rows: Sequence[dict[str, Any]], path: str | Path,
     ax.set_xlim(-3, 103)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="best", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # (off the lines)
     ax.set_title(f"{_head(rows[0])}\n{title or report.group_title(rows)}", fontsize=9)
     fig.tight_layout()
     path = Path(path)
@@ -68,7 +68,7 @@ def plot_throughput(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """Samples/s of the last epoch against % cached, one line per group (a sweep's summary);
     each group's in-RAM bound is drawn as a marker at 100%."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(10.5, 5.2), dpi=110)
     vary = report.varying_fields(rows)
     fixed = [k for k in report.GROUP_FIELDS if k not in vary]
     for g in report.groups(rows):
@@ -89,7 +89,7 @@ def plot_throughput(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     ax.set_ylabel("samples/s (last epoch; star = in-RAM bound)")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # (off the lines)
     ax.set_title(f"{_head(rows[0])}; {report.group_title(rows, only=fixed)}", fontsize=9)
     fig.tight_layout()
     path = Path(path)

@@ -738,7 +738,7 @@ def _run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
     token = dw.broadcast(secrets.token_hex(4))
     all_rows: list[dict[str, Any]] = []
     all_info: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
+    t_start, others_before = time.perf_counter(), _others_cpu()
     for g, setup in enumerate(setups):
         threads = threads_override or default_threads(setup.workers, dw.world.local_world_size)
         torch.set_num_threads(threads)
@@ -776,7 +776,20 @@ def _run_grid(opts: Options, setups: Sequence[Setup], specs: Sequence[Spec],
     return {"rows": all_rows, "configs": all_info, "checks": checks, "data_dir": str(root),
             "generate_s": gen_s, "elapsed_s": time.perf_counter() - t_start,
             "world_size": dw.world.world_size, "is_main": dw.is_main, "environment": environment(),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0]}
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0],
+            "others_cpu_cores": (_others_cpu() - others_before) /
+            max(1e-9, time.perf_counter() - t_start)}
+
+
+def _others_cpu() -> float:
+    """CPU seconds the whole machine has spent busy, less this process's and its children's
+    (the workers, waited for or alive): what other programs took. Over a run, divided by its
+    wall time, the cores they used meanwhile (the load average counts the run's own workers)."""
+    t = psutil.cpu_times()
+    busy = t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + \
+        getattr(t, "softirq", 0.0) + getattr(t, "steal", 0.0)
+    ours, live = _cpu_snapshot()
+    return busy - ours - sum(live.values())
 
 
 def describe_shm(results: dict[str, Any]) -> str:
