@@ -33,6 +33,7 @@ __all__ = ["DeviceLoader"]
 import collections
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -141,13 +142,15 @@ class _Registration:
         self.cache = weakref.ref(cache)
         self.start, self.end, self.device = start, end, device
         self.view: "weakref.ref[torch.Tensor] | None" = None
-        self.active = True
+        self.active, self.pid = True, os.getpid()
 
     def close(self) -> None:
         if not self.active:
             return
         self.active = False
         _registrations.remove(self)
+        if os.getpid() != self.pid:
+            return  # a forked child's copy: the registration is its parent's, and CUDA too
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)  # no gather may still read the pages
             if int(torch.cuda.cudart().cudaHostUnregister(self.start)):
