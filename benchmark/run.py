@@ -335,9 +335,10 @@ def device_loader_threads(setup: Setup) -> tuple[int, int]:
 
 def device_staging_slots(setup: Setup) -> int:
     """The staging slots of a cache read by the DeviceLoader: twice the prefetcher's lookahead
-    (4 x the loads in flight) plus the batches held (the depth, 2, and the caller's one)."""
+    (4 x the loads in flight) plus the batches held (the depth, 2, the gather running ahead and
+    the caller's one)."""
     processes, threads = device_loader_threads(setup)
-    return 2 * 4 * max(1, processes) * threads + 3 * setup.batch_size
+    return 2 * 4 * max(1, processes) * threads + 4 * setup.batch_size
 
 
 def jpeg_dataset(opts: Options, root: Path, **kw: Any) -> D.JpegDataset:
