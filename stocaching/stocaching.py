@@ -57,6 +57,7 @@ __all__ = [
 __version__ = "0.3.0"
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -1466,6 +1467,58 @@ def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         done += got
 
 
+def _read_ahead(path: str) -> None:
+    """Ask the kernel to start reading the saved file at ``path`` into the page cache now,
+    in the background (a missing or unreadable file is left to the load to report)."""
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
+def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+               ) -> None:
+    """Copy ``nbytes`` of the saved file at ``src_fd`` from ``src_off`` into the segment at
+    ``dst_fd`` at ``dst_off``, in the kernel (``sendfile``): no copy through this process, and
+    the segment's pages, written whole through the file, are not zeroed first as pages first
+    touched through a mapping are. A file that ends first is truncated."""
+    os.lseek(dst_fd, dst_off, os.SEEK_SET)  # (sendfile writes at the destination's position)
+    done = 0
+    while done < nbytes:
+        got = os.sendfile(dst_fd, src_fd, src_off + done, nbytes - done)
+        if got == 0:
+            raise CacheFileError(f"{path} is truncated: it ends at byte {src_off + done}, "
+                                 "inside a saved chunk; remove it (the next save writes it "
+                                 "anew)", path, "truncated")
+        done += got
+
+
+# Whether os.sendfile writes into a regular file here (Linux); elsewhere the rows are read
+# into the segment's mapping.
+_SENDFILE = hasattr(os, "sendfile") and sys.platform.startswith("linux")
+
+
+class _CrcChain:
+    """The CRC-32 of buffers given one after the other, computed in order by ``pool`` (one
+    thread: zlib releases the GIL on large buffers), so that checking a saved file's rows
+    overlaps the copy of the next ones. A buffer must not change until ``value()`` returns."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool, self._last = pool, None
+
+    def add(self, data: np.ndarray) -> None:
+        """Add ``data`` after the buffers added before."""
+        prev = self._last
+        self._last = self._pool.submit(
+            lambda: zlib.crc32(data, prev.result() if prev is not None else 0))
+
+    def value(self) -> int:
+        """The CRC-32 of every buffer added so far (waits for them)."""
+        return self._last.result() if self._last is not None else 0
+
+
 def _fsync_dir(path: str) -> None:
     """Make a rename in the directory of ``path`` durable."""
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
@@ -1934,9 +1987,11 @@ class SharedCache:
                      0o600)
         st = os.fstat(fd)
         try:
+            if load_from is not None:
+                _read_ahead(load_from)  # the disk reads it while the segment is reserved
             self._init_segment(fd, head)
             if load_from is not None:
-                self._load(load_from)
+                self._load(load_from, head["data_off"])
             publish(tmp, fd)
         except BaseException:
             if getattr(self, "_mm", None) is not None:
@@ -3576,10 +3631,15 @@ class SharedCache:
         return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
                 "held": held}
 
-    def _load(self, path: str) -> None:
+    def _load(self, path: str, data_off: int) -> None:
         """Fill this new segment (not yet public: nobody reads it) from the saved file at
         ``path``: every sample of an index that has a slot here, the last record of each;
-        a sample's state is set only once every row of the file has passed its check."""
+        a sample's state is set only once every row of the file has passed its check.
+        ``data_off``: where the slots start in the segment.
+
+        Rows that go to consecutive slots are copied by the kernel straight from the file
+        into the segment (``_send_into``), the others read into a buffer and scattered; their
+        CRC is computed in a thread meanwhile (``_CrcChain``), and checked at the end."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -3615,29 +3675,37 @@ class SharedCache:
             loaded = np.zeros(len(indices), bool)
             per = max(1, _SAVE_IO // max(1, row_bytes))
             buf = np.empty((0, row_bytes), np.uint8)
-            for c in chunks:
-                idx, crc = c["indices"], 0
-                target = slot_of[idx]
-                live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
-                for k in range(0, c["rows"], per):
-                    t, lv = target[k: k + per], live[k: k + per]
-                    off = c["start"] + k * row_bytes
-                    if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
-                        dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
-                        _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                    else:
-                        if len(buf) < len(t):
-                            buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
-                        dst = buf[:len(t)]
-                        _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                        rows[t[lv]] = dst[lv]
-                    crc = zlib.crc32(dst, crc)
-                    loaded[t[lv]] = True
-                if crc != c["rows_crc"]:
-                    raise CacheFileError(f"{path} is damaged: the samples of the save record "
-                                         f"at byte {c['start']} fail their check; nothing of "
-                                         "it was loaded. Remove it (the next save writes it "
-                                         "anew)", path, "rows")
+            with concurrent.futures.ThreadPoolExecutor(1, "stocaching-load-crc") as pool:
+                for c in chunks:
+                    idx, c["crc"] = c["indices"], _CrcChain(pool)
+                    target = slot_of[idx]
+                    live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
+                    for k in range(0, c["rows"], per):
+                        t, lv = target[k: k + per], live[k: k + per]
+                        off = c["start"] + k * row_bytes
+                        if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
+                            dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
+                            if _SENDFILE:
+                                _send_into(self._fd, data_off + int(t[0]) * row_bytes, fd,
+                                           off, dst.nbytes, path)
+                            else:
+                                _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            c["crc"].add(dst)
+                        else:
+                            if len(buf) < len(t):
+                                buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
+                            dst = buf[:len(t)]
+                            _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            rows[t[lv]] = dst[lv]
+                            c["crc"].add(dst)
+                            c["crc"].value()  # (the buffer is read into next)
+                        loaded[t[lv]] = True
+                for c in chunks:
+                    if c["crc"].value() != c["rows_crc"]:
+                        raise CacheFileError(
+                            f"{path} is damaged: the samples of the save record at byte "
+                            f"{c['start']} fail their check; nothing of it was loaded. Remove "
+                            "it (the next save writes it anew)", path, "rows")
             self._aux_np[indices[loaded]] = SET
         finally:
             os.close(fd)

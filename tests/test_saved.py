@@ -263,3 +263,32 @@ def test_two_local_ranks_under_torchrun_load_once(shm_dir, tmp_path):
     assert r.stdout.count("stocaching: loaded 32 samples") == 1, r.stdout  # it alone loads
     with _cache(shm_dir, path) as c:
         _holds(c, set(range(0, 64, 2)))
+
+
+@pytest.mark.parametrize("sendfile", [True, False],
+                         ids=["copied by the kernel", "read into the mapping"])
+def test_rows_load_in_pieces_straight_or_scattered_and_a_bad_row_anywhere_is_refused(
+        shm_dir, tmp_path, monkeypatch, sendfile):
+    """Pieces of 3 rows (the check chained over them): the first chunk's rows go straight
+    into consecutive slots, the appended chunk's (slots 41, 45, 50-53) are scattered, then
+    straight; a flipped byte in the appended rows refuses the whole file."""
+    import stocaching.stocaching as core
+    monkeypatch.setattr(core, "_SENDFILE", sendfile)
+    monkeypatch.setattr(core, "_SAVE_IO", 3 * 4096)
+    path = str(tmp_path / "c.stc")
+    filled = set(range(40)) | {41, 45, 50, 51, 52, 53}
+    with _cache(shm_dir, path) as c:  # (no file yet: it starts empty)
+        for i in range(40):
+            c.set_slot(i, value_of(i, DIMS))
+        appended_at = c.save(path)["bytes"]  # (the end of the first chunk)
+        for i in sorted(filled - set(range(40))):
+            c.set_slot(i, value_of(i, DIMS))
+        assert c.save(path)["samples"] == 6
+    with _cache(shm_dir, path) as c:
+        _holds(c, filled)
+    data = bytearray(open(path, "rb").read())
+    data[appended_at + 4096 + 100] ^= 1  # the second appended row: slot 45's
+    open(path, "wb").write(data)
+    with pytest.raises(CacheFileError, match=rf"record at byte {appended_at} fail their check"):
+        _cache(shm_dir, path)
+    assert os.listdir(shm_dir) == []
