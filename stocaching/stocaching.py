@@ -48,6 +48,7 @@ __all__ = [
     "check_int",
     "clean_segments",
     "dealt_by_accelerate",
+    "describe_saved_file",
     "get_shm_size",
     "in_lightnings_wrapper",
     "list_segments",
@@ -1600,6 +1601,88 @@ def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
         raise CacheFileError(f"{path} is damaged: {len(chunks)} save records, but its header "
                              f"counts {sup['chunks']}; remove it", path, "chunk")
     return chunks[::-1]
+
+
+def _config_dims(cfg: dict) -> Any:
+    """The ``data_dims`` of a saved file's configuration: a tuple, or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return tuple(fs[0][1])
+    return {f[0]: tuple(f[1]) for f in fs}
+
+
+def _config_dtypes(cfg: dict) -> Any:
+    """The dtype of a saved file's configuration, by name ("uint8"), or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return fs[0][2]
+    return {f[0]: f[2] for f in fs}
+
+
+def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """What a file written by ``SharedCache.save`` holds, read from its header and its save
+    records' indices (a few KiB), without loading it: what ``python -m stocaching inspect``
+    shows.
+
+    Args:
+        path: the saved file.
+        verify: also read every sample row and check it against its CRC (reads the whole
+            file), as ``load_from`` does. Default: False (the header, the configuration and
+            the indices are checked; the rows are not read).
+
+    Returns:
+        A dict with ``path``, ``key``, ``dataset_len``, ``data_dims`` (a tuple, or a dict of
+        fields), ``dtype`` (its name, or a dict), ``node_rank`` and ``num_nodes`` (of the job
+        that saved it), ``samples`` (samples a load would take: the last record of each
+        index, less those emptied), ``rows`` (sample rows in the file, replaced ones
+        included), ``saves`` (save records: 1 for a file written anew, one more per
+        incremental save), ``bytes`` (the committed size), ``age_s`` (seconds since it was
+        last saved to) and ``verified`` (True where ``verify`` read every row).
+
+    Raises:
+        TypeError: ``path`` is not a str or path.
+        FileNotFoundError: there is no file at ``path``.
+        CacheFileError: the file is truncated, damaged or not a saved cache.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        sup = _read_super(fd, path)
+        cfg = _read_config(fd, sup, path)
+        try:
+            dataset_len, row_bytes = int(cfg["dataset_len"]), int(cfg["row_bytes"])
+        except (KeyError, TypeError, ValueError):
+            raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
+                                 path, "config") from None
+        chunks = _read_chunks(fd, sup, path, dataset_len, row_bytes)
+        held = np.zeros(dataset_len, bool)
+        for c in chunks:
+            held[c["indices"]] = True
+            held[c["emptied"]] = False
+        if verify:
+            buf = bytearray(min(_SAVE_IO, max((c["rows"] * row_bytes for c in chunks),
+                                              default=0)))
+            for c in chunks:
+                crc, off, end = 0, c["start"], c["start"] + c["rows"] * row_bytes
+                while off < end:
+                    view = memoryview(buf)[:min(len(buf), end - off)]
+                    _pread_into(fd, view, off, path)
+                    crc, off = zlib.crc32(view, crc), off + len(view)
+                if crc != c["rows_crc"]:
+                    raise CacheFileError(f"{path} is damaged: the samples of the save record "
+                                         f"at byte {c['start']} fail their check; remove it "
+                                         "(the next save writes it anew)", path, "rows")
+    finally:
+        os.close(fd)
+    return {"path": path, "key": cfg.get("key"), "dataset_len": dataset_len,
+            "data_dims": _config_dims(cfg), "dtype": _config_dtypes(cfg),
+            "node_rank": cfg.get("node_rank"), "num_nodes": cfg.get("num_nodes"),
+            "samples": int(np.count_nonzero(held)), "rows": sup["rows"],
+            "saves": sup["chunks"], "bytes": sup["end"], "age_s": time.time() - st.st_mtime,
+            "verified": verify}
 
 
 def _stale_temporaries(path: str) -> list[str]:
@@ -3721,24 +3804,11 @@ class SharedCache:
         """The first difference between a saved file's configuration and this cache's that
         makes its samples not this cache's, as the error that names it; None if none."""
         mine = self._save_config()
-
-        def dims(cfg: dict) -> Any:
-            fs = cfg.get("fields") or [["", [], "", 0]]
-            if len(fs) == 1 and fs[0][0] == "":
-                return tuple(fs[0][1])
-            return {f[0]: tuple(f[1]) for f in fs}
-
-        def dtypes(cfg: dict) -> Any:
-            fs = cfg.get("fields") or [["", [], "", 0]]
-            if len(fs) == 1 and fs[0][0] == "":
-                return fs[0][2]
-            return {f[0]: f[2] for f in fs}
-
         for label, exp, got in (
                 ("key", mine["key"], theirs.get("key")),
                 ("dataset_len", mine["dataset_len"], theirs.get("dataset_len")),
-                ("data_dims", dims(mine), dims(theirs)),
-                ("dtype", dtypes(mine), dtypes(theirs)),
+                ("data_dims", _config_dims(mine), _config_dims(theirs)),
+                ("dtype", _config_dtypes(mine), _config_dtypes(theirs)),
                 ("layout", (mine["fields"], mine["row_bytes"]),
                  (theirs.get("fields"), theirs.get("row_bytes")))):
             if exp != got:
@@ -4533,8 +4603,54 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
             "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
 
 
+def _saved_files_in(path: str) -> list[str]:
+    """``path`` if it is not a directory, else the files in it that start as a saved file."""
+    if not os.path.isdir(path):
+        return [path]
+    found = []
+    for fname in sorted(os.listdir(path)):
+        full = os.path.join(path, fname)
+        with contextlib.suppress(OSError):
+            with open(full, "rb") as f:  # (the superblock in force is the first or second)
+                head = f.read(_SAVE_BLOCK + len(_SAVE_MAGIC)) if os.path.isfile(full) else b""
+            if _SAVE_MAGIC in (head[:len(_SAVE_MAGIC)], head[_SAVE_BLOCK:]):
+                found.append(full)
+    return found
+
+
+def _inspect_saved_files(paths: Sequence[str], verify: bool,
+                         out: Callable[[str], Any]) -> int:
+    """``python -m stocaching inspect``: one paragraph per saved file; 1 if any is missing
+    or damaged (said on its line), else 0."""
+    failed, files = False, [f for p in paths for f in _saved_files_in(p)]
+    for p in paths:
+        if os.path.isdir(p) and not _saved_files_in(p):
+            out(f"{p}: no saved files\n")
+    for path in files:
+        try:
+            d = describe_saved_file(path, verify=verify)
+        except OSError as e:
+            out(f"{path}: {e.strerror}\n")
+            failed = True
+            continue
+        except CacheFileError as e:  # (a file given by mistake is not one to remove)
+            out(f"{path}: not a file saved by SharedCache.save, or its header is damaged\n"
+                if e.reason == "header" else f"{path}: {e}\n")
+            failed = True
+            continue
+        dtype = d["dtype"] if isinstance(d["dtype"], str) else \
+            ", ".join(f"{k}: {v}" for k, v in d["dtype"].items())
+        out(f"{path}: {_fmt_bytes(d['bytes'])}, saved {d['age_s'] / 3600:.1f} h ago\n"
+            f"  key={d['key']!r} dataset_len={d['dataset_len']} data_dims={d['data_dims']} "
+            f"dtype={dtype} node {d['node_rank']} of {d['num_nodes']}\n"
+            f"  {d['samples']} samples to load ({d['rows']} rows in {d['saves']} "
+            f"save{'' if d['saves'] == 1 else 's'}){'; every row checked' if verify else ''}\n")
+    return 1 if failed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m stocaching [info|plan|clean]``: see the shared memory, size a cache, clean up."""
+    """``python -m stocaching [info|plan|clean|inspect]``: see the shared memory, size a
+    cache, clean up, look into saved files."""
     parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
     parser.add_argument("--shm-dir", default=os.environ.get("STOCACHING_SHM_DIR",
                                                             DEFAULT_SHM_DIR),
@@ -4564,6 +4680,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(repeat for several)")
     c.add_argument("--all-persistent", action="store_true",
                    help="also remove every persistent cache that no process uses")
+    f = sub.add_parser("inspect", help="what files written by SharedCache.save hold, without "
+                                       "loading them")
+    f.add_argument("paths", nargs="+", metavar="PATH",
+                   help="a saved file, or a directory: the saved files in it")
+    f.add_argument("--verify", action="store_true",
+                   help="also read every sample and check its CRC (reads the whole file)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.shm_dir):
         parser.error(f"--shm-dir should be an existing directory (a tmpfs such as /dev/shm), "
@@ -4623,6 +4745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif r["segment_gib"] > r["ram_available_gib"]:
             out(f"warning: the segment ({r['segment_gib']:.2f} GiB) is more than the RAM "
                 f"available now: the machine would swap\n")
+    elif args.cmd == "inspect":
+        return _inspect_saved_files(args.paths, args.verify, out)
     elif args.cmd == "clean":
         removed = clean_segments(args.shm_dir, dry_run=args.dry_run,
                                  persistent=True if args.all_persistent else args.persistent)

@@ -15,8 +15,10 @@ import sys
 import pytest
 import torch
 
-from _helpers import CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env, value_of
-from stocaching import CacheConfigError, CacheFileError, SharedCache, World
+from _helpers import (CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env,
+                      value_of)
+from stocaching import (CacheConfigError, CacheFileError, SharedCache, World,
+                        describe_saved_file)
 
 DIMS = (4, 32, 32)  # tests/children/saved.py's
 
@@ -292,3 +294,62 @@ def test_rows_load_in_pieces_straight_or_scattered_and_a_bad_row_anywhere_is_ref
     with pytest.raises(CacheFileError, match=rf"record at byte {appended_at} fail their check"):
         _cache(shm_dir, path)
     assert os.listdir(shm_dir) == []
+
+
+def test_a_saved_file_is_described_without_loading_it(shm_dir, tmp_path):
+    path = _saved_file(shm_dir, tmp_path)  # 32 samples, one save
+    with _cache(shm_dir, path) as c:
+        c.set_slot(1, value_of(1, DIMS))
+        c.set_slot(0, value_of(0, DIMS), allow_overwrite=True)  # (a row replaced)
+        c.save(path)
+        c.clear()
+        c.save(path)  # (every index emptied: nothing to load)
+        c.set_slot(3, value_of(3, DIMS))
+        c.save(path)
+    os.utime(path, (os.path.getatime(path), os.path.getmtime(path) - 3600))
+    d = describe_saved_file(path, verify=True)
+    age_s = d.pop("age_s")
+    assert 3600 <= age_s < 3700 and d == {
+        "path": path, "key": "k1", "dataset_len": 64, "data_dims": DIMS, "dtype": "uint8",
+        "node_rank": 0, "num_nodes": 1, "samples": 1, "rows": 35, "saves": 4,
+        "bytes": os.path.getsize(path), "verified": True}
+    assert os.listdir(shm_dir) == []  # nothing loaded
+    fields = str(tmp_path / "fields.stc")
+    with SharedCache(1e-3, 8, FIELDS, dtype=FIELD_DTYPES, shm_dir=shm_dir) as c:
+        c.set_slot(2, fields_of(2, FIELDS))
+        c.save(fields)
+    d = describe_saved_file(fields)
+    assert d["data_dims"] == {k: tuple(v) for k, v in FIELDS.items()} and \
+        d["dtype"] == {k: str(v).replace("torch.", "") for k, v in FIELD_DTYPES.items()} and \
+        (d["key"], d["samples"], d["verified"]) == ("", 1, False)
+    with pytest.raises(TypeError, match=r"path should be a str or os.PathLike, but got path=3"):
+        describe_saved_file(3)
+
+
+def _inspect(*args):
+    return subprocess.run([sys.executable, "-m", "stocaching", "inspect", *map(str, args)],
+                          capture_output=True, text=True, env=rank_env(), timeout=60)
+
+
+def test_the_cli_inspects_saved_files_and_says_which_are_damaged(shm_dir, tmp_path):
+    path = _saved_file(shm_dir, tmp_path)
+    (tmp_path / "notes.txt").write_text("not a cache\n" * 1000)
+    r = _inspect(tmp_path)  # a directory: its saved files (3 blocks of header, 32 rows of
+    # 4 KiB, then their indices and the trailer in one more block: 144 KiB)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (f"{path}: 144.0 KiB, saved 0.0 h ago\n"
+                        f"  key='k1' dataset_len=64 data_dims=(4, 32, 32) dtype=uint8 node 0 "
+                        f"of 1\n  32 samples to load (32 rows in 1 save)\n")
+    data = bytearray(open(path, "rb").read())
+    data[3 * 4096 + 4096 * 7 + 100] ^= 1  # a sample byte: only --verify reads it
+    open(path, "wb").write(data)
+    assert _inspect(path).returncode == 0
+    r = _inspect("--verify", path, tmp_path / "notes.txt", tmp_path / "gone.stc")
+    assert r.returncode == 1 and r.stdout.splitlines() == [
+        f"{path}: {path} is damaged: the samples of the save record at byte 12288 fail their "
+        "check; remove it (the next save writes it anew)",
+        f"{tmp_path / 'notes.txt'}: not a file saved by SharedCache.save, or its header is "
+        "damaged",
+        f"{tmp_path / 'gone.stc'}: No such file or directory"]
+    r = _inspect(shm_dir)
+    assert r.returncode == 0 and r.stdout == f"{shm_dir}: no saved files\n"
