@@ -1468,17 +1468,6 @@ def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         done += got
 
 
-def _read_ahead(path: str) -> None:
-    """Ask the kernel to start reading the saved file at ``path`` into the page cache now,
-    in the background (a missing or unreadable file is left to the load to report)."""
-    with contextlib.suppress(OSError, AttributeError):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
-
 def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
                ) -> None:
     """Copy ``nbytes`` of the saved file at ``src_fd`` from ``src_off`` into the segment at
@@ -2070,8 +2059,6 @@ class SharedCache:
                      0o600)
         st = os.fstat(fd)
         try:
-            if load_from is not None:
-                _read_ahead(load_from)  # the disk reads it while the segment is reserved
             self._init_segment(fd, head)
             if load_from is not None:
                 self._load(load_from, head["data_off"])
