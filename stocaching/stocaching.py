@@ -2059,9 +2059,15 @@ class SharedCache:
                      0o600)
         st = os.fstat(fd)
         try:
-            self._init_segment(fd, head)
+            # A load by sendfile writes the slots through the file, which allocates their
+            # pages as it goes (no SIGBUS: a full filesystem fails the write): reserving the
+            # rest afterwards spares it a pass over the memory before the copy can start.
+            late = load_from is not None and _SENDFILE
+            self._init_segment(fd, head, reserve=head["data_off"] if late else None)
             if load_from is not None:
-                self._load(load_from, head["data_off"])
+                self._load(load_from, head["data_off"], reserved=not late)
+            if late:
+                self._reserve(fd, head["total_bytes"])
             publish(tmp, fd)
         except BaseException:
             if getattr(self, "_mm", None) is not None:
@@ -2220,21 +2226,33 @@ class SharedCache:
                 "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
                 ResourceWarning, stacklevel=4)
 
-    def _init_segment(self, fd: int, head: dict) -> None:
-        """Reserve the memory of a new segment, write its header, map it and mark which
-        indices have a slot here; the segment is ready (but not yet public) afterwards."""
-        shm_dir, total = os.path.dirname(self._path), head["total_bytes"]
-        fcntl.flock(fd, fcntl.LOCK_SH)
+    def _reserve(self, fd: int, nbytes: int) -> str | None:
+        """Allocate the first ``nbytes`` of the new segment now (pages already written stay
+        as they are): no SIGBUS mid-epoch. Returns why not where the filesystem cannot
+        reserve ahead, else None; a full one raises ``CacheCapacityError``."""
+        shm_dir = os.path.dirname(self._path)
         try:
-            os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS mid-epoch
+            os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise self._capacity_error(shm_dir, total, _free_bytes(shm_dir)) from None
+                raise self._capacity_error(shm_dir, os.fstat(fd).st_size,
+                                           _free_bytes(shm_dir)) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-            os.ftruncate(fd, total)
+            return e.strerror
+        return None
+
+    def _init_segment(self, fd: int, head: dict, reserve: int | None = None) -> None:
+        """Reserve the memory of a new segment (its first ``reserve`` bytes, default all),
+        write its header, map it and mark which indices have a slot here; the segment is
+        ready (but not yet public) afterwards."""
+        shm_dir, total = os.path.dirname(self._path), head["total_bytes"]
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, total)
+        why = self._reserve(fd, total if reserve is None else reserve)
+        if why is not None:
             warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
-                          f"{e.strerror}); a full filesystem may raise SIGBUS later",
+                          f"{why}); a full filesystem may raise SIGBUS later",
                           RuntimeWarning, stacklevel=4)
         mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
@@ -3701,11 +3719,12 @@ class SharedCache:
         return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
                 "held": held}
 
-    def _load(self, path: str, data_off: int) -> None:
+    def _load(self, path: str, data_off: int, *, reserved: bool) -> None:
         """Fill this new segment (not yet public: nobody reads it) from the saved file at
         ``path``: every sample of an index that has a slot here, the last record of each;
         a sample's state is set only once every row of the file has passed its check.
-        ``data_off``: where the slots start in the segment.
+        ``data_off``: where the slots start in the segment; ``reserved``: whether its slots'
+        memory is reserved yet (if not, it is before the first write through the mapping).
 
         Rows that go to consecutive slots are copied by the kernel straight from the file
         into the segment (``_send_into``), the others read into a buffer and scattered; their
@@ -3756,12 +3775,15 @@ class SharedCache:
                         if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
                             dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
                             if _SENDFILE:
-                                _send_into(self._fd, data_off + int(t[0]) * row_bytes, fd,
-                                           off, dst.nbytes, path)
+                                self._send_rows(data_off + int(t[0]) * row_bytes, fd, off,
+                                                dst.nbytes, path)
                             else:
                                 _pread_into(fd, memoryview(dst).cast("B"), off, path)
                             c["crc"].add(dst)
                         else:
+                            if not reserved:  # (before the first write through the mapping)
+                                self._reserve(self._fd, self._total)
+                                reserved = True
                             if len(buf) < len(t):
                                 buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
                             dst = buf[:len(t)]
@@ -3786,6 +3808,17 @@ class SharedCache:
         logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
                     int(np.count_nonzero(loaded)), self._name, path, _fmt_bytes(sup["end"]),
                     took)
+
+    def _send_rows(self, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+                   ) -> None:
+        """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
+        try:
+            _send_into(self._fd, dst_off, src_fd, src_off, nbytes, path)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            shm_dir = os.path.dirname(self._path)
+            raise self._capacity_error(shm_dir, self._total, _free_bytes(shm_dir)) from None
 
     def _file_mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
         """The first difference between a saved file's configuration and this cache's that

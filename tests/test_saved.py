@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from _helpers import (CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env,
-                      value_of)
-from stocaching import (CacheConfigError, CacheFileError, SharedCache, World,
-                        describe_saved_file)
+                      used_bytes, value_of)
+from stocaching import (CacheCapacityError, CacheConfigError, CacheFileError, SharedCache,
+                        World, describe_saved_file)
 
 DIMS = (4, 32, 32)  # tests/children/saved.py's
 
@@ -294,6 +294,48 @@ def test_rows_load_in_pieces_straight_or_scattered_and_a_bad_row_anywhere_is_ref
     with pytest.raises(CacheFileError, match=rf"record at byte {appended_at} fail their check"):
         _cache(shm_dir, path)
     assert os.listdir(shm_dir) == []
+
+
+def test_a_loaded_segment_is_reserved_whole_once_loaded(shm_dir, tmp_path):
+    """The copy by sendfile allocates the pages of the slots it fills; the rest (here the
+    empty slots) is reserved before the cache is handed out, as for any new cache."""
+    path = _saved_file(shm_dir, tmp_path)  # every other slot filled
+    with _cache(shm_dir, path) as c:
+        st = os.fstat(c._fd)
+        assert st.st_blocks * 512 >= st.st_size == c.stats()["bytes"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sendfile", [True, False],
+                         ids=["copied by the kernel", "read into the mapping"])
+def test_a_load_that_finds_the_tmpfs_full_fails_clearly_and_leaves_nothing(
+        shm_dir, tmp_path, tmpfs, monkeypatch, sendfile):
+    """Another process takes the space after the free-space check (faked: statvfs reports
+    room the tmpfs does not have): the copy or the reservation fails with ENOSPC, which is
+    a CacheCapacityError, and the half-made segment is gone."""
+    import stocaching.stocaching as core
+    path, n, dims = str(tmp_path / "big.stc"), 2048, (16, 32, 32)  # 32 MiB of samples
+    kw = dict(size_limit_gib=n * (16 * 1024 + 1) / 2**30, dataset_len=n, data_dims=dims)
+    with SharedCache(**kw, shm_dir=shm_dir) as c:
+        for i in range(n):
+            c.set_slot(i, value_of(i, dims))
+        c.save(path)
+    with open(os.path.join(tmpfs, "neighbour"), "wb") as f:
+        f.write(bytes(40 * 2**20))  # of the 64 MiB tmpfs
+    real = os.statvfs
+
+    def roomy(p):
+        st = real(p)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks * 4, st.f_bfree * 4,
+                                  st.f_bavail * 4, *st[5:]))
+
+    monkeypatch.setattr(core, "_SENDFILE", sendfile)
+    monkeypatch.setattr(os, "statvfs", roomy)
+    with pytest.raises(CacheCapacityError, match=rf"{tmpfs} has .* free but the cache needs"):
+        SharedCache(**kw, shm_dir=tmpfs, load_from=path)
+    monkeypatch.undo()
+    os.unlink(os.path.join(tmpfs, "neighbour"))
+    assert os.listdir(tmpfs) == [] and used_bytes(tmpfs) == 0
 
 
 def test_a_saved_file_is_described_without_loading_it(shm_dir, tmp_path):
