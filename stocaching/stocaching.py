@@ -3533,7 +3533,9 @@ class SharedCache:
 
         Only slots whose write is complete are saved (each is read as ``get_slot`` reads
         it); a slot being written meanwhile is left for the next save. Training may go on in
-        other processes and threads during a save.
+        other processes and threads during a save. Staged samples (``stage``: a prefetcher's
+        samples of indices without a slot, held until it hands them over) are not saved:
+        they belong to this job's prefetchers and last an epoch at most.
 
         Under DDP, only the local leader (LOCAL_RANK 0) writes: on the other local ranks the
         call returns at once and writes nothing (it is not a barrier). With several nodes,

@@ -296,6 +296,21 @@ def test_rows_load_in_pieces_straight_or_scattered_and_a_bad_row_anywhere_is_ref
     assert os.listdir(shm_dir) == []
 
 
+def test_staged_samples_are_not_saved(shm_dir, tmp_path):
+    path = str(tmp_path / "c.stc")
+    kw = dict(size_limit_gib=(8 * 4096 + 4 * 4096 + 64) / 2**30, dataset_len=64,
+              data_dims=DIMS, staging_slots=4, random_subset=True, shm_dir=shm_dir)
+    with SharedCache(**kw) as c:
+        held = c.cached_indices()
+        outside = sorted(set(range(64)) - set(held.tolist()))[:2]
+        c.set_slot(int(held[0]), value_of(int(held[0]), DIMS))
+        assert all(c.stage(i, value_of(i, DIMS)) for i in outside)
+        assert c.save(path)["samples"] == 1
+    with SharedCache(**kw, load_from=path) as c:
+        assert c.stats()["filled"] == 1 and not c.ready_mask(outside).any()
+        assert c.get_slot(outside[0]) is None
+
+
 def test_a_loaded_segment_is_reserved_whole_once_loaded(shm_dir, tmp_path):
     """The copy by sendfile allocates the pages of the slots it fills; the rest (here the
     empty slots) is reserved before the cache is handed out, as for any new cache."""
