@@ -1592,6 +1592,13 @@ def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
     return chunks[::-1]
 
 
+def _damaged_rows(path: str, chunk: dict) -> CacheFileError:
+    """The error for a save record whose rows fail their CRC (nothing of the file loads)."""
+    return CacheFileError(f"{path} is damaged: the samples of the save record at byte "
+                          f"{chunk['start']} fail their check; nothing of the file was loaded. "
+                          "Remove it (the next save writes it anew)", path, "rows")
+
+
 def _config_dims(cfg: dict) -> Any:
     """The ``data_dims`` of a saved file's configuration: a tuple, or a dict for fields."""
     fs = cfg.get("fields") or [["", [], "", 0]]
@@ -1661,9 +1668,7 @@ def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dic
                     _pread_into(fd, view, off, path)
                     crc, off = zlib.crc32(view, crc), off + len(view)
                 if crc != c["rows_crc"]:
-                    raise CacheFileError(f"{path} is damaged: the samples of the save record "
-                                         f"at byte {c['start']} fail their check; remove it "
-                                         "(the next save writes it anew)", path, "rows")
+                    raise _damaged_rows(path, c)
     finally:
         os.close(fd)
     return {"path": path, "key": cfg.get("key"), "dataset_len": dataset_len,
@@ -3796,10 +3801,7 @@ class SharedCache:
                         loaded[t[lv]] = True
                 for c in chunks:
                     if c["crc"].value() != c["rows_crc"]:
-                        raise CacheFileError(
-                            f"{path} is damaged: the samples of the save record at byte "
-                            f"{c['start']} fail their check; nothing of it was loaded. Remove "
-                            "it (the next save writes it anew)", path, "rows")
+                        raise _damaged_rows(path, c)
             self._aux_np[indices[loaded]] = SET
         finally:
             os.close(fd)

@@ -404,7 +404,7 @@ def test_the_cli_inspects_saved_files_and_says_which_are_damaged(shm_dir, tmp_pa
     r = _inspect("--verify", path, tmp_path / "notes.txt", tmp_path / "gone.stc")
     assert r.returncode == 1 and r.stdout.splitlines() == [
         f"{path}: {path} is damaged: the samples of the save record at byte 12288 fail their "
-        "check; remove it (the next save writes it anew)",
+        "check; nothing of the file was loaded. Remove it (the next save writes it anew)",
         f"{tmp_path / 'notes.txt'}: not a file saved by SharedCache.save, or its header is "
         "damaged",
         f"{tmp_path / 'gone.stc'}: No such file or directory"]
