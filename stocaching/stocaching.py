@@ -48,6 +48,7 @@ __all__ = [
     "check_int",
     "clean_segments",
     "dealt_by_accelerate",
+    "describe_saved_file",
     "get_shm_size",
     "in_lightnings_wrapper",
     "list_segments",
@@ -57,6 +58,7 @@ __all__ = [
 __version__ = "0.3.0"
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -1466,6 +1468,47 @@ def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         done += got
 
 
+def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+               ) -> None:
+    """Copy ``nbytes`` of the saved file at ``src_fd`` from ``src_off`` into the segment at
+    ``dst_fd`` at ``dst_off``, in the kernel (``sendfile``): no copy through this process, and
+    the segment's pages, written whole through the file, are not zeroed first as pages first
+    touched through a mapping are. A file that ends first is truncated."""
+    os.lseek(dst_fd, dst_off, os.SEEK_SET)  # (sendfile writes at the destination's position)
+    done = 0
+    while done < nbytes:
+        got = os.sendfile(dst_fd, src_fd, src_off + done, nbytes - done)
+        if got == 0:
+            raise CacheFileError(f"{path} is truncated: it ends at byte {src_off + done}, "
+                                 "inside a saved chunk; remove it (the next save writes it "
+                                 "anew)", path, "truncated")
+        done += got
+
+
+# Whether os.sendfile writes into a regular file here (Linux); elsewhere the rows are read
+# into the segment's mapping.
+_SENDFILE = hasattr(os, "sendfile") and sys.platform.startswith("linux")
+
+
+class _CrcChain:
+    """The CRC-32 of buffers given one after the other, computed in order by ``pool`` (one
+    thread: zlib releases the GIL on large buffers), so that checking a saved file's rows
+    overlaps the copy of the next ones. A buffer must not change until ``value()`` returns."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool, self._last = pool, None
+
+    def add(self, data: np.ndarray) -> None:
+        """Add ``data`` after the buffers added before."""
+        prev = self._last
+        self._last = self._pool.submit(
+            lambda: zlib.crc32(data, prev.result() if prev is not None else 0))
+
+    def value(self) -> int:
+        """The CRC-32 of every buffer added so far (waits for them)."""
+        return self._last.result() if self._last is not None else 0
+
+
 def _fsync_dir(path: str) -> None:
     """Make a rename in the directory of ``path`` durable."""
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
@@ -1547,6 +1590,93 @@ def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
         raise CacheFileError(f"{path} is damaged: {len(chunks)} save records, but its header "
                              f"counts {sup['chunks']}; remove it", path, "chunk")
     return chunks[::-1]
+
+
+def _damaged_rows(path: str, chunk: dict) -> CacheFileError:
+    """The error for a save record whose rows fail their CRC (nothing of the file loads)."""
+    return CacheFileError(f"{path} is damaged: the samples of the save record at byte "
+                          f"{chunk['start']} fail their check; nothing of the file was loaded. "
+                          "Remove it (the next save writes it anew)", path, "rows")
+
+
+def _config_dims(cfg: dict) -> Any:
+    """The ``data_dims`` of a saved file's configuration: a tuple, or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return tuple(fs[0][1])
+    return {f[0]: tuple(f[1]) for f in fs}
+
+
+def _config_dtypes(cfg: dict) -> Any:
+    """The dtype of a saved file's configuration, by name ("uint8"), or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return fs[0][2]
+    return {f[0]: f[2] for f in fs}
+
+
+def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """What a file written by ``SharedCache.save`` holds, read from its header and its save
+    records' indices (a few KiB), without loading it: what ``python -m stocaching inspect``
+    shows.
+
+    Args:
+        path: the saved file.
+        verify: also read every sample row and check it against its CRC (reads the whole
+            file), as ``load_from`` does. Default: False (the header, the configuration and
+            the indices are checked; the rows are not read).
+
+    Returns:
+        A dict with ``path``, ``key``, ``dataset_len``, ``data_dims`` (a tuple, or a dict of
+        fields), ``dtype`` (its name, or a dict), ``node_rank`` and ``num_nodes`` (of the job
+        that saved it), ``samples`` (samples a load would take: the last record of each
+        index, less those emptied), ``rows`` (sample rows in the file, replaced ones
+        included), ``saves`` (save records: 1 for a file written anew, one more per
+        incremental save), ``bytes`` (the committed size), ``age_s`` (seconds since it was
+        last saved to) and ``verified`` (True where ``verify`` read every row).
+
+    Raises:
+        TypeError: ``path`` is not a str or path.
+        FileNotFoundError: there is no file at ``path``.
+        CacheFileError: the file is truncated, damaged or not a saved cache.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        sup = _read_super(fd, path)
+        cfg = _read_config(fd, sup, path)
+        try:
+            dataset_len, row_bytes = int(cfg["dataset_len"]), int(cfg["row_bytes"])
+        except (KeyError, TypeError, ValueError):
+            raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
+                                 path, "config") from None
+        chunks = _read_chunks(fd, sup, path, dataset_len, row_bytes)
+        held = np.zeros(dataset_len, bool)
+        for c in chunks:
+            held[c["indices"]] = True
+            held[c["emptied"]] = False
+        if verify:
+            buf = bytearray(min(_SAVE_IO, max((c["rows"] * row_bytes for c in chunks),
+                                              default=0)))
+            for c in chunks:
+                crc, off, end = 0, c["start"], c["start"] + c["rows"] * row_bytes
+                while off < end:
+                    view = memoryview(buf)[:min(len(buf), end - off)]
+                    _pread_into(fd, view, off, path)
+                    crc, off = zlib.crc32(view, crc), off + len(view)
+                if crc != c["rows_crc"]:
+                    raise _damaged_rows(path, c)
+    finally:
+        os.close(fd)
+    return {"path": path, "key": cfg.get("key"), "dataset_len": dataset_len,
+            "data_dims": _config_dims(cfg), "dtype": _config_dtypes(cfg),
+            "node_rank": cfg.get("node_rank"), "num_nodes": cfg.get("num_nodes"),
+            "samples": int(np.count_nonzero(held)), "rows": sup["rows"],
+            "saves": sup["chunks"], "bytes": sup["end"], "age_s": time.time() - st.st_mtime,
+            "verified": verify}
 
 
 def _stale_temporaries(path: str) -> list[str]:
@@ -1934,9 +2064,15 @@ class SharedCache:
                      0o600)
         st = os.fstat(fd)
         try:
-            self._init_segment(fd, head)
+            # A load by sendfile writes the slots through the file, which allocates their
+            # pages as it goes (no SIGBUS: a full filesystem fails the write): reserving the
+            # rest afterwards spares it a pass over the memory before the copy can start.
+            late = load_from is not None and _SENDFILE
+            self._init_segment(fd, head, reserve=head["data_off"] if late else None)
             if load_from is not None:
-                self._load(load_from)
+                self._load(load_from, head["data_off"], reserved=not late)
+            if late:
+                self._reserve(fd, head["total_bytes"])
             publish(tmp, fd)
         except BaseException:
             if getattr(self, "_mm", None) is not None:
@@ -2095,21 +2231,33 @@ class SharedCache:
                 "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
                 ResourceWarning, stacklevel=4)
 
-    def _init_segment(self, fd: int, head: dict) -> None:
-        """Reserve the memory of a new segment, write its header, map it and mark which
-        indices have a slot here; the segment is ready (but not yet public) afterwards."""
-        shm_dir, total = os.path.dirname(self._path), head["total_bytes"]
-        fcntl.flock(fd, fcntl.LOCK_SH)
+    def _reserve(self, fd: int, nbytes: int) -> str | None:
+        """Allocate the first ``nbytes`` of the new segment now (pages already written stay
+        as they are): no SIGBUS mid-epoch. Returns why not where the filesystem cannot
+        reserve ahead, else None; a full one raises ``CacheCapacityError``."""
+        shm_dir = os.path.dirname(self._path)
         try:
-            os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS mid-epoch
+            os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise self._capacity_error(shm_dir, total, _free_bytes(shm_dir)) from None
+                raise self._capacity_error(shm_dir, os.fstat(fd).st_size,
+                                           _free_bytes(shm_dir)) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-            os.ftruncate(fd, total)
+            return e.strerror
+        return None
+
+    def _init_segment(self, fd: int, head: dict, reserve: int | None = None) -> None:
+        """Reserve the memory of a new segment (its first ``reserve`` bytes, default all),
+        write its header, map it and mark which indices have a slot here; the segment is
+        ready (but not yet public) afterwards."""
+        shm_dir, total = os.path.dirname(self._path), head["total_bytes"]
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, total)
+        why = self._reserve(fd, total if reserve is None else reserve)
+        if why is not None:
             warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
-                          f"{e.strerror}); a full filesystem may raise SIGBUS later",
+                          f"{why}); a full filesystem may raise SIGBUS later",
                           RuntimeWarning, stacklevel=4)
         mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
@@ -3390,7 +3538,9 @@ class SharedCache:
 
         Only slots whose write is complete are saved (each is read as ``get_slot`` reads
         it); a slot being written meanwhile is left for the next save. Training may go on in
-        other processes and threads during a save.
+        other processes and threads during a save. Staged samples (``stage``: a prefetcher's
+        samples of indices without a slot, held until it hands them over) are not saved:
+        they belong to this job's prefetchers and last an epoch at most.
 
         Under DDP, only the local leader (LOCAL_RANK 0) writes: on the other local ranks the
         call returns at once and writes nothing (it is not a barrier). With several nodes,
@@ -3576,10 +3726,16 @@ class SharedCache:
         return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
                 "held": held}
 
-    def _load(self, path: str) -> None:
+    def _load(self, path: str, data_off: int, *, reserved: bool) -> None:
         """Fill this new segment (not yet public: nobody reads it) from the saved file at
         ``path``: every sample of an index that has a slot here, the last record of each;
-        a sample's state is set only once every row of the file has passed its check."""
+        a sample's state is set only once every row of the file has passed its check.
+        ``data_off``: where the slots start in the segment; ``reserved``: whether its slots'
+        memory is reserved yet (if not, it is before the first write through the mapping).
+
+        Rows that go to consecutive slots are copied by the kernel straight from the file
+        into the segment (``_send_into``), the others read into a buffer and scattered; their
+        CRC is computed in a thread meanwhile (``_CrcChain``), and checked at the end."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -3615,29 +3771,37 @@ class SharedCache:
             loaded = np.zeros(len(indices), bool)
             per = max(1, _SAVE_IO // max(1, row_bytes))
             buf = np.empty((0, row_bytes), np.uint8)
-            for c in chunks:
-                idx, crc = c["indices"], 0
-                target = slot_of[idx]
-                live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
-                for k in range(0, c["rows"], per):
-                    t, lv = target[k: k + per], live[k: k + per]
-                    off = c["start"] + k * row_bytes
-                    if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
-                        dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
-                        _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                    else:
-                        if len(buf) < len(t):
-                            buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
-                        dst = buf[:len(t)]
-                        _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                        rows[t[lv]] = dst[lv]
-                    crc = zlib.crc32(dst, crc)
-                    loaded[t[lv]] = True
-                if crc != c["rows_crc"]:
-                    raise CacheFileError(f"{path} is damaged: the samples of the save record "
-                                         f"at byte {c['start']} fail their check; nothing of "
-                                         "it was loaded. Remove it (the next save writes it "
-                                         "anew)", path, "rows")
+            with concurrent.futures.ThreadPoolExecutor(1, "stocaching-load-crc") as pool:
+                for c in chunks:
+                    idx, c["crc"] = c["indices"], _CrcChain(pool)
+                    target = slot_of[idx]
+                    live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
+                    for k in range(0, c["rows"], per):
+                        t, lv = target[k: k + per], live[k: k + per]
+                        off = c["start"] + k * row_bytes
+                        if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
+                            dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
+                            if _SENDFILE:
+                                self._send_rows(data_off + int(t[0]) * row_bytes, fd, off,
+                                                dst.nbytes, path)
+                            else:
+                                _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            c["crc"].add(dst)
+                        else:
+                            if not reserved:  # (before the first write through the mapping)
+                                self._reserve(self._fd, self._total)
+                                reserved = True
+                            if len(buf) < len(t):
+                                buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
+                            dst = buf[:len(t)]
+                            _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            rows[t[lv]] = dst[lv]
+                            c["crc"].add(dst)
+                            c["crc"].value()  # (the buffer is read into next)
+                        loaded[t[lv]] = True
+                for c in chunks:
+                    if c["crc"].value() != c["rows_crc"]:
+                        raise _damaged_rows(path, c)
             self._aux_np[indices[loaded]] = SET
         finally:
             os.close(fd)
@@ -3649,28 +3813,26 @@ class SharedCache:
                     int(np.count_nonzero(loaded)), self._name, path, _fmt_bytes(sup["end"]),
                     took)
 
+    def _send_rows(self, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+                   ) -> None:
+        """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
+        try:
+            _send_into(self._fd, dst_off, src_fd, src_off, nbytes, path)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            shm_dir = os.path.dirname(self._path)
+            raise self._capacity_error(shm_dir, self._total, _free_bytes(shm_dir)) from None
+
     def _file_mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
         """The first difference between a saved file's configuration and this cache's that
         makes its samples not this cache's, as the error that names it; None if none."""
         mine = self._save_config()
-
-        def dims(cfg: dict) -> Any:
-            fs = cfg.get("fields") or [["", [], "", 0]]
-            if len(fs) == 1 and fs[0][0] == "":
-                return tuple(fs[0][1])
-            return {f[0]: tuple(f[1]) for f in fs}
-
-        def dtypes(cfg: dict) -> Any:
-            fs = cfg.get("fields") or [["", [], "", 0]]
-            if len(fs) == 1 and fs[0][0] == "":
-                return fs[0][2]
-            return {f[0]: f[2] for f in fs}
-
         for label, exp, got in (
                 ("key", mine["key"], theirs.get("key")),
                 ("dataset_len", mine["dataset_len"], theirs.get("dataset_len")),
-                ("data_dims", dims(mine), dims(theirs)),
-                ("dtype", dtypes(mine), dtypes(theirs)),
+                ("data_dims", _config_dims(mine), _config_dims(theirs)),
+                ("dtype", _config_dtypes(mine), _config_dtypes(theirs)),
                 ("layout", (mine["fields"], mine["row_bytes"]),
                  (theirs.get("fields"), theirs.get("row_bytes")))):
             if exp != got:
@@ -4465,8 +4627,54 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
             "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
 
 
+def _saved_files_in(path: str) -> list[str]:
+    """``path`` if it is not a directory, else the files in it that start as a saved file."""
+    if not os.path.isdir(path):
+        return [path]
+    found = []
+    for fname in sorted(os.listdir(path)):
+        full = os.path.join(path, fname)
+        with contextlib.suppress(OSError):
+            with open(full, "rb") as f:  # (the superblock in force is the first or second)
+                head = f.read(_SAVE_BLOCK + len(_SAVE_MAGIC)) if os.path.isfile(full) else b""
+            if _SAVE_MAGIC in (head[:len(_SAVE_MAGIC)], head[_SAVE_BLOCK:]):
+                found.append(full)
+    return found
+
+
+def _inspect_saved_files(paths: Sequence[str], verify: bool,
+                         out: Callable[[str], Any]) -> int:
+    """``python -m stocaching inspect``: one paragraph per saved file; 1 if any is missing
+    or damaged (said on its line), else 0."""
+    failed, files = False, [f for p in paths for f in _saved_files_in(p)]
+    for p in paths:
+        if os.path.isdir(p) and not _saved_files_in(p):
+            out(f"{p}: no saved files\n")
+    for path in files:
+        try:
+            d = describe_saved_file(path, verify=verify)
+        except OSError as e:
+            out(f"{path}: {e.strerror}\n")
+            failed = True
+            continue
+        except CacheFileError as e:  # (a file given by mistake is not one to remove)
+            out(f"{path}: not a file saved by SharedCache.save, or its header is damaged\n"
+                if e.reason == "header" else f"{path}: {e}\n")
+            failed = True
+            continue
+        dtype = d["dtype"] if isinstance(d["dtype"], str) else \
+            ", ".join(f"{k}: {v}" for k, v in d["dtype"].items())
+        out(f"{path}: {_fmt_bytes(d['bytes'])}, saved {d['age_s'] / 3600:.1f} h ago\n"
+            f"  key={d['key']!r} dataset_len={d['dataset_len']} data_dims={d['data_dims']} "
+            f"dtype={dtype} node {d['node_rank']} of {d['num_nodes']}\n"
+            f"  {d['samples']} samples to load ({d['rows']} rows in {d['saves']} "
+            f"save{'' if d['saves'] == 1 else 's'}){'; every row checked' if verify else ''}\n")
+    return 1 if failed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m stocaching [info|plan|clean]``: see the shared memory, size a cache, clean up."""
+    """``python -m stocaching [info|plan|clean|inspect]``: see the shared memory, size a
+    cache, clean up, look into saved files."""
     parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
     parser.add_argument("--shm-dir", default=os.environ.get("STOCACHING_SHM_DIR",
                                                             DEFAULT_SHM_DIR),
@@ -4496,6 +4704,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(repeat for several)")
     c.add_argument("--all-persistent", action="store_true",
                    help="also remove every persistent cache that no process uses")
+    f = sub.add_parser("inspect", help="what files written by SharedCache.save hold, without "
+                                       "loading them")
+    f.add_argument("paths", nargs="+", metavar="PATH",
+                   help="a saved file, or a directory: the saved files in it")
+    f.add_argument("--verify", action="store_true",
+                   help="also read every sample and check its CRC (reads the whole file)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.shm_dir):
         parser.error(f"--shm-dir should be an existing directory (a tmpfs such as /dev/shm), "
@@ -4555,6 +4769,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif r["segment_gib"] > r["ram_available_gib"]:
             out(f"warning: the segment ({r['segment_gib']:.2f} GiB) is more than the RAM "
                 f"available now: the machine would swap\n")
+    elif args.cmd == "inspect":
+        return _inspect_saved_files(args.paths, args.verify, out)
     elif args.cmd == "clean":
         removed = clean_segments(args.shm_dir, dry_run=args.dry_run,
                                  persistent=True if args.all_persistent else args.persistent)

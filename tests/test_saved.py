@@ -15,8 +15,10 @@ import sys
 import pytest
 import torch
 
-from _helpers import CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env, value_of
-from stocaching import CacheConfigError, CacheFileError, SharedCache, World
+from _helpers import (CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env,
+                      used_bytes, value_of)
+from stocaching import (CacheCapacityError, CacheConfigError, CacheFileError, SharedCache,
+                        World, describe_saved_file)
 
 DIMS = (4, 32, 32)  # tests/children/saved.py's
 
@@ -263,3 +265,148 @@ def test_two_local_ranks_under_torchrun_load_once(shm_dir, tmp_path):
     assert r.stdout.count("stocaching: loaded 32 samples") == 1, r.stdout  # it alone loads
     with _cache(shm_dir, path) as c:
         _holds(c, set(range(0, 64, 2)))
+
+
+@pytest.mark.parametrize("sendfile", [True, False],
+                         ids=["copied by the kernel", "read into the mapping"])
+def test_rows_load_in_pieces_straight_or_scattered_and_a_bad_row_anywhere_is_refused(
+        shm_dir, tmp_path, monkeypatch, sendfile):
+    """Pieces of 3 rows (the check chained over them): the first chunk's rows go straight
+    into consecutive slots, the appended chunk's (slots 41, 45, 50-53) are scattered, then
+    straight; a flipped byte in the appended rows refuses the whole file."""
+    import stocaching.stocaching as core
+    monkeypatch.setattr(core, "_SENDFILE", sendfile)
+    monkeypatch.setattr(core, "_SAVE_IO", 3 * 4096)
+    path = str(tmp_path / "c.stc")
+    filled = set(range(40)) | {41, 45, 50, 51, 52, 53}
+    with _cache(shm_dir, path) as c:  # (no file yet: it starts empty)
+        for i in range(40):
+            c.set_slot(i, value_of(i, DIMS))
+        appended_at = c.save(path)["bytes"]  # (the end of the first chunk)
+        for i in sorted(filled - set(range(40))):
+            c.set_slot(i, value_of(i, DIMS))
+        assert c.save(path)["samples"] == 6
+    with _cache(shm_dir, path) as c:
+        _holds(c, filled)
+    data = bytearray(open(path, "rb").read())
+    data[appended_at + 4096 + 100] ^= 1  # the second appended row: slot 45's
+    open(path, "wb").write(data)
+    with pytest.raises(CacheFileError, match=rf"record at byte {appended_at} fail their check"):
+        _cache(shm_dir, path)
+    assert os.listdir(shm_dir) == []
+
+
+def test_staged_samples_are_not_saved(shm_dir, tmp_path):
+    path = str(tmp_path / "c.stc")
+    kw = dict(size_limit_gib=(8 * 4096 + 4 * 4096 + 64) / 2**30, dataset_len=64,
+              data_dims=DIMS, staging_slots=4, random_subset=True, shm_dir=shm_dir)
+    with SharedCache(**kw) as c:
+        held = c.cached_indices()
+        outside = sorted(set(range(64)) - set(held.tolist()))[:2]
+        c.set_slot(int(held[0]), value_of(int(held[0]), DIMS))
+        assert all(c.stage(i, value_of(i, DIMS)) for i in outside)
+        assert c.save(path)["samples"] == 1
+    with SharedCache(**kw, load_from=path) as c:
+        assert c.stats()["filled"] == 1 and not c.ready_mask(outside).any()
+        assert c.get_slot(outside[0]) is None
+
+
+def test_a_loaded_segment_is_reserved_whole_once_loaded(shm_dir, tmp_path):
+    """The copy by sendfile allocates the pages of the slots it fills; the rest (here the
+    empty slots) is reserved before the cache is handed out, as for any new cache."""
+    path = _saved_file(shm_dir, tmp_path)  # every other slot filled
+    with _cache(shm_dir, path) as c:
+        st = os.fstat(c._fd)
+        assert st.st_blocks * 512 >= st.st_size == c.stats()["bytes"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sendfile", [True, False],
+                         ids=["copied by the kernel", "read into the mapping"])
+def test_a_load_that_finds_the_tmpfs_full_fails_clearly_and_leaves_nothing(
+        shm_dir, tmp_path, tmpfs, monkeypatch, sendfile):
+    """Another process takes the space after the free-space check (faked: statvfs reports
+    room the tmpfs does not have): the copy or the reservation fails with ENOSPC, which is
+    a CacheCapacityError, and the half-made segment is gone."""
+    import stocaching.stocaching as core
+    path, n, dims = str(tmp_path / "big.stc"), 2048, (16, 32, 32)  # 32 MiB of samples
+    kw = dict(size_limit_gib=n * (16 * 1024 + 1) / 2**30, dataset_len=n, data_dims=dims)
+    with SharedCache(**kw, shm_dir=shm_dir) as c:
+        for i in range(n):
+            c.set_slot(i, value_of(i, dims))
+        c.save(path)
+    with open(os.path.join(tmpfs, "neighbour"), "wb") as f:
+        f.write(bytes(40 * 2**20))  # of the 64 MiB tmpfs
+    real = os.statvfs
+
+    def roomy(p):
+        st = real(p)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks * 4, st.f_bfree * 4,
+                                  st.f_bavail * 4, *st[5:]))
+
+    monkeypatch.setattr(core, "_SENDFILE", sendfile)
+    monkeypatch.setattr(os, "statvfs", roomy)
+    with pytest.raises(CacheCapacityError, match=rf"{tmpfs} has .* free but the cache needs"):
+        SharedCache(**kw, shm_dir=tmpfs, load_from=path)
+    monkeypatch.undo()
+    os.unlink(os.path.join(tmpfs, "neighbour"))
+    assert os.listdir(tmpfs) == [] and used_bytes(tmpfs) == 0
+
+
+def test_a_saved_file_is_described_without_loading_it(shm_dir, tmp_path):
+    path = _saved_file(shm_dir, tmp_path)  # 32 samples, one save
+    with _cache(shm_dir, path) as c:
+        c.set_slot(1, value_of(1, DIMS))
+        c.set_slot(0, value_of(0, DIMS), allow_overwrite=True)  # (a row replaced)
+        c.save(path)
+        c.clear()
+        c.save(path)  # (every index emptied: nothing to load)
+        c.set_slot(3, value_of(3, DIMS))
+        c.save(path)
+    os.utime(path, (os.path.getatime(path), os.path.getmtime(path) - 3600))
+    d = describe_saved_file(path, verify=True)
+    age_s = d.pop("age_s")
+    assert 3600 <= age_s < 3700 and d == {
+        "path": path, "key": "k1", "dataset_len": 64, "data_dims": DIMS, "dtype": "uint8",
+        "node_rank": 0, "num_nodes": 1, "samples": 1, "rows": 35, "saves": 4,
+        "bytes": os.path.getsize(path), "verified": True}
+    assert os.listdir(shm_dir) == []  # nothing loaded
+    fields = str(tmp_path / "fields.stc")
+    with SharedCache(1e-3, 8, FIELDS, dtype=FIELD_DTYPES, shm_dir=shm_dir) as c:
+        c.set_slot(2, fields_of(2, FIELDS))
+        c.save(fields)
+    d = describe_saved_file(fields)
+    assert d["data_dims"] == {k: tuple(v) for k, v in FIELDS.items()} and \
+        d["dtype"] == {k: str(v).replace("torch.", "") for k, v in FIELD_DTYPES.items()} and \
+        (d["key"], d["samples"], d["verified"]) == ("", 1, False)
+    with pytest.raises(TypeError, match=r"path should be a str or os.PathLike, but got path=3"):
+        describe_saved_file(3)
+
+
+def _inspect(*args):
+    return subprocess.run([sys.executable, "-m", "stocaching", "inspect", *map(str, args)],
+                          capture_output=True, text=True, env=rank_env(), timeout=60)
+
+
+def test_the_cli_inspects_saved_files_and_says_which_are_damaged(shm_dir, tmp_path):
+    path = _saved_file(shm_dir, tmp_path)
+    (tmp_path / "notes.txt").write_text("not a cache\n" * 1000)
+    r = _inspect(tmp_path)  # a directory: its saved files (3 blocks of header, 32 rows of
+    # 4 KiB, then their indices and the trailer in one more block: 144 KiB)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (f"{path}: 144.0 KiB, saved 0.0 h ago\n"
+                        f"  key='k1' dataset_len=64 data_dims=(4, 32, 32) dtype=uint8 node 0 "
+                        f"of 1\n  32 samples to load (32 rows in 1 save)\n")
+    data = bytearray(open(path, "rb").read())
+    data[3 * 4096 + 4096 * 7 + 100] ^= 1  # a sample byte: only --verify reads it
+    open(path, "wb").write(data)
+    assert _inspect(path).returncode == 0
+    r = _inspect("--verify", path, tmp_path / "notes.txt", tmp_path / "gone.stc")
+    assert r.returncode == 1 and r.stdout.splitlines() == [
+        f"{path}: {path} is damaged: the samples of the save record at byte 12288 fail their "
+        "check; nothing of the file was loaded. Remove it (the next save writes it anew)",
+        f"{tmp_path / 'notes.txt'}: not a file saved by SharedCache.save, or its header is "
+        "damaged",
+        f"{tmp_path / 'gone.stc'}: No such file or directory"]
+    r = _inspect(shm_dir)
+    assert r.returncode == 0 and r.stdout == f"{shm_dir}: no saved files\n"
