@@ -192,7 +192,7 @@ def bench_variable(n: int = 512, rounds: int = 15) -> dict[str, list[float]]:
     gib = (sum(x.numel() for x in images) + 16 * n + 64 * n) * 1.01 / 2**30
     order = rng.integers(0, n, 4096).tolist()
     times: dict[str, list[float]] = {}
-    with stocaching.SharedCache(gib, n, (3, None, None), name="microbench-var") as c:
+    with stocaching.OpenSizeCache(gib, n, (3, None, None), name="microbench-var") as c:
         for i, x in enumerate(images):
             c.set_slot(i, x)
         assert c.stats()["filled"] == n
@@ -219,7 +219,7 @@ def bench_memory(budget_mib: float = 64, n: int = 4096) -> dict[str, int]:
     sides = rng.integers(64, 257, (n, 2))
     sizes = [3 * int(h) * int(w) for h, w in sides]
     budget = int(budget_mib * 2**20)
-    with stocaching.SharedCache(budget / 2**30, n, (3, None, None), name="microbench-mem") as c:
+    with stocaching.OpenSizeCache(budget / 2**30, n, (3, None, None), name="microbench-mem") as c:
         for i, (h, w) in enumerate(sides):
             c.set_slot(i, torch.zeros((3, int(h), int(w)), dtype=torch.uint8))
         admitted = c.stats()["filled"]

@@ -292,8 +292,10 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
     dw.barrier()
     before = shm_used_bytes()
     t0 = time.perf_counter()
-    dims = (3, None, None) if varied else (3, d, d)
-    cache = stocaching.SharedCache(gib, n, dims, torch.uint8, name=name)
+    if varied:
+        cache = stocaching.OpenSizeCache(gib, n, (3, None, None), torch.uint8, name=name)
+    else:
+        cache = stocaching.SharedCache(gib, n, (3, d, d), torch.uint8, name=name)
     info["construct_s"] = time.perf_counter() - t0
     dw.barrier()
     after = shm_used_bytes()
