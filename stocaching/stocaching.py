@@ -4446,8 +4446,8 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
          size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
          staging_slots: int = 0, mean_sample_bytes: int | None = None) -> dict:
     """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
-    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample, None
-    for an open size).
+    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample), or
+    for ``OpenSizeCache`` (a None for an open size).
 
     Args:
         staging_slots: staging slots for a prefetcher (see ``SharedCache``), paid first.
