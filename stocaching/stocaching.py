@@ -1892,7 +1892,7 @@ class BaseCache:
         if on_disk:
             warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
                           "the cache is a file there, and may be as slow as the data it "
-                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=4)
+                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=5)
         vm = psutil.virtual_memory()
         margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
         if not on_disk and vm.available - total < margin:
@@ -1901,7 +1901,7 @@ class BaseCache:
                 f"{_fmt_bytes(vm.available)} of RAM is available; less than "
                 f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
                 "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
-                ResourceWarning, stacklevel=4)
+                ResourceWarning, stacklevel=5)
 
     def _init_segment(self, fd: int, head: dict) -> None:
         """Reserve the memory of a new segment, write its header, map it and mark which
@@ -1918,7 +1918,7 @@ class BaseCache:
             os.ftruncate(fd, total)
             warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
                           f"{e.strerror}); a full filesystem may raise SIGBUS later",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
         mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
                     local_world_size=self._world.local_world_size, attached=1, ready=0)
