@@ -323,8 +323,8 @@ class JpegDataset(torch.utils.data.Dataset):
         decoded_size: side ``D`` of the phase-one output; None decodes at the native size
             (varied sizes: pass ``augment=Augment(size=...)`` so that batches stack).
         num_classes: for the labels.
-        cache: a ``stocaching.SharedCache`` of ``(3, D, D)`` uint8 slots (``(3, None, None)``
-            when ``decoded_size`` is None), or None.
+        cache: a ``stocaching.SharedCache`` of ``(3, D, D)`` uint8 slots (an
+            ``OpenSizeCache`` of ``(3, None, None)`` when ``decoded_size`` is None), or None.
         read_latency_ms: extra sleep before every read from disk (a cache miss), emulating
             network storage. Default: 0.
         copy: ``cache.get_slot(i, copy=copy)``; False returns a read-only view, which phase two

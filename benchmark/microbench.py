@@ -10,7 +10,8 @@ end with target lines, each ``[PASS]`` or ``[MISS]`` with the two figures compar
 hits read by ``get_batch`` against 64 ``get_slot`` calls and a ``torch.stack``; a hit of a
 cache of open sizes against a bare ``clone()`` of the same bytes; how many images of varied
 sizes fit in a budget against the sum of their sizes; and, with ``--before``, this core's
-``get_slot`` hit against the older core's. With
+``get_slot`` hit against the older core's (its open-size hit is printed beside the older
+core's too, without a target). With
 ``--ref-dir`` pointing at ``pip install --target DIR stocaching==0.2.1``, stocaching 0.2.1 is
 measured too, imported under another name.
 """
@@ -178,12 +179,13 @@ def bench_batch(dims: tuple[int, ...] = (3, 128, 128), batch: int = 64, rounds: 
     return times
 
 
-def bench_variable(n: int = 512, rounds: int = 15) -> dict[str, list[float]]:
+def bench_variable(n: int = 512, rounds: int = 15, before=None) -> dict[str, list[float]]:
     """A hit of a cache of open sizes, (3, None, None) uint8 images of 96-160 pixels a side
     (about 45 KB each, 23 MB in all), against a bare ``clone()`` of the same bytes (a tensor
     view of the sample in the cache's arena, as "bare clone() of one slot" above is of the
-    slot), and of a private copy of each image; the same index sequence for all, interleaved
-    round by round.
+    slot), and of a private copy of each image; with ``before`` (another core), a hit of its
+    cache of open sizes too (its ``OpenSizeCache``, or, in a core older than that class, its
+    ``SharedCache``); the same index sequence for all, interleaved round by round.
 
     Returns microseconds per call of every round, by method."""
     rng = np.random.default_rng(1)
@@ -192,7 +194,13 @@ def bench_variable(n: int = 512, rounds: int = 15) -> dict[str, list[float]]:
     gib = (sum(x.numel() for x in images) + 16 * n + 64 * n) * 1.01 / 2**30
     order = rng.integers(0, n, 4096).tolist()
     times: dict[str, list[float]] = {}
-    with stocaching.SharedCache(gib, n, (3, None, None), name="microbench-var") as c:
+    old = None
+    if before is not None:
+        old = getattr(before, "OpenSizeCache", before.SharedCache)(
+            gib, n, (3, None, None), name="microbench-var-before")
+        for i, x in enumerate(images):
+            old.set_slot(i, x)
+    with stocaching.OpenSizeCache(gib, n, (3, None, None), name="microbench-var") as c:
         for i, x in enumerate(images):
             c.set_slot(i, x)
         assert c.stats()["filled"] == n
@@ -206,8 +214,12 @@ def bench_variable(n: int = 512, rounds: int = 15) -> dict[str, list[float]]:
                              ("bare clone() of the same bytes",
                               lambda: same[order[next(k) % 4096]].clone()),
                              ("bare clone() of a private copy",
-                              lambda: images[order[next(k) % 4096]].clone())):
+                              lambda: images[order[next(k) % 4096]].clone()),
+                             *([("get_slot hit, open sizes, before",
+                                 lambda: old.get_slot(order[next(k) % 4096]))] if old else [])):
                 times.setdefault(name, []).append(timeit.timeit(fn, number=1000) / 1000 * 1e6)
+    if old is not None:
+        old.close()
     return times
 
 
@@ -219,7 +231,7 @@ def bench_memory(budget_mib: float = 64, n: int = 4096) -> dict[str, int]:
     sides = rng.integers(64, 257, (n, 2))
     sizes = [3 * int(h) * int(w) for h, w in sides]
     budget = int(budget_mib * 2**20)
-    with stocaching.SharedCache(budget / 2**30, n, (3, None, None), name="microbench-mem") as c:
+    with stocaching.OpenSizeCache(budget / 2**30, n, (3, None, None), name="microbench-mem") as c:
         for i, (h, w) in enumerate(sides):
             c.set_slot(i, torch.zeros((3, int(h), int(w)), dtype=torch.uint8))
         admitted = c.stats()["filled"]
@@ -280,8 +292,8 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
     targets = []
-    if args.before:
-        before = load_core(args.before)
+    before = load_core(args.before) if args.before else None
+    if before is not None:
         for dims in [(3, 32, 32), (3, 256, 256)]:
             print(f"\n{dims} uint8, interleaved rounds: min / median per call")
             rows = bench_side_by_side(dims, ref, before)
@@ -316,10 +328,14 @@ def main(argv=None) -> None:
     targets.append(f"{_verdict(s >= 1.5 * b)} get_batch of 64 hits >= 1.5 x faster per sample "
                    f"than 64 get_slot + torch.stack: {b:.2f} vs {s:.2f} us (medians), "
                    f"{s / b:.2f} x")
-    times = bench_variable()
+    times = bench_variable(before=before)
     print("\nopen sizes, (3, 96-160, 96-160) uint8, interleaved rounds: min / median per call")
     for name, ts in times.items():
         print(f"  {name:34s} {min(ts):7.2f} / {np.median(ts):7.2f} us")
+    if before is not None:
+        now, old = times["get_slot hit, open sizes"], times["get_slot hit, open sizes, before"]
+        print(f"  this core's open-size hit against {args.before}'s: ratio of min "
+              f"{min(now) / min(old):.3f}, of median {np.median(now) / np.median(old):.3f}")
     v = float(np.median(times["get_slot hit, open sizes"]))
     b = float(np.median(times["bare clone() of the same bytes"]))
     targets.append(f"{_verdict(v <= 1.5 * b)} open-size get_slot hit <= 1.5 x a bare clone() of "

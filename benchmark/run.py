@@ -295,7 +295,6 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
     dw.barrier()
     before = shm_used_bytes()
     t0 = time.perf_counter()
-    dims = (3, None, None) if varied else (3, d, d)
     staging = 0
     if setup.loader == "device":
         if varied:
@@ -304,7 +303,11 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
         # The misses its prefetcher loads ahead wait in staging slots (docs/device.md).
         staging = device_staging_slots(setup)
         gib += staging * 3 * d * d / GIB
-    cache = stocaching.SharedCache(gib, n, dims, torch.uint8, name=name, staging_slots=staging)
+    if varied:
+        cache = stocaching.OpenSizeCache(gib, n, (3, None, None), torch.uint8, name=name)
+    else:
+        cache = stocaching.SharedCache(gib, n, (3, d, d), torch.uint8, name=name,
+                                       staging_slots=staging)
     info["construct_s"] = time.perf_counter() - t0
     dw.barrier()
     after = shm_used_bytes()

@@ -52,6 +52,13 @@ def _doc(obj) -> str:
 
 def _sig(name: str, obj) -> str:
     try:
+        if inspect.isclass(obj) and "__new__" in vars(obj) and "__init__" in vars(obj):
+            # A __new__ that picks a subclass (SharedCache's, for fields) takes whatever
+            # __init__ takes: show __init__'s arguments, which inspect would hide behind it.
+            sig = inspect.signature(obj.__init__)
+            sig = sig.replace(parameters=list(sig.parameters.values())[1:],
+                              return_annotation=inspect.Signature.empty)
+            return f"{name}{sig}"
         return f"{name}{inspect.signature(obj)}"
     except (TypeError, ValueError):
         return name

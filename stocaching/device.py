@@ -47,10 +47,11 @@ import torch
 
 try:  # the package, or the modules copied side by side into a project
     from .prefetch import Prefetcher
-    from .stocaching import SharedCache, SlotState, check_int
+    from .stocaching import OpenSizeCache, SharedCache, SlotState, check_int
 except ImportError:  # pragma: no cover - the copied-files layout
     from prefetch import Prefetcher  # type: ignore[no-redef]
-    from stocaching import SharedCache, SlotState, check_int  # type: ignore[no-redef]
+    from stocaching import (OpenSizeCache, SharedCache,  # type: ignore[no-redef]
+                            SlotState, check_int)
 
 logger = logging.getLogger("stocaching")
 
@@ -404,13 +405,13 @@ class DeviceLoader:
                  batch_size: int, device: Any = None,
                  transform: Callable[[Any], Any] | None = None, drop_last: bool = False,
                  depth: int = 2, register: bool = True, **prefetch: Any) -> None:
+        if isinstance(cache, OpenSizeCache):
+            raise TypeError("cache should have fixed sizes: an OpenSizeCache, of open sizes (a "
+                            f"None in data_dims={cache.data_dims!r}), has no rows of one size to "
+                            "gather as a batch; use a DataLoader with get_slot in __getitem__")
         if not isinstance(cache, SharedCache):
             raise TypeError(f"cache should be a SharedCache, but got cache of type "
                             f"{type(cache).__name__}")
-        if "arena_bytes" in cache.stats():
-            raise TypeError("cache should have fixed sizes: a cache of open sizes (a None in "
-                            f"data_dims={cache.data_dims!r}) has no rows of one size to gather "
-                            "as a batch; use a DataLoader with get_batch in __getitems__")
         self.batch_size = check_int("batch_size", batch_size, low=1)
         self.depth = check_int("depth", depth, low=1)
         for name, flag in (("drop_last", drop_last), ("register", register)):

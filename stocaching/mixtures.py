@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import SharedCache, World, check_int, in_lightnings_wrapper
+    from .stocaching import BaseCache, World, check_int, in_lightnings_wrapper
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (SharedCache, World,  # type: ignore[no-redef]
+    from stocaching import (BaseCache, World,  # type: ignore[no-redef]
                             check_int, in_lightnings_wrapper)
 
 logger = logging.getLogger("stocaching")
@@ -589,16 +589,16 @@ class MixtureDataset(torch.utils.data.Dataset):
     """The concatenation of several datasets, with each one's cache at hand.
 
     Index ``sum(lengths[:k]) + j`` is element j of sub-dataset k (as
-    ``torch.utils.data.ConcatDataset``). Each sub-dataset may have its own ``SharedCache``:
-    by default its ``.cache`` attribute (the README's pattern), or the ones given in
+    ``torch.utils.data.ConcatDataset``). Each sub-dataset may have its own cache (a
+    ``SharedCache`` or an ``OpenSizeCache``): by default its ``.cache`` attribute (the README's pattern), or the ones given in
     ``caches``. ``stats()`` gives each cache's counters and hit rate, ``ready_mask()`` tells
     which samples are in their caches (the ``ready`` of ``ReadyFirstSampler``).
 
     Args:
         datasets: the sub-datasets, a non-empty sequence of datasets with a length >= 1.
-        caches: one ``SharedCache`` or None per sub-dataset, for datasets that keep their cache
-            elsewhere than ``.cache``. Default: each dataset's ``.cache`` if it is a
-            ``SharedCache``, else None.
+        caches: one cache or None per sub-dataset, for datasets that keep their cache
+            elsewhere than ``.cache``. Default: each dataset's ``.cache`` if it is a cache
+            (``SharedCache``, ``OpenSizeCache``), else None.
         check_samples: require the caches' ``data_dims`` and ``dtype`` to be the same (what
             the default ``collate_fn`` needs to batch samples of different sub-datasets
             together); pass False if your ``collate_fn`` handles different ones. Default: True.
@@ -616,20 +616,21 @@ class MixtureDataset(torch.utils.data.Dataset):
                                 f"{type(d).__name__}")
         self.lengths = _lengths_of(list(datasets))
         if caches is None:
-            caches = [c if isinstance(c := getattr(d, "cache", None), SharedCache) else None
+            caches = [c if isinstance(c := getattr(d, "cache", None), BaseCache) else None
                       for d in datasets]
         else:
             if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
-                raise TypeError(f"caches should be a sequence of SharedCache or None, one per "
-                                f"dataset, but got caches of type {type(caches).__name__}")
+                raise TypeError(f"caches should be a sequence of caches (SharedCache, "
+                                f"OpenSizeCache) or None, one per dataset, but got caches of "
+                                f"type {type(caches).__name__}")
             caches = list(caches)
             if len(caches) != len(datasets):
                 raise ValueError(f"caches should have one entry per dataset ({len(datasets)}), "
                                  f"but got {len(caches)}")
             for k, c in enumerate(caches):
-                if c is not None and not isinstance(c, SharedCache):
-                    raise TypeError(f"caches[{k}] should be a SharedCache or None, but got "
-                                    f"caches[{k}] of type {type(c).__name__}")
+                if c is not None and not isinstance(c, BaseCache):
+                    raise TypeError(f"caches[{k}] should be a SharedCache, an OpenSizeCache or "
+                                    f"None, but got caches[{k}] of type {type(c).__name__}")
         for k, c in enumerate(caches):
             if c is not None and c.dataset_len != self.lengths[k]:
                 raise ValueError(f"caches[{k}].dataset_len should be len(datasets[{k}])="
@@ -646,7 +647,7 @@ class MixtureDataset(torch.utils.data.Dataset):
                         f"data_dims={dims}, dtype={dtype}; pass check_samples=False if your "
                         f"collate_fn batches different samples")
         self.datasets = list(datasets)
-        self.caches: list[SharedCache | None] = caches
+        self.caches: list[BaseCache | None] = caches
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
 
     def __len__(self) -> int:

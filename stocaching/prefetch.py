@@ -60,11 +60,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (MAX_STAGE_TAG, SharedCache, SlotState, check_int,
+    from .stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache, SlotState, check_int,
                              dealt_by_accelerate, in_lightnings_wrapper)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (MAX_STAGE_TAG, SharedCache, SlotState,  # type: ignore[no-redef]
-                            check_int, dealt_by_accelerate, in_lightnings_wrapper)
+    from stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache,  # type: ignore[no-redef]
+                            SlotState, check_int, dealt_by_accelerate, in_lightnings_wrapper)
 
 logger = logging.getLogger("stocaching")
 
@@ -492,13 +492,14 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
             raise TypeError(f"base should be a Sampler or an iterable of ints with a length, "
                             f"but got base of type {type(base).__name__}")
-        if isinstance(ready, SharedCache):
+        if isinstance(ready, BaseCache):
             cache, fn = ready, None
         elif callable(ready):
             cache, fn = None, ready
         else:
-            raise TypeError(f"ready should be a SharedCache or a callable ready(indices) -> "
-                            f"bool array, but got ready of type {type(ready).__name__}")
+            raise TypeError(f"ready should be a SharedCache, an OpenSizeCache or a callable "
+                            f"ready(indices) -> bool array, but got ready of type "
+                            f"{type(ready).__name__}")
         window = check_int("window", window, low=1)
         if not isinstance(mode, str):
             raise TypeError(f"mode should be 'fixed' or 'adaptive', but got mode={mode!r} "
@@ -1094,9 +1095,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                  lookahead: int | None = None, timeout: float = 120.0,
                  processes: int = 0, multiprocessing_context: Any = None,
                  stand_aside: bool = True) -> None:
-        if not isinstance(cache, SharedCache):
-            raise TypeError(f"cache should be a SharedCache, but got cache of type "
-                            f"{type(cache).__name__}")
+        if not isinstance(cache, BaseCache):
+            raise TypeError(f"cache should be a SharedCache or an OpenSizeCache, but got cache "
+                            f"of type {type(cache).__name__}")
         if not callable(load):
             raise TypeError(f"load should be a callable load(index) -> tensor, but got "
                             f"load of type {type(load).__name__}")

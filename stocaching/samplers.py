@@ -82,10 +82,10 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         issues a warning).
 
     Args:
-        dataset: a ``Dataset`` whose ``.cache`` is a ``SharedCache`` (or None), a
-            ``MixtureDataset`` (one cache per sub-dataset, all with the same ``num_nodes``;
-            routed over their layouts side by side), a ``Subset`` of either, a
-            ``SharedCache``, or a bare ``CacheLayout`` (for simulations).
+        dataset: a ``Dataset`` whose ``.cache`` is a cache (``SharedCache``,
+            ``OpenSizeCache``) or None, a ``MixtureDataset`` (one cache per sub-dataset, all
+            with the same ``num_nodes``; routed over their layouts side by side), a ``Subset``
+            of either, a cache, or a bare ``CacheLayout`` (for simulations).
         num_replicas: number of ranks. Default: ``torch.distributed``'s world size if it is
             initialised, else the cache's ``world`` (for a ``CacheLayout``: ``World.from_env()``,
             that is the launcher's variables, else 1).
@@ -194,12 +194,12 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         the same) and the number of positions, for any source the constructor accepts."""
         if isinstance(source, CacheLayout):
             return source, None, None, source.dataset_len
-        if isinstance(getattr(source, "layout", None), CacheLayout):  # a SharedCache
+        if isinstance(getattr(source, "layout", None), CacheLayout):  # a cache, of any kind
             return source.layout, getattr(source, "world", None), None, source.layout.dataset_len
         if not hasattr(source, "__len__"):
-            raise TypeError(f"dataset should be a Dataset with a .cache attribute (a SharedCache "
-                            f"or None), a Subset of one, a SharedCache or a CacheLayout, but got "
-                            f"{type(source).__name__}")
+            raise TypeError(f"dataset should be a Dataset with a .cache attribute (a cache or "
+                            f"None), a Subset of one, a cache (SharedCache, OpenSizeCache) or a "
+                            f"CacheLayout, but got {type(source).__name__}")
         length, positions = len(source), None
         while isinstance(source, torch.utils.data.Subset):
             idx = np.asarray(source.indices, dtype=np.int64)
@@ -220,8 +220,8 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                           "CacheAwareSampler yields what DistributedSampler would", stacklevel=3)
             return None, None, None, length
         if not isinstance(getattr(cache, "layout", None), CacheLayout):
-            raise TypeError(f"dataset.cache should be a SharedCache or None, but got "
-                            f"{type(cache).__name__}")
+            raise TypeError(f"dataset.cache should be a SharedCache, an OpenSizeCache or None, "
+                            f"but got {type(cache).__name__}")
         layout = cache.layout
         if positions is None and length != layout.dataset_len:
             raise ValueError(f"len(dataset) should be its cache's dataset_len="
@@ -486,8 +486,8 @@ class _JoinedLayout:
         for k, c in enumerate(caches):
             layout = getattr(c, "layout", None)
             if c is not None and not isinstance(layout, CacheLayout):
-                raise TypeError(f"dataset.caches[{k}] should be a SharedCache or None, but got "
-                                f"{type(c).__name__}")
+                raise TypeError(f"dataset.caches[{k}] should be a SharedCache, an OpenSizeCache "
+                                f"or None, but got {type(c).__name__}")
             layouts.append(layout)
         if lengths is None:
             lengths = [None if x is None else x.dataset_len for x in layouts]

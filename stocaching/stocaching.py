@@ -34,6 +34,7 @@ from __future__ import annotations
 
 __all__ = [
     "BYTES_PER_GIB",
+    "BaseCache",
     "BatchRows",
     "C_DTYPES",
     "CacheCapacityError",
@@ -42,6 +43,7 @@ __all__ = [
     "CacheLayout",
     "CacheTimeoutError",
     "MAX_STAGE_TAG",
+    "OpenSizeCache",
     "SharedCache",
     "SlotState",
     "World",
@@ -321,7 +323,7 @@ def _pack(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
     """Fields of these sizes packed in their order, each at a multiple of its itemsize (as a
     C struct), and the bytes of the whole (a multiple of the largest itemsize). A field with
     an open size (None) gets offset and nbytes 0: a cache of open sizes packs each sample as it
-    comes (``_ArenaCache``)."""
+    comes (``OpenSizeCache``)."""
     if any(None in d for d in dims.values()):
         return tuple(_Field(n, d, dtypes[n], 0, 0) for n, d in dims.items()), 0
     fields, end, align = [], 0, 1
@@ -1731,185 +1733,43 @@ class BatchRows(NamedTuple):
     entries: np.ndarray  # the staging map entry of a staged sample, -1 for a slot (int64)
 
 
-class SharedCache:
-    """A cache of fixed-shape samples in shared memory, one per node, for PyTorch datasets.
+class BaseCache:
+    """What every kind of cache offers: a segment of shared memory, one per node, shared by
+    the local ranks and their DataLoader workers, holding one sample per dataset index.
 
-    A drop-in superset of stocaching 0.2.1's ``SharedCache``: same positional arguments, same
-    sizing rule, same ``array`` / ``aux_array`` / ``get_slot`` / ``set_slot`` / ``clear``.
+    The kinds are :class:`SharedCache` (samples of a fixed size, in slots: stocaching 0.2.1's
+    API, batches, staging, saving) and :class:`OpenSizeCache` (samples of varying sizes, a
+    None in ``data_dims``, in an arena). Construct one of those; this class is what they
+    share, and what the opt-in modules accept where any kind will do (``Prefetcher``,
+    ``ReadyFirstSampler``, ``MixtureDataset``, ``CacheAwareSampler``).
 
-    Sizing: if the whole dataset (slots plus one aux byte per sample) fits in ``size_limit_gib``,
-    every index gets a slot; otherwise ``int((limit - dataset_len) / slot_bytes)`` of them do and
-    the rest are out of bounds (OOB): ``get_slot`` returns None for them and ``set_slot`` ignores
-    them. The segment adds a 4 KiB header, a 64 KiB stats table, 4 bytes per slot (write
-    sequence numbers) and, with several nodes or ``random_subset``, a 4-byte slot map entry
-    per sample on top of that budget. With one node the first ``len(cache)`` indices get slots
-    (as in 0.2.1), or a random subset with ``random_subset=True``; with several, each node
-    caches a random subset given by :class:`CacheLayout`.
+    Every kind offers ``get_slot``, ``set_slot``, ``clear``, ``stats``, ``ready_mask``,
+    ``unstage`` and ``read_tags`` (a kind without staging slots has nothing staged),
+    ``aux_array``, ``cached_indices``, ``len(cache)``, ``dataset_len``, ``data_dims``,
+    ``dtype``, ``fields``, ``world``, ``layout``, ``name``, ``close`` and ``with``; it goes to
+    other processes as a shared tensor does, and ``copy.deepcopy`` makes a private copy. The
+    processes, the concurrency contract and the common arguments are SharedCache's.
 
-    Processes: in a job launched by ``torchrun`` (or SLURM), the local leader (LOCAL_RANK 0)
-    creates the segment and the other local ranks attach to it, checking that dataset_len,
-    data_dims, dtype and slot count match. Construct it with the same arguments on every local
-    rank, in the same order as any other cache. DataLoader workers (fork, spawn, forkserver,
-    persistent or not) get the cache with the dataset and share it. The segment's name is
-    removed as soon as every local rank has attached, so the memory is freed when the last
-    process using it exits, even by SIGKILL. A leader that closes the cache (or exits) before
-    every local rank has attached waits for them, up to ``timeout``.
-
-    Concurrency contract: any number of processes and threads may call ``get_slot``,
-    ``set_slot``, ``clear`` and ``stats`` at the same time. ``get_slot`` takes no lock and makes
-    no system call; it returns either a consistent copy of a completely written slot or a miss
-    (None), never a half-written slot. Writers of one slot are serialised by a per-slot lock
-    that the kernel releases if the writer dies; a slot whose writer died mid-write reads as
-    empty and can be written again. The per-process counters behind ``stats`` may lose an
-    increment when several threads of one process read at once. The reader's check relies on
-    the CPU keeping loads and stores in order (x86-64); on weakly ordered CPUs (ARM64) a read
-    racing a write of the same slot is not guaranteed to be caught (untested there).
-
-    Args:
-        size_limit_gib: budget in GiB (int or float) for the slots and the aux array; or
-            ``"auto"``: what the whole dataset needs, or less if /dev/shm or the RAM cannot
-            hold it (the RAM warning's margin is kept free), decided once by the local leader
-            and logged with its numbers; the other local ranks take the leader's slot count.
-            ``"auto"`` is for one node, samples of fixed size and a cache that is not
-            persistent.
-        dataset_len: number of samples in the full dataset.
-        data_dims: shape of one sample, e.g. ``(3, 256, 256)``; or, for samples of several
-            tensors, a dict of 1 to 16 fields ``{name: shape}`` (``()`` for a scalar), e.g.
-            ``{"image": (3, 256, 256), "label": ()}``: then ``set_slot`` takes a dict with
-            those keys, ``get_slot`` returns one and ``get_batch`` a dict of batches. The
-            fields are packed in one slot in this order, each at a multiple of its itemsize.
-            A None leaves a size open (``(None, 3)``, ``(3, None, None)``, for one tensor or a
-            field): samples of any size in that dimension are stored at their own size in an
-            arena (see "Open sizes" below).
-        dtype: torch dtype of the samples; any fixed-size dtype. With fields: one dtype for
-            all of them, or a dict with the keys of ``data_dims``, in its order, e.g.
-            ``{"image": torch.uint8, "label": torch.int64}``. Default: ``torch.uint8``.
-        name: name of this cache within the job, to tell several caches apart (e.g.
-            ``"train"``, ``"val"``). Default: ``"c<k>"`` for the k-th cache this process makes,
-            which matches across ranks that make their caches in the same order.
-        job_key: key shared by the local ranks of one job. Default: ``$STOCACHING_JOB_KEY``, or
-            derived from the launcher (the parent pid and torchrun/SLURM variables); under
-            other variables (Lightning's launcher) local rank 0's, sent through the process
-            group (a collective), and without one a ``RuntimeError`` at once.
-        world: who this process is. Default: ``World.discover()`` (the launcher's variables,
-            or an initialised process group).
-        shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
-            Default: ``$STOCACHING_SHM_DIR`` or ``/dev/shm``.
-        layout_seed: seed of the layout's permutation (all nodes must agree). Default: 0.
-        random_subset: with one node, give slots to a random subset of the indices (drawn
-            from ``layout_seed``) rather than to the first ``len(cache)``, as several nodes
-            always do. Pass True when the dataset is ordered (by class, as ImageFolder orders
-            it) and a cache-preferring order reads it (``ReadyFirstSampler``, a ``Prefetcher``
-            with a ``window``): with the first indices cached, the cached samples are the first
-            classes, and preferring them puts those classes first in every epoch. It costs a
-            4-byte slot map entry per sample on top of the budget, as with several nodes.
-            Default: False (0.2.1's layout: index ``i < len(cache)`` has slot ``i``).
-        timeout: seconds a non-leader waits for the leader's segment, and seconds the leader,
-            when it closes the cache (or exits) before every local rank has attached, waits
-            for them. Default: 300.
-        staging_slots: extra slots where a prefetcher holds samples of indices without a slot
-            until they are read once (see ``stage`` and ``stocaching.prefetch``); they are
-            paid from ``size_limit_gib`` first. Not with open sizes. Default: 0.
-        mean_sample_bytes: with open sizes and several nodes, the expected bytes of a sample:
-            each node's candidate set (its ``CacheLayout`` subset) is then as many indices as
-            its arena holds of such samples, if that is more than an even share of the
-            dataset. Default: None (an even share: the nodes' subsets are disjoint).
-        persistent: keep the cache after the job, under ``name`` (required then): the next
-            job on this machine that asks for a persistent cache of that name, with the same
-            ``key`` and configuration, attaches to it with every filled slot a hit. It is
-            removed only by ``python -m stocaching clean --persistent NAME`` (or
-            ``clean_segments(persistent=[NAME])``), never while in use. Default: False (the
-            cache is freed when the job's last process exits).
-        key: with ``persistent`` or ``load_from``: which data the cache holds (a dataset
-            version, a hash of the file list, the transform's parameters), checked when a job
-            attaches, or loads a file (``save`` writes it there). Default: "".
-        on_mismatch: with ``persistent`` or ``load_from``, when the cache of that name, or
-            the file, holds another key or configuration: ``"raise"`` a ``CacheConfigError``
-            naming what differs, or ``"replace"`` the cache with a new empty one (not while
-            another process uses it), or ignore the file with a warning (the next ``save``
-            writes it anew). Default: "raise".
-        load_from: a file that ``save`` wrote: the local leader fills the new segment from it
-            before the other local ranks attach (they wait as for any new segment), each
-            sample into the slot its index has here (so the file may come from a cache of
-            another size); the next ``save`` to it appends. A missing file starts empty
-            (logged); ``{node}`` in it becomes the node's rank. A persistent cache that
-            exists already is attached as it is, without reading the file. Not with open
-            sizes. Default: None.
-
-    Open sizes: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
-    number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
-    size (16-byte aligned), while the arena has room; a ``set_slot`` that does not fit stores
-    nothing, counts in ``stats()["full"]``, and the index stays a miss. An overwrite keeps
-    the sample's place if it fits there, else takes new room (the old place is lost until
-    ``clear()``, which gives back the whole arena) or, without room, empties the index, which
-    then keeps no place: its old place is lost as well, and its next write needs new room.
-    ``len(cache)`` is the number of indices this node may admit (every index with one node),
-    ``stats()["filled"]`` how many are stored, ``stats()["arena_used"]`` the bytes handed out.
-    ``get_batch``, staging and raw slot access (``array``, ``cache[s]``) are not available.
-
-    Attributes:
-        read_tags: when not empty (a frozenset of ints, as ``stage``'s ``tag``), ``get_slot``
-            and ``get_batch`` take a staged sample only from the copies staged with one of
-            these tags: local ranks whose epochs drift apart may each have staged the same
-            index, and each rank's workers must read their own rank's copy, which its
-            prefetcher accounts for. Each ``Prefetcher`` adds its own tag; the set travels to
-            ``DataLoader`` workers with the cache. Default: empty (any copy).
-
-    Raises:
-        CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
-        CacheConfigError: the leader's segment (or the ``load_from`` file) has another
-            configuration.
-        CacheFileError: the ``load_from`` file is truncated, damaged or not a saved cache.
-        CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
-        RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
-        PermissionError: a file under the segment's name is not ours or not private.
+    A kind supplies its segment's parts after the aux array (``_offsets``, ``_map_samples``,
+    ``_capacity_error``), the read of one sample (``_read``), ``set_slot``, ``clear`` and
+    ``__deepcopy__``.
     """
 
     _read_tags: frozenset = frozenset()
     _closing = False  # set by close(), before it frees this process's staged samples
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "SharedCache":
-        # A cache of several fields per sample is a _FieldsCache: its own get_slot and
-        # set_slot, so that the single-tensor ones keep their speed (no branch on the hit path).
-        # A cache with open sizes (None in data_dims) is an _ArenaCache.
-        dims = args[2] if len(args) > 2 else kwargs.get("data_dims")
-        if cls is SharedCache:
-            if _has_open_size(dims):
-                cls = _ArenaCache
-            elif isinstance(dims, Mapping):
-                cls = _FieldsCache
-        return super().__new__(cls)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("BaseCache is what every kind of cache offers, not a cache: construct "
+                        "a SharedCache (samples of a fixed size) or an OpenSizeCache (a None "
+                        "in data_dims)")
 
-    def __init__(self, size_limit_gib: float | str, dataset_len: int,
-                 data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
-                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
-                 name: str | None = None, job_key: str | None = None,
-                 world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
-                 random_subset: bool = False, timeout: float = 300.0, staging_slots: int = 0,
-                 mean_sample_bytes: int | None = None, persistent: bool = False,
-                 key: str = "", on_mismatch: str = "raise",
-                 load_from: str | os.PathLike | None = None) -> None:
-        auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
-        if not auto:
-            size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
-        dataset_len = check_int("dataset_len", dataset_len, low=1)
-        if isinstance(data_dims, Mapping):
-            fields, slot_bytes = _check_fields(data_dims, dtype)
-            dims: Any = {f.name: f.dims for f in fields}
-            dtype = {f.name: f.dtype for f in fields}
-        else:
-            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
-            slot_bytes = 0 if None in dims else _slot_bytes(dims, dtype)
-        variable = _has_open_size(dims)
-        if variable != isinstance(self, _ArenaCache):  # SharedCache.__new__ chose the class
-            raise TypeError(f"construct the cache as SharedCache(...), not as "
-                            f"{type(self).__name__}(...)")
-        if mean_sample_bytes is not None:
-            mean_sample_bytes = check_int("mean_sample_bytes", mean_sample_bytes, low=1)
-            if not variable:
-                raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
-                                 f"data_dims), but got mean_sample_bytes={mean_sample_bytes} "
-                                 f"with data_dims={dims}")
+    def _configure(self, dataset_len: int, *, world: Any, layout_seed: Any, random_subset: Any,
+                   timeout: Any, persistent: Any, key: Any, on_mismatch: Any, name: Any,
+                   job_key: Any, shm_dir: Any, load_from: Any) -> tuple[World, str | None]:
+        """Check the constructor's arguments that every kind takes (each kind checks its own
+        first), and set who this process is, the cache's name, path, timeout and layout (0
+        slots: the kind sizes it, then calls ``_open``). Returns the world and ``load_from``
+        (None for a kind that loads no file) with ``{node}`` filled in."""
         world = World.discover() if world is None else world
         if not isinstance(world, World):
             raise TypeError(f"world should be a stocaching.World, but got world={world!r}")
@@ -1924,10 +1784,6 @@ class SharedCache:
             if not isinstance(load_from, (str, os.PathLike)):
                 raise TypeError(f"load_from should be the path of a file that save() wrote, or "
                                 f"None, but got load_from={load_from!r}")
-            if variable:
-                raise ValueError(f"load_from is for samples of a fixed size; a cache with open "
-                                 f"sizes (data_dims={dims}) cannot be saved or loaded yet, but "
-                                 f"got load_from={load_from!r}")
             load_from = os.fspath(load_from).replace("{node}", str(world.node_rank))
         if persistent:
             _check_persistent(name, job_key, key, on_mismatch)
@@ -1954,68 +1810,26 @@ class SharedCache:
         if not isinstance(shm_dir, (str, os.PathLike)) or not os.path.isdir(shm_dir):
             raise (ValueError if isinstance(shm_dir, (str, os.PathLike)) else TypeError)(
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
-
-        staging = check_int("staging_slots", staging_slots, low=0)
-        if auto:
-            if variable:
-                raise ValueError(f"size_limit_gib='auto' needs samples of a fixed size; with open "
-                                 f"sizes (data_dims={dims}) pass a number (python -m stocaching "
-                                 "plan --mean-bytes sizes it), but got size_limit_gib='auto'")
-            if persistent:
-                raise ValueError("size_limit_gib='auto' cannot make a persistent cache: the size "
-                                 "it finds depends on what is free at the time, so the next job "
-                                 "would ask for another slot count than the cache it should "
-                                 "attach to; pass a number, but got size_limit_gib='auto' with "
-                                 "persistent=True")
-            if world.num_nodes > 1:
-                raise ValueError(f"size_limit_gib='auto' is for one node: each node would choose "
-                                 f"its own size, and the {world.num_nodes} nodes' layouts must "
-                                 "agree; pass a number (python -m stocaching plan sizes it), but "
-                                 "got size_limit_gib='auto'")
-            if world.is_local_leader:
-                size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
-                                              CacheLayout(dataset_len, 0, 1, layout_seed,
-                                                          random_subset))
-            else:  # the leader decides; this rank takes the slot count of its segment
-                self._slots_from_leader = True
-                size_limit_gib = _budget_for_slots(0, dataset_len, slot_bytes, staging) + \
-                    slot_bytes / BYTES_PER_GIB
-        if staging and variable:
-            raise ValueError(f"staging_slots should be 0 for a cache with open sizes (None in "
-                             f"data_dims={dims}): not supported yet, but got "
-                             f"staging_slots={staging}")
-        if staging and dataset_len > _STAGE_INDEX_MASK:
-            raise ValueError(f"staging_slots should be 0 for a dataset_len above "
-                             f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
-                             f"dataset_len={dataset_len}")
-        if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB and not auto:
-            raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
-                             f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
-                             f"staging_slots={staging}")
-        if variable:
-            slots = self._size_arena(size_limit_gib, dataset_len, world.num_nodes,
-                                     mean_sample_bytes)
-        else:
-            slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
-        if slots == 0 and not self._slots_from_leader:
-            warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
-                          f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
-                          + (f" (after {staging} staging slots)" if staging else "") +
-                          "; only staged samples can hit", RuntimeWarning, stacklevel=2)
-        self._layout = CacheLayout(dataset_len, slots, world.num_nodes, layout_seed,
-                                   random_subset)
+        self._layout = CacheLayout(dataset_len, 0, world.num_nodes, layout_seed, random_subset)
         self._world = world
-        self._dims, self._dtype, self._staging = dims, dtype, staging
-        if fields:  # (else the class's (): see _fields below)
-            self._fields = fields
         self._name = name
         self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
                                                                     name))
-        self._fd = -1
         self._timeout = float(timeout)
+        return world, load_from
+
+    def _open(self, slots: int, dims: Any, dtype: Any, fields: tuple, staging: int,
+              load_from: str | None) -> None:
+        """Make the segment, with ``slots`` on this node (the local leader: filled from
+        ``load_from`` if given), or attach to the leader's (the other local ranks)."""
+        self._layout = dataclasses.replace(self._layout, slots=slots)
+        self._dims, self._dtype, self._staging = dims, dtype, staging
+        if fields:  # (else the class's (): see _fields below)
+            self._fields = fields
+        self._fd = -1
         self._finalizer: weakref.finalize | None = None
-        if world.is_local_leader:
-            self._open_persistent(load_from) if persistent else self._create(load_from)
+        if self._world.is_local_leader:
+            self._open_persistent(load_from) if self._persistent else self._create(load_from)
         else:
             self._attach_by_name(self._timeout)
 
@@ -2035,14 +1849,8 @@ class SharedCache:
              "arena_top": 0, "record_words": 0, "mean_bytes": 0, "arena_full": 0}
         for i in range(_MAX_DIMS):
             h[f"dim{i}"] = (-1 if one[i] is None else one[i]) if i < len(one) else 0
-        h.update(_segment_offsets(lay, self._slot_bytes, self._staging))
+        h.update(self._offsets())
         return h
-
-    @property
-    def _slot_bytes(self) -> int:
-        if self._fields:
-            return _check_fields(self._dims, self._dtype)[1]
-        return _slot_bytes(self._dims, self._dtype)
 
     def _describe(self) -> str:
         """The samples, for messages: "(3, 256, 256) uint8", or each field's."""
@@ -2220,7 +2028,7 @@ class SharedCache:
         if on_disk:
             warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
                           "the cache is a file there, and may be as slow as the data it "
-                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=4)
+                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=5)
         vm = psutil.virtual_memory()
         margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
         if not on_disk and vm.available - total < margin:
@@ -2229,7 +2037,7 @@ class SharedCache:
                 f"{_fmt_bytes(vm.available)} of RAM is available; less than "
                 f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
                 "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
-                ResourceWarning, stacklevel=4)
+                ResourceWarning, stacklevel=5)
 
     def _reserve(self, fd: int, nbytes: int) -> str | None:
         """Allocate the first ``nbytes`` of the new segment now (pages already written stay
@@ -2258,7 +2066,7 @@ class SharedCache:
         if why is not None:
             warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
                           f"{why}); a full filesystem may raise SIGBUS later",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
         mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
                     local_world_size=self._world.local_world_size, attached=1, ready=0)
@@ -2283,15 +2091,6 @@ class SharedCache:
                 smap[held] = np.arange(len(held))
         self._stage_np[:] = -1
         struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
-
-    def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
-        lay, per_slot = self._layout, self._slot_bytes
-        fits = _slots_fitting(free, lay, per_slot, self._staging)
-        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging)
-        return CacheCapacityError(
-            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
-            f"({lay.slots} slots of {_fmt_bytes(per_slot)}). {_more_room(shm_dir, total)} or "
-            f"pass a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
 
     def _publish(self, tmp: str, fd: int) -> None:
         """Give the finished segment its public name so the other local ranks can attach."""
@@ -2441,9 +2240,6 @@ class SharedCache:
         view = memoryview(mm)
         self._aux_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
         self._aux_mv = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
-        n_slots = lay.slots + self._staging  # staging slots follow the others
-        self._seq_np = np.frombuffer(mm, np.uint32, n_slots, head["seq_off"])
-        self._seq_mv = view[head["seq_off"]: head["seq_off"] + 4 * n_slots].cast("I")
         self._stage_np = np.frombuffer(mm, np.int64, self._staging, head["stage_off"])
         self._stats_np = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
                                        head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
@@ -2456,7 +2252,7 @@ class SharedCache:
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
-        self._map_slots(head["data_off"], n_slots)
+        self._map_samples(head)
         self._tlock = threading.Lock()
         self._closed = False
         self._claim_stats_row()
@@ -2465,30 +2261,6 @@ class SharedCache:
         if not _FORK_HOOK_REGISTERED:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _FORK_HOOK_REGISTERED = True
-
-    def _map_slots(self, data_off: int, n_slots: int) -> None:
-        """The views of the slots: ``_np_slots`` (one row per slot, written by ``_write``),
-        ``array`` and the read-only ``_ro_slots``."""
-        np_dtype = _DTYPES[self._dtype][1]
-
-        def slots_of(buf: mmap.mmap) -> np.ndarray:
-            return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
-                                 data_off).reshape(n_slots, *self._dims)
-
-        self._np_slots = slots_of(self._mm)
-        self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
-        # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
-        # tensor may carry a conjugate bit that numpy cannot see)
-        self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
-            else self._dtype
-        self._array = self._to_torch(self._np_slots[:self._layout.slots])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
-
-    def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(arr)
-        return t.view(self._view_as) if self._view_as is not None else t
 
     # -- locks and the header -------------------------------------------------------------
 
@@ -2500,18 +2272,6 @@ class SharedCache:
                 yield
             finally:
                 _unlock(self._fd, offset, length)
-
-    @contextlib.contextmanager
-    def _writing(self, first: int, count: int) -> Iterator[None]:
-        """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
-        caller writes them: concurrent readers of those slots see misses."""
-        with self._locked(_slot_lock_offset(first), max(1, count)):
-            seq = self._seq_np[first: first + count]
-            seq |= 1
-            try:
-                yield
-            finally:
-                seq += 1
 
     def _header_locked(self) -> contextlib.AbstractContextManager:
         return self._locked(_LOCK_BASE)
@@ -2571,11 +2331,10 @@ class SharedCache:
     _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields",
               "_read_tags")
 
-    # Class-level defaults, set on the instance only where they differ: a single-tensor cache
-    # keeps the 30 instance attributes it had, which CPython 3.11 stores inline (more than 30
-    # turn the instance's __dict__ into a plain dict, and every attribute read of the hit
-    # path got a few per cent slower).
-    _fields: tuple = ()  # the fields of a sample (_FieldsCache, _ArenaCache with a dict)
+    # Class-level defaults, set on the instance only where they differ: CPython keeps at most
+    # 30 instance attributes in a dict whose keys the class shares, which the hit path's
+    # attribute reads are specialised for (tests/test_cache.py checks a cache of one tensor).
+    _fields: tuple = ()  # the fields of a sample (_FieldsCache, OpenSizeCache with a dict)
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
     _persistent, _key = False, ""  # a persistent cache and the key of the data it holds
     _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
@@ -2609,53 +2368,15 @@ class SharedCache:
                 "copy.deepcopy(cache) a private copy")
         return self._reduce_for_process()
 
-    def __copy__(self) -> "SharedCache":
+    def __copy__(self) -> "BaseCache":
         """A shallow copy is the cache itself: a handle on shared memory, like a file."""
         return self
-
-    def __deepcopy__(self, memo: dict) -> "SharedCache":
-        """An independent cache with this one's configuration and contents, private to this
-        process (a new segment as large as this one), as a deep copy of a 0.2.1 cache gave
-        private tensors. A slot whose writer died mid-write is copied as empty."""
-        self._check_open()
-        w, lay = self._world, self._layout
-        twin = SharedCache(
-            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes, self._staging),
-            lay.dataset_len, self._dims, self._dtype, name=f"copy{next(_COPY_COUNTER)}",
-            staging_slots=self._staging,
-            world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
-                        num_nodes=w.num_nodes),
-            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-            random_subset=lay.random_subset)
-        memo[id(self)] = twin
-        with self._locked(_slot_lock_offset(0), max(1, lay.slots)):  # no writer meanwhile
-            aux = self._aux_np.copy()
-            held = np.flatnonzero(aux == SET)
-            slots = held if self._slot_map is None else \
-                np.frombuffer(self._slot_map, self._slot_map.format)[held]
-            aux[held[self._seq_np[slots] & 1 == 1]] = EMPTY  # torn by a writer that died
-            aux[aux == WRITING] = EMPTY
-            twin._np_slots[:lay.slots] = self._np_slots[:lay.slots]
-            twin._aux_np[:] = aux  # (staged samples are not copied: they wait for one read)
-        return twin
 
     # -- the public API -------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(_CLOSED_MESSAGE)
-
-    @property
-    def array(self) -> torch.Tensor:
-        """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory;
-        with fields, a dict of such tensors, one per field.
-
-        .. warning::
-            This is a raw view: writing into it bypasses the slot states and the protection of
-            concurrent readers. Use ``set_slot``.
-        """
-        self._check_open()
-        return self._array
 
     @property
     def aux_array(self) -> torch.Tensor:
@@ -2706,6 +2427,655 @@ class SharedCache:
     def __len__(self) -> int:
         return self._layout.slots
 
+    def _oob_error(self, idx: int) -> IndexError:
+        return IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
+                          f"{self._n} samples) and allow_oob_idx=False")
+
+    def _index(self, idx: Any) -> int:
+        """``idx`` as a dataset index, an int in ``[0, dataset_len)``, or raise naming it. (The
+        get_slots test for an int in range before they call it: on a hit the call would cost
+        a tenth of the read.)"""
+        if type(idx) is int and 0 <= idx < self._n:
+            return idx
+        if not _is_int(idx):
+            raise TypeError(f"idx should be an int in [0, {self._n - 1}] (a dataset index), "
+                            f"but got idx={idx!r} of type {type(idx).__name__}")
+        i = int(idx)
+        if not 0 <= i < self._n:
+            raise IndexError(f"idx should be a dataset index in [0, {self._n - 1}], "
+                             f"but got idx={i}")
+        return i
+
+    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
+                 copy: bool = True) -> Any:
+        """The cached sample of dataset index ``idx``, or None if it is not cached: a tensor
+        (with fields, a dict ``{field: tensor}``; with open sizes, in its own sizes).
+
+        Args:
+            idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
+            allow_oob_idx: when False, an index without a slot on this node raises
+                IndexError instead of returning None. Default: True.
+            allow_empty_slot: when False, an index whose slot is empty (or being written)
+                raises RuntimeError instead of returning None. Default: True.
+            copy: when True, return a new tensor that the caller owns. When False, return a
+                view of the shared slot (no copy). Default: True.
+
+        .. warning::
+            With ``copy=False`` the returned tensor is backed by a read-only mapping: an
+            in-place operation on it kills the process with SIGSEGV instead of corrupting
+            the cache, and a later overwrite or ``clear()`` changes what it shows. Use it only
+            where the sample is copied anyway (e.g. collated) before any transform.
+
+        Raises:
+            IndexError: ``idx`` outside the dataset, or without a slot and not allow_oob_idx.
+            TypeError: ``idx`` is not an integer (bool and float included).
+            RuntimeError: the slot is empty and not allow_empty_slot.
+        """
+        if type(idx) is not int or idx < 0 or idx >= self._n:
+            idx = self._index(idx)
+        if self._aux_mv[idx] == SET:
+            out = self._read(idx, copy)
+            if out is None:
+                out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        elif self._staging and self._aux_mv[idx] == OOB:
+            out = self._take_staged(idx)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read_again(self, idx: int, copy: bool) -> Any:
+        """A read that met a writer: yield the CPU and try twice more while the slot is set."""
+        for _ in range(2):
+            time.sleep(0)
+            if self._aux_mv[idx] != SET:
+                return None
+            out = self._read(idx, copy)
+            if out is not None:
+                return out
+        return None
+
+    def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
+        if self._aux_mv[idx] == OOB:
+            if not allow_oob_idx:
+                raise self._oob_error(idx)
+            self._ctr[_OOB_MISSES] += 1
+        elif not allow_empty_slot:
+            raise RuntimeError(f"the slot of idx={idx} is empty (or being written) and "
+                               "allow_empty_slot=False")
+        self._ctr[_MISSES] += 1
+        return None
+
+    def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
+                 allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
+        """Store ``value`` as the sample of dataset index ``idx``: each kind's (see
+        ``SharedCache.set_slot``, ``OpenSizeCache.set_slot``)."""
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Empty every index: each kind's. Safe while other processes read (they see
+        misses) or write (they finish first)."""
+        raise NotImplementedError
+
+    def _checked(self, value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
+                 where: str) -> torch.Tensor:
+        """``value`` (called ``what`` in messages) checked against ``dims`` (``where``) and
+        ``dst``, as a tensor; raise if it cannot be stored.
+
+        Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
+        without loss (uint8 into float32), is a float or complex rounded into a narrower one
+        (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
+        uint8). Tensors on other devices are accepted (and copied when stored)."""
+        if isinstance(value, np.ndarray):
+            if value.dtype == np.uint16 and dst is torch.bfloat16:
+                raise TypeError(f"{what} should be a torch.bfloat16 tensor or float values, but "
+                                "got a numpy uint16 array, which would be taken as numbers, not "
+                                "as bfloat16 bits (numpy has no bfloat16; pass "
+                                "torch.from_numpy(a).view(torch.bfloat16) for bits)")
+            try:  # negative strides (img[:, :, ::-1]) and foreign byte order need a copy
+                if any(st < 0 for st in value.strides) or not value.dtype.isnative:
+                    value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
+                value = torch.from_numpy(value)
+            except TypeError:
+                raise TypeError(f"{what} should be a tensor of dtype {dst}, but got a "
+                                f"numpy array of dtype {value.dtype}") from None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what} should be a torch.Tensor of shape {dims} and dtype "
+                            f"{dst}, but got {what} of type {type(value).__name__}")
+        if tuple(value.shape) != dims:
+            extra = value.ndim - len(dims)
+            if extra <= 0 or tuple(value.shape[extra:]) != dims or \
+                    any(d != 1 for d in value.shape[:extra]):
+                raise ValueError(f"{what} should have shape {dims} (the cache's {where}; "
+                                 f"extra leading dimensions of size 1 are dropped, as 0.2.1 "
+                                 f"did), but got {what}.shape={tuple(value.shape)}")
+            value = value.reshape(dims)  # (1, C, H, W) from a loader's unsqueeze(0)
+        src = value.dtype
+        if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
+            raise TypeError(f"{what} should be a dense tensor with data and a dtype the cache "
+                            f"can store ({dst} or one that casts to it), but got "
+                            f"{what}.dtype={src}, layout={value.layout}, device={value.device}")
+        if src == dst or dst in _LOSSLESS.get(src, ()):
+            return value
+        if (src.is_floating_point or src.is_complex) and \
+                (dst.is_floating_point or dst.is_complex) and (dst.is_complex or not src.is_complex):
+            return value  # rounding into a narrower float or complex, as torch does
+        # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float64
+        # arrays to a float32 cache (intended rounding) or int64 masks to a uint8 cache
+        # (values that fit). Both keep working; a cast that would change a value (0.7 into
+        # uint8, 300 into uint8, 1+2j into float32) is refused instead of stored wrong.
+        cpu = value.detach().to("cpu").resolve_conj().resolve_neg()
+        if src.is_complex and not dst.is_complex:
+            if cpu.imag.count_nonzero():
+                raise ValueError(
+                    f"{what} should have dtype {dst}, or values that it holds exactly, but "
+                    f"got {what}.dtype={src} with imaginary parts that are not 0")
+            if dst.is_floating_point:
+                return value
+            cpu = cpu.real
+        bad = self._first_changed(cpu, dst)
+        if bad is not None:
+            raise ValueError(
+                f"{what} should have dtype {dst}, or values that it holds exactly, but "
+                f"got {what}.dtype={src} with values that change in {dst}, e.g. "
+                f"{what}[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
+        return value
+
+    @staticmethod
+    def _first_changed(value: torch.Tensor, dst: torch.dtype) -> tuple[int, ...] | None:
+        """Index of the first element of the CPU tensor ``value`` that ``dst`` does not hold
+        exactly, or None."""
+        if _is_integer_dtype(value.dtype) and _is_integer_dtype(dst):
+            # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
+            a, info = value.numpy(), np.iinfo(_DTYPES[dst][1])
+            if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
+                return None
+            have = np.iinfo(a.dtype)  # bounds within a's own range: safe for any numpy
+            changed = (a < max(info.min, have.min)) | (a > min(info.max, have.max))
+        else:  # through torch: numpy has no bfloat16
+            changed = (value.to(dst).to(value.dtype) != value).numpy()
+            if not changed.any():
+                return None
+        return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]),
+                                                      tuple(value.shape)))
+
+    def _slot_array(self, value: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
+        """A value that passed ``_check_value`` as the array to copy into a slot: on the CPU,
+        in the cache's dtype (or ``dtype``: the rounding or exact cast that the check
+        allowed)."""
+        dtype = self._dtype if dtype is None else dtype
+        value = value.detach().to("cpu").resolve_conj().resolve_neg()
+        if value.is_complex() and not dtype.is_complex:
+            value = value.real  # its imaginary parts were checked to be 0
+        if value.dtype != dtype:
+            value = value.to(dtype)
+        if dtype is torch.bfloat16:
+            value = value.view(torch.uint16)
+        return value.numpy()
+
+    @property
+    def read_tags(self) -> frozenset:
+        return self._read_tags
+
+    @read_tags.setter
+    def read_tags(self, tags: Any) -> None:
+        if isinstance(tags, (str, bytes)) or not hasattr(tags, "__iter__"):
+            raise TypeError(f"read_tags should be a set of ints in [0, {MAX_STAGE_TAG}], but "
+                            f"got read_tags={tags!r}")
+        self._read_tags = frozenset(check_int("read_tags", t, low=0, high=MAX_STAGE_TAG)
+                                    for t in tags)
+        _OWN_TAGS[self] = (os.getpid(), self._read_tags)
+
+    def _take_staged(self, idx: int) -> Any:
+        """The staged sample of ``idx`` (its staging slot freed), or None. A kind with staging
+        slots reads them here; one without has nothing staged."""
+        return None
+
+    def unstage(self, idx: int, *, tag: int | None = None) -> bool:
+        """Free the staging slot of ``idx`` if it is staged (a prefetcher gives back what was
+        never read, e.g. after an epoch that stopped early); with a ``tag``, only if it was
+        staged (last) with that tag. Returns whether a staging slot was freed."""
+        self._check_open()
+        idx = self._index(idx)
+        if tag is not None:
+            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
+        if not self._staging:
+            return False
+        table = self._stage_np
+        with self._locked(_STAGE_LOCK):
+            found = _staged_entries(table, idx)
+            if tag is not None:
+                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
+            table[found] = -1
+        return bool(found.size)
+
+    def ready_mask(self, indices: Any = None, *, tag: int | None = None) -> np.ndarray:
+        """True where ``get_slot`` would return a sample now (its slot is set, or it is
+        staged), for ``indices`` (default: every dataset index). A snapshot: it may change
+        right after.
+
+        Args:
+            indices: dataset indices. Default: None, every index.
+            tag: when given, a staged sample counts only if it was staged with this tag (a
+                prefetcher asks what *it* staged: a sample another rank staged is that rank's
+                to read). Default: None, any staged sample.
+        """
+        if tag is not None:
+            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
+        aux = self._aux_np
+        idx = np.arange(self._n) if indices is None else np.asarray(indices, dtype=np.int64)
+        ready = aux[idx] == SET
+        if self._staging:
+            table = self._stage_np.copy()  # a snapshot: fillers change it meanwhile
+            table = table[table >= 0]
+            if tag is not None:
+                table = table[table >> _STAGE_TAG_SHIFT == tag]
+            if table.size:
+                # Binary search in the sorted staged indices (a few hundred): np.isin sorts
+                # both arrays on every call, 0.5 ms per prefetcher chunk in a profile.
+                staged = np.sort(table & _STAGE_INDEX_MASK)
+                pos = np.minimum(np.searchsorted(staged, idx), staged.size - 1)
+                ready |= staged[pos] == idx
+        return ready
+
+    def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Counters summed over every process that used this cache on this node.
+
+        Args:
+            since: an earlier ``stats()`` of this cache: the counters (and ``hit_rate``) are
+                then those of the time between the two, e.g. of one epoch::
+
+                    before = cache.stats()
+                    train_one_epoch()
+                    print(cache.stats(since=before)["hit_rate"])
+
+                Default: None, counters since the cache was made.
+
+        Returns:
+            A dict with ``hits``, ``misses`` (get_slot returned None), ``oob_misses`` (of
+            those, indices without a slot here), ``writes`` (set_slot calls that stored, or
+            found the same value there already),
+            ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
+            ``full`` (with open sizes: writes that found no room in the arena),
+            ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
+            segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
+            reads, nan without reads) and ``processes`` (live processes that have used it).
+        """
+        self._check_open()
+        counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages")
+        if since is not None and (not isinstance(since, Mapping) or
+                                  not all(_is_int(since.get(k)) for k in counters)):
+            raise TypeError(f"since should be a dict from this cache's stats(), but got "
+                            f"since={since!r}")
+        with self._header_locked():
+            rows = self._stats_np.copy()
+        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
+        if since is not None:
+            counts = {k: v - int(since[k]) for k, v in counts.items()}
+        reads = counts["hits"] + counts["misses"]
+        return {**counts, "filled": int(np.count_nonzero(self._aux_np == SET)),
+                "slots": len(self), "dataset_len": self._n, "bytes": self._total,
+                "staging_slots": self._staging, "staged": int(np.count_nonzero(
+                    self._stage_np >= 0)),
+                "hit_rate": counts["hits"] / reads if reads else float("nan"),
+                "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
+                                 if p)}
+
+    def close(self) -> None:
+        """Release this process's handle on the segment. Other processes keep theirs; the
+        memory is freed by the kernel when the last one is gone. Idempotent.
+
+        Staging slots holding samples staged under the ``read_tags`` set in this process
+        (its prefetchers') are freed first: nothing could give them back through a closed
+        handle, and the other local ranks share the staging area."""
+        if getattr(self, "_closed", True):
+            return
+        self._free_own_staging()
+        self._unmap()
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _free_own_staging(self) -> None:
+        pid, tags = _OWN_TAGS.pop(self, (0, frozenset()))
+        if pid != os.getpid() or not tags or not self._staging:
+            return
+        with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
+            with self._locked(_STAGE_LOCK):  # (holds _tlock: a stage of this process that
+                self._closing = True         # publishes later sees _closing and withdraws)
+                table = self._stage_np
+                table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
+
+    def _unmap(self) -> None:
+        """Drop every view of the segment and unmap it now rather than when the object is
+        collected (a Dataset keeps its closed cache). A tensor the caller still holds
+        (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
+        self._closed = True
+        _LIVE_CACHES.discard(self)
+        thread, stop = getattr(self, "_populating", (None, None))
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            stop.set()
+            thread.join()  # (it reads the mapping's addresses: they must stay mapped)
+        self._aux_mv = self._ctr = self._aux_np = self._stats_np = _CLOSED  # type: ignore
+        self._slot_map = self._stage_np = _CLOSED  # type: ignore
+        for mm in (self._mm, getattr(self, "_ro_mm", None)):
+            if mm is not None:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+
+    def __enter__(self) -> "BaseCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if getattr(self, "_closed", True) else f"{len(self)} slots"
+        kind = "OpenSizeCache" if isinstance(self, OpenSizeCache) else "SharedCache"
+        return (f"{kind}(name={self._name!r}, dataset_len={self._layout.dataset_len}, "
+                f"data_dims={self._dims}, dtype={self._dtype}, {state}, "
+                f"node={self._world.node_rank})")
+
+
+class SharedCache(BaseCache):
+    """A cache of fixed-shape samples in shared memory, one per node, for PyTorch datasets.
+
+    A drop-in superset of stocaching 0.2.1's ``SharedCache``: same positional arguments, same
+    sizing rule, same ``array`` / ``aux_array`` / ``get_slot`` / ``set_slot`` / ``clear``.
+    It offers all that :class:`BaseCache` offers, and batches (``get_batch``; ``locate``,
+    ``rows``, ``confirm``), staging slots (``stage``), raw slot access (``array``,
+    ``cache[s]``) and saving (``save``, ``load_from``). Samples whose sizes vary (a None in
+    ``data_dims``) go in an :class:`OpenSizeCache`.
+
+    Sizing: if the whole dataset (slots plus one aux byte per sample) fits in ``size_limit_gib``,
+    every index gets a slot; otherwise ``int((limit - dataset_len) / slot_bytes)`` of them do and
+    the rest are out of bounds (OOB): ``get_slot`` returns None for them and ``set_slot`` ignores
+    them. The segment adds a 4 KiB header, a 64 KiB stats table, 4 bytes per slot (write
+    sequence numbers) and, with several nodes or ``random_subset``, a 4-byte slot map entry
+    per sample on top of that budget. With one node the first ``len(cache)`` indices get slots
+    (as in 0.2.1), or a random subset with ``random_subset=True``; with several, each node
+    caches a random subset given by :class:`CacheLayout`.
+
+    Processes: in a job launched by ``torchrun`` (or SLURM), the local leader (LOCAL_RANK 0)
+    creates the segment and the other local ranks attach to it, checking that dataset_len,
+    data_dims, dtype and slot count match. Construct it with the same arguments on every local
+    rank, in the same order as any other cache. DataLoader workers (fork, spawn, forkserver,
+    persistent or not) get the cache with the dataset and share it. The segment's name is
+    removed as soon as every local rank has attached, so the memory is freed when the last
+    process using it exits, even by SIGKILL. A leader that closes the cache (or exits) before
+    every local rank has attached waits for them, up to ``timeout``.
+
+    Concurrency contract: any number of processes and threads may call ``get_slot``,
+    ``set_slot``, ``clear`` and ``stats`` at the same time. ``get_slot`` takes no lock and makes
+    no system call; it returns either a consistent copy of a completely written slot or a miss
+    (None), never a half-written slot. Writers of one slot are serialised by a per-slot lock
+    that the kernel releases if the writer dies; a slot whose writer died mid-write reads as
+    empty and can be written again. The per-process counters behind ``stats`` may lose an
+    increment when several threads of one process read at once. The reader's check relies on
+    the CPU keeping loads and stores in order (x86-64); on weakly ordered CPUs (ARM64) a read
+    racing a write of the same slot is not guaranteed to be caught (untested there).
+
+    Args:
+        size_limit_gib: budget in GiB (int or float) for the slots and the aux array; or
+            ``"auto"``: what the whole dataset needs, or less if /dev/shm or the RAM cannot
+            hold it (the RAM warning's margin is kept free), decided once by the local leader
+            and logged with its numbers; the other local ranks take the leader's slot count.
+            ``"auto"`` is for one node, samples of fixed size and a cache that is not
+            persistent.
+        dataset_len: number of samples in the full dataset.
+        data_dims: shape of one sample, e.g. ``(3, 256, 256)``; or, for samples of several
+            tensors, a dict of 1 to 16 fields ``{name: shape}`` (``()`` for a scalar), e.g.
+            ``{"image": (3, 256, 256), "label": ()}``: then ``set_slot`` takes a dict with
+            those keys, ``get_slot`` returns one and ``get_batch`` a dict of batches. The
+            fields are packed in one slot in this order, each at a multiple of its itemsize.
+            (A None, an open size, is for an ``OpenSizeCache``: here a TypeError says so.)
+        dtype: torch dtype of the samples; any fixed-size dtype. With fields: one dtype for
+            all of them, or a dict with the keys of ``data_dims``, in its order, e.g.
+            ``{"image": torch.uint8, "label": torch.int64}``. Default: ``torch.uint8``.
+        name: name of this cache within the job, to tell several caches apart (e.g.
+            ``"train"``, ``"val"``). Default: ``"c<k>"`` for the k-th cache this process makes,
+            which matches across ranks that make their caches in the same order.
+        job_key: key shared by the local ranks of one job. Default: ``$STOCACHING_JOB_KEY``, or
+            derived from the launcher (the parent pid and torchrun/SLURM variables); under
+            other variables (Lightning's launcher) local rank 0's, sent through the process
+            group (a collective), and without one a ``RuntimeError`` at once.
+        world: who this process is. Default: ``World.discover()`` (the launcher's variables,
+            or an initialised process group).
+        shm_dir: directory of a tmpfs to put the segment in (elsewhere: a RuntimeWarning).
+            Default: ``$STOCACHING_SHM_DIR`` or ``/dev/shm``.
+        layout_seed: seed of the layout's permutation (all nodes must agree). Default: 0.
+        random_subset: with one node, give slots to a random subset of the indices (drawn
+            from ``layout_seed``) rather than to the first ``len(cache)``, as several nodes
+            always do. Pass True when the dataset is ordered (by class, as ImageFolder orders
+            it) and a cache-preferring order reads it (``ReadyFirstSampler``, a ``Prefetcher``
+            with a ``window``): with the first indices cached, the cached samples are the first
+            classes, and preferring them puts those classes first in every epoch. It costs a
+            4-byte slot map entry per sample on top of the budget, as with several nodes.
+            Default: False (0.2.1's layout: index ``i < len(cache)`` has slot ``i``).
+        timeout: seconds a non-leader waits for the leader's segment, and seconds the leader,
+            when it closes the cache (or exits) before every local rank has attached, waits
+            for them. Default: 300.
+        staging_slots: extra slots where a prefetcher holds samples of indices without a slot
+            until they are read once (see ``stage`` and ``stocaching.prefetch``); they are
+            paid from ``size_limit_gib`` first. Default: 0.
+        persistent: keep the cache after the job, under ``name`` (required then): the next
+            job on this machine that asks for a persistent cache of that name, with the same
+            ``key`` and configuration, attaches to it with every filled slot a hit. It is
+            removed only by ``python -m stocaching clean --persistent NAME`` (or
+            ``clean_segments(persistent=[NAME])``), never while in use. Default: False (the
+            cache is freed when the job's last process exits).
+        key: with ``persistent`` or ``load_from``: which data the cache holds (a dataset
+            version, a hash of the file list, the transform's parameters), checked when a job
+            attaches, or loads a file (``save`` writes it there). Default: "".
+        on_mismatch: with ``persistent`` or ``load_from``, when the cache of that name, or
+            the file, holds another key or configuration: ``"raise"`` a ``CacheConfigError``
+            naming what differs, or ``"replace"`` the cache with a new empty one (not while
+            another process uses it), or ignore the file with a warning (the next ``save``
+            writes it anew). Default: "raise".
+        load_from: a file that ``save`` wrote: the local leader fills the new segment from it
+            before the other local ranks attach (they wait as for any new segment), each
+            sample into the slot its index has here (so the file may come from a cache of
+            another size); the next ``save`` to it appends. A missing file starts empty
+            (logged); ``{node}`` in it becomes the node's rank. A persistent cache that
+            exists already is attached as it is, without reading the file. Default: None.
+
+    Attributes:
+        read_tags: when not empty (a frozenset of ints, as ``stage``'s ``tag``), ``get_slot``
+            and ``get_batch`` take a staged sample only from the copies staged with one of
+            these tags: local ranks whose epochs drift apart may each have staged the same
+            index, and each rank's workers must read their own rank's copy, which its
+            prefetcher accounts for. Each ``Prefetcher`` adds its own tag; the set travels to
+            ``DataLoader`` workers with the cache. Default: empty (any copy).
+
+    Raises:
+        CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
+        CacheConfigError: the leader's segment (or the ``load_from`` file) has another
+            configuration.
+        CacheFileError: the ``load_from`` file is truncated, damaged or not a saved cache.
+        CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
+        RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
+        PermissionError: a file under the segment's name is not ours or not private.
+    """
+
+    def __new__(cls, size_limit_gib: Any = None, dataset_len: Any = None, data_dims: Any = None,
+                *args: Any, **kwargs: Any) -> "SharedCache":
+        """A dict ``data_dims`` (several fields a sample) makes a ``_FieldsCache``, the
+        SharedCache whose slot holds the fields packed: its reads and writes of a slot are its
+        own, so that the single-tensor hit path has no branch for fields. It offers all that
+        SharedCache offers."""
+        if cls is SharedCache and isinstance(data_dims, Mapping):
+            cls = _FieldsCache
+        return super().__new__(cls)
+
+    def __init__(self, size_limit_gib: float | str, dataset_len: int,
+                 data_dims: Sequence[int] | Mapping[str, Sequence[int]],
+                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
+                 name: str | None = None, job_key: str | None = None,
+                 world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
+                 random_subset: bool = False, timeout: float = 300.0, staging_slots: int = 0,
+                 persistent: bool = False, key: str = "", on_mismatch: str = "raise",
+                 load_from: str | os.PathLike | None = None) -> None:
+        auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
+        if not auto:
+            size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
+        dataset_len = check_int("dataset_len", dataset_len, low=1)
+        if isinstance(data_dims, Mapping):
+            fields, slot_bytes = _check_fields(data_dims, dtype)
+            dims: Any = {f.name: f.dims for f in fields}
+            dtype = {f.name: f.dtype for f in fields}
+        else:
+            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
+            slot_bytes = 0 if None in dims else _slot_bytes(dims, dtype)
+        if _has_open_size(dims):
+            raise TypeError(f"data_dims with a None (an open size) make a cache of samples of "
+                            f"their own sizes: construct it as OpenSizeCache(size_limit_gib, "
+                            f"dataset_len, data_dims, ...); SharedCache takes fixed sizes, but "
+                            f"got data_dims={dims}")
+        if isinstance(self, _FieldsCache) != bool(fields):  # SharedCache.__new__ chose it
+            raise TypeError(f"construct the cache as SharedCache(...), not as "
+                            f"{type(self).__name__}(...)")
+        world, load_from = self._configure(
+            dataset_len, world=world, layout_seed=layout_seed, random_subset=random_subset,
+            timeout=timeout, persistent=persistent, key=key, on_mismatch=on_mismatch,
+            name=name, job_key=job_key, shm_dir=shm_dir, load_from=load_from)
+        shm_dir = os.path.dirname(self._path)
+        staging = check_int("staging_slots", staging_slots, low=0)
+        if auto:
+            if persistent:
+                raise ValueError("size_limit_gib='auto' cannot make a persistent cache: the size "
+                                 "it finds depends on what is free at the time, so the next job "
+                                 "would ask for another slot count than the cache it should "
+                                 "attach to; pass a number, but got size_limit_gib='auto' with "
+                                 "persistent=True")
+            if world.num_nodes > 1:
+                raise ValueError(f"size_limit_gib='auto' is for one node: each node would choose "
+                                 f"its own size, and the {world.num_nodes} nodes' layouts must "
+                                 "agree; pass a number (python -m stocaching plan sizes it), but "
+                                 "got size_limit_gib='auto'")
+            if world.is_local_leader:
+                size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
+                                              self._layout)
+            else:  # the leader decides; this rank takes the slot count of its segment
+                self._slots_from_leader = True
+                size_limit_gib = _budget_for_slots(0, dataset_len, slot_bytes, staging) + \
+                    slot_bytes / BYTES_PER_GIB
+        if staging and dataset_len > _STAGE_INDEX_MASK:
+            raise ValueError(f"staging_slots should be 0 for a dataset_len above "
+                             f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
+                             f"dataset_len={dataset_len}")
+        if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB and not auto:
+            raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
+                             f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
+                             f"staging_slots={staging}")
+        slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
+        if slots == 0 and not self._slots_from_leader:
+            warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
+                          f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
+                          + (f" (after {staging} staging slots)" if staging else "") +
+                          "; only staged samples can hit", RuntimeWarning, stacklevel=2)
+        self._open(slots, dims, dtype, fields, staging, load_from)
+
+    def _offsets(self) -> dict:
+        return _segment_offsets(self._layout, self._slot_bytes, self._staging)
+
+    @property
+    def _slot_bytes(self) -> int:
+        if self._fields:
+            return _check_fields(self._dims, self._dtype)[1]
+        return _slot_bytes(self._dims, self._dtype)
+
+    def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
+        lay, per_slot = self._layout, self._slot_bytes
+        fits = _slots_fitting(free, lay, per_slot, self._staging)
+        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging)
+        return CacheCapacityError(
+            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
+            f"({lay.slots} slots of {_fmt_bytes(per_slot)}). {_more_room(shm_dir, total)} or "
+            f"pass a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+
+    def _map_samples(self, head: dict) -> None:
+        """The views of the slots' sequence numbers and of the slots (``_map_slots``), the
+        staging slots after the others."""
+        n_slots = self._layout.slots + self._staging
+        self._seq_np = np.frombuffer(self._mm, np.uint32, n_slots, head["seq_off"])
+        self._seq_mv = memoryview(self._mm)[head["seq_off"]: head["seq_off"] + 4 * n_slots
+                                            ].cast("I")
+        self._map_slots(head["data_off"], n_slots)
+
+    def _map_slots(self, data_off: int, n_slots: int) -> None:
+        """The views of the slots: ``_np_slots`` (one row per slot, written by ``_write``),
+        ``array`` and the read-only ``_ro_slots``."""
+        np_dtype = _DTYPES[self._dtype][1]
+
+        def slots_of(buf: mmap.mmap) -> np.ndarray:
+            return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
+                                 data_off).reshape(n_slots, *self._dims)
+
+        self._np_slots = slots_of(self._mm)
+        self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
+        # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
+        # tensor may carry a conjugate bit that numpy cannot see)
+        self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
+            else self._dtype
+        self._array = self._to_torch(self._np_slots[:self._layout.slots])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
+            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
+
+    def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        return t.view(self._view_as) if self._view_as is not None else t
+
+    @contextlib.contextmanager
+    def _writing(self, first: int, count: int) -> Iterator[None]:
+        """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
+        caller writes them: concurrent readers of those slots see misses."""
+        with self._locked(_slot_lock_offset(first), max(1, count)):
+            seq = self._seq_np[first: first + count]
+            seq |= 1
+            try:
+                yield
+            finally:
+                seq += 1
+
+    def __deepcopy__(self, memo: dict) -> "SharedCache":
+        """An independent cache with this one's configuration and contents, private to this
+        process (a new segment as large as this one), as a deep copy of a 0.2.1 cache gave
+        private tensors. A slot whose writer died mid-write is copied as empty."""
+        self._check_open()
+        w, lay = self._world, self._layout
+        twin = SharedCache(
+            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes, self._staging),
+            lay.dataset_len, self._dims, self._dtype, name=f"copy{next(_COPY_COUNTER)}",
+            staging_slots=self._staging,
+            world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
+                        num_nodes=w.num_nodes),
+            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
+            random_subset=lay.random_subset)
+        memo[id(self)] = twin
+        with self._locked(_slot_lock_offset(0), max(1, lay.slots)):  # no writer meanwhile
+            aux = self._aux_np.copy()
+            held = np.flatnonzero(aux == SET)
+            slots = held if self._slot_map is None else \
+                np.frombuffer(self._slot_map, self._slot_map.format)[held]
+            aux[held[self._seq_np[slots] & 1 == 1]] = EMPTY  # torn by a writer that died
+            aux[aux == WRITING] = EMPTY
+            twin._np_slots[:lay.slots] = self._np_slots[:lay.slots]
+            twin._aux_np[:] = aux  # (staged samples are not copied: they wait for one read)
+        return twin
+
+    @property
+    def array(self) -> torch.Tensor:
+        """The slots, a tensor of shape ``(len(cache), *data_dims)`` backed by shared memory;
+        with fields, a dict of such tensors, one per field.
+
+        .. warning::
+            This is a raw view: writing into it bypasses the slot states and the protection of
+            concurrent readers. Use ``set_slot``.
+        """
+        self._check_open()
+        return self._array
+
     def __getitem__(self, slot: Any) -> torch.Tensor:
         """Raw slot access, as in 0.2.1: ``cache[s]`` is a view of slot ``s`` (not a dataset
         index when several nodes share the dataset)."""
@@ -2732,49 +3102,16 @@ class SharedCache:
             return slot, slot, 1
         return slot, 0, n
 
-    def _oob_error(self, idx: int) -> IndexError:
-        return IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
-                          f"{self._n} samples) and allow_oob_idx=False")
-
-    def _index(self, idx: Any) -> int:
-        if not _is_int(idx):
-            raise TypeError(f"idx should be an int in [0, {self._n - 1}] (a dataset index), "
-                            f"but got idx={idx!r} of type {type(idx).__name__}")
-        i = int(idx)
-        if not 0 <= i < self._n:
-            raise IndexError(f"idx should be a dataset index in [0, {self._n - 1}], "
-                             f"but got idx={i}")
-        return i
-
     def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
                  copy: bool = True) -> torch.Tensor | None:
-        """The cached sample of dataset index ``idx``, or None if it is not cached.
-
-        Args:
-            idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
-            allow_oob_idx: when False, an index without a slot on this node raises
-                IndexError instead of returning None. Default: True.
-            allow_empty_slot: when False, an index whose slot is empty (or being written)
-                raises RuntimeError instead of returning None. Default: True.
-            copy: when True, return a new tensor that the caller owns. When False, return a
-                view of the shared slot (no copy). Default: True.
-
-        .. warning::
-            With ``copy=False`` the returned tensor is backed by a read-only mapping: an
-            in-place operation on it kills the process with SIGSEGV instead of corrupting
-            the cache, and a later overwrite or ``clear()`` changes what it shows. Use it only
-            where the sample is copied anyway (e.g. collated) before any transform.
-
-        Raises:
-            IndexError: ``idx`` outside the dataset, or without a slot and not allow_oob_idx.
-            TypeError: ``idx`` is not an integer (bool and float included).
-            RuntimeError: the slot is empty and not allow_empty_slot.
-        """
+        """The cached sample of dataset index ``idx`` (a copy, or with ``copy=False`` a
+        read-only view), or None if it is not cached: ``BaseCache.get_slot`` (its arguments,
+        warning and errors), with its first read inlined."""
         if type(idx) is not int or idx < 0 or idx >= self._n:
             idx = self._index(idx)
         if self._aux_mv[idx] == SET:  # the hit path: no lock, no system call
             # The first try is _read and _read_row inlined, the one copy of them (else this is
-            # _get_slot_by_read): the two calls cost more than 5 % of a small hit
+            # BaseCache.get_slot): the two calls cost more than 5 % of a small hit
             # (docs/benchmarks.md), and tests/test_concurrency.py checks that the two give the
             # same answer whatever write or clear() lands before any of their reads.
             slot = idx if self._slot_map is None else self._slot_map[idx]
@@ -2793,37 +3130,6 @@ class SharedCache:
             if out is not None:
                 return out
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
-
-    def _get_slot_by_read(self, idx: int, allow_oob_idx: bool = True,
-                          allow_empty_slot: bool = True, *, copy: bool = True) -> Any:
-        """The cached sample of dataset index ``idx`` (with fields, a dict ``{field:
-        tensor}``; with open sizes, in its own sizes), or None; as ``SharedCache.get_slot``,
-        whose first try is ``_read`` inlined: this is the get_slot of the caches of fields and
-        of open sizes, whose samples ``_read`` makes."""
-        if type(idx) is not int or idx < 0 or idx >= self._n:
-            idx = self._index(idx)
-        if self._aux_mv[idx] == SET:
-            out = self._read(idx, copy)
-            if out is None:
-                out = self._read_again(idx, copy)
-            if out is not None:
-                return out
-        elif self._staging and self._aux_mv[idx] == OOB:
-            out = self._take_staged(idx)
-            if out is not None:
-                return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
-
-    def _read_again(self, idx: int, copy: bool) -> Any:
-        """A read that met a writer: yield the CPU and try twice more while the slot is set."""
-        for _ in range(2):
-            time.sleep(0)
-            if self._aux_mv[idx] != SET:
-                return None
-            out = self._read(idx, copy)
-            if out is not None:
-                return out
-        return None
 
     def _read(self, idx: int, copy: bool) -> Any:
         """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
@@ -2862,17 +3168,6 @@ class SharedCache:
     def _view_row(self, row: int) -> Any:
         """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
         return self._ro_slots[row]
-
-    def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
-        if self._aux_mv[idx] == OOB:
-            if not allow_oob_idx:
-                raise self._oob_error(idx)
-            self._ctr[_OOB_MISSES] += 1
-        elif not allow_empty_slot:
-            raise RuntimeError(f"the slot of idx={idx} is empty (or being written) and "
-                               "allow_empty_slot=False")
-        self._ctr[_MISSES] += 1
-        return None
 
     def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
         """The cached samples of several dataset indices, gathered into one batch tensor, and
@@ -3111,102 +3406,6 @@ class SharedCache:
         not copied). Nothing is stored and nothing of the cache changes. See ``_checked``."""
         return self._checked(value, self._dims, self._dtype, "value", "data_dims")
 
-    def _checked(self, value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
-                 where: str) -> torch.Tensor:
-        """``value`` (called ``what`` in messages) checked against ``dims`` (``where``) and
-        ``dst``, as a tensor; raise if it cannot be stored.
-
-        Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
-        without loss (uint8 into float32), is a float or complex rounded into a narrower one
-        (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
-        uint8). Tensors on other devices are accepted (and copied when stored)."""
-        if isinstance(value, np.ndarray):
-            if value.dtype == np.uint16 and dst is torch.bfloat16:
-                raise TypeError(f"{what} should be a torch.bfloat16 tensor or float values, but "
-                                "got a numpy uint16 array, which would be taken as numbers, not "
-                                "as bfloat16 bits (numpy has no bfloat16; pass "
-                                "torch.from_numpy(a).view(torch.bfloat16) for bits)")
-            try:  # negative strides (img[:, :, ::-1]) and foreign byte order need a copy
-                if any(st < 0 for st in value.strides) or not value.dtype.isnative:
-                    value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
-                value = torch.from_numpy(value)
-            except TypeError:
-                raise TypeError(f"{what} should be a tensor of dtype {dst}, but got a "
-                                f"numpy array of dtype {value.dtype}") from None
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{what} should be a torch.Tensor of shape {dims} and dtype "
-                            f"{dst}, but got {what} of type {type(value).__name__}")
-        if tuple(value.shape) != dims:
-            extra = value.ndim - len(dims)
-            if extra <= 0 or tuple(value.shape[extra:]) != dims or \
-                    any(d != 1 for d in value.shape[:extra]):
-                raise ValueError(f"{what} should have shape {dims} (the cache's {where}; "
-                                 f"extra leading dimensions of size 1 are dropped, as 0.2.1 "
-                                 f"did), but got {what}.shape={tuple(value.shape)}")
-            value = value.reshape(dims)  # (1, C, H, W) from a loader's unsqueeze(0)
-        src = value.dtype
-        if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
-            raise TypeError(f"{what} should be a dense tensor with data and a dtype the cache "
-                            f"can store ({dst} or one that casts to it), but got "
-                            f"{what}.dtype={src}, layout={value.layout}, device={value.device}")
-        if src == dst or dst in _LOSSLESS.get(src, ()):
-            return value
-        if (src.is_floating_point or src.is_complex) and \
-                (dst.is_floating_point or dst.is_complex) and (dst.is_complex or not src.is_complex):
-            return value  # rounding into a narrower float or complex, as torch does
-        # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float64
-        # arrays to a float32 cache (intended rounding) or int64 masks to a uint8 cache
-        # (values that fit). Both keep working; a cast that would change a value (0.7 into
-        # uint8, 300 into uint8, 1+2j into float32) is refused instead of stored wrong.
-        cpu = value.detach().to("cpu").resolve_conj().resolve_neg()
-        if src.is_complex and not dst.is_complex:
-            if cpu.imag.count_nonzero():
-                raise ValueError(
-                    f"{what} should have dtype {dst}, or values that it holds exactly, but "
-                    f"got {what}.dtype={src} with imaginary parts that are not 0")
-            if dst.is_floating_point:
-                return value
-            cpu = cpu.real
-        bad = self._first_changed(cpu, dst)
-        if bad is not None:
-            raise ValueError(
-                f"{what} should have dtype {dst}, or values that it holds exactly, but "
-                f"got {what}.dtype={src} with values that change in {dst}, e.g. "
-                f"{what}[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
-        return value
-
-    @staticmethod
-    def _first_changed(value: torch.Tensor, dst: torch.dtype) -> tuple[int, ...] | None:
-        """Index of the first element of the CPU tensor ``value`` that ``dst`` does not hold
-        exactly, or None."""
-        if _is_integer_dtype(value.dtype) and _is_integer_dtype(dst):
-            # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
-            a, info = value.numpy(), np.iinfo(_DTYPES[dst][1])
-            if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
-                return None
-            have = np.iinfo(a.dtype)  # bounds within a's own range: safe for any numpy
-            changed = (a < max(info.min, have.min)) | (a > min(info.max, have.max))
-        else:  # through torch: numpy has no bfloat16
-            changed = (value.to(dst).to(value.dtype) != value).numpy()
-            if not changed.any():
-                return None
-        return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]),
-                                                      tuple(value.shape)))
-
-    def _slot_array(self, value: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
-        """A value that passed ``_check_value`` as the array to copy into a slot: on the CPU,
-        in the cache's dtype (or ``dtype``: the rounding or exact cast that the check
-        allowed)."""
-        dtype = self._dtype if dtype is None else dtype
-        value = value.detach().to("cpu").resolve_conj().resolve_neg()
-        if value.is_complex() and not dtype.is_complex:
-            value = value.real  # its imaginary parts were checked to be 0
-        if value.dtype != dtype:
-            value = value.to(dtype)
-        if dtype is torch.bfloat16:
-            value = value.view(torch.uint16)
-        return value.numpy()
-
     def _write(self, slot: int, src: np.ndarray, idx: int | None) -> None:
         """Write one slot, and set the state of ``idx`` (None for a staging slot); the caller
         holds the slot's lock. Odd sequence numbers mean "in progress"."""
@@ -3266,7 +3465,7 @@ class SharedCache:
                 nor exist_ok (often a sign of random augmentation before the cache); nothing
                 is changed.
         """
-        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        idx = self._index(idx)
         if self._aux_mv[idx] == OOB:
             if not allow_oob_idx:
                 raise self._oob_error(idx)
@@ -3332,7 +3531,7 @@ class SharedCache:
                 ``staging_slots``; nothing is changed. As ``set_slot`` for a bad ``idx`` or
                 ``value``.
         """
-        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        idx = self._index(idx)
         if not self._staging:
             raise ValueError("this cache has no staging slots; construct it with "
                              "staging_slots=N to stage samples")
@@ -3372,19 +3571,6 @@ class SharedCache:
         self._ctr[_STAGES] += 1
         return True
 
-    @property
-    def read_tags(self) -> frozenset:
-        return self._read_tags
-
-    @read_tags.setter
-    def read_tags(self, tags: Any) -> None:
-        if isinstance(tags, (str, bytes)) or not hasattr(tags, "__iter__"):
-            raise TypeError(f"read_tags should be a set of ints in [0, {MAX_STAGE_TAG}], but "
-                            f"got read_tags={tags!r}")
-        self._read_tags = frozenset(check_int("read_tags", t, low=0, high=MAX_STAGE_TAG)
-                                    for t in tags)
-        _OWN_TAGS[self] = (os.getpid(), self._read_tags)
-
     def _take_staged(self, idx: int) -> torch.Tensor | None:
         """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
         staged with one of ``read_tags`` if there are any."""
@@ -3417,53 +3603,6 @@ class SharedCache:
         out = torch.from_numpy(row)
         return out if self._view_as is None else out.view(self._view_as)
 
-    def unstage(self, idx: int, *, tag: int | None = None) -> bool:
-        """Free the staging slot of ``idx`` if it is staged (a prefetcher gives back what was
-        never read, e.g. after an epoch that stopped early); with a ``tag``, only if it was
-        staged (last) with that tag. Returns whether a staging slot was freed."""
-        self._check_open()
-        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
-        if tag is not None:
-            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        if not self._staging:
-            return False
-        table = self._stage_np
-        with self._locked(_STAGE_LOCK):
-            found = _staged_entries(table, idx)
-            if tag is not None:
-                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
-            table[found] = -1
-        return bool(found.size)
-
-    def ready_mask(self, indices: Any = None, *, tag: int | None = None) -> np.ndarray:
-        """True where ``get_slot`` would return a sample now (its slot is set, or it is
-        staged), for ``indices`` (default: every dataset index). A snapshot: it may change
-        right after.
-
-        Args:
-            indices: dataset indices. Default: None, every index.
-            tag: when given, a staged sample counts only if it was staged with this tag (a
-                prefetcher asks what *it* staged: a sample another rank staged is that rank's
-                to read). Default: None, any staged sample.
-        """
-        if tag is not None:
-            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        aux = self._aux_np
-        idx = np.arange(self._n) if indices is None else np.asarray(indices, dtype=np.int64)
-        ready = aux[idx] == SET
-        if self._staging:
-            table = self._stage_np.copy()  # a snapshot: fillers change it meanwhile
-            table = table[table >= 0]
-            if tag is not None:
-                table = table[table >> _STAGE_TAG_SHIFT == tag]
-            if table.size:
-                # Binary search in the sorted staged indices (a few hundred): np.isin sorts
-                # both arrays on every call, 0.5 ms per prefetcher chunk in a profile.
-                staged = np.sort(table & _STAGE_INDEX_MASK)
-                pos = np.minimum(np.searchsorted(staged, idx), staged.size - 1)
-                ready |= staged[pos] == idx
-        return ready
-
     def clear(self) -> None:
         """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
         processes read (they see misses) or write (they finish first)."""
@@ -3476,49 +3615,6 @@ class SharedCache:
             with self._locked(_STAGE_LOCK):  # staged samples are dropped (fillers finish)
                 table = self._stage_np
                 table[table >= 0] = -1
-
-    def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Counters summed over every process that used this cache on this node.
-
-        Args:
-            since: an earlier ``stats()`` of this cache: the counters (and ``hit_rate``) are
-                then those of the time between the two, e.g. of one epoch::
-
-                    before = cache.stats()
-                    train_one_epoch()
-                    print(cache.stats(since=before)["hit_rate"])
-
-                Default: None, counters since the cache was made.
-
-        Returns:
-            A dict with ``hits``, ``misses`` (get_slot returned None), ``oob_misses`` (of
-            those, indices without a slot here), ``writes`` (set_slot calls that stored, or
-            found the same value there already),
-            ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
-            ``full`` (with open sizes: writes that found no room in the arena),
-            ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
-            segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
-            reads, nan without reads) and ``processes`` (live processes that have used it).
-        """
-        self._check_open()
-        counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages")
-        if since is not None and (not isinstance(since, Mapping) or
-                                  not all(_is_int(since.get(k)) for k in counters)):
-            raise TypeError(f"since should be a dict from this cache's stats(), but got "
-                            f"since={since!r}")
-        with self._header_locked():
-            rows = self._stats_np.copy()
-        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
-        if since is not None:
-            counts = {k: v - int(since[k]) for k, v in counts.items()}
-        reads = counts["hits"] + counts["misses"]
-        return {**counts, "filled": int(np.count_nonzero(self._aux_np == SET)),
-                "slots": len(self), "dataset_len": self._n, "bytes": self._total,
-                "staging_slots": self._staging, "staged": int(np.count_nonzero(
-                    self._stage_np >= 0)),
-                "hit_rate": counts["hits"] / reads if reads else float("nan"),
-                "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
-                                 if p)}
 
     # -- saving to a file, and loading one ---------------------------------------------------
 
@@ -3843,60 +3939,27 @@ class SharedCache:
                     "save writes the file anew)", label, exp, got)
         return None
 
-    def close(self) -> None:
-        """Release this process's handle on the segment. Other processes keep theirs; the
-        memory is freed by the kernel when the last one is gone. Idempotent.
-
-        Staging slots holding samples staged under the ``read_tags`` set in this process
-        (its prefetchers') are freed first: nothing could give them back through a closed
-        handle, and the other local ranks share the staging area."""
-        if getattr(self, "_closed", True):
-            return
-        self._free_own_staging()
-        self._unmap()
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def _free_own_staging(self) -> None:
-        pid, tags = _OWN_TAGS.pop(self, (0, frozenset()))
-        if pid != os.getpid() or not tags or not self._staging:
-            return
-        with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
-            with self._locked(_STAGE_LOCK):  # (holds _tlock: a stage of this process that
-                self._closing = True         # publishes later sees _closing and withdraws)
-                table = self._stage_np
-                table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
-
     def _unmap(self) -> None:
-        """Drop every view of the segment and unmap it now rather than when the object is
-        collected (a Dataset keeps its closed cache). A tensor the caller still holds
-        (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
-        self._closed = True
-        _LIVE_CACHES.discard(self)
-        thread, stop = getattr(self, "_populating", (None, None))
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            stop.set()
-            thread.join()  # (it reads the mapping's addresses: they must stay mapped)
-        self._aux_mv = self._seq_mv = self._ctr = self._np_slots = _CLOSED  # type: ignore
-        self._aux_np = self._seq_np = self._stats_np = self._slot_map = _CLOSED  # type: ignore
-        self._stage_np = _CLOSED  # type: ignore
+        self._seq_mv = self._seq_np = self._np_slots = _CLOSED  # type: ignore
         self._array = self._ro_slots = _CLOSED  # type: ignore
-        for mm in (self._mm, getattr(self, "_ro_mm", None)):
-            if mm is not None:
-                with contextlib.suppress(BufferError):
-                    mm.close()
+        super()._unmap()
 
-    def __enter__(self) -> "SharedCache":
-        return self
+def _check_keys(value: Any, dims: Mapping) -> Mapping:
+    """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
+    ``data_dims``) as keys, or raise."""
+    names = list(dims)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"value should be a dict with the fields {names} (the keys of "
+                        f"data_dims), but got value of type {type(value).__name__}")
+    missing = [n for n in names if n not in value]
+    extra = [k for k in value if k not in dims]
+    if missing or extra:
+        why = ", ".join(([f"missing {missing}"] if missing else []) +
+                        ([f"unknown {extra}"] if extra else []))
+        raise ValueError(f"value should be a dict with the fields {names} (the keys of "
+                         f"data_dims), but got value with keys {list(value)} ({why})")
+    return value
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if getattr(self, "_closed", True) else f"{len(self)} slots"
-        return (f"SharedCache(name={self._name!r}, dataset_len={self._layout.dataset_len}, "
-                f"data_dims={self._dims}, dtype={self._dtype}, {state}, "
-                f"node={self._world.node_rank})")
 
 class _FieldsCache(SharedCache):
     """A SharedCache of several fields per sample (``data_dims`` a dict): ``SharedCache(...)``
@@ -3930,7 +3993,7 @@ class _FieldsCache(SharedCache):
         self._field_np = self._ro_fields = _CLOSED  # type: ignore
         super()._unmap()
 
-    get_slot = SharedCache._get_slot_by_read
+    get_slot = BaseCache.get_slot
 
     def _view_row(self, row: int) -> dict[str, torch.Tensor]:
         return {n: t[row] for n, t in self._ro_fields.items()}
@@ -3944,7 +4007,7 @@ class _FieldsCache(SharedCache):
         """Raise unless ``value`` is a dict of exactly the cache's fields, each of which
         ``SharedCache._checked`` accepts (a number is taken for a field of shape ``()``);
         return the checked tensors. Nothing is stored."""
-        value = self._check_keys(value)
+        value = _check_keys(value, self._dims)
         out = {}
         for f in self._fields:
             v = value[f.name]
@@ -3953,21 +4016,6 @@ class _FieldsCache(SharedCache):
             out[f.name] = self._checked(v, f.dims, f.dtype, f"value[{f.name!r}]",
                                         f"data_dims[{f.name!r}]")
         return out
-
-    def _check_keys(self, value: Any) -> Mapping:
-        """``value`` if it is a dict with exactly the cache's fields as keys, or raise."""
-        names = list(self._dims)
-        if not isinstance(value, Mapping):
-            raise TypeError(f"value should be a dict with the fields {names} (the keys of "
-                            f"data_dims), but got value of type {type(value).__name__}")
-        missing = [n for n in names if n not in value]
-        extra = [k for k in value if k not in self._dims]
-        if missing or extra:
-            why = ", ".join(([f"missing {missing}"] if missing else []) +
-                            ([f"unknown {extra}"] if extra else []))
-            raise ValueError(f"value should be a dict with the fields {names} (the keys of "
-                             f"data_dims), but got value with keys {list(value)} ({why})")
-        return value
 
     def _source_array(self, value: Any) -> np.ndarray:
         """The bytes of a slot: every field of ``value``, checked, packed at its offset."""
@@ -4060,117 +4108,167 @@ def _write_at(fd: int, data: np.ndarray, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-class _ArenaCache(SharedCache):
-    """A SharedCache of samples whose sizes vary (None in ``data_dims``): ``SharedCache(...)``
-    makes one.
+class OpenSizeCache(BaseCache):
+    """A cache of samples whose sizes vary (a None in ``data_dims``) in shared memory, one
+    per node, for PyTorch datasets: each sample is stored at its own size in an arena.
 
-    There are no slots. After the aux array comes one record per dataset index (int64 words:
+    Example: ``OpenSizeCache(size_limit_gib=32, dataset_len=len(paths), data_dims=(3, None,
+    None))`` for images at their native sizes, used as a SharedCache is (``get_slot``,
+    ``set_slot``). It offers all that :class:`BaseCache` offers. Samples of different sizes do
+    not stack into rows, so what SharedCache adds on rows of one size is not here: batches
+    (``get_batch``, ``locate``), staging slots, raw slot access and saving to a file.
+
+    Sizing: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
+    number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
+    size (16-byte aligned), while the arena has room; a ``set_slot`` that does not fit stores
+    nothing, counts in ``stats()["full"]``, and the index stays a miss. An overwrite keeps
+    the sample's place if it fits there, else takes new room (the old place is lost until
+    ``clear()``, which gives back the whole arena) or, without room, empties the index, which
+    then keeps no place: its old place is lost as well, and its next write needs new room.
+    ``len(cache)`` is the number of indices this node may admit (every index with one node),
+    ``stats()["filled"]`` how many are stored, ``stats()["arena_used"]`` the bytes handed out.
+
+    Inside the segment: after the aux array, one record per dataset index (int64 words:
     sequence number, offset in the arena, bytes, bytes reserved, then the open sizes of the
-    sample in the order of the Nones), then the arena: one run of bytes where each admitted
-    sample's fields lie packed (each at a multiple of its itemsize) at its offset, 16-aligned.
-    The arena is handed out from the bottom up (the header's ``arena_top``, under a lock):
-    samples are admitted while there is room; a write that does not fit stores nothing and is
-    counted in ``stats()["full"]``, and the index stays a miss. An overwrite keeps the
-    sample's place when the new value fits in what it reserved, and takes new room otherwise
-    (the old place is lost until ``clear()``, which gives back the whole arena); if there is no
-    room, the index becomes a miss that keeps no place (``_drop`` zeroes its record), so its
-    next write, of any size, needs new room like a first one. Readers and writers use the
-    record's sequence number and a per-index lock exactly as slots do, so every guarantee of
-    the fixed-size cache holds."""
+    sample in the order of the Nones), then the arena, where each admitted sample's fields lie
+    packed (each at a multiple of its itemsize) at its offset, 16-aligned, handed out from the
+    bottom up (the header's ``arena_top``, under a lock). An index emptied for want of room
+    keeps no place (``_drop`` zeroes its record). Readers and writers use the record's
+    sequence number and a per-index lock exactly as slots do, so every guarantee of
+    SharedCache holds.
 
-    _STATE = SharedCache._STATE + ("_vf", "_arena", "_rec_words", "_mean", "_limit_gib")
+    Args:
+        size_limit_gib: budget in GiB (int or float) for the aux array, the records and the
+            arena (``python -m stocaching plan --dims 3,None,None --mean-bytes M`` sizes it).
+        dataset_len: number of samples in the full dataset.
+        data_dims: shape of one sample with a None for each open size, e.g. ``(None, 3)`` or
+            ``(3, None, None)``; or a dict of fields ``{name: shape}`` (as SharedCache's), at
+            least one with a None, e.g. ``{"image": (3, None, None), "label": ()}``.
+        dtype: torch dtype of the samples, or a dict of one per field, as SharedCache's.
+            Default: ``torch.uint8``.
+        mean_sample_bytes: with several nodes, the expected bytes of a sample: each node's
+            candidate set (its ``CacheLayout`` subset) is then as many indices as its arena
+            holds of such samples, if that is more than an even share of the dataset.
+            Default: None (an even share: the nodes' subsets are disjoint).
+        name, job_key, world, shm_dir, layout_seed, random_subset, timeout, persistent, key,
+            on_mismatch: as SharedCache's.
+
+    Raises:
+        As SharedCache's (no file is loaded here).
+    """
+
+    _STATE = BaseCache._STATE + ("_sample_fields", "_arena_size", "_rec_words", "_mean",
+                                 "_limit_gib")
+
+    def __init__(self, size_limit_gib: float, dataset_len: int,
+                 data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
+                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
+                 name: str | None = None, job_key: str | None = None,
+                 world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
+                 random_subset: bool = False, timeout: float = 300.0,
+                 mean_sample_bytes: int | None = None, persistent: bool = False,
+                 key: str = "", on_mismatch: str = "raise") -> None:
+        if isinstance(size_limit_gib, str) and size_limit_gib == "auto":
+            raise ValueError(f"size_limit_gib='auto' needs samples of a fixed size; with open "
+                             f"sizes (data_dims={data_dims}) pass a number (python -m stocaching "
+                             "plan --mean-bytes sizes it), but got size_limit_gib='auto'")
+        size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
+        dataset_len = check_int("dataset_len", dataset_len, low=1)
+        if isinstance(data_dims, Mapping):
+            fields = _check_fields(data_dims, dtype)[0]
+            dims: Any = {f.name: f.dims for f in fields}
+            dtype = {f.name: f.dtype for f in fields}
+        else:
+            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
+        if not _has_open_size(dims):
+            raise TypeError(f"data_dims should leave a size open (a None) in an OpenSizeCache; "
+                            f"samples of a fixed size go in a SharedCache(size_limit_gib, "
+                            f"dataset_len, data_dims, ...), but got data_dims={dims}")
+        if mean_sample_bytes is not None:
+            mean_sample_bytes = check_int("mean_sample_bytes", mean_sample_bytes, low=1)
+        world, _ = self._configure(
+            dataset_len, world=world, layout_seed=layout_seed, random_subset=random_subset,
+            timeout=timeout, persistent=persistent, key=key, on_mismatch=on_mismatch,
+            name=name, job_key=job_key, shm_dir=shm_dir, load_from=None)
+        candidates = self._size_arena(size_limit_gib, dataset_len, dims, dtype, world.num_nodes,
+                                      mean_sample_bytes)
+        self._open(candidates, dims, dtype, fields, 0, None)
 
     # -- sizing and layout ------------------------------------------------------------------
 
-    def _size_arena(self, size_limit_gib: float, dataset_len: int, num_nodes: int,
-                    mean: int | None) -> int:
-        """Called by __init__: set the arena's size and the record's, return the candidates."""
-        dims, dtype = self._dims_arg, self._dtype_arg
-        self._vf = _pack(dims, dtype)[0] if isinstance(dims, Mapping) else \
+    def _size_arena(self, size_limit_gib: float, dataset_len: int, dims: Any, dtype: Any,
+                    num_nodes: int, mean: int | None) -> int:
+        """Set the arena's size and the record's; return how many indices this node may
+        admit (its candidates)."""
+        self._sample_fields = _pack(dims, dtype)[0] if isinstance(dims, Mapping) else \
             (_Field("", dims, dtype, 0, 0),)
-        self._rec_words = 4 + sum(d is None for f in self._vf for d in f.dims)
-        self._arena = _arena_bytes(size_limit_gib, dataset_len, self._rec_words)
+        self._rec_words = 4 + sum(d is None for f in self._sample_fields for d in f.dims)
+        self._arena_size = _arena_bytes(size_limit_gib, dataset_len, self._rec_words)
         self._mean, self._limit_gib = mean or 0, float(size_limit_gib)
-        if not self._arena:
+        if not self._arena_size:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no room for samples: the "
                           f"aux array and the records alone need "
                           f"{_fmt_bytes(dataset_len * (1 + 8 * self._rec_words))}",
                           RuntimeWarning, stacklevel=3)
-        return _candidates(dataset_len, num_nodes, self._arena, mean)
+        return _candidates(dataset_len, num_nodes, self._arena_size, mean)
 
-    def __init__(self, size_limit_gib: float, dataset_len: int, data_dims: Any,
-                 dtype: Any = torch.uint8, **kwargs: Any) -> None:
-        if isinstance(data_dims, Mapping):
-            self._dims_arg = {f.name: f.dims for f in _check_fields(data_dims, dtype)[0]}
-            self._dtype_arg = {f.name: f.dtype for f in _check_fields(data_dims, dtype)[0]}
-        else:
-            self._dims_arg, self._dtype_arg = _check_dims(data_dims), _check_dtype(dtype)
-        super().__init__(size_limit_gib, dataset_len, data_dims, dtype, **kwargs)
-        del self._dims_arg, self._dtype_arg
-
-    @property
-    def _slot_bytes(self) -> int:
-        return 0
-
-    def _expected_header(self) -> dict:
-        h = super()._expected_header()
+    def _offsets(self) -> dict:
         lay = self._layout
-        rec_off = h["aux_off"] + (lay.dataset_len + 7) // 8 * 8
+        offsets = _segment_offsets(lay, 0, 0)  # the header, stats and aux array as for slots
+        rec_off = offsets["aux_off"] + (lay.dataset_len + 7) // 8 * 8
         data_off = rec_off + lay.dataset_len * self._rec_words * 8
         data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        h.update(seq_off=rec_off, stage_off=0, map_off=0, data_off=data_off,
-                 total_bytes=data_off + max(1, self._arena), arena_bytes=self._arena,
-                 arena_top=0, record_words=self._rec_words, mean_bytes=self._mean)
-        return h
+        offsets.update(seq_off=rec_off, stage_off=0, map_off=0, data_off=data_off,
+                       total_bytes=data_off + max(1, self._arena_size),
+                       arena_bytes=self._arena_size, arena_top=0, record_words=self._rec_words,
+                       mean_bytes=self._mean)
+        return offsets
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
-        fit_gib = max(0, free - (total - self._arena)) / BYTES_PER_GIB
+        fit_gib = max(0, free - (total - self._arena_size)) / BYTES_PER_GIB
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
-            f"(an arena of {_fmt_bytes(self._arena)}). {_more_room(shm_dir, total)} or pass "
+            f"(an arena of {_fmt_bytes(self._arena_size)}). {_more_room(shm_dir, total)} or pass "
             f"a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
 
-    def _map_slots(self, data_off: int, n_slots: int) -> None:
+    def _map_samples(self, head: dict) -> None:
+        """The views of the records and of the arena. A hit of one tensor is one read of its
+        record (as a tuple: ``_record_struct``), one slice of the arena in the tensor's own
+        dtype (``_arena_items``: offsets are multiples of 16) reshaped to the shape that
+        ``_shape_of`` picks out of the record and the fixed sizes appended to it
+        (``_fixed_sizes``), and one copy; a sample of fields is unpacked from its bytes."""
         n, words = self._layout.dataset_len, self._rec_words
-        rec_off = self._header_get("seq_off")
+        rec_off, data_off = head["seq_off"], head["data_off"]
         self._rec_np = np.frombuffer(self._mm, np.int64, n * words, rec_off).reshape(n, words)
         self._rec_buf = memoryview(self._mm)[rec_off: rec_off + n * words * 8]
         self._rec_mv = self._rec_buf.cast("q")
-        self._rec_of = struct.Struct(f"{words}q")  # a record as a tuple, in one call
-        self._arena_np = np.frombuffer(self._mm, np.uint8, self._arena, data_off)
+        self._record_struct = struct.Struct(f"{words}q")
+        self._arena_np = np.frombuffer(self._mm, np.uint8, self._arena_size, data_off)
         self._arena_file_off = data_off  # (the segment is mapped from its start)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._ro_arena = torch.from_numpy(np.frombuffer(self._ro_mm, np.uint8, self._arena,
-                                                            data_off))
-        self._np_slots = self._array = self._ro_slots = None
-        self._fast_dtype = None
-        self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._vf]
-        # One tensor: the read path takes the whole record as a tuple, appends the fixed sizes
-        # (_one) and picks the shape out of that with _shape_of; it slices the arena in the
-        # tensor's own dtype (_one_arena, offsets are multiples of 16), so a hit is one record
-        # read, one slice, one copy.
-        self._one = self._one_arena = self._shape_of = None
+            self._ro_arena = torch.from_numpy(np.frombuffer(self._ro_mm, np.uint8,
+                                                            self._arena_size, data_off))
+        self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._sample_fields]
+        first = self._sample_fields[0]
+        self._view_as = first.dtype if first.dtype is torch.bfloat16 else None
+        self._fixed_sizes = self._arena_items = self._shape_of = None
         if not self._fields:
-            dims = self._vf[0].dims
-            isz = np.dtype(self._np_dtypes[0]).itemsize
-            self._one = tuple(d for d in dims if d is not None)
-            opened, fixed = iter(range(4, words)), iter(range(words, words + len(self._one)))
+            self._itemsize = np.dtype(self._np_dtypes[0]).itemsize
+            self._fixed_sizes = tuple(d for d in first.dims if d is not None)
+            opened = iter(range(4, words))
+            fixed = iter(range(words, words + len(self._fixed_sizes)))
             self._shape_of = operator.itemgetter(
-                *(next(opened) if d is None else next(fixed) for d in dims))
-            self._one_arena = np.frombuffer(self._mm, self._np_dtypes[0], self._arena // isz,
-                                            data_off)
-            self._isz = isz
-        self._view_as = self._vf[0].dtype if self._vf[0].dtype is torch.bfloat16 else None
+                *(next(opened) if d is None else next(fixed) for d in first.dims))
+            self._arena_items = np.frombuffer(self._mm, self._np_dtypes[0],
+                                              self._arena_size // self._itemsize, data_off)
 
     def _unmap(self) -> None:
         self._rec_np = self._rec_mv = self._arena_np = self._ro_arena = _CLOSED  # type: ignore
-        self._rec_buf = self._one_arena = _CLOSED  # type: ignore
+        self._rec_buf = self._arena_items = _CLOSED  # type: ignore
         super()._unmap()
 
     # -- reading ----------------------------------------------------------------------------
-
-    get_slot = SharedCache._get_slot_by_read
 
     def _read(self, idx: int, copy: bool) -> Any:
         """The seqlock read of the record and bytes of ``idx``, the one read of an open-size
@@ -4179,16 +4277,16 @@ class _ArenaCache(SharedCache):
         copied, then the number again, unchanged, and the state SET (writers change both only
         while the number is odd). A record read while a writer changes it may not fit its
         bytes: a retry, not an error."""
-        r = self._rec_of.unpack_from(self._rec_buf, idx * self._rec_of.size)
+        r = self._record_struct.unpack_from(self._rec_buf, idx * self._record_struct.size)
         seq = r[0]
         if seq & 1:
             return None
         off = r[_REC_OFF]
         end = off + r[_REC_BYTES]
-        if self._one is not None and copy:  # one tensor: the shape, then a single copy
+        if self._fixed_sizes is not None and copy:  # one tensor: the shape, then a single copy
             try:
-                data = self._one_arena[off // self._isz: end // self._isz].reshape(
-                    self._shape_of(r + self._one)).copy()
+                data = self._arena_items[off // self._itemsize: end // self._itemsize].reshape(
+                    self._shape_of(r + self._fixed_sizes)).copy()
             except ValueError:
                 return None
         else:
@@ -4196,34 +4294,26 @@ class _ArenaCache(SharedCache):
         if self._rec_mv[idx * self._rec_words] != seq or self._aux_mv[idx] != SET:
             return None
         self._ctr[_HITS] += 1
-        if self._one is not None and copy:  # already in its shape and dtype
+        if self._fixed_sizes is not None and copy:  # already in its shape and dtype
             return torch.from_numpy(data) if self._view_as is None else \
                 torch.from_numpy(data).view(self._view_as)
         return self._unpack(data if copy else data.numpy(), r[4:])
 
     def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
         it = iter(sizes)
-        return [tuple(next(it) if d is None else d for d in f.dims) for f in self._vf]
+        return [tuple(next(it) if d is None else d for d in f.dims) for f in self._sample_fields]
 
     def _unpack(self, data: np.ndarray, sizes: Sequence[int]) -> Any:
         """The sample in ``data`` (its packed bytes) with these open sizes."""
         if not self._fields:  # one tensor
-            f = self._vf[0]
+            f = self._sample_fields[0]
             shape = self._shapes(sizes)[0]
             arr = data.view(self._np_dtypes[0]).reshape(shape)
             return _torch_of(arr, f.dtype)
-        fields, _ = _pack({f.name: s for f, s in zip(self._vf, self._shapes(sizes))},
-                          {f.name: f.dtype for f in self._vf})
+        fields, _ = _pack({f.name: s for f, s in zip(self._sample_fields, self._shapes(sizes))},
+                          {f.name: f.dtype for f in self._sample_fields})
         return {f.name: _torch_of(data[f.offset: f.offset + f.nbytes].view(dt).reshape(f.dims),
                                   f.dtype) for f, dt in zip(fields, self._np_dtypes)}
-
-    def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
-        """Not for open sizes: samples of different sizes do not stack. Raises ValueError."""
-        opened = [f"{f.name!r}: {f.dims}" if f.name else str(f.dims) for f in self._vf
-                  if None in f.dims]
-        raise ValueError(f"get_batch stacks samples of fixed sizes, but this cache's "
-                         f"data_dims leave sizes open ({', '.join(opened)}); read its samples "
-                         "with get_slot")
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -4231,9 +4321,9 @@ class _ArenaCache(SharedCache):
         """Check ``value`` against the fields with their open sizes; return the checked
         tensor (or dict of them) and the open sizes, in the order of the Nones."""
         if self._fields:
-            value = _FieldsCache._check_keys(self, value)
+            value = _check_keys(value, self._dims)
         checked, sizes = {}, []
-        for f in self._vf:
+        for f in self._sample_fields:
             v, what = (value[f.name], f"value[{f.name!r}]") if f.name else (value, "value")
             where = f"data_dims[{f.name!r}]" if f.name else "data_dims"
             if not f.dims and isinstance(v, (int, float, complex, np.generic)):
@@ -4256,10 +4346,10 @@ class _ArenaCache(SharedCache):
         """The packed bytes of a sample and its open sizes, checked."""
         checked, sizes = self._check_value(value)
         if not self._fields:
-            a = self._slot_array(checked[""], self._vf[0].dtype)
+            a = self._slot_array(checked[""], self._sample_fields[0].dtype)
             return np.ascontiguousarray(a).reshape(-1).view(np.uint8), sizes
-        fields, total = _pack({f.name: tuple(checked[f.name].shape) for f in self._vf},
-                              {f.name: f.dtype for f in self._vf})
+        fields, total = _pack({f.name: tuple(checked[f.name].shape) for f in self._sample_fields},
+                              {f.name: f.dtype for f in self._sample_fields})
         row = np.zeros(total, np.uint8)
         for f in fields:
             a = np.ascontiguousarray(self._slot_array(checked[f.name], f.dtype))
@@ -4273,10 +4363,10 @@ class _ArenaCache(SharedCache):
         the arena is not stored (``stats()["full"]`` counts it; the index stays a miss); one
         larger than the whole arena raises ValueError. An overwrite that does not fit leaves
         the index empty and without a place: a later write of it needs new room."""
-        idx = self._index(idx) if type(idx) is not int or not 0 <= idx < self._n else idx
+        idx = self._index(idx)
         src, sizes = self._source_array(value)
-        if src.size > self._arena:
-            raise ValueError(f"value should fit in the cache's arena ({self._arena} bytes, "
+        if src.size > self._arena_size:
+            raise ValueError(f"value should fit in the cache's arena ({self._arena_size} bytes, "
                              f"from size_limit_gib={self._limit_gib}), but got a sample of "
                              f"{src.size} bytes")
         if self._aux_mv[idx] == OOB:
@@ -4316,7 +4406,7 @@ class _ArenaCache(SharedCache):
             fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
             try:
                 off = self._header_get("arena_top")
-                if off + cap <= self._arena:
+                if off + cap <= self._arena_size:
                     self._header_set("arena_top", off + cap)
                 else:  # counted here, under the lock: one counter for the node
                     off = -1
@@ -4352,13 +4442,6 @@ class _ArenaCache(SharedCache):
             rec[base + k] = 0
         rec[base] = seq + 2
 
-    def save(self, path: str | os.PathLike) -> dict[str, Any]:
-        raise NotImplementedError("save() is for samples of a fixed size; a cache with open "
-                                  "sizes (None in data_dims) cannot be saved to a file yet")
-
-    def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
-        raise ValueError("this cache has open sizes and no staging slots (not supported yet)")
-
     def clear(self) -> None:
         """Empty every index and give back the whole arena. Safe while other processes read
         (they see misses) or write (they finish first)."""
@@ -4388,17 +4471,17 @@ class _ArenaCache(SharedCache):
                             f"since={since!r}")
         out = super().stats(since=since)
         out.update(full=full - (int(since["full"]) if since is not None else 0),
-                   arena_bytes=self._arena, arena_used=self._header_get("arena_top"))
+                   arena_bytes=self._arena_size, arena_used=self._header_get("arena_top"))
         return out
 
     # -- copies and raw access ----------------------------------------------------------------
 
-    def __deepcopy__(self, memo: dict) -> "SharedCache":
+    def __deepcopy__(self, memo: dict) -> "OpenSizeCache":
         """An independent private cache with this one's configuration and contents (an entry
         whose writer died mid-write is copied as empty)."""
         self._check_open()
         w, lay = self._world, self._layout
-        twin = SharedCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
+        twin = OpenSizeCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
                            name=f"copy{next(_COPY_COUNTER)}",
                            world=World(rank=w.node_rank, world_size=w.num_nodes,
                                        node_rank=w.node_rank, num_nodes=w.num_nodes),
@@ -4416,31 +4499,6 @@ class _ArenaCache(SharedCache):
             twin._header_set("arena_top", top)
             twin._aux_np[:] = aux
         return twin
-
-    @property
-    def array(self) -> torch.Tensor:
-        raise TypeError("a cache with open sizes has no fixed slots to view; read its "
-                        "samples with get_slot")
-
-    def __getitem__(self, slot: Any) -> torch.Tensor:
-        return self.array
-
-    def __setitem__(self, slot: Any, value: Any) -> None:
-        self.array
-
-    @property
-    def rows(self) -> torch.Tensor:
-        raise TypeError("a cache with open sizes has no rows of one size to copy; read its "
-                        "samples with get_slot or get_batch")
-
-    def locate(self, indices: Any) -> BatchRows:
-        return self.rows
-
-    def unpack_rows(self, rows: torch.Tensor) -> Any:
-        return self.rows
-
-    def confirm(self, located: BatchRows) -> torch.Tensor:
-        return self.rows
 
 
 def _a_local_rank_may_come() -> bool:
@@ -4525,7 +4583,7 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
         delay = min(delay * 2, 0.1)
 
 
-def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> SharedCache:
+def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
     """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
     fd = dupfd.detach()
     cache = cls.__new__(cls)
@@ -4550,8 +4608,8 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
          size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
          staging_slots: int = 0, mean_sample_bytes: int | None = None) -> dict:
     """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
-    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample, None
-    for an open size).
+    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample), or
+    for ``OpenSizeCache`` (a None for an open size).
 
     Args:
         staging_slots: staging slots for a prefetcher (see ``SharedCache``), paid first.

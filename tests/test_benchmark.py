@@ -495,8 +495,8 @@ def test_varied_sizes_are_cached_at_native_size_and_cropped_after(varied_dir, sh
     assert len(set(shapes)) > N // 2 and all(SIDES[0] <= s <= SIDES[1] for hw in shapes
                                             for s in hw)
     from benchmark.run import gib_for_arena
-    cache = stocaching.SharedCache(gib_for_arena([3 * h * w for h, w in shapes], 1.0, 2), N,
-                                   (3, None, None), torch.uint8)
+    cache = stocaching.OpenSizeCache(gib_for_arena([3 * h * w for h, w in shapes], 1.0, 2),
+                                     N, (3, None, None), torch.uint8)
     try:
         ds = D.JpegDataset(varied_dir, N, None, 10, cache=cache, augment=D.Augment(size=DEC))
         first = [ds[i] for i in range(N)]

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from _helpers import age, assert_no_leak, budget_for, named, rank_env, run_child, used_bytes
-from stocaching import (CacheCapacityError, CacheConfigError, SharedCache, World,
-                        clean_segments, list_segments)
+from stocaching import (CacheCapacityError, CacheConfigError, OpenSizeCache, SharedCache,
+                        World, clean_segments, list_segments)
 from stocaching.stocaching import RAM_MARGIN_BYTES, RAM_MARGIN_FRACTION, _segment_name
 
 NOBODY = 65534
@@ -363,7 +363,7 @@ def test_auto_size_keeps_the_ram_margin(tmpfs, monkeypatch):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(data_dims=(None, 3)), r"size_limit_gib='auto' needs samples of a fixed size"),
+    (dict(data_dims=(None, 3)), r"construct it as OpenSizeCache"),
     (dict(world=World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
                       num_nodes=2)), r"size_limit_gib='auto' is for one node"),
     (dict(size_limit_gib="Auto"), r"positive finite number of GiB or 'auto', but got "
@@ -374,4 +374,8 @@ def test_auto_size_refuses_what_it_cannot_size(tmpfs, kw, match):
     args.update(kw)
     with pytest.raises((ValueError, TypeError), match=match):
         SharedCache(**args)
+    if "data_dims" in kw:  # open sizes: their own class says what 'auto' needs
+        with pytest.raises(ValueError, match=r"size_limit_gib='auto' needs samples of a fixed "
+                                             r"size"):
+            OpenSizeCache(**args)
     assert os.listdir(tmpfs) == []

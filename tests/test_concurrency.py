@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from _helpers import assert_no_leak, budget_for
-from stocaching import SharedCache
+from stocaching import BaseCache, SharedCache
 
 N_SLOTS, N_OOB, WIDTH = 48, 8, 64  # 48 cached indices, 8 without a slot, (64,) uint8 samples
 DATASET_LEN = N_SLOTS + N_OOB
@@ -276,7 +276,7 @@ class _Views:
 
 @pytest.mark.parametrize("copy", [True, False])
 def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
-    """get_slot's first try is _read (_read_row) inlined; _get_slot_by_read, the get_slot of
+    """get_slot's first try is _read (_read_row) inlined; BaseCache.get_slot, the get_slot of
     the caches of fields and of open sizes, calls it. For every write, clear() or unfinished
     write landing before each read of shared memory the two make, both give the same answer:
     the same sample, or both give up (and call _read_again, replaced here so that this shows),
@@ -289,7 +289,7 @@ def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
             return cache.get_slot(0, copy=copy)
 
         def by_function():  # the get_slot of the other kinds of cache
-            return cache._get_slot_by_read(0, copy=copy)
+            return BaseCache.get_slot(cache, 0, copy=copy)
 
         seen = set()
         for name, event in [("overwrite", _overwrite_with(new)), ("clear", _clear),

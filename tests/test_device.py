@@ -19,7 +19,8 @@ from torch.utils.data import RandomSampler, SequentialSampler
 
 from _helpers import CHILDREN, FIELD_DTYPES, FIELDS, budget_for, fields_of, free_port, racing_writers, \
     rank_env, value_of
-from stocaching import CacheAwareSampler, DeviceLoader, SharedCache, WeightedMixtureSampler
+from stocaching import (CacheAwareSampler, DeviceLoader, OpenSizeCache, SharedCache,
+                        WeightedMixtureSampler)
 
 DIMS = (3, 8, 8)
 N = 50
@@ -325,12 +326,11 @@ def test_a_cuda_device_without_cuda_is_refused(cache):
 
 
 def test_a_cache_of_open_sizes_is_refused(shm_dir):
-    c = SharedCache(1e-3, N, (None, 3), shm_dir=shm_dir)
-    with pytest.raises(TypeError, match="open sizes"):
+    c = OpenSizeCache(1e-3, N, (None, 3), shm_dir=shm_dir)
+    with pytest.raises(TypeError, match=r"an OpenSizeCache, of open sizes .* has no rows of one "
+                                        r"size"):
         DeviceLoader(c, seeded(), load, batch_size=4)
-    for call in (lambda: c.rows, lambda: c.locate([0])):
-        with pytest.raises(TypeError, match="open sizes"):
-            call()
+    assert not hasattr(c, "rows") and not hasattr(c, "locate")  # what the loader gathers with
     c.close()
 
 

@@ -62,7 +62,8 @@ def test_relative_links_resolve():
 
 @pytest.mark.timeout(300)
 def test_module_runs_as_a_copied_single_file(tmp_path):
-    """Copy the one file into a fresh directory, import it as `stocaching`, use it."""
+    """Copy the one file into a fresh directory, import it as `stocaching`, use every kind of
+    cache in it."""
     src = read("stocaching", "stocaching.py")
     (tmp_path / "stocaching.py").write_text(src)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

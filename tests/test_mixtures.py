@@ -424,7 +424,8 @@ def test_mixture_dataset_maps_global_indices_and_refuses_bad_input(shm_dir):
         MixtureDataset([3])
     with pytest.raises(ValueError, match=r"caches should have one entry per dataset \(2\)"):
         MixtureDataset([Sized(3, "a"), Sized(2, "b")], caches=[None])
-    with pytest.raises(TypeError, match=r"caches\[1\] should be a SharedCache or None"):
+    with pytest.raises(TypeError, match=r"caches\[1\] should be a SharedCache, an "
+                                        r"OpenSizeCache or None"):
         MixtureDataset([Sized(3, "a"), Sized(2, "b")], caches=[None, "x"])
     a = SharedCache(1e-4, 3, (4,), name="a")
     b = SharedCache(1e-4, 2, (5,), name="b")
@@ -742,7 +743,7 @@ def test_mixtures_py_works_copied_next_to_stocaching_py(tmp_path):
     code = textwrap.dedent("""
         import os, mixtures, stocaching
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
-        assert mixtures.SharedCache is stocaching.SharedCache
+        assert mixtures.BaseCache is stocaching.BaseCache
         s = mixtures.WeightedMixtureSampler([3, 2], num_replicas=1, rank=0)
         print(sorted(s))
     """)

@@ -579,7 +579,8 @@ def test_bad_arguments(kwargs, error, match):
 def test_bad_base_and_ready():
     with pytest.raises(TypeError, match="base should be a Sampler or an iterable of ints"):
         ReadyFirstSampler(5, from_set(set()), window=2)
-    with pytest.raises(TypeError, match="ready should be a SharedCache or a callable"):
+    with pytest.raises(TypeError, match="ready should be a SharedCache, an OpenSizeCache or a "
+                                        "callable"):
         ReadyFirstSampler([1, 2], [True, False], window=2)
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'window'"):
         ReadyFirstSampler([1, 2], from_set(set()))

@@ -38,7 +38,7 @@ if str(CHILDREN) not in sys.path:  # prefetch_common, for this module and spawne
 from prefetch_common import (BATCH, DIMS, N, SLOTS, Loads,  # noqa: E402
                              PrefetchedDataset, Shuffled, check_epoch, load_counts, loads_since,
                              make_cache, oob_of, overlaps, read_epoch, value_of)
-from stocaching import PrefetchError, Prefetcher, SharedCache  # noqa: E402
+from stocaching import OpenSizeCache, PrefetchError, Prefetcher, SharedCache  # noqa: E402
 
 THREAD_PREFIX = "stocaching-prefetch"
 
@@ -266,7 +266,8 @@ def test_load_that_hangs_times_out_naming_the_index(shm_dir):
     ({"window": 8, "mode": "eager"}, ValueError, r"mode should be 'fixed' or 'adaptive', but "
                                                  r"got mode='eager'"),
     ({"load": 3}, TypeError, r"load should be a callable .*load of type int"),
-    ({"cache": "cache"}, TypeError, r"cache should be a SharedCache, but got cache of type str"),
+    ({"cache": "cache"}, TypeError, r"cache should be a SharedCache or an OpenSizeCache, but "
+                                    r"got cache of type str"),
     ({"sampler": 5}, TypeError, r"sampler should be .*sampler of type int"),
 ])
 def test_bad_arguments_name_the_parameter_and_value(shm_dir, kwargs, error, match):
@@ -917,7 +918,7 @@ def test_a_sample_an_open_size_cache_refused_is_left_to_the_workers_until_a_clea
     whether the epoch before it filled the arena or started with it full."""
     dims, words = (2, None, 4), 4 + 1
     arena = 20 * 32  # value_of(i) is 2 x 4 x 4 uint8: 32 bytes, a multiple of the alignment
-    cache = SharedCache((arena + N * (1 + 8 * words)) / 2**30, N, dims, shm_dir=shm_dir)
+    cache = OpenSizeCache((arena + N * (1 + 8 * words)) / 2**30, N, dims, shm_dir=shm_dir)
     assert cache.stats()["arena_bytes"] == arena
     base = Shuffled(N, seed=12)
     pf = Prefetcher(base, cache, Loads(loads_dir, "prefetcher"), threads=1, lookahead=4,

@@ -527,8 +527,8 @@ POSITIVE = r"should be a positive int, but got"
     (dict(num_replicas=4, rank=0), ValueError, r"num_replicas should be num_nodes \* "
      r"local_world_size = 2 \* 1 = 2 .* but got num_replicas=4"),
     (dict(source=object()), TypeError,
-     r"dataset should be a Dataset with a \.cache attribute \(a SharedCache or None\), a Subset "
-     r"of one, a SharedCache or a CacheLayout, but got object"),
+     r"dataset should be a Dataset with a \.cache attribute \(a cache or None\), a Subset of "
+     r"one, a cache \(SharedCache, OpenSizeCache\) or a CacheLayout, but got object"),
     (dict(source=CachedDataset(fake_cache(LAYOUT, World()), 99)), ValueError,
      r"len\(dataset\) should be its cache's dataset_len=100, but got len\(dataset\)=99"),
 ])

@@ -17,8 +17,8 @@ import torch
 
 from _helpers import (CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env,
                       used_bytes, value_of)
-from stocaching import (CacheCapacityError, CacheConfigError, CacheFileError, SharedCache,
-                        World, describe_saved_file)
+from stocaching import (CacheCapacityError, CacheConfigError, CacheFileError, OpenSizeCache,
+                        SharedCache, World, describe_saved_file)
 
 DIMS = (4, 32, 32)  # tests/children/saved.py's
 
@@ -239,11 +239,10 @@ def test_a_persistent_cache_is_filled_from_the_file_only_when_made(shm_dir, tmp_
 def test_bad_arguments_and_open_sizes_are_refused(shm_dir, tmp_path):
     with pytest.raises(TypeError, match=r"load_from should be the path .* load_from=3"):
         _cache(shm_dir, 3)
-    with pytest.raises(ValueError, match=r"load_from is for samples of a fixed size"):
-        SharedCache(1e-3, 10, (None, 3), shm_dir=shm_dir, load_from=str(tmp_path / "x"))
-    with SharedCache(1e-3, 10, (None, 3), shm_dir=shm_dir) as c:
-        with pytest.raises(NotImplementedError, match=r"open sizes .* cannot be saved"):
-            c.save(tmp_path / "x")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'load_from'"):
+        OpenSizeCache(1e-3, 10, (None, 3), shm_dir=shm_dir, load_from=str(tmp_path / "x"))
+    with OpenSizeCache(1e-3, 10, (None, 3), shm_dir=shm_dir) as c:
+        assert not hasattr(c, "save")  # a file holds rows of one size
     with _cache(shm_dir, None, key="") as c:
         with pytest.raises(TypeError, match=r"path should be a str or os.PathLike"):
             c.save(None)

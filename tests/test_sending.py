@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from _helpers import FIELD_DTYPES, FIELDS, assert_no_leak, fields_of, same, value_of
-from stocaching import SharedCache
+from stocaching import OpenSizeCache, SharedCache
 
 DIMS = (3, 4, 4)
 METHODS = ["fork", "spawn", "forkserver"]
@@ -102,21 +102,22 @@ def test_pool_tasks_write_and_a_second_pool_reads_what_they_wrote(shm_dir, metho
 
 
 SAMPLES = {  # one of each cache class (multiprocessing looks reducers up by exact class)
-    "fixed": (DIMS, torch.uint8, lambda i: value_of(i, DIMS)),
-    "fields": (FIELDS, FIELD_DTYPES, fields_of),
-    "open sizes": ((None, 3), torch.float32, lambda i: torch.arange(3.0 * (i + 1)).view(-1, 3)),
+    "fixed": (SharedCache, DIMS, torch.uint8, lambda i: value_of(i, DIMS)),
+    "fields": (SharedCache, FIELDS, FIELD_DTYPES, fields_of),
+    "open sizes": (OpenSizeCache, (None, 3), torch.float32,
+                   lambda i: torch.arange(3.0 * (i + 1)).view(-1, 3)),
 }
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", SAMPLES)
 def test_every_kind_of_cache_goes_through_a_pool(shm_dir, kind):
-    dims, dtype, sample = SAMPLES[kind]
-    cache = SharedCache(1e-3, 50, dims, dtype, shm_dir=shm_dir)
+    kind_of_cache, dims, dtype, sample = SAMPLES[kind]
+    cache = kind_of_cache(1e-3, 50, dims, dtype, shm_dir=shm_dir)
     with mp.get_context("spawn").Pool(2) as pool:
         pool.starmap(write_given, [(cache, i, sample(i)) for i in (3, 8)])
         read = pool.starmap(read_slot, [(cache, 3), (cache, 8)])
-    assert (type(cache) is SharedCache) == (kind == "fixed")  # the others are subclasses
+    assert (type(cache) is kind_of_cache) == (kind != "fields")  # _FieldsCache: a subclass
     for i, got in zip((3, 8), read):
         assert same(cache.get_slot(i), sample(i)) and same(got, sample(i)), (kind, i)
     cache.close()

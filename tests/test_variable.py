@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from _helpers import (CachedDataset, assert_no_leak, assert_the_killed_write_is_a_miss,
                       racing_writers, ranks_with_a_killed_writer, value_of)
-from stocaching import (BYTES_PER_GIB, CacheCapacityError, CacheConfigError, SharedCache, World,
-                        plan)
+from stocaching import (BYTES_PER_GIB, BaseCache, CacheCapacityError, CacheConfigError,
+                        OpenSizeCache, SharedCache, World, plan)
 from stocaching import stocaching as core
 
 N = 40
@@ -36,8 +36,8 @@ def limit_for(arena: int, n: int = N, words: int = 5) -> float:
 
 
 def test_samples_of_any_size_round_trip(shm_dir):
-    with SharedCache(0.001, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
-        assert type(c).__name__ == "_ArenaCache" and len(c) == N
+    with OpenSizeCache(0.001, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+        assert isinstance(c, BaseCache) and not isinstance(c, SharedCache) and len(c) == N
         for i in range(N):
             c.set_slot(i, cloud(i))
         for i in range(N):
@@ -67,7 +67,7 @@ def test_large_samples_are_written_through_the_file_and_read_everywhere(shm_dir)
     big = big.reshape(3, 100, 110)
     assert big.numel() >= core._WRITE_THROUGH_FILE > 3 * 10 * 10
     small = torch.full((3, 10, 10), 7, dtype=torch.uint8)
-    with SharedCache(0.001, N, (3, None, None), torch.uint8, shm_dir=shm_dir) as c:
+    with OpenSizeCache(0.001, N, (3, None, None), torch.uint8, shm_dir=shm_dir) as c:
         c.set_slot(0, big)
         c.set_slot(1, small)
         assert torch.equal(c.get_slot(0), big) and torch.equal(c.get_slot(1), small)
@@ -93,7 +93,7 @@ def test_images_of_many_sizes_and_fields_with_open_and_fixed_sizes(shm_dir):
     dtype = {"image": torch.uint8, "label": torch.int64, "boxes": torch.float32}
     rng = np.random.default_rng(0)
     samples = {}
-    with SharedCache(0.001, N, dims, dtype, shm_dir=shm_dir) as c:
+    with OpenSizeCache(0.001, N, dims, dtype, shm_dir=shm_dir) as c:
         assert c.fields == ("image", "label", "boxes") and c.data_dims == dims
         for i in range(N):
             h, w, b = (int(x) for x in rng.integers(1, 12, 3))
@@ -110,7 +110,7 @@ def test_the_budget_is_honoured_exactly_and_a_full_arena_makes_misses(shm_dir):
     arena = 16 * 20  # room for 20 samples of 1-4 points padded to 16 B... or fewer bigger ones
     limit = limit_for(arena)
     sizes = [cloud(i, 3).numel() * 4 for i in range(N)]  # 36 B each: 48 with padding
-    with SharedCache(limit, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+    with OpenSizeCache(limit, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
         s = c.stats()
         assert s["arena_bytes"] == arena
         # the budget: aux (1 B) and a record (5 int64) per index, and the arena
@@ -133,7 +133,7 @@ def test_the_budget_is_honoured_exactly_and_a_full_arena_makes_misses(shm_dir):
 
 def test_overwrite_keeps_its_place_or_moves_or_empties_and_clear_gives_all_back(shm_dir):
     arena = 16 * 12
-    with SharedCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+    with OpenSizeCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
         c.set_slot(0, cloud(0, 4))  # 48 B
         c.set_slot(1, cloud(1, 4))  # 48 B: 96 used
         c.set_slot(0, cloud(0, 2), allow_overwrite=True)  # 24 B fits its 48: in place
@@ -177,7 +177,7 @@ def _bad_values():
 
 @pytest.mark.parametrize("value,exc,match", list(_bad_values()))
 def test_bad_values_are_refused_and_change_nothing(shm_dir, value, exc, match):
-    with SharedCache(limit_for(320), N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+    with OpenSizeCache(limit_for(320), N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
         c.set_slot(2, cloud(2))
         def state():
             s = c.stats()
@@ -193,7 +193,7 @@ def test_bad_values_are_refused_and_change_nothing(shm_dir, value, exc, match):
 
 def test_a_field_dict_that_does_not_match_is_refused(shm_dir):
     dims = {"points": (None, 3), "label": ()}
-    with SharedCache(0.001, N, dims, {"points": torch.float32, "label": torch.int64},
+    with OpenSizeCache(0.001, N, dims, {"points": torch.float32, "label": torch.int64},
                      shm_dir=shm_dir) as c:
         with pytest.raises(ValueError, match=r"missing \['label'\]"):
             c.set_slot(0, {"points": cloud(0)})
@@ -204,40 +204,67 @@ def test_a_field_dict_that_does_not_match_is_refused(shm_dir):
         assert c.stats()["writes"] == 0 and c.stats()["arena_used"] == 0
 
 
-@pytest.mark.parametrize("call", ["get_batch", "array", "getitem", "stage"])
-def test_what_needs_fixed_sizes_says_so(shm_dir, call):
-    with SharedCache(0.001, N, {"points": (None, 3), "label": ()}, shm_dir=shm_dir) as c:
-        with pytest.raises((ValueError, TypeError)) as e:
-            {"get_batch": lambda: c.get_batch([0, 1]), "array": lambda: c.array,
-             "getitem": lambda: c[0], "stage": lambda: c.stage(0, cloud(0))}[call]()
-        assert {"get_batch": "'points': (None, 3)", "array": "open sizes",
-                "getitem": "open sizes", "stage": "open sizes"}[call] in str(e.value)
+def test_it_honours_everything_the_base_offers(shm_dir):
+    """Every public name of BaseCache works on an OpenSizeCache (its refusals were those of a
+    subclass of SharedCache); what needs rows of one size is not there at all."""
+    offered = {n for n in dir(BaseCache) if not n.startswith("_")}
+    assert offered == {"aux_array", "cached_indices", "clear", "close", "data_dims",
+                       "dataset_len", "dtype", "fields", "get_slot", "layout", "name",
+                       "read_tags", "ready_mask", "set_slot", "stats", "unstage", "world"}
+    with OpenSizeCache(0.001, N, {"points": (None, 3), "label": ()}, shm_dir=shm_dir) as c:
+        sample = {"points": cloud(0).to(torch.uint8), "label": 7}
+        c.set_slot(0, sample)
+        got = c.get_slot(0)
+        assert torch.equal(got["points"], sample["points"]) and int(got["label"]) == 7
+        c.read_tags = {3}
+        assert c.read_tags == frozenset({3}) and c.unstage(0) is False
+        assert c.ready_mask([0, 1]).tolist() == [True, False]
+        assert c.aux_array[0] == 1 and len(c.cached_indices()) == len(c) == c.dataset_len == N
+        assert c.fields == ("points", "label") and c.data_dims["points"] == (None, 3)
+        assert c.dtype["label"] == torch.uint8 and c.layout.slots == N and c.name
+        assert c.world.num_nodes == 1 and c.stats()["filled"] == 1
+        c.clear()
+        assert c.get_slot(0) is None
+        for name in ("get_batch", "locate", "confirm", "rows", "unpack_rows", "array", "stage",
+                     "save"):
+            assert not hasattr(c, name), name
+        with pytest.raises(TypeError, match="not subscriptable"):
+            c[0]
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    (dict(data_dims=(None, 0)), ValueError, r"positive ints or None .* data_dims=\(None, 0\)"),
-    (dict(data_dims=(None, 3), staging_slots=2), ValueError, "staging_slots should be 0"),
-    (dict(data_dims=(4, 3), mean_sample_bytes=100), ValueError,
-     "mean_sample_bytes is for a cache with open sizes"),
-    (dict(data_dims=(None, 3), mean_sample_bytes=0), ValueError, "mean_sample_bytes=0"),
-    (dict(data_dims=(None, 3), mean_sample_bytes=True), TypeError, "mean_sample_bytes=True"),
+@pytest.mark.parametrize("kind,kw,exc,match", [
+    (OpenSizeCache, dict(data_dims=(None, 0)), ValueError,
+     r"positive ints or None .* data_dims=\(None, 0\)"),
+    (OpenSizeCache, dict(data_dims=(None, 3), staging_slots=2), TypeError, "staging_slots"),
+    (OpenSizeCache, dict(data_dims=(None, 3), load_from="x"), TypeError, "load_from"),
+    (OpenSizeCache, dict(data_dims=(4, 3)), TypeError,
+     r"data_dims should leave a size open \(a None\) in an OpenSizeCache; samples of a fixed "
+     r"size go in a SharedCache.* data_dims=\(4, 3\)"),
+    (SharedCache, dict(data_dims=(None, 3)), TypeError,
+     r"construct it as OpenSizeCache\(.*but got data_dims=\(None, 3\)"),
+    (SharedCache, dict(data_dims={"a": (None,)}), TypeError, "OpenSizeCache"),
+    (SharedCache, dict(data_dims=(4, 3), mean_sample_bytes=100), TypeError, "mean_sample_bytes"),
+    (OpenSizeCache, dict(data_dims=(None, 3), mean_sample_bytes=0), ValueError,
+     "mean_sample_bytes=0"),
+    (OpenSizeCache, dict(data_dims=(None, 3), mean_sample_bytes=True), TypeError,
+     "mean_sample_bytes=True"),
 ])
-def test_bad_arguments_name_the_parameter(shm_dir, kw, exc, match):
+def test_bad_arguments_name_the_parameter(shm_dir, kind, kw, exc, match):
     with pytest.raises(exc, match=match):
-        SharedCache(0.001, N, shm_dir=shm_dir, **kw)
+        kind(0.001, N, shm_dir=shm_dir, **kw)
     assert os.listdir(shm_dir) == []
 
 
 def test_ranks_must_agree_on_the_open_sizes(shm_dir):
     worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
     key = f"var{os.getpid()}"
-    with SharedCache(0.001, N, (None, 3), name="v", job_key=key, world=worlds[0],
+    with OpenSizeCache(0.001, N, (None, 3), name="v", job_key=key, world=worlds[0],
                      shm_dir=shm_dir, timeout=60) as lead:
         with pytest.raises(CacheConfigError, match=r"has data_dims=\(None, 3\), but this "
                                                    r"process asked for data_dims=\(3, None\)"):
-            SharedCache(0.001, N, (3, None), name="v", job_key=key, world=worlds[1],
+            OpenSizeCache(0.001, N, (3, None), name="v", job_key=key, world=worlds[1],
                         shm_dir=shm_dir, timeout=60)
-        with SharedCache(0.001, N, (None, 3), name="v", job_key=key, world=worlds[1],
+        with OpenSizeCache(0.001, N, (None, 3), name="v", job_key=key, world=worlds[1],
                          shm_dir=shm_dir, timeout=60) as other:
             lead.set_slot(3, cloud(3).to(torch.uint8))
             assert torch.equal(other.get_slot(3), cloud(3).to(torch.uint8))
@@ -250,7 +277,7 @@ def test_nodes_admit_only_their_subset(shm_dir, mean, share):
     held = []
     for node in range(2):
         w = World(rank=node, world_size=2, node_rank=node, num_nodes=2)
-        with SharedCache(limit_for(48 * N), N, (None, 3), torch.float32, world=w,
+        with OpenSizeCache(limit_for(48 * N), N, (None, 3), torch.float32, world=w,
                          shm_dir=shm_dir, mean_sample_bytes=mean) as c:
             mine = set(c.cached_indices().tolist())
             assert len(c) == len(mine) == share
@@ -269,7 +296,7 @@ def test_plan_sizes_from_a_mean_and_matches_the_cache(shm_dir):
     p = plan(N, (None, 3), torch.float32, size_limit_gib=limit, shm_dir=shm_dir,
              mean_sample_bytes=36)
     assert p["slots"] == 25 and p["arena_gib"] * BYTES_PER_GIB == 48 * 25
-    with SharedCache(limit, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+    with OpenSizeCache(limit, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
         for i in range(N):
             c.set_slot(i, cloud(i, 3))  # 36 B each
         assert c.stats()["filled"] == 25
@@ -282,7 +309,7 @@ def test_plan_sizes_from_a_mean_and_matches_the_cache(shm_dir):
 
 
 def test_a_deep_copy_is_private_and_equal(shm_dir):
-    with SharedCache(0.001, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
+    with OpenSizeCache(0.001, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
         for i in range(5):
             c.set_slot(i, cloud(i))
         with copy.deepcopy(c) as twin:
@@ -308,7 +335,7 @@ def _version(i: int, v: int) -> torch.Tensor:
     return t.to(torch.uint8)
 
 
-def _overwrite(cache: SharedCache, seed: int, writing, stop) -> None:
+def _overwrite(cache: OpenSizeCache, seed: int, writing, stop) -> None:
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     while not stop.is_set():
@@ -321,7 +348,7 @@ def _overwrite(cache: SharedCache, seed: int, writing, stop) -> None:
 
 @pytest.mark.timeout(300)
 def test_writers_and_clears_never_give_a_torn_sample(tmpfs):
-    with SharedCache(limit_for(16 * 5 * N, words=5), N, (None,), shm_dir=tmpfs) as c:
+    with OpenSizeCache(limit_for(16 * 5 * N, words=5), N, (None,), shm_dir=tmpfs) as c:
         with racing_writers(_overwrite, c):
             torn, hits, reads = [], 0, 0
             before = c.stats()["writes"]
@@ -348,9 +375,9 @@ def keep_list(batch):
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_dataloader_workers_share_a_cache_of_open_sizes(tmpfs, method):
     arena = sum(-(-cloud(i).numel() * 4 // 16) * 16 for i in range(N - 6))  # all but 6 fit
-    with SharedCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
-        dl = DataLoader(CachedDataset(c, N, cloud), batch_size=4, num_workers=2, collate_fn=keep_list,
-                        multiprocessing_context=method)
+    with OpenSizeCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
+        dl = DataLoader(CachedDataset(c, N, cloud), batch_size=4, num_workers=2,
+                        collate_fn=keep_list, multiprocessing_context=method)
         stored = 0
         for epoch in range(2):
             seen = []
@@ -386,12 +413,12 @@ def test_an_arena_too_big_for_the_tmpfs_says_what_would_fit(tmpfs):
     tmpfs size that would hold it (as the fixed-size error does) and a size_limit_gib that fits
     now; that size does fit; nothing is left behind by the refusal."""
     with pytest.raises(CacheCapacityError) as info:
-        SharedCache(0.1, N, (None, 3), torch.float32, shm_dir=tmpfs)
+        OpenSizeCache(0.1, N, (None, 3), torch.float32, shm_dir=tmpfs)
     e, msg = info.value, str(info.value)
     assert e.path == tmpfs and e.needed > e.free
     assert "(an arena of " in msg and f"--shm-size={math.ceil(e.needed / 2**30)}g" in msg, msg
     assert os.listdir(tmpfs) == []
     fit = float(re.search(r"about ([0-9.]+) fits now", msg).group(1))
-    with SharedCache(fit, N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
+    with OpenSizeCache(fit, N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
         assert c.stats()["arena_bytes"] > 0.9 * e.free - 8 * 5 * N
     assert_no_leak(tmpfs)

@@ -13,4 +13,11 @@ import torch  # noqa: E402
 
 c = stocaching.SharedCache(1e-4, 10, (4,))
 c.set_slot(1, torch.ones(4, dtype=torch.uint8))
+# Every kind of cache lives in the one file: samples of fields, and of open sizes.
+f = stocaching.SharedCache(1e-4, 10, {"x": (2,), "label": ()})
+f.set_slot(0, {"x": torch.ones(2, dtype=torch.uint8), "label": 7})
+assert int(f.get_slot(0)["label"]) == 7
+o = stocaching.OpenSizeCache(1e-4, 10, (None, 2))
+o.set_slot(0, torch.ones(3, 2, dtype=torch.uint8))
+assert tuple(o.get_slot(0).shape) == (3, 2)
 print(int(c.get_slot(1).sum()), stocaching.__file__)

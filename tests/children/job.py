@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from _helpers import value_of
-from stocaching import SharedCache
+from stocaching import OpenSizeCache, SharedCache
 from stocaching import stocaching as core
 
 N = int(os.environ.get("FT_N", "32"))
@@ -261,7 +261,8 @@ def main():
                 dims = {"x": (D,), "label": ()} if FIELDS else (None,) if VARIABLE else (D,)
                 dtype = {"x": torch.uint8, "label": torch.int64} if FIELDS else torch.uint8
                 # (open sizes: the whole budget is the arena, reserved: 1 MiB is plenty)
-                cache = SharedCache(1 / 1024 if VARIABLE else 1, N, dims, dtype,
+                kind = OpenSizeCache if VARIABLE else SharedCache
+                cache = kind(1 / 1024 if VARIABLE else 1, N, dims, dtype,
                                     name=PERSISTENT or "f", timeout=TIMEOUT,
                                     **({"persistent": True, "key": "k1"} if PERSISTENT else {}))
             except Exception as e:
