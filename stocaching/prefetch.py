@@ -1890,6 +1890,14 @@ class _LoaderPool:
         return ""
 
 
+def _unpicklable_load(load: Any, ctx: Any, error: BaseException) -> TypeError:
+    return TypeError(f"load should be picklable to start loader processes with "
+                     f"multiprocessing_context={ctx.get_start_method()!r} (a function, or a "
+                     f"bound method of a picklable dataset, defined at the top level of a "
+                     f"module; or use 'fork'), but got load={load!r}: "
+                     f"{type(error).__name__}: {error}")
+
+
 class _ProcessLoaderPool:
     """Loader processes for ``Prefetcher(processes=N)``: each runs the user's ``load`` in its
     loader threads and stores the result in the cache itself (``set_slot``, or ``stage``
@@ -1902,6 +1910,11 @@ class _ProcessLoaderPool:
     cancelled (an epoch counter in shared memory); the processes stay for the next epoch."""
 
     def __init__(self, owner: "Prefetcher", flags: int, ctx: Any) -> None:
+        if ctx.get_start_method() != "fork":  # refused before anything starts (queues, too)
+            try:
+                multiprocessing.reduction.ForkingPickler.dumps(owner.load)
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                raise _unpicklable_load(owner.load, ctx, e) from e
         self._jobs = [ctx.SimpleQueue() for _ in range(owner.processes)]  # one a process
         self._results = ctx.SimpleQueue()
         self._batch: list[tuple] = []  # submitted, not sent yet
@@ -1932,14 +1945,9 @@ class _ProcessLoaderPool:
                 if p.pid is not None:
                     p.kill()
                     p.join()
-            method = ctx.get_start_method()
-            if method == "fork":
+            if ctx.get_start_method() == "fork":
                 raise
-            raise TypeError(f"load should be picklable to start loader processes with "
-                            f"multiprocessing_context={method!r} (a function, or a bound "
-                            f"method of a picklable dataset, defined at the top level of a "
-                            f"module; or use 'fork'), but got load={owner.load!r}: "
-                            f"{type(e).__name__}: {e}") from e
+            raise _unpicklable_load(owner.load, ctx, e) from e
         self._reader = threading.Thread(target=self._read, name="stocaching-prefetch-results",
                                         daemon=True)
         self._reader.start()
