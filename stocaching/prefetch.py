@@ -601,6 +601,20 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                          100 * ep.mask.mean() if n else 0.0, time.perf_counter() - t0)
         return self._yield(ep, ep.owner)
 
+    def resumed_from(self) -> tuple[int, np.ndarray]:
+        """Where the latest iterator starts, for a loader that loads the base order ahead of
+        it (:class:`Prefetcher`): the step it yields first (0, or the position of a loaded
+        state), and one bool per base position from 0 up to that step plus ``window``, set
+        for those emitted before that step, which it does not yield again (an empty array
+        from step 0). Call it after ``iter()``."""
+        ep = self._ep
+        if ep is None:
+            raise RuntimeError("resumed_from() tells where the latest iterator starts: call "
+                               "iter(sampler) first")
+        if not ep.start:
+            return 0, np.zeros(0, dtype=bool)
+        return ep.start, ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
+
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with what is needed to continue it.
 
@@ -1405,18 +1419,17 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._note_arena(clear_refused=True)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
         base = self._tap.order
-        # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
-        # emitted before are not loaded again.
-        pos, skip = 0, np.zeros(0, dtype=bool)
-        ep = self._order._ep if self.window is not None else None
-        if ep is not None and ep.start:
-            pos = ep.start
-            skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
-        # The position this iterator starts from: a resumed base yields only the rest, and
-        # one that cannot resume is skipped to the loaded position.
-        start = ep.start if ep is not None else len(self._tap) - len(base)
+        if self.window is not None:
+            # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
+            # emitted before are not loaded again.
+            start, skip = self._order.resumed_from()
+            pos = start
+        else:
+            # The position this iterator starts from: a resumed base yields only the rest,
+            # and one that cannot resume is skipped to the loaded position.
+            start, pos, skip = len(self._tap) - len(base), 0, np.zeros(0, dtype=bool)
         loaded, self._skip_loaded = self._skip_loaded, None
-        if loaded is not None and ep is None:
+        if loaded is not None and self.window is None:
             if base.size != loaded["len"] or self._tap.digest != loaded["order_digest"]:
                 raise ValueError(f"the base order of epoch {loaded['epoch']} differs from the "
                                  f"one the loaded state was saved from: the base sampler "
@@ -1431,9 +1444,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 self.close()  # an epoch raised that one died: start afresh
             if self._procs is None:
                 self._procs = self._start_processes()
-            pool: Any = self._procs
+            pool: _Loaders = self._procs
         else:
-            pool = self._pool = _LoaderPool(self.threads, self._fetch)
+            pool = self._pool = _LoaderPool(self.threads, self._fetch, self._running, self._lock)
         pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
         ahead = 0  # staged loads submitted and not yet yielded
         nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
@@ -1471,7 +1484,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                         if self._may_refuse and self._refused[i]:
                             continue  # the cache refused it: the workers load it, once
                         bound = self.stand_aside and self._load_times.cpu_bound()
-                        if bound and self._live(pool, i) is None:
+                        if bound and pool.live(i) is None:
                             aside += 1  # one miss in _PROBE_EVERY is still loaded, to measure
                             if aside % _PROBE_EVERY:
                                 self.left += 1  # the workers load it, as without a prefetcher
@@ -1548,16 +1561,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         else:
             self._arena_used = max(self._arena_used, used)
 
-    def _live(self, pool: Any, idx: int) -> "_Job | None":
-        """The load of ``idx`` still running from an earlier epoch, if any."""
-        if isinstance(pool, _ProcessLoaderPool):
-            return pool.live(idx)
-        with self._lock:
-            return self._running.get(idx)
-
-    def _submit(self, pool: Any, idx: int, staged: bool) -> "_Job":
+    def _submit(self, pool: "_Loaders", idx: int, staged: bool) -> "_Job":
         """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
-        job = self._live(pool, idx)
+        job = pool.live(idx)
         if job is not None and job.staged == staged:
             return job
         return pool.submit(idx, staged)
@@ -1565,41 +1571,34 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def _fetch(self, job: "_Job", stop: threading.Event, meter: "_WaitMeter") -> None:
         """Load one sample and store it; runs in a loader thread."""
         idx = job.idx
-        with self._lock:
-            self._running[idx] = job
-        try:
-            t0 = meter.now()
-            value = self.load(idx)
-            self._load_times.add(meter.since(t0))
-            if not job.staged:
-                self.cache.set_slot(idx, value, exist_ok=True)
-                if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
+        t0 = meter.now()
+        value = self.load(idx)
+        self._load_times.add(meter.since(t0))
+        if not job.staged:
+            self.cache.set_slot(idx, value, exist_ok=True)
+            if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
+                with self._lock:
+                    self._refused[idx] = True
+        else:
+            # Full: the DataLoader frees staging slots as its workers read what was
+            # yielded. Once the index is due, waiting could only deadlock (the slots may
+            # all be held by the batch being assembled): the workers load it instead.
+            while True:
+                staged = self._staged.stage(self.cache, idx, value, self._tag, stop)
+                if staged is None:  # the epoch (or the prefetcher) is over: not staged
+                    return
+                if staged:
+                    break
+                if job.due:
                     with self._lock:
-                        self._refused[idx] = True
-            else:
-                # Full: the DataLoader frees staging slots as its workers read what was
-                # yielded. Once the index is due, waiting could only deadlock (the slots may
-                # all be held by the batch being assembled): the workers load it instead.
-                while True:
-                    staged = self._staged.stage(self.cache, idx, value, self._tag, stop)
-                    if staged is None:  # the epoch (or the prefetcher) is over: not staged
-                        return
-                    if staged:
-                        break
-                    if job.due:
-                        with self._lock:
-                            self.dropped += 1
-                        return
-                    if stop.wait(0.002):  # the epoch was abandoned
-                        return
-            with self._lock:
-                self.loaded += 1
-        finally:
-            with self._lock:
-                if self._running.get(idx) is job:
-                    del self._running[idx]
+                        self.dropped += 1
+                    return
+                if stop.wait(0.002):  # the epoch was abandoned
+                    return
+        with self._lock:
+            self.loaded += 1
 
-    def _wait(self, idx: int, job: "_Job", pool: Any) -> None:
+    def _wait(self, idx: int, job: "_Job", pool: "_Loaders") -> None:
         """Wait for the load of ``idx``. A job cancelled meanwhile (queued by an epoch that
         was abandoned, and never started) is submitted again; a loader process that died
         is reported as soon as it is seen, not at the timeout."""
@@ -1820,16 +1819,51 @@ def _halt_threads(stop: threading.Event, jobs: queue.SimpleQueue,
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-class _LoaderPool:
-    """Daemon threads running ``fetch(job, stop)`` for submitted jobs, in the order
-    submitted; ``stop()`` lets each finish its current load and go, and cancels the jobs
-    that no thread has started."""
+class _Loaders:
+    """What a prefetcher asks of its loaders, threads (:class:`_LoaderPool`) or processes
+    (:class:`_ProcessLoaderPool`): ``submit(idx, staged)`` a load and get its
+    :class:`_Job`, whose future the iterator waits on; ``flush()`` once the jobs of a refill
+    are submitted; ``live(idx)``, a load of ``idx`` still running from an earlier epoch,
+    which the next epoch waits for instead of loading it again; ``stop()`` at the end of an
+    epoch (its jobs not started are cancelled); ``stopped``, whether a job not done yet will
+    never run; ``dead()``, the loaders that died."""
 
-    def __init__(self, n: int, fetch: Callable[[_Job, threading.Event, "_WaitMeter"], None]
-                 ) -> None:
+    def submit(self, idx: int, staged: bool) -> _Job:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Hand over the jobs submitted since the last flush, which a pool may hold back
+        until then so that the jobs of one refill go out together (processes: one message
+        each). The default holds none back: a loader thread takes each job as it is
+        submitted."""
+
+    def live(self, idx: int) -> _Job | None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def stopped(self) -> bool:
+        raise NotImplementedError
+
+    def dead(self) -> str:
+        """The loaders that died, as text; '' if none (the default: threads do not die)."""
+        return ""
+
+
+class _LoaderPool(_Loaders):
+    """Daemon threads running ``fetch(job, stop, meter)`` for submitted jobs, in the order
+    submitted; ``stop()`` lets each finish its current load and go, and cancels the jobs
+    that no thread has started. ``running`` (guarded by ``lock``) holds the loads running
+    in a loader thread, of this pool or an earlier epoch's: see ``live``."""
+
+    def __init__(self, n: int, fetch: Callable[[_Job, threading.Event, "_WaitMeter"], None],
+                 running: dict[int, _Job], lock: threading.Lock) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._fetch = fetch
+        self._running, self._lock = running, lock
         # Started one per job submitted, up to n: an epoch whose samples are all cached
         # starts none (starting 16 took 26 ms an epoch on 2 busy cores, 4 us a sample of a
         # 6,000-sample epoch, more than the DeviceLoader's whole gather of a small sample).
@@ -1852,8 +1886,10 @@ class _LoaderPool:
             thread.start()
         return job
 
-    def flush(self) -> None:
-        """Nothing to send: a thread takes a job as soon as it is submitted."""
+    def live(self, idx: int) -> _Job | None:
+        """The load of ``idx`` running in a loader thread, of this pool or an earlier one."""
+        with self._lock:
+            return self._running.get(idx)
 
     def _run(self) -> None:
         meter = _WaitMeter()
@@ -1868,13 +1904,24 @@ class _LoaderPool:
                 if not job.future.set_running_or_notify_cancel():
                     continue
                 try:
-                    self._fetch(job, self._stop, meter)
+                    self._load(job, meter)
                 except BaseException as e:  # handed to the iterator, which raises it
                     job.future.set_exception(e)
                 else:
                     job.future.set_result(None)
         finally:
             meter.close()
+
+    def _load(self, job: _Job, meter: "_WaitMeter") -> None:
+        """Run ``fetch`` for ``job``, which is in ``running`` meanwhile."""
+        with self._lock:
+            self._running[job.idx] = job
+        try:
+            self._fetch(job, self._stop, meter)
+        finally:
+            with self._lock:
+                if self._running.get(job.idx) is job:
+                    del self._running[job.idx]
 
     def stop(self) -> None:
         self._stop.set()
@@ -1885,10 +1932,6 @@ class _LoaderPool:
     def stopped(self) -> bool:
         return self._stop.is_set()
 
-    def dead(self) -> str:
-        """Threads do not die: ''."""
-        return ""
-
 
 def _unpicklable_load(load: Any, ctx: Any, error: BaseException) -> TypeError:
     return TypeError(f"load should be picklable to start loader processes with "
@@ -1898,7 +1941,7 @@ def _unpicklable_load(load: Any, ctx: Any, error: BaseException) -> TypeError:
                      f"{type(error).__name__}: {error}")
 
 
-class _ProcessLoaderPool:
+class _ProcessLoaderPool(_Loaders):
     """Loader processes for ``Prefetcher(processes=N)``: each runs the user's ``load`` in its
     loader threads and stores the result in the cache itself (``set_slot``, or ``stage``
     until the index is due). Jobs and results travel in batches: ``submit`` collects jobs and
