@@ -1404,12 +1404,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def _iter_loaded(self, block: int) -> Iterator[list[int]]:
         """The epoch's indices of this process (all of them, but under ``prepare()``), in
-        lists of ``block`` positions, each yielded once its samples are loaded."""
-        staged = self._staged.take()
-        if staged:  # staged last epoch, yielded and never read: give them back
-            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
-            for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
-                self.cache.unstage(idx, tag=self._tag)
+        lists of ``block`` positions, each yielded once its samples are loaded: refill the
+        window ahead, wait for the loads now due, yield."""
+        self._give_back_unread()
         # A miss whose sample the cache refused (open sizes, the arena full) is left to the
         # workers from the next epoch on: loaded ahead, it would be refused again and the
         # worker would load it a second time. A clear(), the only way the arena's use goes
@@ -1418,6 +1415,44 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # that before the next epoch's start goes unseen, and those stay with the workers.)
         self._note_arena(clear_refused=True)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
+        order_it, start, pos, skip = self._resume(order_it)
+        progress = self._progress = [start, 0]
+        run = _EpochLoads(self._tap.order, pos, skip, (self.window or 0) + self.lookahead,
+                          self._loaders(), dropped=self.dropped, left=self.left,
+                          measuring=self.stand_aside and _WaitMeter.WORKS,
+                          measured=self._load_times.seen, careful=self.processes or 2)
+        half, pool = run.span // 2, run.pool
+        try:
+            while True:
+                ids = list(itertools.islice(order_it, block))
+                if not ids:
+                    break
+                due = run.pos + len(ids)  # the positions [pos, due) are yielded now
+                # Refill half a span at a time: one ready_mask call per chunk.
+                if run.nxt - (due - 1) <= half:
+                    self._refill(run, due)
+                pool.flush()  # the jobs of this refill go out together
+                if run.pending:
+                    self._wait_due(run, ids)
+                run.pos = due
+                progress[1] += len(ids)  # counted as yielded once the caller has them
+                yield ids
+        finally:
+            self._end_epoch(run)
+
+    def _give_back_unread(self) -> None:
+        """Give back what this prefetcher staged last epoch, yielded and never read."""
+        staged = self._staged.take()
+        if staged:
+            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
+            for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
+                self.cache.unstage(idx, tag=self._tag)
+
+    def _resume(self, order_it: Iterator[int]
+                ) -> tuple[Iterator[int], int, int, np.ndarray]:
+        """The resume skip: the epoch's order from where this iterator starts, the position
+        of the epoch it starts from, the same in the base order (``_Tap.order``), and which
+        base positions from 0 on were yielded before it (not loaded again)."""
         base = self._tap.order
         if self.window is not None:
             # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
@@ -1438,115 +1473,129 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             pos = start = loaded["consumed"]
             skip = np.ones(pos, dtype=bool)
             order_it = itertools.islice(order_it, pos, None)
-        progress = self._progress = [start, 0]
+        return order_it, start, pos, skip
+
+    def _loaders(self) -> "_Loaders":
+        """The loaders of this epoch: the loader processes (started again if one died), or
+        new loader threads."""
         if self.processes:
             if self._procs is not None and self._procs.dead():
                 self.close()  # an epoch raised that one died: start afresh
             if self._procs is None:
                 self._procs = self._start_processes()
-            pool: _Loaders = self._procs
-        else:
-            pool = self._pool = _LoaderPool(self.threads, self._fetch, self._running, self._lock)
-        pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
-        ahead = 0  # staged loads submitted and not yet yielded
-        nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
-        span = (self.window or 0) + self.lookahead
-        dropped_before, left_before, aside = self.dropped, self.left, 0
-        # Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and
-        # until then, and while standing aside (the probes), one load a loader process runs
-        # at a time (each job goes to the least busy; two with threads): loads that share a
-        # GIL wait for it, which would count as waiting on storage and hide CPU-bound loads
-        # (575 of 1,500 misses loaded before standing aside with 32 threads a process; and
-        # bursts of probes turned a GIL-holding load's verdict back to "not CPU-bound").
-        measuring, submitted = self.stand_aside and _WaitMeter.WORKS, 0
-        measured0, careful_in_flight = self._load_times.seen, self.processes or 2
-        try:
-            while True:
-                ids = list(itertools.islice(order_it, block))
-                if not ids:
+            return self._procs
+        self._pool = _LoaderPool(self.threads, self._fetch, self._running, self._lock)
+        return self._pool
+
+    def _refill(self, run: "_EpochLoads", due: int) -> None:
+        """Submit the misses among the base positions from ``run.nxt`` up to a span past the
+        last position due, in order; stop early where the measuring throttle
+        (``_throttled``) or the staging limit says so."""
+        end = min(run.base.size, due - 1 + run.span)
+        nxt = run.nxt
+        if nxt >= end:
+            return
+        chunk = run.base[nxt:end]
+        need = ~self.cache.ready_mask(chunk, tag=self._tag)
+        if nxt < run.skip.size:
+            need[:run.skip.size - nxt] &= ~run.skip[nxt:end]
+        oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
+        for j in np.flatnonzero(need):
+            i, staged = int(chunk[j]), bool(oob[j])
+            if i in run.pending or self._left_to_workers(i, staged):
+                continue
+            bound = self.stand_aside and self._load_times.cpu_bound()
+            if bound and self._stands_aside(run, i):
+                continue
+            if self._throttled(run, bound):
+                if nxt + j < due:  # due now: loaded here, the training thread
+                    continue  # would wait for it; the workers load it instead
+                end = nxt + int(j)  # first see whether loading ahead pays
+                break  # (never before due: a yielded index is not loaded)
+            if staged:
+                if run.ahead >= self._stage_ahead:
+                    end = nxt + int(j)  # the staging area is the limit: stop here
                     break
-                due = pos + len(ids)  # the positions [pos, due) are yielded now
-                end = min(len(base), due - 1 + span)
-                if nxt - (due - 1) > span // 2:
-                    end = nxt  # refill half a span at a time: one ready_mask call per chunk
-                while nxt < end:  # submit the misses among the next positions, in order
-                    chunk = base[nxt:end]
-                    need = ~self.cache.ready_mask(chunk, tag=self._tag)
-                    if nxt < skip.size:
-                        need[:skip.size - nxt] &= ~skip[nxt:end]
-                    oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
-                    for j in np.flatnonzero(need):
-                        i = int(chunk[j])
-                        if i in pending:
-                            continue
-                        if oob[j] and not self._stage_ahead:
-                            continue  # no staging slots: the workers load it
-                        if self._may_refuse and self._refused[i]:
-                            continue  # the cache refused it: the workers load it, once
-                        bound = self.stand_aside and self._load_times.cpu_bound()
-                        if bound and pool.live(i) is None:
-                            aside += 1  # one miss in _PROBE_EVERY is still loaded, to measure
-                            if aside % _PROBE_EVERY:
-                                self.left += 1  # the workers load it, as without a prefetcher
-                                continue
-                        known = self._load_times.known()
-                        if measuring and (bound or not known) and (
-                                (not known and submitted >= 2 * _LoadTimes.KEEP) or
-                                submitted - (self._load_times.seen - measured0) >=
-                                careful_in_flight):
-                            if nxt + j < due:  # due now: loaded here, the training thread
-                                continue  # would wait for it; the workers load it instead
-                            end = nxt + int(j)  # first see whether loading ahead pays
-                            break  # (never before due: a yielded index is not loaded)
-                        if oob[j]:
-                            if ahead >= self._stage_ahead:
-                                end = nxt + int(j)  # the staging area is the limit: stop here
-                                break
-                            ahead += 1
-                        submitted += 1
-                        pending[i] = (self._submit(pool, i, bool(oob[j])), bool(oob[j]))
-                    nxt = end
-                pool.flush()  # the jobs of this refill go out together
-                for idx in ids if pending else ():
-                    got = pending.pop(idx, None)
-                    if got is not None:
-                        job, staged = got
-                        job.mark_due()  # a sample waiting for a staging slot must not wait
-                        self._wait(idx, job, pool)
-                        ahead -= staged
-                pos = due
-                progress[1] += len(ids)  # counted as yielded once the caller has them
-                yield ids
-        finally:
-            pool.stop()  # threads end; processes stay, their queued jobs are cancelled
-            if self._pool is pool:
-                self._pool = None
-            # Whatever was closed first (the cache, the prefetcher, the interpreter), the
-            # clean-up is quiet; once the prefetcher's finalizer has run, nothing is left to
-            # give back and the cache's descriptor may be gone.
-            self._staged.settle()  # no thread of this epoch stages after this
-            if not self._staged.closed:
-                with contextlib.suppress(ValueError, OSError):  # the cache may be closed
-                    self._note_arena(clear_refused=False)
-                    for i, (_, staged) in pending.items():  # loaded ahead and never yielded
-                        if staged:
-                            self.cache.unstage(i, tag=self._tag)
-            if self.left > left_before:
-                logger.info(
-                    "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
-                    "its loads were CPU-bound (%s), so loading them ahead could not save time, "
-                    "only cost it; see 'Standing aside' in docs/prefetch.md",
-                    self.left - left_before, self._load_times)
-            if self.dropped > dropped_before:
-                logger.warning(
-                    "stocaching: %d samples the prefetcher loaded this epoch found no free "
-                    "staging slot by the time the DataLoader needed them, and the DataLoader "
-                    "loaded them again (in its workers, or in this process with num_workers=0): "
-                    "staging_slots (%d, shared by %d local ranks) is smaller than the lead plus "
-                    "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
-                    "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
-                    "prefetch_factor + 1) x batch_size)", self.dropped - dropped_before,
-                    self._staging_slots, self.cache.world.local_world_size)
+                run.ahead += 1
+            run.submitted += 1
+            run.pending[i] = (self._submit(run.pool, i, staged), staged)
+        run.nxt = end
+
+    def _left_to_workers(self, idx: int, staged: bool) -> bool:
+        """Whether the miss ``idx`` is never loaded ahead: the DataLoader's workers load it."""
+        if staged and not self._stage_ahead:
+            return True  # no staging slots: the workers load it
+        # The cache refused it: the workers load it, once.
+        return self._may_refuse and bool(self._refused[idx])
+
+    def _stands_aside(self, run: "_EpochLoads", idx: int) -> bool:
+        """With CPU-bound loads, whether the miss ``idx`` is left to the DataLoader (counted
+        in ``left``): all but one miss in ``_PROBE_EVERY``, which is still loaded, to
+        measure; never one whose load is running already."""
+        if run.pool.live(idx) is not None:
+            return False
+        run.aside += 1
+        if run.aside % _PROBE_EVERY:
+            self.left += 1  # the workers load it, as without a prefetcher
+            return True
+        return False
+
+    def _throttled(self, run: "_EpochLoads", bound: bool) -> bool:
+        """Whether no load may be submitted now: the measuring throttle.
+
+        Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and until
+        then, and while standing aside (the probes), one load a loader process runs at a time
+        (each job goes to the least busy; two with threads): loads that share a GIL wait for
+        it, which would count as waiting on storage and hide CPU-bound loads (575 of 1,500
+        misses loaded before standing aside with 32 threads a process; and bursts of probes
+        turned a GIL-holding load's verdict back to "not CPU-bound")."""
+        known = self._load_times.known()
+        return run.measuring and (bound or not known) and (
+            (not known and run.submitted >= 2 * _LoadTimes.KEEP) or
+            run.submitted - (self._load_times.seen - run.measured0) >= run.careful_in_flight)
+
+    def _wait_due(self, run: "_EpochLoads", ids: list[int]) -> None:
+        """Wait for the loads of ``ids``, the positions yielded now, submitted ahead."""
+        for idx in ids:
+            got = run.pending.pop(idx, None)
+            if got is not None:
+                job, staged = got
+                job.mark_due()  # a sample waiting for a staging slot must not wait
+                self._wait(idx, job, run.pool)
+                run.ahead -= staged
+
+    def _end_epoch(self, run: "_EpochLoads") -> None:
+        """However the epoch's iterator ended: stop its loads, give back what was staged
+        ahead and never yielded, and log what was left to the DataLoader or dropped."""
+        run.pool.stop()  # threads end; processes stay, their queued jobs are cancelled
+        if self._pool is run.pool:
+            self._pool = None
+        # Whatever was closed first (the cache, the prefetcher, the interpreter), the
+        # clean-up is quiet; once the prefetcher's finalizer has run, nothing is left to
+        # give back and the cache's descriptor may be gone.
+        self._staged.settle()  # no thread of this epoch stages after this
+        if not self._staged.closed:
+            with contextlib.suppress(ValueError, OSError):  # the cache may be closed
+                self._note_arena(clear_refused=False)
+                for i, (_, staged) in run.pending.items():  # loaded ahead and never yielded
+                    if staged:
+                        self.cache.unstage(i, tag=self._tag)
+        if self.left > run.left_before:
+            logger.info(
+                "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
+                "its loads were CPU-bound (%s), so loading them ahead could not save time, "
+                "only cost it; see 'Standing aside' in docs/prefetch.md",
+                self.left - run.left_before, self._load_times)
+        if self.dropped > run.dropped_before:
+            logger.warning(
+                "stocaching: %d samples the prefetcher loaded this epoch found no free "
+                "staging slot by the time the DataLoader needed them, and the DataLoader "
+                "loaded them again (in its workers, or in this process with num_workers=0): "
+                "staging_slots (%d, shared by %d local ranks) is smaller than the lead plus "
+                "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
+                "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
+                "prefetch_factor + 1) x batch_size)", self.dropped - run.dropped_before,
+                self._staging_slots, self.cache.world.local_world_size)
 
     def _note_arena(self, clear_refused: bool) -> None:
         """Keep the most of an open-size arena seen in use; with ``clear_refused``, forget
@@ -1785,6 +1834,34 @@ class _Tap:
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
         return getattr(self.__dict__["base"], name)
+
+
+class _EpochLoads:
+    """The state of one epoch's iterator (``Prefetcher._iter_loaded``): where it is in the
+    base order, the loads it submitted ahead, and its counts for the measuring throttle and
+    standing aside. Its steps are the prefetcher's (``_refill``, ``_wait_due``,
+    ``_end_epoch``)."""
+
+    __slots__ = ("base", "pos", "skip", "nxt", "span", "pool", "pending", "ahead",
+                 "submitted", "aside", "measuring", "measured0", "careful_in_flight",
+                 "dropped_before", "left_before")
+
+    def __init__(self, base: np.ndarray, pos: int, skip: np.ndarray, span: int,
+                 pool: "_Loaders", *, dropped: int, left: int, measuring: bool,
+                 measured: int, careful: int) -> None:
+        self.base, self.span, self.pool = base, span, pool
+        self.pos = pos  # the base position yielded next
+        self.skip = skip  # base positions [0, skip.size) yielded before: not loaded again
+        # The base position the next refill looks at first.
+        self.nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
+        self.pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
+        self.ahead = 0  # staged loads submitted and not yet yielded
+        self.dropped_before, self.left_before = dropped, left  # the counters at the start
+        self.aside = 0  # misses seen while standing aside
+        # The measuring throttle (``Prefetcher._throttled``): on or not, loads submitted,
+        # loads finished before the epoch, loads a loader process runs at a time.
+        self.measuring, self.submitted = measuring, 0
+        self.measured0, self.careful_in_flight = measured, careful
 
 
 class _Job:
