@@ -601,6 +601,20 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                          100 * ep.mask.mean() if n else 0.0, time.perf_counter() - t0)
         return self._yield(ep, ep.owner)
 
+    def resumed_from(self) -> tuple[int, np.ndarray]:
+        """Where the latest iterator starts, for a loader that loads the base order ahead of
+        it (:class:`Prefetcher`): the step it yields first (0, or the position of a loaded
+        state), and one bool per base position from 0 up to that step plus ``window``, set
+        for those emitted before that step, which it does not yield again (an empty array
+        from step 0). Call it after ``iter()``."""
+        ep = self._ep
+        if ep is None:
+            raise RuntimeError("resumed_from() tells where the latest iterator starts: call "
+                               "iter(sampler) first")
+        if not ep.start:
+            return 0, np.zeros(0, dtype=bool)
+        return ep.start, ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
+
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with what is needed to continue it.
 
@@ -1390,12 +1404,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def _iter_loaded(self, block: int) -> Iterator[list[int]]:
         """The epoch's indices of this process (all of them, but under ``prepare()``), in
-        lists of ``block`` positions, each yielded once its samples are loaded."""
-        staged = self._staged.take()
-        if staged:  # staged last epoch, yielded and never read: give them back
-            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
-            for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
-                self.cache.unstage(idx, tag=self._tag)
+        lists of ``block`` positions, each yielded once its samples are loaded: refill the
+        window ahead, wait for the loads now due, yield."""
+        self._give_back_unread()
         # A miss whose sample the cache refused (open sizes, the arena full) is left to the
         # workers from the next epoch on: loaded ahead, it would be refused again and the
         # worker would load it a second time. A clear(), the only way the arena's use goes
@@ -1404,19 +1415,56 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # that before the next epoch's start goes unseen, and those stay with the workers.)
         self._note_arena(clear_refused=True)
         order_it = iter(self._order)  # the base order is taken now (by the tap)
+        order_it, start, pos, skip = self._resume(order_it)
+        progress = self._progress = [start, 0]
+        run = _EpochLoads(self._tap.order, pos, skip, (self.window or 0) + self.lookahead,
+                          self._loaders(), dropped=self.dropped, left=self.left,
+                          measuring=self.stand_aside and _WaitMeter.WORKS,
+                          measured=self._load_times.seen, careful=self.processes or 2)
+        half, pool = run.span // 2, run.pool
+        try:
+            while True:
+                ids = list(itertools.islice(order_it, block))
+                if not ids:
+                    break
+                due = run.pos + len(ids)  # the positions [pos, due) are yielded now
+                # Refill half a span at a time: one ready_mask call per chunk.
+                if run.nxt - (due - 1) <= half:
+                    self._refill(run, due)
+                pool.flush()  # the jobs of this refill go out together
+                if run.pending:
+                    self._wait_due(run, ids)
+                run.pos = due
+                progress[1] += len(ids)  # counted as yielded once the caller has them
+                yield ids
+        finally:
+            self._end_epoch(run)
+
+    def _give_back_unread(self) -> None:
+        """Give back what this prefetcher staged last epoch, yielded and never read."""
+        staged = self._staged.take()
+        if staged:
+            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
+            for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
+                self.cache.unstage(idx, tag=self._tag)
+
+    def _resume(self, order_it: Iterator[int]
+                ) -> tuple[Iterator[int], int, int, np.ndarray]:
+        """The resume skip: the epoch's order from where this iterator starts, the position
+        of the epoch it starts from, the same in the base order (``_Tap.order``), and which
+        base positions from 0 on were yielded before it (not loaded again)."""
         base = self._tap.order
-        # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
-        # emitted before are not loaded again.
-        pos, skip = 0, np.zeros(0, dtype=bool)
-        ep = self._order._ep if self.window is not None else None
-        if ep is not None and ep.start:
-            pos = ep.start
-            skip = ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
-        # The position this iterator starts from: a resumed base yields only the rest, and
-        # one that cannot resume is skipped to the loaded position.
-        start = ep.start if ep is not None else len(self._tap) - len(base)
+        if self.window is not None:
+            # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
+            # emitted before are not loaded again.
+            start, skip = self._order.resumed_from()
+            pos = start
+        else:
+            # The position this iterator starts from: a resumed base yields only the rest,
+            # and one that cannot resume is skipped to the loaded position.
+            start, pos, skip = len(self._tap) - len(base), 0, np.zeros(0, dtype=bool)
         loaded, self._skip_loaded = self._skip_loaded, None
-        if loaded is not None and ep is None:
+        if loaded is not None and self.window is None:
             if base.size != loaded["len"] or self._tap.digest != loaded["order_digest"]:
                 raise ValueError(f"the base order of epoch {loaded['epoch']} differs from the "
                                  f"one the loaded state was saved from: the base sampler "
@@ -1425,115 +1473,129 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             pos = start = loaded["consumed"]
             skip = np.ones(pos, dtype=bool)
             order_it = itertools.islice(order_it, pos, None)
-        progress = self._progress = [start, 0]
+        return order_it, start, pos, skip
+
+    def _loaders(self) -> "_Loaders":
+        """The loaders of this epoch: the loader processes (started again if one died), or
+        new loader threads."""
         if self.processes:
             if self._procs is not None and self._procs.dead():
                 self.close()  # an epoch raised that one died: start afresh
             if self._procs is None:
                 self._procs = self._start_processes()
-            pool: Any = self._procs
-        else:
-            pool = self._pool = _LoaderPool(self.threads, self._fetch)
-        pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
-        ahead = 0  # staged loads submitted and not yet yielded
-        nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
-        span = (self.window or 0) + self.lookahead
-        dropped_before, left_before, aside = self.dropped, self.left, 0
-        # Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and
-        # until then, and while standing aside (the probes), one load a loader process runs
-        # at a time (each job goes to the least busy; two with threads): loads that share a
-        # GIL wait for it, which would count as waiting on storage and hide CPU-bound loads
-        # (575 of 1,500 misses loaded before standing aside with 32 threads a process; and
-        # bursts of probes turned a GIL-holding load's verdict back to "not CPU-bound").
-        measuring, submitted = self.stand_aside and _WaitMeter.WORKS, 0
-        measured0, careful_in_flight = self._load_times.seen, self.processes or 2
-        try:
-            while True:
-                ids = list(itertools.islice(order_it, block))
-                if not ids:
+            return self._procs
+        self._pool = _LoaderPool(self.threads, self._fetch, self._running, self._lock)
+        return self._pool
+
+    def _refill(self, run: "_EpochLoads", due: int) -> None:
+        """Submit the misses among the base positions from ``run.nxt`` up to a span past the
+        last position due, in order; stop early where the measuring throttle
+        (``_throttled``) or the staging limit says so."""
+        end = min(run.base.size, due - 1 + run.span)
+        nxt = run.nxt
+        if nxt >= end:
+            return
+        chunk = run.base[nxt:end]
+        need = ~self.cache.ready_mask(chunk, tag=self._tag)
+        if nxt < run.skip.size:
+            need[:run.skip.size - nxt] &= ~run.skip[nxt:end]
+        oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
+        for j in np.flatnonzero(need):
+            i, staged = int(chunk[j]), bool(oob[j])
+            if i in run.pending or self._left_to_workers(i, staged):
+                continue
+            bound = self.stand_aside and self._load_times.cpu_bound()
+            if bound and self._stands_aside(run, i):
+                continue
+            if self._throttled(run, bound):
+                if nxt + j < due:  # due now: loaded here, the training thread
+                    continue  # would wait for it; the workers load it instead
+                end = nxt + int(j)  # first see whether loading ahead pays
+                break  # (never before due: a yielded index is not loaded)
+            if staged:
+                if run.ahead >= self._stage_ahead:
+                    end = nxt + int(j)  # the staging area is the limit: stop here
                     break
-                due = pos + len(ids)  # the positions [pos, due) are yielded now
-                end = min(len(base), due - 1 + span)
-                if nxt - (due - 1) > span // 2:
-                    end = nxt  # refill half a span at a time: one ready_mask call per chunk
-                while nxt < end:  # submit the misses among the next positions, in order
-                    chunk = base[nxt:end]
-                    need = ~self.cache.ready_mask(chunk, tag=self._tag)
-                    if nxt < skip.size:
-                        need[:skip.size - nxt] &= ~skip[nxt:end]
-                    oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
-                    for j in np.flatnonzero(need):
-                        i = int(chunk[j])
-                        if i in pending:
-                            continue
-                        if oob[j] and not self._stage_ahead:
-                            continue  # no staging slots: the workers load it
-                        if self._may_refuse and self._refused[i]:
-                            continue  # the cache refused it: the workers load it, once
-                        bound = self.stand_aside and self._load_times.cpu_bound()
-                        if bound and self._live(pool, i) is None:
-                            aside += 1  # one miss in _PROBE_EVERY is still loaded, to measure
-                            if aside % _PROBE_EVERY:
-                                self.left += 1  # the workers load it, as without a prefetcher
-                                continue
-                        known = self._load_times.known()
-                        if measuring and (bound or not known) and (
-                                (not known and submitted >= 2 * _LoadTimes.KEEP) or
-                                submitted - (self._load_times.seen - measured0) >=
-                                careful_in_flight):
-                            if nxt + j < due:  # due now: loaded here, the training thread
-                                continue  # would wait for it; the workers load it instead
-                            end = nxt + int(j)  # first see whether loading ahead pays
-                            break  # (never before due: a yielded index is not loaded)
-                        if oob[j]:
-                            if ahead >= self._stage_ahead:
-                                end = nxt + int(j)  # the staging area is the limit: stop here
-                                break
-                            ahead += 1
-                        submitted += 1
-                        pending[i] = (self._submit(pool, i, bool(oob[j])), bool(oob[j]))
-                    nxt = end
-                pool.flush()  # the jobs of this refill go out together
-                for idx in ids if pending else ():
-                    got = pending.pop(idx, None)
-                    if got is not None:
-                        job, staged = got
-                        job.mark_due()  # a sample waiting for a staging slot must not wait
-                        self._wait(idx, job, pool)
-                        ahead -= staged
-                pos = due
-                progress[1] += len(ids)  # counted as yielded once the caller has them
-                yield ids
-        finally:
-            pool.stop()  # threads end; processes stay, their queued jobs are cancelled
-            if self._pool is pool:
-                self._pool = None
-            # Whatever was closed first (the cache, the prefetcher, the interpreter), the
-            # clean-up is quiet; once the prefetcher's finalizer has run, nothing is left to
-            # give back and the cache's descriptor may be gone.
-            self._staged.settle()  # no thread of this epoch stages after this
-            if not self._staged.closed:
-                with contextlib.suppress(ValueError, OSError):  # the cache may be closed
-                    self._note_arena(clear_refused=False)
-                    for i, (_, staged) in pending.items():  # loaded ahead and never yielded
-                        if staged:
-                            self.cache.unstage(i, tag=self._tag)
-            if self.left > left_before:
-                logger.info(
-                    "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
-                    "its loads were CPU-bound (%s), so loading them ahead could not save time, "
-                    "only cost it; see 'Standing aside' in docs/prefetch.md",
-                    self.left - left_before, self._load_times)
-            if self.dropped > dropped_before:
-                logger.warning(
-                    "stocaching: %d samples the prefetcher loaded this epoch found no free "
-                    "staging slot by the time the DataLoader needed them, and the DataLoader "
-                    "loaded them again (in its workers, or in this process with num_workers=0): "
-                    "staging_slots (%d, shared by %d local ranks) is smaller than the lead plus "
-                    "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
-                    "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
-                    "prefetch_factor + 1) x batch_size)", self.dropped - dropped_before,
-                    self._staging_slots, self.cache.world.local_world_size)
+                run.ahead += 1
+            run.submitted += 1
+            run.pending[i] = (self._submit(run.pool, i, staged), staged)
+        run.nxt = end
+
+    def _left_to_workers(self, idx: int, staged: bool) -> bool:
+        """Whether the miss ``idx`` is never loaded ahead: the DataLoader's workers load it."""
+        if staged and not self._stage_ahead:
+            return True  # no staging slots: the workers load it
+        # The cache refused it: the workers load it, once.
+        return self._may_refuse and bool(self._refused[idx])
+
+    def _stands_aside(self, run: "_EpochLoads", idx: int) -> bool:
+        """With CPU-bound loads, whether the miss ``idx`` is left to the DataLoader (counted
+        in ``left``): all but one miss in ``_PROBE_EVERY``, which is still loaded, to
+        measure; never one whose load is running already."""
+        if run.pool.live(idx) is not None:
+            return False
+        run.aside += 1
+        if run.aside % _PROBE_EVERY:
+            self.left += 1  # the workers load it, as without a prefetcher
+            return True
+        return False
+
+    def _throttled(self, run: "_EpochLoads", bound: bool) -> bool:
+        """Whether no load may be submitted now: the measuring throttle.
+
+        Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and until
+        then, and while standing aside (the probes), one load a loader process runs at a time
+        (each job goes to the least busy; two with threads): loads that share a GIL wait for
+        it, which would count as waiting on storage and hide CPU-bound loads (575 of 1,500
+        misses loaded before standing aside with 32 threads a process; and bursts of probes
+        turned a GIL-holding load's verdict back to "not CPU-bound")."""
+        known = self._load_times.known()
+        return run.measuring and (bound or not known) and (
+            (not known and run.submitted >= 2 * _LoadTimes.KEEP) or
+            run.submitted - (self._load_times.seen - run.measured0) >= run.careful_in_flight)
+
+    def _wait_due(self, run: "_EpochLoads", ids: list[int]) -> None:
+        """Wait for the loads of ``ids``, the positions yielded now, submitted ahead."""
+        for idx in ids:
+            got = run.pending.pop(idx, None)
+            if got is not None:
+                job, staged = got
+                job.mark_due()  # a sample waiting for a staging slot must not wait
+                self._wait(idx, job, run.pool)
+                run.ahead -= staged
+
+    def _end_epoch(self, run: "_EpochLoads") -> None:
+        """However the epoch's iterator ended: stop its loads, give back what was staged
+        ahead and never yielded, and log what was left to the DataLoader or dropped."""
+        run.pool.stop()  # threads end; processes stay, their queued jobs are cancelled
+        if self._pool is run.pool:
+            self._pool = None
+        # Whatever was closed first (the cache, the prefetcher, the interpreter), the
+        # clean-up is quiet; once the prefetcher's finalizer has run, nothing is left to
+        # give back and the cache's descriptor may be gone.
+        self._staged.settle()  # no thread of this epoch stages after this
+        if not self._staged.closed:
+            with contextlib.suppress(ValueError, OSError):  # the cache may be closed
+                self._note_arena(clear_refused=False)
+                for i, (_, staged) in run.pending.items():  # loaded ahead and never yielded
+                    if staged:
+                        self.cache.unstage(i, tag=self._tag)
+        if self.left > run.left_before:
+            logger.info(
+                "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
+                "its loads were CPU-bound (%s), so loading them ahead could not save time, "
+                "only cost it; see 'Standing aside' in docs/prefetch.md",
+                self.left - run.left_before, self._load_times)
+        if self.dropped > run.dropped_before:
+            logger.warning(
+                "stocaching: %d samples the prefetcher loaded this epoch found no free "
+                "staging slot by the time the DataLoader needed them, and the DataLoader "
+                "loaded them again (in its workers, or in this process with num_workers=0): "
+                "staging_slots (%d, shared by %d local ranks) is smaller than the lead plus "
+                "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
+                "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
+                "prefetch_factor + 1) x batch_size)", self.dropped - run.dropped_before,
+                self._staging_slots, self.cache.world.local_world_size)
 
     def _note_arena(self, clear_refused: bool) -> None:
         """Keep the most of an open-size arena seen in use; with ``clear_refused``, forget
@@ -1548,16 +1610,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         else:
             self._arena_used = max(self._arena_used, used)
 
-    def _live(self, pool: Any, idx: int) -> "_Job | None":
-        """The load of ``idx`` still running from an earlier epoch, if any."""
-        if isinstance(pool, _ProcessLoaderPool):
-            return pool.live(idx)
-        with self._lock:
-            return self._running.get(idx)
-
-    def _submit(self, pool: Any, idx: int, staged: bool) -> "_Job":
+    def _submit(self, pool: "_Loaders", idx: int, staged: bool) -> "_Job":
         """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
-        job = self._live(pool, idx)
+        job = pool.live(idx)
         if job is not None and job.staged == staged:
             return job
         return pool.submit(idx, staged)
@@ -1565,41 +1620,34 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def _fetch(self, job: "_Job", stop: threading.Event, meter: "_WaitMeter") -> None:
         """Load one sample and store it; runs in a loader thread."""
         idx = job.idx
-        with self._lock:
-            self._running[idx] = job
-        try:
-            t0 = meter.now()
-            value = self.load(idx)
-            self._load_times.add(meter.since(t0))
-            if not job.staged:
-                self.cache.set_slot(idx, value, exist_ok=True)
-                if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
+        t0 = meter.now()
+        value = self.load(idx)
+        self._load_times.add(meter.since(t0))
+        if not job.staged:
+            self.cache.set_slot(idx, value, exist_ok=True)
+            if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
+                with self._lock:
+                    self._refused[idx] = True
+        else:
+            # Full: the DataLoader frees staging slots as its workers read what was
+            # yielded. Once the index is due, waiting could only deadlock (the slots may
+            # all be held by the batch being assembled): the workers load it instead.
+            while True:
+                staged = self._staged.stage(self.cache, idx, value, self._tag, stop)
+                if staged is None:  # the epoch (or the prefetcher) is over: not staged
+                    return
+                if staged:
+                    break
+                if job.due:
                     with self._lock:
-                        self._refused[idx] = True
-            else:
-                # Full: the DataLoader frees staging slots as its workers read what was
-                # yielded. Once the index is due, waiting could only deadlock (the slots may
-                # all be held by the batch being assembled): the workers load it instead.
-                while True:
-                    staged = self._staged.stage(self.cache, idx, value, self._tag, stop)
-                    if staged is None:  # the epoch (or the prefetcher) is over: not staged
-                        return
-                    if staged:
-                        break
-                    if job.due:
-                        with self._lock:
-                            self.dropped += 1
-                        return
-                    if stop.wait(0.002):  # the epoch was abandoned
-                        return
-            with self._lock:
-                self.loaded += 1
-        finally:
-            with self._lock:
-                if self._running.get(idx) is job:
-                    del self._running[idx]
+                        self.dropped += 1
+                    return
+                if stop.wait(0.002):  # the epoch was abandoned
+                    return
+        with self._lock:
+            self.loaded += 1
 
-    def _wait(self, idx: int, job: "_Job", pool: Any) -> None:
+    def _wait(self, idx: int, job: "_Job", pool: "_Loaders") -> None:
         """Wait for the load of ``idx``. A job cancelled meanwhile (queued by an epoch that
         was abandoned, and never started) is submitted again; a loader process that died
         is reported as soon as it is seen, not at the timeout."""
@@ -1788,6 +1836,34 @@ class _Tap:
         return getattr(self.__dict__["base"], name)
 
 
+class _EpochLoads:
+    """The state of one epoch's iterator (``Prefetcher._iter_loaded``): where it is in the
+    base order, the loads it submitted ahead, and its counts for the measuring throttle and
+    standing aside. Its steps are the prefetcher's (``_refill``, ``_wait_due``,
+    ``_end_epoch``)."""
+
+    __slots__ = ("base", "pos", "skip", "nxt", "span", "pool", "pending", "ahead",
+                 "submitted", "aside", "measuring", "measured0", "careful_in_flight",
+                 "dropped_before", "left_before")
+
+    def __init__(self, base: np.ndarray, pos: int, skip: np.ndarray, span: int,
+                 pool: "_Loaders", *, dropped: int, left: int, measuring: bool,
+                 measured: int, careful: int) -> None:
+        self.base, self.span, self.pool = base, span, pool
+        self.pos = pos  # the base position yielded next
+        self.skip = skip  # base positions [0, skip.size) yielded before: not loaded again
+        # The base position the next refill looks at first.
+        self.nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
+        self.pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
+        self.ahead = 0  # staged loads submitted and not yet yielded
+        self.dropped_before, self.left_before = dropped, left  # the counters at the start
+        self.aside = 0  # misses seen while standing aside
+        # The measuring throttle (``Prefetcher._throttled``): on or not, loads submitted,
+        # loads finished before the epoch, loads a loader process runs at a time.
+        self.measuring, self.submitted = measuring, 0
+        self.measured0, self.careful_in_flight = measured, careful
+
+
 class _Job:
     """One load: the index, whether its sample goes to a staging slot, its future, and
     ``due``, set (by ``mark_due``) once the iterator needs the index now."""
@@ -1820,16 +1896,51 @@ def _halt_threads(stop: threading.Event, jobs: queue.SimpleQueue,
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-class _LoaderPool:
-    """Daemon threads running ``fetch(job, stop)`` for submitted jobs, in the order
-    submitted; ``stop()`` lets each finish its current load and go, and cancels the jobs
-    that no thread has started."""
+class _Loaders:
+    """What a prefetcher asks of its loaders, threads (:class:`_LoaderPool`) or processes
+    (:class:`_ProcessLoaderPool`): ``submit(idx, staged)`` a load and get its
+    :class:`_Job`, whose future the iterator waits on; ``flush()`` once the jobs of a refill
+    are submitted; ``live(idx)``, a load of ``idx`` still running from an earlier epoch,
+    which the next epoch waits for instead of loading it again; ``stop()`` at the end of an
+    epoch (its jobs not started are cancelled); ``stopped``, whether a job not done yet will
+    never run; ``dead()``, the loaders that died."""
 
-    def __init__(self, n: int, fetch: Callable[[_Job, threading.Event, "_WaitMeter"], None]
-                 ) -> None:
+    def submit(self, idx: int, staged: bool) -> _Job:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Hand over the jobs submitted since the last flush, which a pool may hold back
+        until then so that the jobs of one refill go out together (processes: one message
+        each). The default holds none back: a loader thread takes each job as it is
+        submitted."""
+
+    def live(self, idx: int) -> _Job | None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def stopped(self) -> bool:
+        raise NotImplementedError
+
+    def dead(self) -> str:
+        """The loaders that died, as text; '' if none (the default: threads do not die)."""
+        return ""
+
+
+class _LoaderPool(_Loaders):
+    """Daemon threads running ``fetch(job, stop, meter)`` for submitted jobs, in the order
+    submitted; ``stop()`` lets each finish its current load and go, and cancels the jobs
+    that no thread has started. ``running`` (guarded by ``lock``) holds the loads running
+    in a loader thread, of this pool or an earlier epoch's: see ``live``."""
+
+    def __init__(self, n: int, fetch: Callable[[_Job, threading.Event, "_WaitMeter"], None],
+                 running: dict[int, _Job], lock: threading.Lock) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._fetch = fetch
+        self._running, self._lock = running, lock
         # Started one per job submitted, up to n: an epoch whose samples are all cached
         # starts none (starting 16 took 26 ms an epoch on 2 busy cores, 4 us a sample of a
         # 6,000-sample epoch, more than the DeviceLoader's whole gather of a small sample).
@@ -1852,8 +1963,10 @@ class _LoaderPool:
             thread.start()
         return job
 
-    def flush(self) -> None:
-        """Nothing to send: a thread takes a job as soon as it is submitted."""
+    def live(self, idx: int) -> _Job | None:
+        """The load of ``idx`` running in a loader thread, of this pool or an earlier one."""
+        with self._lock:
+            return self._running.get(idx)
 
     def _run(self) -> None:
         meter = _WaitMeter()
@@ -1868,13 +1981,24 @@ class _LoaderPool:
                 if not job.future.set_running_or_notify_cancel():
                     continue
                 try:
-                    self._fetch(job, self._stop, meter)
+                    self._load(job, meter)
                 except BaseException as e:  # handed to the iterator, which raises it
                     job.future.set_exception(e)
                 else:
                     job.future.set_result(None)
         finally:
             meter.close()
+
+    def _load(self, job: _Job, meter: "_WaitMeter") -> None:
+        """Run ``fetch`` for ``job``, which is in ``running`` meanwhile."""
+        with self._lock:
+            self._running[job.idx] = job
+        try:
+            self._fetch(job, self._stop, meter)
+        finally:
+            with self._lock:
+                if self._running.get(job.idx) is job:
+                    del self._running[job.idx]
 
     def stop(self) -> None:
         self._stop.set()
@@ -1885,10 +2009,6 @@ class _LoaderPool:
     def stopped(self) -> bool:
         return self._stop.is_set()
 
-    def dead(self) -> str:
-        """Threads do not die: ''."""
-        return ""
-
 
 def _unpicklable_load(load: Any, ctx: Any, error: BaseException) -> TypeError:
     return TypeError(f"load should be picklable to start loader processes with "
@@ -1898,7 +2018,7 @@ def _unpicklable_load(load: Any, ctx: Any, error: BaseException) -> TypeError:
                      f"{type(error).__name__}: {error}")
 
 
-class _ProcessLoaderPool:
+class _ProcessLoaderPool(_Loaders):
     """Loader processes for ``Prefetcher(processes=N)``: each runs the user's ``load`` in its
     loader threads and stores the result in the cache itself (``set_slot``, or ``stage``
     until the index is due). Jobs and results travel in batches: ``submit`` collects jobs and
