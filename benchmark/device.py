@@ -209,13 +209,11 @@ def _augment(batch: torch.Tensor, size: int) -> torch.Tensor:
     return (x / 255 - 0.45) / 0.25
 
 
-def _end_to_end(cache: Any, n: int, batch: int, repeats: int) -> dict[str, dict[str, float]]:
-    from stocaching import DeviceLoader
-
+def _training(n: int, device: torch.device) -> tuple[Callable[..., None], torch.Tensor]:
+    """The benchmark's CNN with Adam on ``device``: one training step ``step(x, y)``, and
+    random labels for ``n`` samples there."""
     from .model import SmallCNN
 
-    device = torch.device("cuda")
-    side = cache.data_dims[-1]
     model = SmallCNN(num_classes=10).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     labels = torch.randint(0, 10, (n,), device=device)
@@ -225,7 +223,29 @@ def _end_to_end(cache: Any, n: int, batch: int, repeats: int) -> dict[str, dict[
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    return step, labels
 
+
+def _fed_by(loader: Any, step: Callable[..., None], labels: torch.Tensor,
+            device: torch.device) -> Callable[[], int]:
+    """One epoch of ``step`` on the loader's batches: returns the samples trained on."""
+    def epoch() -> int:
+        got = 0
+        for x, idx in loader:
+            step(x, labels[idx])
+            got += len(idx)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return got
+    return epoch
+
+
+def _end_to_end(cache: Any, n: int, batch: int, repeats: int) -> dict[str, dict[str, float]]:
+    from stocaching import DeviceLoader
+
+    device = torch.device("cuda")
+    side = cache.data_dims[-1]
+    step, labels = _training(n, device)
     resident = cache.get_batch(list(range(batch)))[0].to(device)
 
     def model_only() -> int:
@@ -237,15 +257,7 @@ def _end_to_end(cache: Any, n: int, batch: int, repeats: int) -> dict[str, dict[
     order = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(1))
     loader = DeviceLoader(cache, order, lambda i: None, batch_size=batch, device=device,
                           drop_last=True, transform=lambda b: _augment(b, side))
-
-    def fed() -> int:
-        got = 0
-        for x, idx in loader:
-            step(x, labels[idx])
-            got += len(idx)
-        torch.cuda.synchronize()
-        return got
-
+    fed = _fed_by(loader, step, labels, device)
     model_only()
     fed()
     out = {"model_only": _rounds(model_only, repeats), "device_loader_train": _rounds(fed, repeats)}
@@ -261,8 +273,6 @@ def _with_latency(dims: tuple[int, ...], n: int, batch: int, repeats: int, laten
     misses are loaded ahead by the DeviceLoader's prefetcher (``processes`` loader processes
     of ``threads`` threads) into staging slots. The same run with no latency is the reference."""
     from stocaching import DeviceLoader, SharedCache
-
-    from .model import SmallCNN
 
     nbytes = int(np.prod(dims))
     storage = torch.empty((n, *dims), dtype=torch.uint8)
@@ -281,26 +291,12 @@ def _with_latency(dims: tuple[int, ...], n: int, batch: int, repeats: int, laten
     for i in range(n):
         cache.set_slot(i, storage[i])  # (ignored for an index without a slot)
     side = dims[-1]
-    model = SmallCNN(num_classes=10).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    labels = torch.randint(0, 10, (n,), device=device)
+    step, labels = _training(n, device)
     order = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(2))
     loader = DeviceLoader(cache, order, load, batch_size=batch, device=device, drop_last=True,
                           transform=lambda b: _augment(b, side), processes=processes,
                           threads=threads, multiprocessing_context="fork")
-
-    def fed() -> int:
-        got = 0
-        for x, idx in loader:
-            loss = torch.nn.functional.cross_entropy(model(x), labels[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            got += len(idx)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return got
-
+    fed = _fed_by(loader, step, labels, device)
     out = {}
     for name, ms in (("no_latency", 0.0), (f"latency_{latency_ms:g}ms", latency_ms)):
         delay[0] = ms / 1000

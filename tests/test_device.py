@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import RandomSampler, SequentialSampler
@@ -370,6 +369,16 @@ def test_two_ranks_share_one_segment_every_index_once(shm_dir, launcher, device)
 # CUDA (skipped without a GPU)
 # ----------------------------------------------------------------------------------------------
 
+def read_epoch_cuda(loader: DeviceLoader) -> list[int]:
+    seen = []
+    for batch, idx in loader:
+        assert batch.is_cuda and idx.is_cuda
+        for row, i in zip(batch.cpu(), idx.tolist()):
+            assert torch.equal(row, load(i))
+        seen += idx.tolist()
+    return seen
+
+
 @cuda
 @pytest.mark.parametrize("register", [True, False])
 def test_cuda_batches_equal_get_slot(cache, register):
@@ -378,13 +387,7 @@ def test_cuda_batches_equal_get_slot(cache, register):
         assert loader.path == ("cuda" if register else "pinned")
         for epoch in range(2):
             loader.set_epoch(epoch)
-            seen = []
-            for batch, idx in loader:
-                assert batch.is_cuda and idx.is_cuda
-                for row, i in zip(batch.cpu(), idx.tolist()):
-                    assert torch.equal(row, load(i))
-                seen += idx.tolist()
-            assert sorted(seen) == list(range(N))
+            assert sorted(read_epoch_cuda(loader)) == list(range(N))
             assert cache.stats()["staged"] == 0
 
 
@@ -458,15 +461,6 @@ def test_cuda_a_cache_of_fields_with_a_transform(shm_dir):
             assert sorted(seen) == list(range(N))
     c.close()
 
-
-def read_epoch_cuda(loader: DeviceLoader) -> list[int]:
-    seen = []
-    for batch, idx in loader:
-        assert batch.is_cuda and idx.is_cuda
-        for row, i in zip(batch.cpu(), idx.tolist()):
-            assert torch.equal(row, load(i))
-        seen += idx.tolist()
-    return seen
 
 
 @cuda
