@@ -196,7 +196,7 @@ def test_every_live_job_keeps_its_own_due_flag(shm_dir, tmp_path):
         assert [pool._due[f] for f in range(flags)] == [int(f == given[1]) for f in range(flags)]
         (loads / "release").touch()
         for j in jobs:
-            j.future.result(timeout=120)
+            assert j.wait(120) and j.outcome is j.DONE, j.outcome
         assert sorted(pool._free_flags) == list(range(flags))
     finally:
         (loads / "release").touch()
@@ -234,7 +234,7 @@ def test_processes_times_threads_loads_run_at_once_and_close_ends_every_thread(s
         jobs = [pf._procs.submit(i, False) for i in range(6)]
         pf._procs.flush()  # three jobs to each process
         for j in jobs:
-            j.future.result(timeout=120)
+            assert j.wait(120) and j.outcome is j.DONE, j.outcome
         assert all(cache.get_slot(i) is not None for i in range(6))
         t0 = time.monotonic()
         pf.close()
@@ -260,7 +260,7 @@ def test_a_finished_job_marked_due_leaves_its_reused_flag_alone(shm_dir, tmp_pat
         done = pool.submit(0, False)
         pool.flush()
         flag = done.due_flag
-        done.future.result(timeout=120)
+        assert done.wait(120) and done.outcome is done.DONE, done.outcome
         later = pool.submit(1, False)  # held in its load meanwhile
         pool.flush()
         assert later.due_flag == flag  # the flag given back is the next one taken
@@ -293,7 +293,7 @@ def test_jobs_go_to_live_loader_processes_only_and_close_returns(shm_dir):
         sender.join(60)
         assert not sender.is_alive(), "flush() blocked on the dead process's pipe"
         for j in jobs:
-            j.future.result(timeout=120)
+            assert j.wait(120) and j.outcome is j.DONE, j.outcome
         oob = oob_of(cache)  # (not staged: these jobs were submitted as set_slot jobs)
         assert all(cache.get_slot(i) is not None for i in range(N) if i not in oob)
     finally:
