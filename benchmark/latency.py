@@ -386,6 +386,9 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if any(x is None for x in ratios):
             out.append({**same[0], "rounds": ratios, "rounds_met": None})
             continue
+        if "arms" in same[0] and all("arms" in c for c in same):
+            out.append(_every_arm(same))
+            continue
         med = statistics.median(ratios)
         # the detail of the round whose ratio is nearest the median (the median itself when
         # the count is odd)
@@ -394,6 +397,28 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({**mid, "status": "PASS" if med >= same[0]["minimum"] else "MISS",
                     "measured": med, "rounds": ratios, "rounds_met": met})
     return out
+
+
+def _every_arm(same: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A target every prefetching arm must meet (the CPU-bound one), over rounds: each
+    arm's median ratio over the rounds, and the target judged on the lowest of those, with
+    that arm's rounds as the spread. (The lowest arm of each round, as before, takes the
+    minimum of three noisy ratios: on the 2-core machine it sat a few points under every
+    arm's own median.)"""
+    arms = sorted(set.intersection(*(set(c["arms"]) for c in same)))
+    per_arm = {a: [c["arms"][a] / c["reference"] for c in same] for a in arms}
+    medians = {a: statistics.median(v) for a, v in per_arm.items()}
+    worst = min(arms, key=medians.__getitem__)
+    lo, ratios = same[0]["minimum"], per_arm[worst]
+    mid = min(same, key=lambda c: abs(c["arms"][worst] / c["reference"] - medians[worst]))
+    how = f" by its median over {len(same)} rounds" if len(same) > 1 else ""
+    detail = (f"slowest prefetching arm{how}: ({worst}) {medians[worst]:.3f} x arm (a) "
+              f"({', '.join(f'({a}) {medians[a]:.3f}' for a in arms)}); "
+              f"{mid['arms'][worst]:,.0f} vs (a) {mid['reference']:,.0f} samples/s "
+              f"({mid['setting']}{', its median round' if how else ''})")
+    return {**mid, "status": "PASS" if medians[worst] >= lo else "MISS",
+            "measured": medians[worst], "detail": detail, "rounds": ratios,
+            "rounds_met": sum(x >= lo for x in ratios)}
 
 
 def _checks_of_round(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -448,11 +473,14 @@ def _checks_of_round(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
         rest += (f"; CPU seconds of the epochs: ({arm0}) {cpu(arm0):.2f} vs (a) {cpu('a'):.2f}"
                  if cpu("a") else "")
-        out.append(_check("cpu-bound", v0 / a0 >= CPU_MIN, v0 / a0, f">= {CPU_MIN:g} x",
-                          f"slowest prefetching arm ({arm0}) {v0:,.0f} vs arm (a) {a0:,.0f} "
-                          f"samples/s (f = {f:g}, no latency, epochs 1-"
-                          f"{max(r['epoch'] for r in agg)} together): {v0 / a0:.2f} x [{rest}]",
-                          CPU_MIN))
+        out.append({**_check("cpu-bound", v0 / a0 >= CPU_MIN, v0 / a0, f">= {CPU_MIN:g} x",
+                             f"slowest prefetching arm ({arm0}) {v0:,.0f} vs arm (a) "
+                             f"{a0:,.0f} samples/s (f = {f:g}, no latency, epochs 1-"
+                             f"{max(r['epoch'] for r in agg)} together): {v0 / a0:.2f} x "
+                             f"[{rest}]", CPU_MIN),
+                    "arms": dict(low), "reference": a0,
+                    "setting": f"f = {f:g}, no latency, epochs 1-{max(r['epoch'] for r in agg)} "
+                               f"together"})
     return out
 
 

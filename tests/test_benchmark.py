@@ -359,6 +359,35 @@ def test_latency_targets_are_judged_on_the_median_round_with_the_spread_shown():
     assert missed["hidden"]["status"] == "MISS" and missed["hidden"]["rounds_met"] == 1
 
 
+def test_the_cpu_bound_target_is_judged_on_each_arms_median_over_rounds():
+    """Every prefetching arm against (a) without latency: each arm's median over the rounds,
+    the target on the lowest median. Here each round has one slow arm, a different one each
+    round (0.90), so the lowest arm of every round misses, while every arm's median passes;
+    then one arm slow in two rounds of three misses."""
+    from benchmark import latency as L
+
+    def rows_with(slow: dict[int, set[str]]) -> list[dict]:
+        rows = [r for r in _latency_rows([1.0, 1.0, 1.0]) if r["latency_kind"] != "none"]
+        for k in (1, 2, 3):
+            for arm in "abcd":
+                v = 90.0 if arm in slow[k] else 100.0
+                rows.append({"config": f"none-{arm}", "latency": "none", "latency_kind": "none",
+                             "fraction": 0.5, "arm": arm, "repeat": k, "epoch": 1,
+                             "samples_per_s": v, "epoch_time_s": 1.0, "samples": v,
+                             "cpu_s": 1.0})
+        return rows
+
+    cpu = next(c for c in L.check_targets(rows_with({1: {"b"}, 2: {"c"}, 3: {"d"}}))
+               if c["name"] == "cpu-bound")
+    assert cpu["status"] == "PASS" and cpu["measured"] == pytest.approx(1.0)
+    assert "((b) 1.000, (c) 1.000, (d) 1.000)" in L.format_checks([cpu])
+    cpu = next(c for c in L.check_targets(rows_with({1: {"c"}, 2: set(), 3: {"c"}}))
+               if c["name"] == "cpu-bound")
+    assert cpu["status"] == "MISS" and cpu["measured"] == pytest.approx(0.9)
+    assert cpu["rounds"] == pytest.approx([0.9, 1.0, 0.9]) and cpu["rounds_met"] == 1
+    assert "(c) 0.900 x arm (a)" in cpu["detail"]
+
+
 def test_latency_defaults():
     a = parse(["latency"])
     assert a.repeats == 3  # rounds: every target on the median of three
