@@ -485,7 +485,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             cls = _DistributedReadyFirstSampler
         return super().__new__(cls)
 
-    def __init__(self, base: Any, ready: SharedCache | ReadyFn, *, window: int,
+    def __init__(self, base: Any, ready: BaseCache | ReadyFn, *, window: int,
                  mode: str = "fixed", refresh_every: int | None = None) -> None:
         if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
             raise TypeError(f"base should be a Sampler or an iterable of ints with a length, "
@@ -937,7 +937,7 @@ class _ReadyOrAside:
     slowly while the trainer waits, having raced through batches of hits. (A class, not a
     bound method of the prefetcher: its order must not keep the prefetcher alive.)"""
 
-    def __init__(self, cache: SharedCache, times: "_LoadTimes") -> None:
+    def __init__(self, cache: BaseCache, times: "_LoadTimes") -> None:
         self.cache, self.times = cache, times
 
     def __call__(self, indices: np.ndarray) -> np.ndarray:
@@ -1060,7 +1060,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     Args:
         sampler: the base order; ``set_epoch`` is forwarded to it.
-        cache: the ``SharedCache`` that the dataset reads with ``get_slot``.
+        cache: the cache (a ``SharedCache`` or an ``OpenSizeCache``) that the dataset reads
+            with ``get_slot``.
         load: ``load(index) -> tensor``: the sample as the dataset would cache it.
         window: W of the cache-preferring order (no index moves more than W positions), or
             None to keep the base order. Default: None.
@@ -1102,7 +1103,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             cls = _DistributedPrefetcher
         return super().__new__(cls)
 
-    def __init__(self, sampler: Any, cache: SharedCache, load: Callable[[int], Any], *,
+    def __init__(self, sampler: Any, cache: BaseCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "fixed", threads: int = 16,
                  lookahead: int | None = None, timeout: float = 120.0,
                  processes: int = 0, multiprocessing_context: Any = None,
@@ -1183,7 +1184,23 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def _start_processes(self) -> "_ProcessLoaderPool":
         flags = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive, as a rule
-        return _ProcessLoaderPool(self, flags, self._mp_context)
+        return _ProcessLoaderPool(self, flags, self._mp_context, tag=self._tag,
+                                  settled=weakref.WeakMethod(self._settled))
+
+    def _settled(self, idx: int, kind: str, times: tuple[int, int] | None) -> None:
+        """Count what a loader process did with its load of ``idx`` (``kind``: 'stored',
+        'refused' (no room for an open size), 'staged' or 'dropped'), measured by
+        ``times`` (see :class:`_WaitMeter`)."""
+        self._load_times.add(times)
+        with self._lock:
+            if kind != "dropped":
+                self.loaded += 1
+            if kind == "refused" and self._may_refuse:
+                self._refused[idx] = True
+            if kind == "staged":
+                self._staged.add(idx)
+            if kind == "dropped":
+                self.dropped += 1
 
     def close(self) -> None:
         """Stop the loads (the loader threads of a running epoch, whose iterator then raises
@@ -1747,7 +1764,7 @@ class _Staged:
             self.cond.wait_for(lambda: self.busy == 0, self.SETTLE_S)
 
 
-def _give_back_staged(cache: SharedCache, tag: int, staged: _Staged, final: bool = True
+def _give_back_staged(cache: BaseCache, tag: int, staged: _Staged, final: bool = True
                       ) -> None:
     """Free every staging slot that holds a sample staged with ``tag`` (found in the staging
     map, so that loads whose result has not been seen are included), once the stages under
@@ -1761,7 +1778,7 @@ def _give_back_staged(cache: SharedCache, tag: int, staged: _Staged, final: bool
     _unstage_tagged(cache, tag)
 
 
-def _unstage_tagged(cache: SharedCache, tag: int) -> None:
+def _unstage_tagged(cache: BaseCache, tag: int) -> None:
     """Free every staging slot that holds a sample staged with ``tag``; quiet when the
     cache is closed."""
     with contextlib.suppress(ValueError, OSError):  # the cache may be closed by now
@@ -2062,7 +2079,8 @@ class _ProcessLoaderPool(_Loaders):
     into the jobs' outcomes. Jobs of an abandoned epoch that no process has started are
     cancelled (an epoch counter in shared memory); the processes stay for the next epoch."""
 
-    def __init__(self, owner: "Prefetcher", flags: int, ctx: Any) -> None:
+    def __init__(self, owner: "Prefetcher", flags: int, ctx: Any, *, tag: int,
+                 settled: Callable[[], Callable[[int, str, Any], None] | None]) -> None:
         if ctx.get_start_method() != "fork":  # refused before anything starts (queues, too)
             try:
                 multiprocessing.reduction.ForkingPickler.dumps(owner.load)
@@ -2083,9 +2101,9 @@ class _ProcessLoaderPool(_Loaders):
         self._live: dict[int, _Job] = {}  # job id -> job, until its result came
         self._by_idx: dict[int, _Job] = {}  # index -> its latest job, while it lives
         self._lock = threading.Lock()
-        self._owner = weakref.ref(owner)
+        self._settled = settled  # the prefetcher's counts of a result, while it lives
         self._procs = [ctx.Process(target=_load_in_process, name=f"stocaching-prefetch-{k}",
-                                   args=(owner.cache, owner.load, owner._tag, self._jobs[k],
+                                   args=(owner.cache, owner.load, tag, self._jobs[k],
                                          self._results, self._due, self._started,
                                          self._epoch, owner.threads, os.getpid(), k),
                                    daemon=True)
@@ -2171,19 +2189,10 @@ class _ProcessLoaderPool(_Loaders):
         if kind == "cancelled":
             job.end(_Job.CANCELLED)
             return
-        owner = self._owner()
-        if owner is not None:
-            if kind in ("stored", "refused", "staged", "dropped"):
-                owner._load_times.add(payload)
-            with owner._lock:
-                if kind in ("stored", "refused", "staged"):
-                    owner.loaded += 1
-                if kind == "refused" and owner._may_refuse:  # (open sizes only)
-                    owner._refused[job.idx] = True
-                if kind == "staged":
-                    owner._staged.add(job.idx)  # (a _Staged)
-                if kind == "dropped":
-                    owner.dropped += 1
+        if kind in ("stored", "refused", "staged", "dropped"):
+            settled = self._settled()
+            if settled is not None:
+                settled(job.idx, kind, payload)
         if kind == "error":
             name, text, tb = payload
             job.end(RuntimeError(f"{name}: {text}\n\nTraceback in the loader process:\n{tb}"))
@@ -2233,7 +2242,7 @@ class _ProcessLoaderPool(_Loaders):
             results.put(None)  # the reader thread ends
 
 
-def _load_in_process(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
+def _load_in_process(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any,
                      results: Any, due: Any, started: Any, epoch: Any, threads: int,
                      parent: int, me: int) -> None:
     """A loader process of ``Prefetcher(processes=N)``: ``threads`` loader threads, fed the
@@ -2284,7 +2293,7 @@ def _send_results(done: queue.SimpleQueue, results: Any, me: int) -> None:
             return
 
 
-def _load_jobs(cache: SharedCache, load: Callable[[int], Any], tag: int, jobs: Any,
+def _load_jobs(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any,
                results: Any, due: Any, started: Any, epoch: Any) -> None:
     """One loader thread of a loader process: takes jobs from ``jobs`` and puts each result
     in ``results`` (this process's queues), with how long the load waited and the CPU it used
