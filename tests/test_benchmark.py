@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Sequence
 
 import pytest
@@ -497,6 +498,27 @@ def test_cpu_roles_counts_each_process_kind(tmp_path, capsys):
     assert plain["loaders"] == 0.0 and plain["loaded"] == 0 and plain["workers"] > 0
     assert pf["loaded"] == 32 and pf["loaders"] >= 0 and pf["trainer"] > 0
     assert "medians:" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_prefetch_cost_runs_both_checkouts_alternately(capsys):
+    """``python -m benchmark.prefetch_cost`` on 300 misses, with ``--before`` naming this very
+    checkout: each arm runs once in a process of its own, loads every miss (half of them into
+    slots, half staged), and reports CPU per index and per load."""
+    from benchmark import prefetch_cost
+    here = str(prefetch_cost.HERE)
+    res = prefetch_cost.main(["--samples", "300", "--threads", "2", "--processes", "1",
+                              "--repeats", "1", "--before", here])
+    for name in ("this checkout", "before"):
+        (r,) = res[name]
+        assert r["loaded"] == 300 and r["slots"] == 150, r
+        assert r["trainer_us_per_index"] > 0 and r["loaders_us_per_load"] >= 0
+    out = capsys.readouterr().out
+    assert "this checkout (median of 1): trainer" in out and "before (median of 1)" in out
+    with pytest.raises(SystemExit):
+        prefetch_cost.main(["--before", str(Path(here) / "docs")])
+    assert "--before should be a directory holding stocaching/prefetch.py" in \
+        capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
