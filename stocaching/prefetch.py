@@ -1887,9 +1887,11 @@ class _EpochLoads:
 class _Job:
     """One load: the index, whether its sample goes to a staging slot, its ``outcome`` once
     it ended (``DONE``, ``CANCELLED`` or the exception it raised; set once, by ``end``), and
-    ``due``, set (by ``mark_due``) once the iterator needs the index now. Only the iterator
-    waits for a job (``wait``). (Not a concurrent.futures.Future: making, ending and waiting
-    for one cost about 10 us of the training process's CPU a load, against 0.5 us.)"""
+    ``due``, set (by ``mark_due``) once the iterator needs the index now. The iterator
+    waits for it (``wait``); were two threads to wait at once (an abandoned epoch's iterator
+    still waiting in another thread), one of them would see the end only at its timeout.
+    (Not a concurrent.futures.Future: making, ending and waiting for one cost about 10 us of
+    the training process's CPU a load, against 0.5 us.)"""
 
     __slots__ = ("idx", "staged", "outcome", "_waiter", "due", "flag", "due_flag")
 

@@ -972,3 +972,31 @@ def test_a_sampler_index_outside_the_dataset_names_the_sampler(shm_dir, window, 
         assert cache.stats()["filled"] == 0 and pf.loaded == 0
     finally:
         cache.close()
+
+
+def test_a_job_ends_once_and_wakes_its_waiter_whenever_it_ends():
+    """``_Job``: a wait times out (False) while the job runs, and returns True once it ended,
+    whether the end came before the wait, during it (from another thread), or between the
+    wait making its waiter and blocking on it; the first outcome stays."""
+    from stocaching.prefetch import _Job
+    job = _Job(3, staged=False)
+    assert not job.done() and job.wait(0.01) is False  # (its waiter is made and kept)
+    ended = threading.Timer(0.05, job.end, args=(_Job.DONE,))
+    ended.start()
+    t0 = time.monotonic()
+    assert job.wait(60.0) is True and job.outcome is _Job.DONE
+    assert time.monotonic() - t0 < 30.0  # woken by the end (at 0.05 s), not by the timeout
+    ended.join()
+    job.end(_Job.CANCELLED)  # a second end changes nothing
+    assert job.outcome is _Job.DONE and job.wait(0.0)
+    early = _Job(4, staged=True)
+    early.end(ValueError("no file"))  # before any wait: no waiter to wake
+    assert early.wait(30.0) and isinstance(early.outcome, ValueError)
+    for _ in range(200):  # ends racing the first wait, on any side of its checks
+        raced = _Job(5, staged=False)
+        t = threading.Thread(target=raced.end, args=(_Job.DONE,))
+        t.start()
+        t0 = time.monotonic()
+        assert raced.wait(60.0) and raced.outcome is _Job.DONE
+        assert time.monotonic() - t0 < 30.0
+        t.join()
