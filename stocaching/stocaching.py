@@ -1075,14 +1075,6 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
-def _lock(fd: int, offset: int, length: int = 1, exclusive: bool = True) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, length, offset)
-
-
-def _unlock(fd: int, offset: int, length: int = 1) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_UN, length, offset)
-
-
 def _try_stale(fd: int) -> bool:
     """True when no live process holds the segment (we then hold an exclusive flock on it)."""
     try:
@@ -2155,9 +2147,12 @@ class BaseCache:
             delay = min(delay * 2, 0.1)
         try:
             head = self._map_existing(fd)
-            with self._header_locked():
+            self._lock(_LOCK_BASE)
+            try:
                 attached = self._header_get("attached") + 1
                 self._header_set("attached", attached)
+            finally:
+                self._unlock(_LOCK_BASE)
             # All here: drop the name (a persistent cache keeps it: the next job attaches by it).
             if attached >= head["local_world_size"] and not head["persistent"]:
                 dev, ino = self._file_id
@@ -2253,7 +2248,7 @@ class BaseCache:
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
         self._map_samples(head)
-        self._tlock = threading.Lock()
+        self._tlock = threading.RLock()
         self._closed = False
         self._claim_stats_row()
         _LIVE_CACHES.add(self)
@@ -2264,17 +2259,28 @@ class BaseCache:
 
     # -- locks and the header -------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self, offset: int, length: int = 1) -> Iterator[None]:
-        with self._tlock:  # POSIX record locks do not exclude threads of one process
-            _lock(self._fd, offset, length)
-            try:
-                yield
-            finally:
-                _unlock(self._fd, offset, length)
+    # Every path that takes a record lock calls this pair: ``self._lock(offset)``, then
+    # ``try: ... finally: self._unlock(offset)``. A pair of methods rather than a context
+    # manager because set_slot takes it: a ``with`` on an object made for each call cost more
+    # than the pair (docs/benchmarks.md, "One lock idiom").
 
-    def _header_locked(self) -> contextlib.AbstractContextManager:
-        return self._locked(_LOCK_BASE)
+    def _lock(self, offset: int, length: int = 1) -> None:
+        """Take this process's thread lock, then the POSIX record lock on ``length`` bytes at
+        ``offset`` (record locks do not exclude threads of one process). The thread lock is
+        reentrant: the arena's lock is taken inside an index's lock."""
+        self._tlock.acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
+        except BaseException:
+            self._tlock.release()
+            raise
+
+    def _unlock(self, offset: int, length: int = 1) -> None:
+        """Release what ``_lock(offset, length)`` took."""
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
+        finally:
+            self._tlock.release()
 
     def _header_get(self, field: str) -> int:
         return struct.unpack_from("<q", self._mm, _FIELD_OFFSET[field])[0]
@@ -2288,7 +2294,8 @@ class BaseCache:
         the cache in each of its Pool tasks must not use up the rows)."""
         rows = self._stats_np
         pid = os.getpid()
-        with self._header_locked():
+        self._lock(_LOCK_BASE)
+        try:
             free = 0
             for r in np.flatnonzero(rows[1:, _PID]) + 1:
                 if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
@@ -2304,12 +2311,14 @@ class BaseCache:
             else:
                 warnings.warn(f"more than {_STATS_ROWS - 1} processes use this cache; their "
                               "stats share one row and may undercount", RuntimeWarning)
+        finally:
+            self._unlock(_LOCK_BASE)
         row_off = _HEADER_BYTES + free * _STATS_COLS * 8
         self._ctr = memoryview(self._mm)[row_off: row_off + _STATS_COLS * 8].cast("q")
 
     def _after_fork(self) -> None:
         """In a forked child (e.g. a DataLoader worker): fresh thread lock, own stats row."""
-        self._tlock = threading.Lock()
+        self._tlock = threading.RLock()
         if not self._closed:
             try:
                 self._claim_stats_row()
@@ -2643,11 +2652,14 @@ class BaseCache:
         if not self._staging:
             return False
         table = self._stage_np
-        with self._locked(_STAGE_LOCK):
+        self._lock(_STAGE_LOCK)
+        try:
             found = _staged_entries(table, idx)
             if tag is not None:
                 found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
             table[found] = -1
+        finally:
+            self._unlock(_STAGE_LOCK)
         return bool(found.size)
 
     def ready_mask(self, indices: Any = None, *, tag: int | None = None) -> np.ndarray:
@@ -2708,8 +2720,11 @@ class BaseCache:
                                   not all(_is_int(since.get(k)) for k in counters)):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
-        with self._header_locked():
+        self._lock(_LOCK_BASE)
+        try:
             rows = self._stats_np.copy()
+        finally:
+            self._unlock(_LOCK_BASE)
         counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
         if since is not None:
             counts = {k: v - int(since[k]) for k, v in counts.items()}
@@ -2741,10 +2756,13 @@ class BaseCache:
         if pid != os.getpid() or not tags or not self._staging:
             return
         with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
-            with self._locked(_STAGE_LOCK):  # (holds _tlock: a stage of this process that
-                self._closing = True         # publishes later sees _closing and withdraws)
+            self._lock(_STAGE_LOCK)
+            try:  # (holds _tlock: a stage of this process that publishes later sees _closing
+                self._closing = True  # and withdraws)
                 table = self._stage_np
                 table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
+            finally:
+                self._unlock(_STAGE_LOCK)
 
     def _unmap(self) -> None:
         """Drop every view of the segment and unmap it now rather than when the object is
@@ -3030,13 +3048,17 @@ class SharedCache(BaseCache):
     def _writing(self, first: int, count: int) -> Iterator[None]:
         """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
         caller writes them: concurrent readers of those slots see misses."""
-        with self._locked(_slot_lock_offset(first), max(1, count)):
+        lock, length = _slot_lock_offset(first), max(1, count)
+        self._lock(lock, length)
+        try:
             seq = self._seq_np[first: first + count]
             seq |= 1
             try:
                 yield
             finally:
                 seq += 1
+        finally:
+            self._unlock(lock, length)
 
     def __deepcopy__(self, memo: dict) -> "SharedCache":
         """An independent cache with this one's configuration and contents, private to this
@@ -3053,7 +3075,9 @@ class SharedCache(BaseCache):
             shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
             random_subset=lay.random_subset)
         memo[id(self)] = twin
-        with self._locked(_slot_lock_offset(0), max(1, lay.slots)):  # no writer meanwhile
+        every = max(1, lay.slots)
+        self._lock(_slot_lock_offset(0), every)  # no writer meanwhile
+        try:
             aux = self._aux_np.copy()
             held = np.flatnonzero(aux == SET)
             slots = held if self._slot_map is None else \
@@ -3062,6 +3086,8 @@ class SharedCache(BaseCache):
             aux[aux == WRITING] = EMPTY
             twin._np_slots[:lay.slots] = self._np_slots[:lay.slots]
             twin._aux_np[:] = aux  # (staged samples are not copied: they wait for one read)
+        finally:
+            self._unlock(_slot_lock_offset(0), every)
         return twin
 
     @property
@@ -3343,9 +3369,12 @@ class SharedCache(BaseCache):
             taken = staged[hit[staged]]
             if taken.size:
                 k = located.rows[taken] - self._layout.slots
-                with self._locked(_STAGE_LOCK):
+                self._lock(_STAGE_LOCK)
+                try:
                     k = k[table[k] == located.entries[taken]]  # (still there: freed once)
                     table[k] = -1
+                finally:
+                    self._unlock(_STAGE_LOCK)
                 self._ctr[_STAGED_HITS] += int(taken.size)
         if count:
             self._ctr[_HITS] += int(np.count_nonzero(hit))
@@ -3476,29 +3505,26 @@ class SharedCache(BaseCache):
         src = self._source_array(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
         lock = _slot_lock_offset(slot)
-        # The lock is taken by hand rather than with self._locked: a generator-based context
-        # manager costs about 1 us, a fifth of this call.
-        with self._tlock:  # POSIX record locks do not exclude threads of one process
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, lock)
-            try:
-                # A slot left WRITING, or SET with an odd sequence number, by a writer that
-                # died (or was interrupted) is empty: we hold its lock, so nobody writes it.
-                if self._aux_mv[idx] == SET and not allow_overwrite and \
-                        not self._seq_mv[slot] & 1:
-                    if exist_ok:
-                        return
-                    if self._holds(slot, src):  # a second load of one index: done already
-                        self._ctr[_WRITES] += 1
-                        return
-                    raise RuntimeError(
-                        f"the slot of idx={idx} is already set to a different value; pass "
-                        "allow_overwrite=True to replace it, or exist_ok=True to keep it. "
-                        "(Two loads of one index that give different values mean that the "
-                        "load is not deterministic, most often random augmentation before "
-                        "the cache: cache the decoded sample and augment after get_slot.)")
-                self._write(slot, src, idx)
-            finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
+        self._lock(lock)
+        try:
+            # A slot left WRITING, or SET with an odd sequence number, by a writer that
+            # died (or was interrupted) is empty: we hold its lock, so nobody writes it.
+            if self._aux_mv[idx] == SET and not allow_overwrite and \
+                    not self._seq_mv[slot] & 1:
+                if exist_ok:
+                    return
+                if self._holds(slot, src):  # a second load of one index: done already
+                    self._ctr[_WRITES] += 1
+                    return
+                raise RuntimeError(
+                    f"the slot of idx={idx} is already set to a different value; pass "
+                    "allow_overwrite=True to replace it, or exist_ok=True to keep it. "
+                    "(Two loads of one index that give different values mean that the "
+                    "load is not deterministic, most often random augmentation before "
+                    "the cache: cache the decoded sample and augment after get_slot.)")
+            self._write(slot, src, idx)
+        finally:
+            self._unlock(lock)
         self._ctr[_WRITES] += 1
 
     def _holds(self, slot: int, src: np.ndarray) -> bool:
@@ -3542,7 +3568,8 @@ class SharedCache(BaseCache):
         src = self._source_array(value)
         table = self._stage_np
         entry = idx | tag << _STAGE_TAG_SHIFT
-        with self._locked(_STAGE_LOCK):
+        self._lock(_STAGE_LOCK)
+        try:
             # Staged already by the same stager (the same entry): kept; another stager's
             # copy stays its own. One comparison of the whole map: a few microseconds.
             if (table == entry).any():
@@ -3556,10 +3583,16 @@ class SharedCache(BaseCache):
                 if table[k] != -1:
                     return False
             table[k] = -2 - os.getpid()  # reserved by us while we fill it
+        finally:
+            self._unlock(_STAGE_LOCK)
         slot = self._layout.slots + k
+        lock = _slot_lock_offset(slot)
         try:
-            with self._locked(_slot_lock_offset(slot)):
+            self._lock(lock)
+            try:
                 self._write(slot, src, None)
+            finally:
+                self._unlock(lock)
         except BaseException:
             table[k] = -1
             raise
@@ -3591,9 +3624,12 @@ class SharedCache(BaseCache):
         row = self._read_row(self._layout.slots + k, True, table, k, entry)
         if row is None:
             return None
-        with self._locked(_STAGE_LOCK):
+        self._lock(_STAGE_LOCK)
+        try:
             if table[k] == entry:  # (still there: freed once)
                 table[k] = -1
+        finally:
+            self._unlock(_STAGE_LOCK)
         self._ctr[_HITS] += 1
         self._ctr[_STAGED_HITS] += 1
         return self._from_row(row)
@@ -3612,9 +3648,12 @@ class SharedCache(BaseCache):
             aux[aux != OOB] = EMPTY
             self._np_slots[:len(self)].reshape(-1).view(np.uint8).fill(0)
         if self._staging:
-            with self._locked(_STAGE_LOCK):  # staged samples are dropped (fillers finish)
+            self._lock(_STAGE_LOCK)  # staged samples are dropped (fillers finish)
+            try:
                 table = self._stage_np
                 table[table >= 0] = -1
+            finally:
+                self._unlock(_STAGE_LOCK)
 
     # -- saving to a file, and loading one ---------------------------------------------------
 
@@ -4374,13 +4413,12 @@ class OpenSizeCache(BaseCache):
                 raise self._oob_error(idx)
             return
         lock = _slot_lock_offset(idx)
-        with self._tlock:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, lock)
-            try:
-                if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
-                    return
-            finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
+        self._lock(lock)
+        try:
+            if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
+                return
+        finally:
+            self._unlock(lock)
         self._ctr[_WRITES] += 1
 
     def _store(self, idx: int, src: np.ndarray, sizes: list[int], allow_overwrite: bool,
@@ -4403,7 +4441,7 @@ class OpenSizeCache(BaseCache):
             off, cap = rec[base + _REC_OFF], rec[base + _REC_CAP]  # its place, reused
         else:
             cap = -(-src.size // _ARENA_ALIGN) * _ARENA_ALIGN
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+            self._lock(_ARENA_LOCK)
             try:
                 off = self._header_get("arena_top")
                 if off + cap <= self._arena_size:
@@ -4412,7 +4450,7 @@ class OpenSizeCache(BaseCache):
                     off = -1
                     self._header_set("arena_full", self._header_get("arena_full") + 1)
             finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+                self._unlock(_ARENA_LOCK)
             if off < 0:  # full: nothing stored; an overwritten sample is dropped
                 if state != EMPTY:
                     self._drop(idx)
@@ -4446,8 +4484,9 @@ class OpenSizeCache(BaseCache):
         """Empty every index and give back the whole arena. Safe while other processes read
         (they see misses) or write (they finish first)."""
         self._check_open()
-        with self._locked(_slot_lock_offset(0), self._n):
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+        self._lock(_slot_lock_offset(0), self._n)
+        try:
+            self._lock(_ARENA_LOCK)
             try:
                 seq = self._rec_np[:, _REC_SEQ]
                 seq |= 1
@@ -4458,7 +4497,9 @@ class OpenSizeCache(BaseCache):
                 self._header_set("arena_top", 0)
                 seq += 1
             finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+                self._unlock(_ARENA_LOCK)
+        finally:
+            self._unlock(_slot_lock_offset(0), self._n)
 
     def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """As ``SharedCache.stats``, plus ``arena_bytes`` (the arena's size) and ``arena_used``
@@ -4488,7 +4529,8 @@ class OpenSizeCache(BaseCache):
                            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
                            random_subset=lay.random_subset, mean_sample_bytes=self._mean or None)
         memo[id(self)] = twin
-        with self._locked(_slot_lock_offset(0), self._n):
+        self._lock(_slot_lock_offset(0), self._n)
+        try:
             aux = self._aux_np.copy()
             aux[(aux == SET) & (self._rec_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
             aux[aux == WRITING] = EMPTY
@@ -4498,6 +4540,8 @@ class OpenSizeCache(BaseCache):
             twin._rec_np[:, _REC_SEQ] = 0
             twin._header_set("arena_top", top)
             twin._aux_np[:] = aux
+        finally:
+            self._unlock(_slot_lock_offset(0), self._n)
         return twin
 
 
