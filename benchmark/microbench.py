@@ -204,9 +204,9 @@ def bench_variable(n: int = 512, rounds: int = 15, before=None) -> dict[str, lis
         for i, x in enumerate(images):
             c.set_slot(i, x)
         assert c.stats()["filled"] == n
-        arena = torch.from_numpy(c._arena_np)
+        arena = torch.from_numpy(c._arena)
         same = [arena[o: o + b].view(x.shape) for (o, b), x in
-                zip(c._rec_np[:, 1:3].tolist(), images)]  # the samples in the arena
+                zip(c._records_np[:, 1:3].tolist(), images)]  # the samples in the arena
         k = itertools.count()
         for _ in range(rounds):
             for name, fn in (("get_slot hit, open sizes",
