@@ -1108,20 +1108,29 @@ def _alive(pid: int, start: int) -> bool:
     return start == 0 or _process_start(pid) in (0, start)
 
 
-_CLOSED_MESSAGE = ("this SharedCache is closed (close() was called, or its with block ended); "
-                   "keep the cache open while its Dataset is used, or construct it again")
+def _closed_error(kind: type) -> ValueError:
+    """The error of any use of a closed cache of class ``kind``, named as the user knows it
+    (``SharedCache``, ``OpenSizeCache``, or the user's subclass; never a private class)."""
+    name = next(c.__name__ for c in kind.__mro__ if not c.__name__.startswith("_"))
+    return ValueError(f"this {name} is closed (close() was called, or its with block "
+                      "ended); keep the cache open while its Dataset is used, or construct it "
+                      "again")
 
 
 class _Closed:
     """Stands in for the shared buffers of a closed cache: any access says so."""
 
+    __slots__ = ("_kind",)
+
+    def __init__(self, kind: type) -> None:
+        self._kind = kind
+
     def __getitem__(self, key: Any) -> Any:
-        raise ValueError(_CLOSED_MESSAGE)
+        raise _closed_error(self._kind)
 
     __setitem__ = __getitem__
 
 
-_CLOSED = _Closed()
 _LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
 # The read_tags a process set on a cache, with its pid: the tags of that process's stagers
 # (prefetchers), whose staged samples close() gives back. (A forked child inherits the entry
@@ -2387,7 +2396,7 @@ class BaseCache:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(_CLOSED_MESSAGE)
+            raise _closed_error(type(self))
 
     @property
     def aux_array(self) -> torch.Tensor:
@@ -2771,15 +2780,16 @@ class BaseCache:
         """Drop every view of the segment and unmap it now rather than when the object is
         collected (a Dataset keeps its closed cache). A tensor the caller still holds
         (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
+        closed = _Closed(type(self))
         self._closed = True
         _LIVE_CACHES.discard(self)
         thread, stop = getattr(self, "_populating", (None, None))
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             stop.set()
             thread.join()  # (it reads the mapping's addresses: they must stay mapped)
-        self._index_states = self._index_states_np = _CLOSED  # type: ignore
-        self._own_counters = self._stats_rows = _CLOSED  # type: ignore
-        self._slot_map = self._staging_table = _CLOSED  # type: ignore
+        self._index_states = self._index_states_np = closed  # type: ignore
+        self._own_counters = self._stats_rows = closed  # type: ignore
+        self._slot_map = self._staging_table = closed  # type: ignore
         for mm in (self._mapping, getattr(self, "_read_only_mapping", None)):
             if mm is not None:
                 with contextlib.suppress(BufferError):
@@ -3607,7 +3617,7 @@ class SharedCache(BaseCache):
             closing = self._closing
             table[k] = -1 if closing else entry  # published only once the bytes are in
         if closing:
-            raise ValueError(_CLOSED_MESSAGE)
+            raise _closed_error(type(self))
         self._own_counters[_STAGES] += 1
         return True
 
@@ -3986,9 +3996,11 @@ class SharedCache(BaseCache):
         return None
 
     def _unmap(self) -> None:
-        self._slot_versions = self._slot_versions_np = self._slot_samples = _CLOSED  # type: ignore
-        self._array = self._read_only_slots = _CLOSED  # type: ignore
+        closed = _Closed(type(self))
+        self._slot_versions = self._slot_versions_np = self._slot_samples = closed  # type: ignore
+        self._array = self._read_only_slots = closed  # type: ignore
         super()._unmap()
+
 
 def _check_keys(value: Any, dims: Mapping) -> Mapping:
     """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
@@ -4036,7 +4048,8 @@ class _FieldsCache(SharedCache):
             self._read_only_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
 
     def _unmap(self) -> None:
-        self._field_arrays = self._read_only_fields = _CLOSED  # type: ignore
+        closed = _Closed(type(self))
+        self._field_arrays = self._read_only_fields = closed  # type: ignore
         super()._unmap()
 
     get_slot = BaseCache.get_slot
@@ -4311,9 +4324,10 @@ class OpenSizeCache(BaseCache):
                                               self._arena_size // self._itemsize, data_off)
 
     def _unmap(self) -> None:
-        self._records_np = self._records = _CLOSED  # type: ignore
-        self._arena = self._read_only_arena = _CLOSED  # type: ignore
-        self._records_bytes = self._arena_items = _CLOSED  # type: ignore
+        closed = _Closed(type(self))
+        self._records_np = self._records = closed  # type: ignore
+        self._arena = self._read_only_arena = closed  # type: ignore
+        self._records_bytes = self._arena_items = closed  # type: ignore
         super()._unmap()
 
     # -- reading ----------------------------------------------------------------------------
@@ -4515,6 +4529,7 @@ class OpenSizeCache(BaseCache):
         (bytes handed out since the last ``clear()``, overwritten places included); ``full``
         counts writes that found no room. ``slots`` is the number of indices this node may
         admit."""
+        self._check_open()  # (before the header is read: a closed mapping says less)
         full = self._header_get("arena_full")
         if since is not None and not _is_int(since.get("full")):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "

@@ -490,10 +490,34 @@ def test_every_call_on_a_closed_cache_says_it_is_closed(shm_dir):
     x = torch.zeros(3, 4, 4, dtype=torch.uint8)
     for call in (lambda: c.array, lambda: c.aux_array, lambda: c[0], lambda: c.stats(),
                  lambda: c.clear(), lambda: c.get_slot(0), lambda: c.set_slot(0, x)):
-        with pytest.raises(ValueError, match="this SharedCache is closed"):
+        with pytest.raises(ValueError, match="^this SharedCache is closed"):
             call()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ValueError, match="^this SharedCache is closed"):
         c.__setitem__(0, x)
+
+
+class MyCache(stocaching.OpenSizeCache):
+    pass
+
+
+@pytest.mark.parametrize("kind, dims, dtype, value, name", [
+    (SharedCache, {"image": (3, 4, 4), "label": ()}, {"image": torch.uint8, "label": torch.int64},
+     {"image": torch.zeros(3, 4, 4, dtype=torch.uint8), "label": 1}, "SharedCache"),
+    (stocaching.OpenSizeCache, (3, None, None), torch.uint8,
+     torch.zeros(3, 4, 5, dtype=torch.uint8), "OpenSizeCache"),
+    (MyCache, (3, None, None), torch.uint8, torch.zeros(3, 4, 5, dtype=torch.uint8),
+     "MyCache"),  # a user's subclass, by its own name
+], ids=["fields", "open sizes", "subclass"])
+def test_a_closed_cache_names_its_own_kind(shm_dir, kind, dims, dtype, value, name):
+    """The message names the class the user made (a cache with fields is a SharedCache to
+    them), both where a call checks first and where a read finds the views gone."""
+    c = kind(64 * KIB, 100, dims, dtype, shm_dir=shm_dir)
+    c.set_slot(0, value)
+    c.close()
+    for call in (lambda: c.aux_array, lambda: c.stats(), lambda: c.clear(),
+                 lambda: c.get_slot(0), lambda: c.set_slot(1, value)):
+        with pytest.raises(ValueError, match=f"^this {name} is closed"):
+            call()
 
 
 # -- found in review ---------------------------------------------------------------------------
