@@ -2351,9 +2351,10 @@ class BaseCache:
     _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging_slots",
               "_fields", "_read_tags")
 
-    # Class-level defaults, set on the instance only where they differ: CPython keeps at most
-    # 30 instance attributes in a dict whose keys the class shares, which the hit path's
-    # attribute reads are specialised for (tests/test_cache.py checks a cache of one tensor).
+    # Class-level defaults, set on the instance only where they differ, so that a cache of one
+    # tensor keeps within the 30 instance attributes whose keys CPython shares among a class's
+    # instances (tests/test_cache.py checks it). On CPython 3.11 a hit past 30 measured the
+    # same (docs/benchmarks.md, "Instance attributes"): a budget, not a speed.
     _fields: tuple = ()  # the fields of a sample (_FieldsCache, OpenSizeCache with a dict)
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
     _persistent, _key = False, ""  # a persistent cache and the key of the data it holds
