@@ -1108,13 +1108,17 @@ def _alive(pid: int, start: int) -> bool:
     return start == 0 or _process_start(pid) in (0, start)
 
 
+def _public_name(kind: type) -> str:
+    """A cache class's name as the user knows it: ``SharedCache``, ``OpenSizeCache``, or the
+    user's subclass; never a private class of ours."""
+    return next(c.__name__ for c in kind.__mro__ if not c.__name__.startswith("_"))
+
+
 def _closed_error(kind: type) -> ValueError:
-    """The error of any use of a closed cache of class ``kind``, named as the user knows it
-    (``SharedCache``, ``OpenSizeCache``, or the user's subclass; never a private class)."""
-    name = next(c.__name__ for c in kind.__mro__ if not c.__name__.startswith("_"))
-    return ValueError(f"this {name} is closed (close() was called, or its with block "
-                      "ended); keep the cache open while its Dataset is used, or construct it "
-                      "again")
+    """The error of any use of a closed cache of class ``kind``."""
+    return ValueError(f"this {_public_name(kind)} is closed (close() was called, or its with "
+                      "block ended); keep the cache open while its Dataset is used, or "
+                      "construct it again")
 
 
 class _Closed:
@@ -2364,7 +2368,8 @@ class BaseCache:
         """What multiprocessing's pickler sends: a duplicate of the descriptor and the
         configuration (registered for each cache class by ``_sendable_by_multiprocessing``)."""
         if self._closed:
-            raise ValueError("a closed SharedCache cannot be sent to another process")
+            raise ValueError(f"a closed {_public_name(type(self))} cannot be sent to another "
+                             "process")
         from multiprocessing.reduction import DupFd
 
         state = {k: getattr(self, k) for k in self._STATE}

@@ -6,6 +6,7 @@ import copy
 import os
 import re
 import warnings
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
@@ -519,6 +520,8 @@ def test_a_closed_cache_names_its_own_kind(shm_dir, kind, dims, dtype, value, na
                  lambda: c.get_slot(0), lambda: c.set_slot(1, value)):
         with pytest.raises(ValueError, match=f"^this {name} is closed"):
             call()
+    with pytest.raises(ValueError, match=f"^a closed {name} cannot be sent"):
+        ForkingPickler.dumps(c)  # what a Queue, a Pool task or a process start does
 
 
 # -- found in review ---------------------------------------------------------------------------
