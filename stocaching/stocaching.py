@@ -4222,8 +4222,8 @@ class OpenSizeCache(BaseCache):
         As SharedCache's (no file is loaded here).
     """
 
-    _STATE = BaseCache._STATE + ("_sample_fields", "_arena_size", "_record_words", "_mean",
-                                 "_limit_gib")
+    _STATE = BaseCache._STATE + ("_sample_fields", "_arena_size", "_record_words",
+                                 "_mean_sample_bytes", "_limit_gib")
 
     def __init__(self, size_limit_gib: float, dataset_len: int,
                  data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
@@ -4269,7 +4269,7 @@ class OpenSizeCache(BaseCache):
             (_Field("", dims, dtype, 0, 0),)
         self._record_words = 4 + sum(d is None for f in self._sample_fields for d in f.dims)
         self._arena_size = _arena_bytes(size_limit_gib, dataset_len, self._record_words)
-        self._mean, self._limit_gib = mean or 0, float(size_limit_gib)
+        self._mean_sample_bytes, self._limit_gib = mean or 0, float(size_limit_gib)
         if not self._arena_size:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no room for samples: the "
                           f"aux array and the records alone need "
@@ -4286,7 +4286,7 @@ class OpenSizeCache(BaseCache):
         offsets.update(seq_off=rec_off, stage_off=0, map_off=0, data_off=data_off,
                        total_bytes=data_off + max(1, self._arena_size),
                        arena_bytes=self._arena_size, arena_top=0, record_words=self._record_words,
-                       mean_bytes=self._mean)
+                       mean_bytes=self._mean_sample_bytes)
         return offsets
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
@@ -4553,11 +4553,12 @@ class OpenSizeCache(BaseCache):
         self._check_open()
         w, lay = self._world, self._layout
         twin = OpenSizeCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
-                           name=f"copy{next(_COPY_COUNTER)}",
-                           world=World(rank=w.node_rank, world_size=w.num_nodes,
-                                       node_rank=w.node_rank, num_nodes=w.num_nodes),
-                           shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-                           random_subset=lay.random_subset, mean_sample_bytes=self._mean or None)
+                             name=f"copy{next(_COPY_COUNTER)}",
+                             world=World(rank=w.node_rank, world_size=w.num_nodes,
+                                         node_rank=w.node_rank, num_nodes=w.num_nodes),
+                             shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
+                             random_subset=lay.random_subset,
+                             mean_sample_bytes=self._mean_sample_bytes or None)
         memo[id(self)] = twin
         self._lock(_slot_lock_offset(0), self._dataset_len)
         try:
