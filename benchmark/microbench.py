@@ -11,7 +11,8 @@ hits read by ``get_batch`` against 64 ``get_slot`` calls and a ``torch.stack``; 
 cache of open sizes against a bare ``clone()`` of the same bytes; how many images of varied
 sizes fit in a budget against the sum of their sizes; and, with ``--before``, this core's
 ``get_slot`` hit against the older core's (its open-size hit is printed beside the older
-core's too, without a target). With
+core's too, without a target). ``--idioms`` times two choices of the core against their
+alternatives (the record lock's pair of methods; caches past 30 instance attributes). With
 ``--ref-dir`` pointing at ``pip install --target DIR stocaching==0.2.1``, stocaching 0.2.1 is
 measured too, imported under another name.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import importlib.util
 import io
 import itertools
@@ -148,6 +150,98 @@ def bench_side_by_side(dims: tuple[int, ...], ref, before, rounds: int = 25
     return out
 
 
+class _HeldWith:
+    """The record lock as a class-based context manager (the form the core does not use)."""
+
+    __slots__ = ("cache", "offset")
+
+    def __init__(self, cache, offset: int) -> None:
+        self.cache, self.offset = cache, offset
+
+    def __enter__(self) -> None:
+        self.cache._thread_lock.acquire()
+        try:
+            fcntl.lockf(self.cache._fd, fcntl.LOCK_EX, 1, self.offset)
+        except BaseException:
+            self.cache._thread_lock.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            fcntl.lockf(self.cache._fd, fcntl.LOCK_UN, 1, self.offset)
+        finally:
+            self.cache._thread_lock.release()
+
+
+def bench_idioms(rounds: int = 15, number: int = 20000) -> dict[str, list[float]]:
+    """Two choices of the core, each timed against its alternative, interleaved round by round.
+
+    The record lock of one slot taken and released by the core's pair of methods
+    (``_lock``/``_unlock`` with ``try``/``finally``), against the same pair inside a
+    ``__slots__`` context manager made for each ``with`` and against the lock taken by hand
+    (``fcntl.lockf`` inside ``with`` the thread lock). And a ``get_slot`` hit of a cache with its
+    own attributes (30 for a cache of one tensor, 41 for open sizes) against the same cache
+    with 11 more (CPython 3.11 shares the keys of at most 30 instance attributes among a
+    class's instances; past that an instance has a dict of its own).
+
+    Returns microseconds per call of every round, by name."""
+    class Padding:
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            for j in range(11):
+                setattr(self, f"_padding{j}", None)
+
+    class Padded(Padding, stocaching.SharedCache):
+        pass
+
+    class PaddedOpen(Padding, stocaching.OpenSizeCache):
+        pass
+
+    x = torch.randint(0, 255, (3, 8, 8), dtype=torch.uint8)
+    caches = {}
+    for name, kind, dims in (("SharedCache", stocaching.SharedCache, (3, 8, 8)),
+                             ("SharedCache + 11", Padded, (3, 8, 8)),
+                             ("OpenSizeCache", stocaching.OpenSizeCache, (3, None, None)),
+                             ("OpenSizeCache + 11", PaddedOpen, (3, None, None))):
+        c = kind(4 / 1024, 100, dims, name=f"microbench-idioms-{len(caches)}")
+        c.set_slot(5, x)
+        caches[name] = c
+    c = caches["SharedCache"]
+    offset = (1 << 50) + 1 + 7
+
+    def pair():
+        c._lock(offset)
+        try:
+            pass
+        finally:
+            c._unlock(offset)
+
+    def with_object():
+        with _HeldWith(c, offset):
+            pass
+
+    def by_hand():
+        with c._thread_lock:
+            fcntl.lockf(c._fd, fcntl.LOCK_EX, 1, offset)
+            try:
+                pass
+            finally:
+                fcntl.lockf(c._fd, fcntl.LOCK_UN, 1, offset)
+
+    calls = {"lock: _lock/_unlock pair": pair, "lock: with a __slots__ object": with_object,
+             "lock: by hand (the old set_slot)": by_hand}
+    for name, cache in caches.items():
+        calls[f"hit: {name}"] = (lambda cache: lambda: cache.get_slot(5))(cache)
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times.setdefault(name, []).append(timeit.timeit(fn, number=number) / number * 1e6)
+    for name, cache in caches.items():  # counted after the timing: vars() builds the dict
+        times[f"hit: {name} ({len(vars(cache))} attributes)"] = times.pop(f"hit: {name}")
+        cache.close()
+    return times
+
+
 def bench_batch(dims: tuple[int, ...] = (3, 128, 128), batch: int = 64, rounds: int = 15,
                 n: int = 2048) -> dict[str, list[float]]:
     """A batch of ``batch`` hits read by one ``get_batch`` against ``batch`` ``get_slot`` calls
@@ -204,9 +298,9 @@ def bench_variable(n: int = 512, rounds: int = 15, before=None) -> dict[str, lis
         for i, x in enumerate(images):
             c.set_slot(i, x)
         assert c.stats()["filled"] == n
-        arena = torch.from_numpy(c._arena_np)
+        arena = torch.from_numpy(c._arena)
         same = [arena[o: o + b].view(x.shape) for (o, b), x in
-                zip(c._rec_np[:, 1:3].tolist(), images)]  # the samples in the arena
+                zip(c._records_np[:, 1:3].tolist(), images)]  # the samples in the arena
         k = itertools.count()
         for _ in range(rounds):
             for name, fn in (("get_slot hit, open sizes",
@@ -286,8 +380,19 @@ def main(argv=None) -> None:
                     help="another copy of stocaching.py (e.g. from `git show REV:stocaching/"
                          "stocaching.py`): time its hit and write paths beside this one's "
                          "and 0.2.1's, interleaved, then stop")
+    ap.add_argument("--idioms", action="store_true",
+                    help="time the core's record-lock idiom against its alternatives, and a hit "
+                         "of a cache with more than 30 instance attributes, then stop")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.idioms:
+        print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, "
+              f"load average {os.getloadavg()[0]:.2f}")
+        print("\ninterleaved rounds: min / median per call")
+        for name, ts in bench_idioms().items():
+            print(f"  {name:44s} {min(ts):7.3f} / {np.median(ts):7.3f} us")
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        return
     ref = load_ref(args.ref_dir) if args.ref_dir else None
     print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} cpus, "
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")

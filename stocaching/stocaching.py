@@ -1075,14 +1075,6 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
-def _lock(fd: int, offset: int, length: int = 1, exclusive: bool = True) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, length, offset)
-
-
-def _unlock(fd: int, offset: int, length: int = 1) -> None:
-    fcntl.lockf(fd, fcntl.LOCK_UN, length, offset)
-
-
 def _try_stale(fd: int) -> bool:
     """True when no live process holds the segment (we then hold an exclusive flock on it)."""
     try:
@@ -1116,20 +1108,33 @@ def _alive(pid: int, start: int) -> bool:
     return start == 0 or _process_start(pid) in (0, start)
 
 
-_CLOSED_MESSAGE = ("this SharedCache is closed (close() was called, or its with block ended); "
-                   "keep the cache open while its Dataset is used, or construct it again")
+def _public_name(kind: type) -> str:
+    """A cache class's name as the user knows it: ``SharedCache``, ``OpenSizeCache``, or the
+    user's subclass; never a private class of ours."""
+    return next(c.__name__ for c in kind.__mro__ if not c.__name__.startswith("_"))
+
+
+def _closed_error(kind: type) -> ValueError:
+    """The error of any use of a closed cache of class ``kind``."""
+    return ValueError(f"this {_public_name(kind)} is closed (close() was called, or its with "
+                      "block ended); keep the cache open while its Dataset is used, or "
+                      "construct it again")
 
 
 class _Closed:
     """Stands in for the shared buffers of a closed cache: any access says so."""
 
+    __slots__ = ("_kind",)
+
+    def __init__(self, kind: type) -> None:
+        self._kind = kind
+
     def __getitem__(self, key: Any) -> Any:
-        raise ValueError(_CLOSED_MESSAGE)
+        raise _closed_error(self._kind)
 
     __setitem__ = __getitem__
 
 
-_CLOSED = _Closed()
 _LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
 # The read_tags a process set on a cache, with its pid: the tags of that process's stagers
 # (prefetchers), whose staged samples close() gives back. (A forked child inherits the entry
@@ -1823,7 +1828,7 @@ class BaseCache:
         """Make the segment, with ``slots`` on this node (the local leader: filled from
         ``load_from`` if given), or attach to the leader's (the other local ranks)."""
         self._layout = dataclasses.replace(self._layout, slots=slots)
-        self._dims, self._dtype, self._staging = dims, dtype, staging
+        self._dims, self._dtype, self._staging_slots = dims, dtype, staging
         if fields:  # (else the class's (): see _fields below)
             self._fields = fields
         self._fd = -1
@@ -1845,7 +1850,7 @@ class BaseCache:
              "persistent": int(self._persistent),
              "key_hash": _key_hash(self._key) if self._persistent else 0,
              "uid": os.getuid(), "stats_rows": _STATS_ROWS,
-             "staging": self._staging, "nfields": len(self._fields), "arena_bytes": 0,
+             "staging": self._staging_slots, "nfields": len(self._fields), "arena_bytes": 0,
              "arena_top": 0, "record_words": 0, "mean_bytes": 0, "arena_full": 0}
         for i in range(_MAX_DIMS):
             h[f"dim{i}"] = (-1 if one[i] is None else one[i]) if i < len(one) else 0
@@ -1883,7 +1888,7 @@ class BaseCache:
                 self._reserve(fd, head["total_bytes"])
             publish(tmp, fd)
         except BaseException:
-            if getattr(self, "_mm", None) is not None:
+            if getattr(self, "_mapping", None) is not None:
                 self._unmap()  # the traceback keeps self alive: free the memory now
             _close_fd(fd)
             raise
@@ -1995,7 +2000,7 @@ class BaseCache:
             # alone). flock cannot turn exclusive into shared atomically: it drops the lock
             # first, and a `clean` of this name or a job replacing it may take the segment
             # in between. Once shared it is ours to keep, so look at the name again then.
-            _pwrite_all(fd, np.full(self._staging, -1, np.int64), head["stage_off"])
+            _pwrite_all(fd, np.full(self._staging_slots, -1, np.int64), head["stage_off"])
             fcntl.flock(fd, fcntl.LOCK_SH)
             if not _names(self._path, st.st_ino, st.st_dev):
                 return False  # removed meanwhile: look again
@@ -2005,15 +2010,15 @@ class BaseCache:
         self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
         self._populate(head["data_off"])
         logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
-                    "filled", self._name, self._key, int(np.count_nonzero(self._aux_np == SET)),
-                    self._layout.slots)
+                    "filled", self._name, self._key,
+                    int(np.count_nonzero(self._index_states_np == SET)), self._layout.slots)
         return True
 
     def _populate(self, data_off: int) -> None:
         """Map the pages of the slots of a segment that holds samples into this process
         ahead of the reads, the first now and the rest in the background (the read-write
         mapping: the one every copying read reads); ``_unmap`` stops the thread first."""
-        rows = np.frombuffer(self._mm, np.uint8, self._total - data_off, data_off)
+        rows = np.frombuffer(self._mapping, np.uint8, self._segment_size - data_off, data_off)
         self._populating = _populate_in_background(rows.ctypes.data, rows.nbytes)
 
     def _preflight(self, shm_dir: str, total: int) -> None:
@@ -2081,7 +2086,7 @@ class BaseCache:
         self._map(fd, mm, head)
         lay = self._layout
         if self._slot_map is not None or lay.slots < lay.dataset_len:
-            aux = self._aux_np
+            aux = self._index_states_np
             aux[:] = OOB
             held = lay.indices(self._world.node_rank)
             aux[held] = EMPTY
@@ -2089,7 +2094,7 @@ class BaseCache:
                 smap = np.frombuffer(mm, _slot_map_dtype(lay), lay.dataset_len, head["map_off"])
                 smap[:] = -1
                 smap[held] = np.arange(len(held))
-        self._stage_np[:] = -1
+        self._staging_table[:] = -1
         struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
 
     def _publish(self, tmp: str, fd: int) -> None:
@@ -2155,9 +2160,12 @@ class BaseCache:
             delay = min(delay * 2, 0.1)
         try:
             head = self._map_existing(fd)
-            with self._header_locked():
+            self._lock(_LOCK_BASE)
+            try:
                 attached = self._header_get("attached") + 1
                 self._header_set("attached", attached)
+            finally:
+                self._unlock(_LOCK_BASE)
             # All here: drop the name (a persistent cache keeps it: the next job attaches by it).
             if attached >= head["local_world_size"] and not head["persistent"]:
                 dev, ino = self._file_id
@@ -2232,16 +2240,16 @@ class BaseCache:
         """Build every view of the segment and claim this process's stats row."""
         global _FORK_HOOK_REGISTERED
         lay = self._layout
-        self._fd, self._mm = fd, mm
+        self._fd, self._mapping = fd, mm
         st = os.fstat(fd)
         self._file_id = (st.st_dev, st.st_ino)
-        self._total = head["total_bytes"]
-        self._n = lay.dataset_len
+        self._segment_size = head["total_bytes"]
+        self._dataset_len = lay.dataset_len
         view = memoryview(mm)
-        self._aux_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
-        self._aux_mv = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
-        self._stage_np = np.frombuffer(mm, np.int64, self._staging, head["stage_off"])
-        self._stats_np = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
+        self._index_states_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
+        self._index_states = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
+        self._staging_table = np.frombuffer(mm, np.int64, self._staging_slots, head["stage_off"])
+        self._stats_rows = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
                                        head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
         if head["map_off"]:
             dt = _slot_map_dtype(lay)
@@ -2251,9 +2259,10 @@ class BaseCache:
             self._slot_map = None
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
-        self._ro_mm = mmap.mmap(fd, self._total, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._read_only_mapping = mmap.mmap(fd, self._segment_size, mmap.MAP_SHARED,
+                                            mmap.PROT_READ)
         self._map_samples(head)
-        self._tlock = threading.Lock()
+        self._thread_lock = threading.RLock()
         self._closed = False
         self._claim_stats_row()
         _LIVE_CACHES.add(self)
@@ -2264,31 +2273,43 @@ class BaseCache:
 
     # -- locks and the header -------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self, offset: int, length: int = 1) -> Iterator[None]:
-        with self._tlock:  # POSIX record locks do not exclude threads of one process
-            _lock(self._fd, offset, length)
-            try:
-                yield
-            finally:
-                _unlock(self._fd, offset, length)
+    # Every path that takes a record lock calls this pair: ``self._lock(offset)``, then
+    # ``try: ... finally: self._unlock(offset)``. A pair of methods rather than a context
+    # manager because set_slot takes it: a ``with`` on an object made for each call cost more
+    # than the pair (docs/benchmarks.md, "One lock idiom").
 
-    def _header_locked(self) -> contextlib.AbstractContextManager:
-        return self._locked(_LOCK_BASE)
+    def _lock(self, offset: int, length: int = 1) -> None:
+        """Take this process's thread lock, then the POSIX record lock on ``length`` bytes at
+        ``offset`` (record locks do not exclude threads of one process). The thread lock is
+        reentrant: the arena's lock is taken inside an index's lock."""
+        self._thread_lock.acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def _unlock(self, offset: int, length: int = 1) -> None:
+        """Release what ``_lock(offset, length)`` took."""
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
+        finally:
+            self._thread_lock.release()
 
     def _header_get(self, field: str) -> int:
-        return struct.unpack_from("<q", self._mm, _FIELD_OFFSET[field])[0]
+        return struct.unpack_from("<q", self._mapping, _FIELD_OFFSET[field])[0]
 
     def _header_set(self, field: str, value: int) -> None:
-        struct.pack_into("<q", self._mm, _FIELD_OFFSET[field], value)
+        struct.pack_into("<q", self._mapping, _FIELD_OFFSET[field], value)
 
     def _claim_stats_row(self) -> None:
         """Give this process its own row of counters; fold rows of dead processes into row 0.
         Every handle of this process on the segment counts in one row (a process that receives
         the cache in each of its Pool tasks must not use up the rows)."""
-        rows = self._stats_np
+        rows = self._stats_rows
         pid = os.getpid()
-        with self._header_locked():
+        self._lock(_LOCK_BASE)
+        try:
             free = 0
             for r in np.flatnonzero(rows[1:, _PID]) + 1:
                 if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
@@ -2304,17 +2325,20 @@ class BaseCache:
             else:
                 warnings.warn(f"more than {_STATS_ROWS - 1} processes use this cache; their "
                               "stats share one row and may undercount", RuntimeWarning)
+        finally:
+            self._unlock(_LOCK_BASE)
         row_off = _HEADER_BYTES + free * _STATS_COLS * 8
-        self._ctr = memoryview(self._mm)[row_off: row_off + _STATS_COLS * 8].cast("q")
+        self._own_counters = memoryview(self._mapping)[row_off: row_off + _STATS_COLS * 8
+                                                       ].cast("q")
 
     def _after_fork(self) -> None:
         """In a forked child (e.g. a DataLoader worker): fresh thread lock, own stats row."""
-        self._tlock = threading.Lock()
+        self._thread_lock = threading.RLock()
         if not self._closed:
             try:
                 self._claim_stats_row()
             except Exception:  # never break the child over statistics
-                self._ctr = memoryview(bytearray(_STATS_COLS * 8)).cast("q")
+                self._own_counters = memoryview(bytearray(_STATS_COLS * 8)).cast("q")
 
     # -- sending to another process, and copying -------------------------------------------
     #
@@ -2328,12 +2352,13 @@ class BaseCache:
     # pickle.dumps and torch.save are refused rather than giving a pickle nobody can load.
 
     # What a process that receives the cache needs to map it (see _rebuild_cache).
-    _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging", "_fields",
-              "_read_tags")
+    _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging_slots",
+              "_fields", "_read_tags")
 
-    # Class-level defaults, set on the instance only where they differ: CPython keeps at most
-    # 30 instance attributes in a dict whose keys the class shares, which the hit path's
-    # attribute reads are specialised for (tests/test_cache.py checks a cache of one tensor).
+    # Class-level defaults, set on the instance only where they differ, so that a cache of one
+    # tensor keeps within the 30 instance attributes whose keys CPython shares among a class's
+    # instances (tests/test_cache.py checks it). On CPython 3.11 a hit past 30 measured the
+    # same (docs/benchmarks.md, "Instance attributes"): a budget, not a speed.
     _fields: tuple = ()  # the fields of a sample (_FieldsCache, OpenSizeCache with a dict)
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
     _persistent, _key = False, ""  # a persistent cache and the key of the data it holds
@@ -2343,7 +2368,8 @@ class BaseCache:
         """What multiprocessing's pickler sends: a duplicate of the descriptor and the
         configuration (registered for each cache class by ``_sendable_by_multiprocessing``)."""
         if self._closed:
-            raise ValueError("a closed SharedCache cannot be sent to another process")
+            raise ValueError(f"a closed {_public_name(type(self))} cannot be sent to another "
+                             "process")
         from multiprocessing.reduction import DupFd
 
         state = {k: getattr(self, k) for k in self._STATE}
@@ -2376,14 +2402,14 @@ class BaseCache:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(_CLOSED_MESSAGE)
+            raise _closed_error(type(self))
 
     @property
     def aux_array(self) -> torch.Tensor:
         """State of every dataset index, a uint8 tensor of shape ``(dataset_len,)`` in shared
         memory: 0 empty, 1 set, 2 out of bounds (no slot on this node), 3 being written."""
         self._check_open()
-        return torch.from_numpy(self._aux_np)
+        return torch.from_numpy(self._index_states_np)
 
     @property
     def dataset_len(self) -> int:
@@ -2429,20 +2455,20 @@ class BaseCache:
 
     def _oob_error(self, idx: int) -> IndexError:
         return IndexError(f"idx={idx} has no slot in this cache ({len(self)} slots for "
-                          f"{self._n} samples) and allow_oob_idx=False")
+                          f"{self._dataset_len} samples) and allow_oob_idx=False")
 
     def _index(self, idx: Any) -> int:
         """``idx`` as a dataset index, an int in ``[0, dataset_len)``, or raise naming it. (The
         get_slots test for an int in range before they call it: on a hit the call would cost
         a tenth of the read.)"""
-        if type(idx) is int and 0 <= idx < self._n:
+        if type(idx) is int and 0 <= idx < self._dataset_len:
             return idx
         if not _is_int(idx):
-            raise TypeError(f"idx should be an int in [0, {self._n - 1}] (a dataset index), "
-                            f"but got idx={idx!r} of type {type(idx).__name__}")
+            raise TypeError(f"idx should be an int in [0, {self._dataset_len - 1}] (a dataset "
+                            f"index), but got idx={idx!r} of type {type(idx).__name__}")
         i = int(idx)
-        if not 0 <= i < self._n:
-            raise IndexError(f"idx should be a dataset index in [0, {self._n - 1}], "
+        if not 0 <= i < self._dataset_len:
+            raise IndexError(f"idx should be a dataset index in [0, {self._dataset_len - 1}], "
                              f"but got idx={i}")
         return i
 
@@ -2471,15 +2497,15 @@ class BaseCache:
             TypeError: ``idx`` is not an integer (bool and float included).
             RuntimeError: the slot is empty and not allow_empty_slot.
         """
-        if type(idx) is not int or idx < 0 or idx >= self._n:
+        if type(idx) is not int or idx < 0 or idx >= self._dataset_len:
             idx = self._index(idx)
-        if self._aux_mv[idx] == SET:
+        if self._index_states[idx] == SET:
             out = self._read(idx, copy)
             if out is None:
                 out = self._read_again(idx, copy)
             if out is not None:
                 return out
-        elif self._staging and self._aux_mv[idx] == OOB:
+        elif self._staging_slots and self._index_states[idx] == OOB:
             out = self._take_staged(idx)
             if out is not None:
                 return out
@@ -2489,7 +2515,7 @@ class BaseCache:
         """A read that met a writer: yield the CPU and try twice more while the slot is set."""
         for _ in range(2):
             time.sleep(0)
-            if self._aux_mv[idx] != SET:
+            if self._index_states[idx] != SET:
                 return None
             out = self._read(idx, copy)
             if out is not None:
@@ -2497,14 +2523,14 @@ class BaseCache:
         return None
 
     def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
-        if self._aux_mv[idx] == OOB:
+        if self._index_states[idx] == OOB:
             if not allow_oob_idx:
                 raise self._oob_error(idx)
-            self._ctr[_OOB_MISSES] += 1
+            self._own_counters[_OOB_MISSES] += 1
         elif not allow_empty_slot:
             raise RuntimeError(f"the slot of idx={idx} is empty (or being written) and "
                                "allow_empty_slot=False")
-        self._ctr[_MISSES] += 1
+        self._own_counters[_MISSES] += 1
         return None
 
     def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
@@ -2640,14 +2666,17 @@ class BaseCache:
         idx = self._index(idx)
         if tag is not None:
             tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        if not self._staging:
+        if not self._staging_slots:
             return False
-        table = self._stage_np
-        with self._locked(_STAGE_LOCK):
+        table = self._staging_table
+        self._lock(_STAGE_LOCK)
+        try:
             found = _staged_entries(table, idx)
             if tag is not None:
                 found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
             table[found] = -1
+        finally:
+            self._unlock(_STAGE_LOCK)
         return bool(found.size)
 
     def ready_mask(self, indices: Any = None, *, tag: int | None = None) -> np.ndarray:
@@ -2663,11 +2692,12 @@ class BaseCache:
         """
         if tag is not None:
             tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        aux = self._aux_np
-        idx = np.arange(self._n) if indices is None else np.asarray(indices, dtype=np.int64)
+        aux = self._index_states_np
+        idx = np.arange(self._dataset_len) if indices is None else \
+            np.asarray(indices, dtype=np.int64)
         ready = aux[idx] == SET
-        if self._staging:
-            table = self._stage_np.copy()  # a snapshot: fillers change it meanwhile
+        if self._staging_slots:
+            table = self._staging_table.copy()  # a snapshot: fillers change it meanwhile
             table = table[table >= 0]
             if tag is not None:
                 table = table[table >> _STAGE_TAG_SHIFT == tag]
@@ -2708,16 +2738,19 @@ class BaseCache:
                                   not all(_is_int(since.get(k)) for k in counters)):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
-        with self._header_locked():
-            rows = self._stats_np.copy()
+        self._lock(_LOCK_BASE)
+        try:
+            rows = self._stats_rows.copy()
+        finally:
+            self._unlock(_LOCK_BASE)
         counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
         if since is not None:
             counts = {k: v - int(since[k]) for k, v in counts.items()}
         reads = counts["hits"] + counts["misses"]
-        return {**counts, "filled": int(np.count_nonzero(self._aux_np == SET)),
-                "slots": len(self), "dataset_len": self._n, "bytes": self._total,
-                "staging_slots": self._staging, "staged": int(np.count_nonzero(
-                    self._stage_np >= 0)),
+        return {**counts, "filled": int(np.count_nonzero(self._index_states_np == SET)),
+                "slots": len(self), "dataset_len": self._dataset_len, "bytes": self._segment_size,
+                "staging_slots": self._staging_slots, "staged": int(np.count_nonzero(
+                    self._staging_table >= 0)),
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
                 "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
                                  if p)}
@@ -2738,27 +2771,32 @@ class BaseCache:
 
     def _free_own_staging(self) -> None:
         pid, tags = _OWN_TAGS.pop(self, (0, frozenset()))
-        if pid != os.getpid() or not tags or not self._staging:
+        if pid != os.getpid() or not tags or not self._staging_slots:
             return
         with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
-            with self._locked(_STAGE_LOCK):  # (holds _tlock: a stage of this process that
-                self._closing = True         # publishes later sees _closing and withdraws)
-                table = self._stage_np
+            self._lock(_STAGE_LOCK)
+            try:  # (holds _thread_lock: a stage of this process that publishes later sees _closing
+                self._closing = True  # and withdraws)
+                table = self._staging_table
                 table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
+            finally:
+                self._unlock(_STAGE_LOCK)
 
     def _unmap(self) -> None:
         """Drop every view of the segment and unmap it now rather than when the object is
         collected (a Dataset keeps its closed cache). A tensor the caller still holds
         (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
+        closed = _Closed(type(self))
         self._closed = True
         _LIVE_CACHES.discard(self)
         thread, stop = getattr(self, "_populating", (None, None))
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             stop.set()
             thread.join()  # (it reads the mapping's addresses: they must stay mapped)
-        self._aux_mv = self._ctr = self._aux_np = self._stats_np = _CLOSED  # type: ignore
-        self._slot_map = self._stage_np = _CLOSED  # type: ignore
-        for mm in (self._mm, getattr(self, "_ro_mm", None)):
+        self._index_states = self._index_states_np = closed  # type: ignore
+        self._own_counters = self._stats_rows = closed  # type: ignore
+        self._slot_map = self._staging_table = closed  # type: ignore
+        for mm in (self._mapping, getattr(self, "_read_only_mapping", None)):
             if mm is not None:
                 with contextlib.suppress(BufferError):
                     mm.close()
@@ -2976,7 +3014,7 @@ class SharedCache(BaseCache):
         self._open(slots, dims, dtype, fields, staging, load_from)
 
     def _offsets(self) -> dict:
-        return _segment_offsets(self._layout, self._slot_bytes, self._staging)
+        return _segment_offsets(self._layout, self._slot_bytes, self._staging_slots)
 
     @property
     def _slot_bytes(self) -> int:
@@ -2986,8 +3024,8 @@ class SharedCache(BaseCache):
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay, per_slot = self._layout, self._slot_bytes
-        fits = _slots_fitting(free, lay, per_slot, self._staging)
-        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging)
+        fits = _slots_fitting(free, lay, per_slot, self._staging_slots)
+        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging_slots)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
             f"({lay.slots} slots of {_fmt_bytes(per_slot)}). {_more_room(shm_dir, total)} or "
@@ -2996,31 +3034,31 @@ class SharedCache(BaseCache):
     def _map_samples(self, head: dict) -> None:
         """The views of the slots' sequence numbers and of the slots (``_map_slots``), the
         staging slots after the others."""
-        n_slots = self._layout.slots + self._staging
-        self._seq_np = np.frombuffer(self._mm, np.uint32, n_slots, head["seq_off"])
-        self._seq_mv = memoryview(self._mm)[head["seq_off"]: head["seq_off"] + 4 * n_slots
-                                            ].cast("I")
+        n_slots = self._layout.slots + self._staging_slots
+        self._slot_versions_np = np.frombuffer(self._mapping, np.uint32, n_slots, head["seq_off"])
+        self._slot_versions = memoryview(self._mapping)[
+            head["seq_off"]: head["seq_off"] + 4 * n_slots].cast("I")
         self._map_slots(head["data_off"], n_slots)
 
     def _map_slots(self, data_off: int, n_slots: int) -> None:
-        """The views of the slots: ``_np_slots`` (one row per slot, written by ``_write``),
-        ``array`` and the read-only ``_ro_slots``."""
+        """The views of the slots: ``_slot_samples`` (one row per slot, written by ``_write``),
+        ``array`` and the read-only ``_read_only_slots``."""
         np_dtype = _DTYPES[self._dtype][1]
 
         def slots_of(buf: mmap.mmap) -> np.ndarray:
             return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
                                  data_off).reshape(n_slots, *self._dims)
 
-        self._np_slots = slots_of(self._mm)
+        self._slot_samples = slots_of(self._mapping)
         self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
         # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
         # tensor may carry a conjugate bit that numpy cannot see)
         self._fast_dtype = None if self._view_as is not None or self._dtype.is_complex \
             else self._dtype
-        self._array = self._to_torch(self._np_slots[:self._layout.slots])
+        self._array = self._to_torch(self._slot_samples[:self._layout.slots])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._ro_slots = self._to_torch(slots_of(self._ro_mm))
+            self._read_only_slots = self._to_torch(slots_of(self._read_only_mapping))
 
     def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(arr)
@@ -3030,13 +3068,17 @@ class SharedCache(BaseCache):
     def _writing(self, first: int, count: int) -> Iterator[None]:
         """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
         caller writes them: concurrent readers of those slots see misses."""
-        with self._locked(_slot_lock_offset(first), max(1, count)):
-            seq = self._seq_np[first: first + count]
+        lock, length = _slot_lock_offset(first), max(1, count)
+        self._lock(lock, length)
+        try:
+            seq = self._slot_versions_np[first: first + count]
             seq |= 1
             try:
                 yield
             finally:
                 seq += 1
+        finally:
+            self._unlock(lock, length)
 
     def __deepcopy__(self, memo: dict) -> "SharedCache":
         """An independent cache with this one's configuration and contents, private to this
@@ -3045,23 +3087,27 @@ class SharedCache(BaseCache):
         self._check_open()
         w, lay = self._world, self._layout
         twin = SharedCache(
-            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes, self._staging),
+            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes, self._staging_slots),
             lay.dataset_len, self._dims, self._dtype, name=f"copy{next(_COPY_COUNTER)}",
-            staging_slots=self._staging,
+            staging_slots=self._staging_slots,
             world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
                         num_nodes=w.num_nodes),
             shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
             random_subset=lay.random_subset)
         memo[id(self)] = twin
-        with self._locked(_slot_lock_offset(0), max(1, lay.slots)):  # no writer meanwhile
-            aux = self._aux_np.copy()
+        every = max(1, lay.slots)
+        self._lock(_slot_lock_offset(0), every)  # no writer meanwhile
+        try:
+            aux = self._index_states_np.copy()
             held = np.flatnonzero(aux == SET)
             slots = held if self._slot_map is None else \
                 np.frombuffer(self._slot_map, self._slot_map.format)[held]
-            aux[held[self._seq_np[slots] & 1 == 1]] = EMPTY  # torn by a writer that died
+            aux[held[self._slot_versions_np[slots] & 1 == 1]] = EMPTY  # torn by a writer that died
             aux[aux == WRITING] = EMPTY
-            twin._np_slots[:lay.slots] = self._np_slots[:lay.slots]
-            twin._aux_np[:] = aux  # (staged samples are not copied: they wait for one read)
+            twin._slot_samples[:lay.slots] = self._slot_samples[:lay.slots]
+            twin._index_states_np[:] = aux  # (staged samples are not copied: they wait for a read)
+        finally:
+            self._unlock(_slot_lock_offset(0), every)
         return twin
 
     @property
@@ -3107,25 +3153,25 @@ class SharedCache(BaseCache):
         """The cached sample of dataset index ``idx`` (a copy, or with ``copy=False`` a
         read-only view), or None if it is not cached: ``BaseCache.get_slot`` (its arguments,
         warning and errors), with its first read inlined."""
-        if type(idx) is not int or idx < 0 or idx >= self._n:
+        if type(idx) is not int or idx < 0 or idx >= self._dataset_len:
             idx = self._index(idx)
-        if self._aux_mv[idx] == SET:  # the hit path: no lock, no system call
+        if self._index_states[idx] == SET:  # the hit path: no lock, no system call
             # The first try is _read and _read_row inlined, the one copy of them (else this is
             # BaseCache.get_slot): the two calls cost more than 5 % of a small hit
             # (docs/benchmarks.md), and tests/test_concurrency.py checks that the two give the
             # same answer whatever write or clear() lands before any of their reads.
             slot = idx if self._slot_map is None else self._slot_map[idx]
-            seq = self._seq_mv[slot]
+            seq = self._slot_versions[slot]
             if not seq & 1:
-                out = torch.from_numpy(self._np_slots[slot].copy()) if copy \
-                    else self._ro_slots[slot]
-                if self._seq_mv[slot] == seq and self._aux_mv[idx] == SET:
-                    self._ctr[_HITS] += 1
+                out = torch.from_numpy(self._slot_samples[slot].copy()) if copy \
+                    else self._read_only_slots[slot]
+                if self._slot_versions[slot] == seq and self._index_states[idx] == SET:
+                    self._own_counters[_HITS] += 1
                     return out if self._view_as is None or not copy else out.view(self._view_as)
             out = self._read_again(idx, copy)
             if out is not None:
                 return out
-        elif self._staging and self._aux_mv[idx] == OOB:
+        elif self._staging_slots and self._index_states[idx] == OOB:
             out = self._take_staged(idx)
             if out is not None:
                 return out
@@ -3135,10 +3181,10 @@ class SharedCache(BaseCache):
         """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
         read with ``_read_row`` and counted as a hit; or None."""
         slot = idx if self._slot_map is None else self._slot_map[idx]
-        row = self._read_row(slot, copy, self._aux_mv, idx, SET)
+        row = self._read_row(slot, copy, self._index_states, idx, SET)
         if row is None:
             return None
-        self._ctr[_HITS] += 1
+        self._own_counters[_HITS] += 1
         return self._from_row(row) if copy else row
 
     def _read_row(self, row: int, copy: bool, marks: Any, at: int, mark: int) -> Any:
@@ -3154,20 +3200,20 @@ class SharedCache(BaseCache):
         map's entry, for a staging slot (readers free one without a write).
 
         Returns:
-            a copy of the row as ``_np_slots`` holds it (``copy=False``: its read-only view,
+            a copy of the row as ``_slot_samples`` holds it (``copy=False``: its read-only view,
             ``_view_row``), or None: a writer was at work, or the row holds something else.
         """
-        seq = self._seq_mv[row]
+        seq = self._slot_versions[row]
         if seq & 1:
             return None
-        out = self._np_slots[row].copy() if copy else self._view_row(row)
-        if self._seq_mv[row] != seq or marks[at] != mark:
+        out = self._slot_samples[row].copy() if copy else self._view_row(row)
+        if self._slot_versions[row] != seq or marks[at] != mark:
             return None
         return out
 
     def _view_row(self, row: int) -> Any:
         """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
-        return self._ro_slots[row]
+        return self._read_only_slots[row]
 
     def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
         """The cached samples of several dataset indices, gathered into one batch tensor, and
@@ -3213,12 +3259,12 @@ class SharedCache(BaseCache):
                 np.take(src, located.rows, axis=0, out=dst, mode="clip")
         hit = self._confirm(located)
         if not hit.all():
-            aux = self._aux_np[idx]
+            aux = self._index_states_np[idx]
             for k in np.flatnonzero(~hit).tolist():  # raced rows and a staged repeat: alone
                 i = int(idx[k])
                 if aux[k] == SET:
                     row = self._read_again(i, True)
-                elif aux[k] == OOB and self._staging:
+                elif aux[k] == OOB and self._staging_slots:
                     row = self._take_staged(i)
                 else:
                     continue
@@ -3228,8 +3274,8 @@ class SharedCache(BaseCache):
             for _, dst in pairs:
                 dst[~hit] = 0
             miss = ~hit
-            self._ctr[_MISSES] += int(np.count_nonzero(miss))
-            self._ctr[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
+            self._own_counters[_MISSES] += int(np.count_nonzero(miss))
+            self._own_counters[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
         return batch, torch.from_numpy(hit)
 
     # -- reading rows elsewhere: locate, copy, confirm --------------------------------------
@@ -3247,7 +3293,8 @@ class SharedCache(BaseCache):
             every process reading the cache sees it.
         """
         self._check_open()
-        return torch.from_numpy(self._np_slots.reshape(len(self._np_slots), -1).view(np.uint8))
+        samples = self._slot_samples
+        return torch.from_numpy(samples.reshape(len(samples), -1).view(np.uint8))
 
     def unpack_rows(self, rows: torch.Tensor) -> Any:
         """Rows copied from ``rows`` (a uint8 tensor of shape ``(k, row_bytes)`` on any
@@ -3281,28 +3328,28 @@ class SharedCache(BaseCache):
     def _locate(self, idx: np.ndarray) -> BatchRows:
         # The seqlock of _read_row for every row at once: the states, the sequence numbers (even),
         # the states again; confirm() then checks the numbers once the rows are copied.
-        aux = self._aux_np[idx]
+        aux = self._index_states_np[idx]
         found = aux == SET
         rows = idx if self._slot_map is None else \
             np.frombuffer(self._slot_map, self._slot_map.format)[idx].astype(np.int64)
         rows = np.where(aux == OOB, 0, rows)  # (the slot of an empty index: its version)
         entries = np.full(len(idx), -1, dtype=np.int64)
-        if self._staging:
+        if self._staging_slots:
             oob = np.flatnonzero(aux == OOB)
             if oob.size:
                 self._locate_staged(idx, oob, rows, found, entries)
-        if not len(self._seq_np):  # a cache without slots or staging slots
+        if not len(self._slot_versions_np):  # a cache without slots or staging slots
             return BatchRows(idx, rows, found, np.zeros(len(idx), np.uint32), entries)
-        versions = self._seq_np[rows]
+        versions = self._slot_versions_np[rows]
         found &= versions & 1 == 0
-        found[entries < 0] &= self._aux_np[idx[entries < 0]] == SET
+        found[entries < 0] &= self._index_states_np[idx[entries < 0]] == SET
         return BatchRows(idx, rows, found, versions, entries)
 
     def _locate_staged(self, idx: np.ndarray, oob: np.ndarray, rows: np.ndarray,
                        found: np.ndarray, entries: np.ndarray) -> None:
         """Fill in the staging slots of the positions ``oob`` of ``idx`` (indices without a
         slot) that hold a staged sample: each staging slot once, the first occurrence."""
-        table = self._stage_np.copy()  # a snapshot: stagers change it meanwhile
+        table = self._staging_table.copy()  # a snapshot: stagers change it meanwhile
         live = np.flatnonzero(table >= 0)
         if self._read_tags:
             live = live[np.isin(table[live] >> _STAGE_TAG_SHIFT, list(self._read_tags))]
@@ -3334,26 +3381,30 @@ class SharedCache(BaseCache):
         hit = located.found.copy()
         if not hit.any():
             return hit
-        hit &= self._seq_np[located.rows] == located.versions
+        hit &= self._slot_versions_np[located.rows] == located.versions
         staged = np.flatnonzero(hit & (located.entries >= 0))
         if staged.size:
-            table = self._stage_np
+            table = self._staging_table
             k = located.rows[staged] - self._layout.slots
             hit[staged] &= table[k] == located.entries[staged]
             taken = staged[hit[staged]]
             if taken.size:
                 k = located.rows[taken] - self._layout.slots
-                with self._locked(_STAGE_LOCK):
+                self._lock(_STAGE_LOCK)
+                try:
                     k = k[table[k] == located.entries[taken]]  # (still there: freed once)
                     table[k] = -1
-                self._ctr[_STAGED_HITS] += int(taken.size)
+                finally:
+                    self._unlock(_STAGE_LOCK)
+                self._own_counters[_STAGED_HITS] += int(taken.size)
         if count:
-            self._ctr[_HITS] += int(np.count_nonzero(hit))
+            self._own_counters[_HITS] += int(np.count_nonzero(hit))
         return hit
 
     def _batch_indices(self, indices: Any) -> np.ndarray:
         """``indices`` of ``get_batch`` as a 1-D int64 array in range, or raise naming them."""
-        expect = (f"a sequence or 1-D array of dataset indices (ints in [0, {self._n - 1}])")
+        expect = ("a sequence or 1-D array of dataset indices "
+                  f"(ints in [0, {self._dataset_len - 1}])")
         if isinstance(indices, torch.Tensor):
             if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
                 raise TypeError(f"indices should be {expect}, but got a tensor of shape "
@@ -3375,18 +3426,19 @@ class SharedCache(BaseCache):
                 idx = np.array(indices, dtype=np.int64)
             except OverflowError:  # an int past int64: out of range whatever the dataset
                 k = next(k for k, i in enumerate(indices) if not -2**63 <= i < 2**63)
-                raise IndexError(f"indices should be dataset indices in [0, {self._n - 1}], "
-                                 f"but got indices[{k}]={indices[k]}") from None
+                raise IndexError(f"indices should be dataset indices in "
+                                 f"[0, {self._dataset_len - 1}], but got "
+                                 f"indices[{k}]={indices[k]}") from None
             if idx.ndim != 1:  # an empty nested sequence
                 raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
         else:
             raise TypeError(f"indices should be {expect}, but got indices={indices!r} "
                             f"(type {type(indices).__name__})")
-        bad = np.flatnonzero((idx < 0) | (idx >= self._n))
+        bad = np.flatnonzero((idx < 0) | (idx >= self._dataset_len))
         if bad.size:
             k = int(bad[0])
-            raise IndexError(f"indices should be dataset indices in [0, {self._n - 1}], but "
-                             f"got indices[{k}]={int(idx[k])}")
+            raise IndexError(f"indices should be dataset indices in "
+                             f"[0, {self._dataset_len - 1}], but got indices[{k}]={int(idx[k])}")
         return idx
 
     def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
@@ -3396,7 +3448,7 @@ class SharedCache(BaseCache):
         batch = torch.empty(shape, dtype=self._dtype) if out is None else \
             _check_out(out, shape, self._dtype, "out")
         dst = (batch if self._view_as is None else batch.view(torch.uint16)).numpy()
-        return batch, [(self._np_slots, dst)]
+        return batch, [(self._slot_samples, dst)]
 
     def _put_row(self, batch: Any, k: int, row: Any) -> None:
         batch[k] = row
@@ -3409,15 +3461,15 @@ class SharedCache(BaseCache):
     def _write(self, slot: int, src: np.ndarray, idx: int | None) -> None:
         """Write one slot, and set the state of ``idx`` (None for a staging slot); the caller
         holds the slot's lock. Odd sequence numbers mean "in progress"."""
-        seq = self._seq_mv[slot]
+        seq = self._slot_versions[slot]
         seq += seq & 1  # an odd number left by a writer that died: round up
-        self._seq_mv[slot] = (seq + 1) & 0xFFFFFFFF
+        self._slot_versions[slot] = (seq + 1) & 0xFFFFFFFF
         if idx is not None:
-            self._aux_mv[idx] = WRITING
-        self._np_slots[slot] = src
+            self._index_states[idx] = WRITING
+        self._slot_samples[slot] = src
         if idx is not None:
-            self._aux_mv[idx] = SET
-        self._seq_mv[slot] = (seq + 2) & 0xFFFFFFFF
+            self._index_states[idx] = SET
+        self._slot_versions[slot] = (seq + 2) & 0xFFFFFFFF
 
     def _source_array(self, value: Any) -> np.ndarray:
         """The array to copy into a slot: a CPU tensor of the cache's dtype and shape as it is
@@ -3466,7 +3518,7 @@ class SharedCache(BaseCache):
                 is changed.
         """
         idx = self._index(idx)
-        if self._aux_mv[idx] == OOB:
+        if self._index_states[idx] == OOB:
             if not allow_oob_idx:
                 raise self._oob_error(idx)
             # Checked even where there is no slot, so that a bad value fails on every node and
@@ -3476,34 +3528,31 @@ class SharedCache(BaseCache):
         src = self._source_array(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
         lock = _slot_lock_offset(slot)
-        # The lock is taken by hand rather than with self._locked: a generator-based context
-        # manager costs about 1 us, a fifth of this call.
-        with self._tlock:  # POSIX record locks do not exclude threads of one process
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, lock)
-            try:
-                # A slot left WRITING, or SET with an odd sequence number, by a writer that
-                # died (or was interrupted) is empty: we hold its lock, so nobody writes it.
-                if self._aux_mv[idx] == SET and not allow_overwrite and \
-                        not self._seq_mv[slot] & 1:
-                    if exist_ok:
-                        return
-                    if self._holds(slot, src):  # a second load of one index: done already
-                        self._ctr[_WRITES] += 1
-                        return
-                    raise RuntimeError(
-                        f"the slot of idx={idx} is already set to a different value; pass "
-                        "allow_overwrite=True to replace it, or exist_ok=True to keep it. "
-                        "(Two loads of one index that give different values mean that the "
-                        "load is not deterministic, most often random augmentation before "
-                        "the cache: cache the decoded sample and augment after get_slot.)")
-                self._write(slot, src, idx)
-            finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
-        self._ctr[_WRITES] += 1
+        self._lock(lock)
+        try:
+            # A slot left WRITING, or SET with an odd sequence number, by a writer that
+            # died (or was interrupted) is empty: we hold its lock, so nobody writes it.
+            if self._index_states[idx] == SET and not allow_overwrite and \
+                    not self._slot_versions[slot] & 1:
+                if exist_ok:
+                    return
+                if self._holds(slot, src):  # a second load of one index: done already
+                    self._own_counters[_WRITES] += 1
+                    return
+                raise RuntimeError(
+                    f"the slot of idx={idx} is already set to a different value; pass "
+                    "allow_overwrite=True to replace it, or exist_ok=True to keep it. "
+                    "(Two loads of one index that give different values mean that the "
+                    "load is not deterministic, most often random augmentation before "
+                    "the cache: cache the decoded sample and augment after get_slot.)")
+            self._write(slot, src, idx)
+        finally:
+            self._unlock(lock)
+        self._own_counters[_WRITES] += 1
 
     def _holds(self, slot: int, src: np.ndarray) -> bool:
         """True when ``slot`` holds exactly the bytes of ``src`` (NaNs included)."""
-        have = self._np_slots[slot].reshape(-1).view(np.uint8)
+        have = self._slot_samples[slot].reshape(-1).view(np.uint8)
         return bool(np.array_equal(have, np.ascontiguousarray(src).reshape(-1).view(np.uint8)))
 
     def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
@@ -3532,17 +3581,18 @@ class SharedCache(BaseCache):
                 ``value``.
         """
         idx = self._index(idx)
-        if not self._staging:
+        if not self._staging_slots:
             raise ValueError("this cache has no staging slots; construct it with "
                              "staging_slots=N to stage samples")
-        if self._aux_mv[idx] != OOB:
+        if self._index_states[idx] != OOB:
             raise ValueError(f"idx={idx} has a slot in this cache: store it with set_slot; "
                              "stage() holds samples of indices without one")
         tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
         src = self._source_array(value)
-        table = self._stage_np
+        table = self._staging_table
         entry = idx | tag << _STAGE_TAG_SHIFT
-        with self._locked(_STAGE_LOCK):
+        self._lock(_STAGE_LOCK)
+        try:
             # Staged already by the same stager (the same entry): kept; another stager's
             # copy stays its own. One comparison of the whole map: a few microseconds.
             if (table == entry).any():
@@ -3556,25 +3606,31 @@ class SharedCache(BaseCache):
                 if table[k] != -1:
                     return False
             table[k] = -2 - os.getpid()  # reserved by us while we fill it
+        finally:
+            self._unlock(_STAGE_LOCK)
         slot = self._layout.slots + k
+        lock = _slot_lock_offset(slot)
         try:
-            with self._locked(_slot_lock_offset(slot)):
+            self._lock(lock)
+            try:
                 self._write(slot, src, None)
+            finally:
+                self._unlock(lock)
         except BaseException:
             table[k] = -1
             raise
-        with self._tlock:  # not while close() frees this process's entries: see there
+        with self._thread_lock:  # not while close() frees this process's entries: see there
             closing = self._closing
             table[k] = -1 if closing else entry  # published only once the bytes are in
         if closing:
-            raise ValueError(_CLOSED_MESSAGE)
-        self._ctr[_STAGES] += 1
+            raise _closed_error(type(self))
+        self._own_counters[_STAGES] += 1
         return True
 
     def _take_staged(self, idx: int) -> torch.Tensor | None:
         """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
         staged with one of ``read_tags`` if there are any."""
-        table = self._stage_np
+        table = self._staging_table
         if self._read_tags:  # the entries of idx with one of these tags: exact values
             found = []
             for tag in self._read_tags:  # (one or two: one comparison of the map each)
@@ -3591,11 +3647,14 @@ class SharedCache(BaseCache):
         row = self._read_row(self._layout.slots + k, True, table, k, entry)
         if row is None:
             return None
-        with self._locked(_STAGE_LOCK):
+        self._lock(_STAGE_LOCK)
+        try:
             if table[k] == entry:  # (still there: freed once)
                 table[k] = -1
-        self._ctr[_HITS] += 1
-        self._ctr[_STAGED_HITS] += 1
+        finally:
+            self._unlock(_STAGE_LOCK)
+        self._own_counters[_HITS] += 1
+        self._own_counters[_STAGED_HITS] += 1
         return self._from_row(row)
 
     def _from_row(self, row: np.ndarray) -> Any:
@@ -3608,13 +3667,16 @@ class SharedCache(BaseCache):
         processes read (they see misses) or write (they finish first)."""
         self._check_open()
         with self._writing(0, len(self)):
-            aux = self._aux_np
+            aux = self._index_states_np
             aux[aux != OOB] = EMPTY
-            self._np_slots[:len(self)].reshape(-1).view(np.uint8).fill(0)
-        if self._staging:
-            with self._locked(_STAGE_LOCK):  # staged samples are dropped (fillers finish)
-                table = self._stage_np
+            self._slot_samples[:len(self)].reshape(-1).view(np.uint8).fill(0)
+        if self._staging_slots:
+            self._lock(_STAGE_LOCK)  # staged samples are dropped (fillers finish)
+            try:
+                table = self._staging_table
                 table[table >= 0] = -1
+            finally:
+                self._unlock(_STAGE_LOCK)
 
     # -- saving to a file, and loading one ---------------------------------------------------
 
@@ -3720,7 +3782,7 @@ class SharedCache(BaseCache):
         n = self._layout.slots
         if not n:
             return np.empty((0, self._slot_bytes), np.uint8)
-        return self._np_slots[:n].reshape(n, -1).view(np.uint8)
+        return self._slot_samples[:n].reshape(n, -1).view(np.uint8)
 
     def _save_anew(self, path: str) -> dict[str, Any]:
         """A first save (or a compaction): a new file under a temporary name, renamed over
@@ -3761,7 +3823,7 @@ class SharedCache(BaseCache):
     def _save_changes(self, state: _SaveState, fd: int, path: str) -> dict[str, Any]:
         """An incremental save: one chunk of what changed since ``state``, appended past the
         committed end, synced, then committed by the superblock not in force."""
-        changed = np.flatnonzero(self._seq_np[:self._layout.slots] != state.seq)
+        changed = np.flatnonzero(self._slot_versions_np[:self._layout.slots] != state.seq)
         if not changed.size:
             return {}
         chunk = self._write_chunk(fd, state.end, changed, state.seq, state.held)
@@ -3791,8 +3853,8 @@ class SharedCache(BaseCache):
         the next save."""
         indices = self._layout.indices(self._world.node_rank)
         seq, held = seq.copy(), held.copy()
-        before = self._seq_np[slots]  # (read before the states, as the seqlock reads)
-        filled = self._aux_np[indices[slots]] == SET
+        before = self._slot_versions_np[slots]  # (read before the states, as the seqlock reads)
+        filled = self._index_states_np[indices[slots]] == SET
         seq[slots[~filled]] = before[~filled]  # empty at that number: changed if it moves
         rows = self._slot_rows()
         per = max(1, _SAVE_IO // max(1, rows.shape[1]))
@@ -3851,11 +3913,11 @@ class SharedCache(BaseCache):
                 return
             rows = self._slot_rows()
             row_bytes = rows.shape[1]
-            chunks = _read_chunks(fd, sup, path, self._n, row_bytes)
+            chunks = _read_chunks(fd, sup, path, self._dataset_len, row_bytes)
             indices = self._layout.indices(self._world.node_rank)
-            slot_of = np.full(self._n, -1, np.int64)
+            slot_of = np.full(self._dataset_len, -1, np.int64)
             slot_of[indices] = np.arange(len(indices))
-            last = np.full(self._n, -1, np.int64)  # the record in force of each index
+            last = np.full(self._dataset_len, -1, np.int64)  # the record in force of each index
             first = 0
             for c in chunks:
                 c["first"] = first
@@ -3885,7 +3947,7 @@ class SharedCache(BaseCache):
                             c["crc"].add(dst)
                         else:
                             if not reserved:  # (before the first write through the mapping)
-                                self._reserve(self._fd, self._total)
+                                self._reserve(self._fd, self._segment_size)
                                 reserved = True
                             if len(buf) < len(t):
                                 buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
@@ -3898,12 +3960,12 @@ class SharedCache(BaseCache):
                 for c in chunks:
                     if c["crc"].value() != c["rows_crc"]:
                         raise _damaged_rows(path, c)
-            self._aux_np[indices[loaded]] = SET
+            self._index_states_np[indices[loaded]] = SET
         finally:
             os.close(fd)
         _SAVED[self] = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
                                   sup["end"], sup["chunks"], sup["rows"],
-                                  self._seq_np[:self._layout.slots].copy(), loaded)
+                                  self._slot_versions_np[:self._layout.slots].copy(), loaded)
         took = time.perf_counter() - t0
         logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
                     int(np.count_nonzero(loaded)), self._name, path, _fmt_bytes(sup["end"]),
@@ -3918,7 +3980,7 @@ class SharedCache(BaseCache):
             if e.errno != errno.ENOSPC:
                 raise
             shm_dir = os.path.dirname(self._path)
-            raise self._capacity_error(shm_dir, self._total, _free_bytes(shm_dir)) from None
+            raise self._capacity_error(shm_dir, self._segment_size, _free_bytes(shm_dir)) from None
 
     def _file_mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
         """The first difference between a saved file's configuration and this cache's that
@@ -3940,9 +4002,11 @@ class SharedCache(BaseCache):
         return None
 
     def _unmap(self) -> None:
-        self._seq_mv = self._seq_np = self._np_slots = _CLOSED  # type: ignore
-        self._array = self._ro_slots = _CLOSED  # type: ignore
+        closed = _Closed(type(self))
+        self._slot_versions = self._slot_versions_np = self._slot_samples = closed  # type: ignore
+        self._array = self._read_only_slots = closed  # type: ignore
         super()._unmap()
+
 
 def _check_keys(value: Any, dims: Mapping) -> Mapping:
     """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
@@ -3979,24 +4043,25 @@ class _FieldsCache(SharedCache):
             return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(
                 _DTYPES[f.dtype][1]).reshape(n_slots, *f.dims) for f in self._fields}
 
-        self._np_slots = rows_of(self._mm)  # what _write, clear() and deepcopy copy
+        self._slot_samples = rows_of(self._mapping)  # what _write, clear() and deepcopy copy
         self._view_as = self._fast_dtype = None
-        self._field_np = fields_of(self._np_slots)
-        self._array = {f.name: _torch_of(self._field_np[f.name][:self._layout.slots], f.dtype)
+        self._field_arrays = fields_of(self._slot_samples)
+        self._array = {f.name: _torch_of(self._field_arrays[f.name][:self._layout.slots], f.dtype)
                        for f in self._fields}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            ro = fields_of(rows_of(self._ro_mm))
-            self._ro_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
+            ro = fields_of(rows_of(self._read_only_mapping))
+            self._read_only_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
 
     def _unmap(self) -> None:
-        self._field_np = self._ro_fields = _CLOSED  # type: ignore
+        closed = _Closed(type(self))
+        self._field_arrays = self._read_only_fields = closed  # type: ignore
         super()._unmap()
 
     get_slot = BaseCache.get_slot
 
     def _view_row(self, row: int) -> dict[str, torch.Tensor]:
-        return {n: t[row] for n, t in self._ro_fields.items()}
+        return {n: t[row] for n, t in self._read_only_fields.items()}
 
     def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
         """The fields in a copy of a slot's bytes: tensors that share that one copy."""
@@ -4038,7 +4103,7 @@ class _FieldsCache(SharedCache):
                  for f in self._fields}
         views = {n: b.view(torch.uint16) if b.dtype is torch.bfloat16 else b
                  for n, b in batch.items()}
-        return batch, [(self._field_np[n], views[n].numpy()) for n in names]
+        return batch, [(self._field_arrays[n], views[n].numpy()) for n in names]
 
     def _put_row(self, batch: Any, k: int, row: Any) -> None:
         for n, t in row.items():
@@ -4157,8 +4222,8 @@ class OpenSizeCache(BaseCache):
         As SharedCache's (no file is loaded here).
     """
 
-    _STATE = BaseCache._STATE + ("_sample_fields", "_arena_size", "_rec_words", "_mean",
-                                 "_limit_gib")
+    _STATE = BaseCache._STATE + ("_sample_fields", "_arena_size", "_record_words",
+                                 "_mean_sample_bytes", "_limit_gib")
 
     def __init__(self, size_limit_gib: float, dataset_len: int,
                  data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
@@ -4202,13 +4267,13 @@ class OpenSizeCache(BaseCache):
         admit (its candidates)."""
         self._sample_fields = _pack(dims, dtype)[0] if isinstance(dims, Mapping) else \
             (_Field("", dims, dtype, 0, 0),)
-        self._rec_words = 4 + sum(d is None for f in self._sample_fields for d in f.dims)
-        self._arena_size = _arena_bytes(size_limit_gib, dataset_len, self._rec_words)
-        self._mean, self._limit_gib = mean or 0, float(size_limit_gib)
+        self._record_words = 4 + sum(d is None for f in self._sample_fields for d in f.dims)
+        self._arena_size = _arena_bytes(size_limit_gib, dataset_len, self._record_words)
+        self._mean_sample_bytes, self._limit_gib = mean or 0, float(size_limit_gib)
         if not self._arena_size:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no room for samples: the "
                           f"aux array and the records alone need "
-                          f"{_fmt_bytes(dataset_len * (1 + 8 * self._rec_words))}",
+                          f"{_fmt_bytes(dataset_len * (1 + 8 * self._record_words))}",
                           RuntimeWarning, stacklevel=3)
         return _candidates(dataset_len, num_nodes, self._arena_size, mean)
 
@@ -4216,12 +4281,12 @@ class OpenSizeCache(BaseCache):
         lay = self._layout
         offsets = _segment_offsets(lay, 0, 0)  # the header, stats and aux array as for slots
         rec_off = offsets["aux_off"] + (lay.dataset_len + 7) // 8 * 8
-        data_off = rec_off + lay.dataset_len * self._rec_words * 8
+        data_off = rec_off + lay.dataset_len * self._record_words * 8
         data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         offsets.update(seq_off=rec_off, stage_off=0, map_off=0, data_off=data_off,
                        total_bytes=data_off + max(1, self._arena_size),
-                       arena_bytes=self._arena_size, arena_top=0, record_words=self._rec_words,
-                       mean_bytes=self._mean)
+                       arena_bytes=self._arena_size, arena_top=0, record_words=self._record_words,
+                       mean_bytes=self._mean_sample_bytes)
         return offsets
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
@@ -4237,18 +4302,19 @@ class OpenSizeCache(BaseCache):
         dtype (``_arena_items``: offsets are multiples of 16) reshaped to the shape that
         ``_shape_of`` picks out of the record and the fixed sizes appended to it
         (``_fixed_sizes``), and one copy; a sample of fields is unpacked from its bytes."""
-        n, words = self._layout.dataset_len, self._rec_words
+        n, words = self._layout.dataset_len, self._record_words
         rec_off, data_off = head["seq_off"], head["data_off"]
-        self._rec_np = np.frombuffer(self._mm, np.int64, n * words, rec_off).reshape(n, words)
-        self._rec_buf = memoryview(self._mm)[rec_off: rec_off + n * words * 8]
-        self._rec_mv = self._rec_buf.cast("q")
+        self._records_np = np.frombuffer(self._mapping, np.int64, n * words, rec_off
+                                         ).reshape(n, words)
+        self._records_bytes = memoryview(self._mapping)[rec_off: rec_off + n * words * 8]
+        self._records = self._records_bytes.cast("q")
         self._record_struct = struct.Struct(f"{words}q")
-        self._arena_np = np.frombuffer(self._mm, np.uint8, self._arena_size, data_off)
+        self._arena = np.frombuffer(self._mapping, np.uint8, self._arena_size, data_off)
         self._arena_file_off = data_off  # (the segment is mapped from its start)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._ro_arena = torch.from_numpy(np.frombuffer(self._ro_mm, np.uint8,
-                                                            self._arena_size, data_off))
+            self._read_only_arena = torch.from_numpy(np.frombuffer(
+                self._read_only_mapping, np.uint8, self._arena_size, data_off))
         self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._sample_fields]
         first = self._sample_fields[0]
         self._view_as = first.dtype if first.dtype is torch.bfloat16 else None
@@ -4260,12 +4326,14 @@ class OpenSizeCache(BaseCache):
             fixed = iter(range(words, words + len(self._fixed_sizes)))
             self._shape_of = operator.itemgetter(
                 *(next(opened) if d is None else next(fixed) for d in first.dims))
-            self._arena_items = np.frombuffer(self._mm, self._np_dtypes[0],
+            self._arena_items = np.frombuffer(self._mapping, self._np_dtypes[0],
                                               self._arena_size // self._itemsize, data_off)
 
     def _unmap(self) -> None:
-        self._rec_np = self._rec_mv = self._arena_np = self._ro_arena = _CLOSED  # type: ignore
-        self._rec_buf = self._arena_items = _CLOSED  # type: ignore
+        closed = _Closed(type(self))
+        self._records_np = self._records = closed  # type: ignore
+        self._arena = self._read_only_arena = closed  # type: ignore
+        self._records_bytes = self._arena_items = closed  # type: ignore
         super()._unmap()
 
     # -- reading ----------------------------------------------------------------------------
@@ -4277,7 +4345,7 @@ class OpenSizeCache(BaseCache):
         copied, then the number again, unchanged, and the state SET (writers change both only
         while the number is odd). A record read while a writer changes it may not fit its
         bytes: a retry, not an error."""
-        r = self._record_struct.unpack_from(self._rec_buf, idx * self._record_struct.size)
+        r = self._record_struct.unpack_from(self._records_bytes, idx * self._record_struct.size)
         seq = r[0]
         if seq & 1:
             return None
@@ -4290,10 +4358,10 @@ class OpenSizeCache(BaseCache):
             except ValueError:
                 return None
         else:
-            data = self._arena_np[off: end].copy() if copy else self._ro_arena[off: end]
-        if self._rec_mv[idx * self._rec_words] != seq or self._aux_mv[idx] != SET:
+            data = self._arena[off: end].copy() if copy else self._read_only_arena[off: end]
+        if self._records[idx * self._record_words] != seq or self._index_states[idx] != SET:
             return None
-        self._ctr[_HITS] += 1
+        self._own_counters[_HITS] += 1
         if self._fixed_sizes is not None and copy:  # already in its shape and dtype
             return torch.from_numpy(data) if self._view_as is None else \
                 torch.from_numpy(data).view(self._view_as)
@@ -4369,30 +4437,29 @@ class OpenSizeCache(BaseCache):
             raise ValueError(f"value should fit in the cache's arena ({self._arena_size} bytes, "
                              f"from size_limit_gib={self._limit_gib}), but got a sample of "
                              f"{src.size} bytes")
-        if self._aux_mv[idx] == OOB:
+        if self._index_states[idx] == OOB:
             if not allow_oob_idx:
                 raise self._oob_error(idx)
             return
         lock = _slot_lock_offset(idx)
-        with self._tlock:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, lock)
-            try:
-                if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
-                    return
-            finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, lock)
-        self._ctr[_WRITES] += 1
+        self._lock(lock)
+        try:
+            if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
+                return
+        finally:
+            self._unlock(lock)
+        self._own_counters[_WRITES] += 1
 
     def _store(self, idx: int, src: np.ndarray, sizes: list[int], allow_overwrite: bool,
                exist_ok: bool) -> bool:
         """set_slot under the index's lock; True when the write counts as one."""
-        rec, base, state = self._rec_mv, idx * self._rec_words, self._aux_mv[idx]
+        rec, base, state = self._records, idx * self._record_words, self._index_states[idx]
         if state == SET and not allow_overwrite and not rec[base] & 1:
             if exist_ok:
                 return False
             off, nbytes = rec[base + _REC_OFF], rec[base + _REC_BYTES]
-            if nbytes == src.size and rec[base + 4: base + self._rec_words].tolist() == sizes \
-                    and np.array_equal(self._arena_np[off: off + nbytes], src):
+            if nbytes == src.size and rec[base + 4: base + self._record_words].tolist() == sizes \
+                    and np.array_equal(self._arena[off: off + nbytes], src):
                 return True  # a second load of one index: done already
             raise RuntimeError(
                 f"the sample of idx={idx} is already set to a different value; pass "
@@ -4403,7 +4470,7 @@ class OpenSizeCache(BaseCache):
             off, cap = rec[base + _REC_OFF], rec[base + _REC_CAP]  # its place, reused
         else:
             cap = -(-src.size // _ARENA_ALIGN) * _ARENA_ALIGN
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+            self._lock(_ARENA_LOCK)
             try:
                 off = self._header_get("arena_top")
                 if off + cap <= self._arena_size:
@@ -4412,7 +4479,7 @@ class OpenSizeCache(BaseCache):
                     off = -1
                     self._header_set("arena_full", self._header_get("arena_full") + 1)
             finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+                self._unlock(_ARENA_LOCK)
             if off < 0:  # full: nothing stored; an overwritten sample is dropped
                 if state != EMPTY:
                     self._drop(idx)
@@ -4420,25 +4487,25 @@ class OpenSizeCache(BaseCache):
         seq = rec[base]
         seq += seq & 1  # an odd number left by a writer that died: round up
         rec[base] = seq + 1
-        self._aux_mv[idx] = WRITING
+        self._index_states[idx] = WRITING
         rec[base + _REC_OFF], rec[base + _REC_BYTES], rec[base + _REC_CAP] = off, src.size, cap
         for k, size in enumerate(sizes):
             rec[base + 4 + k] = size
         if src.size < _WRITE_THROUGH_FILE:
-            self._arena_np[off: off + src.size] = src
+            self._arena[off: off + src.size] = src
         else:
             _write_at(self._fd, src, self._arena_file_off + off)
-        self._aux_mv[idx] = SET
+        self._index_states[idx] = SET
         rec[base] = seq + 2
         return True
 
     def _drop(self, idx: int) -> None:
         """Empty ``idx`` (its lock held): readers see a miss, its place is given up."""
-        rec, base = self._rec_mv, idx * self._rec_words
+        rec, base = self._records, idx * self._record_words
         seq = rec[base] + (rec[base] & 1)
         rec[base] = seq + 1
-        self._aux_mv[idx] = EMPTY
-        for k in range(1, self._rec_words):
+        self._index_states[idx] = EMPTY
+        for k in range(1, self._record_words):
             rec[base + k] = 0
         rec[base] = seq + 2
 
@@ -4446,25 +4513,29 @@ class OpenSizeCache(BaseCache):
         """Empty every index and give back the whole arena. Safe while other processes read
         (they see misses) or write (they finish first)."""
         self._check_open()
-        with self._locked(_slot_lock_offset(0), self._n):
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, _ARENA_LOCK)
+        self._lock(_slot_lock_offset(0), self._dataset_len)
+        try:
+            self._lock(_ARENA_LOCK)
             try:
-                seq = self._rec_np[:, _REC_SEQ]
+                seq = self._records_np[:, _REC_SEQ]
                 seq |= 1
-                aux = self._aux_np
+                aux = self._index_states_np
                 aux[aux != OOB] = EMPTY
-                self._rec_np[:, 1:] = 0
-                self._arena_np[: self._header_get("arena_top")].fill(0)
+                self._records_np[:, 1:] = 0
+                self._arena[: self._header_get("arena_top")].fill(0)
                 self._header_set("arena_top", 0)
                 seq += 1
             finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, _ARENA_LOCK)
+                self._unlock(_ARENA_LOCK)
+        finally:
+            self._unlock(_slot_lock_offset(0), self._dataset_len)
 
     def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """As ``SharedCache.stats``, plus ``arena_bytes`` (the arena's size) and ``arena_used``
         (bytes handed out since the last ``clear()``, overwritten places included); ``full``
         counts writes that found no room. ``slots`` is the number of indices this node may
         admit."""
+        self._check_open()  # (before the header is read: a closed mapping says less)
         full = self._header_get("arena_full")
         if since is not None and not _is_int(since.get("full")):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
@@ -4482,22 +4553,26 @@ class OpenSizeCache(BaseCache):
         self._check_open()
         w, lay = self._world, self._layout
         twin = OpenSizeCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
-                           name=f"copy{next(_COPY_COUNTER)}",
-                           world=World(rank=w.node_rank, world_size=w.num_nodes,
-                                       node_rank=w.node_rank, num_nodes=w.num_nodes),
-                           shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-                           random_subset=lay.random_subset, mean_sample_bytes=self._mean or None)
+                             name=f"copy{next(_COPY_COUNTER)}",
+                             world=World(rank=w.node_rank, world_size=w.num_nodes,
+                                         node_rank=w.node_rank, num_nodes=w.num_nodes),
+                             shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
+                             random_subset=lay.random_subset,
+                             mean_sample_bytes=self._mean_sample_bytes or None)
         memo[id(self)] = twin
-        with self._locked(_slot_lock_offset(0), self._n):
-            aux = self._aux_np.copy()
-            aux[(aux == SET) & (self._rec_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
+        self._lock(_slot_lock_offset(0), self._dataset_len)
+        try:
+            aux = self._index_states_np.copy()
+            aux[(aux == SET) & (self._records_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
             aux[aux == WRITING] = EMPTY
             top = self._header_get("arena_top")
-            twin._arena_np[:top] = self._arena_np[:top]
-            twin._rec_np[:] = self._rec_np
-            twin._rec_np[:, _REC_SEQ] = 0
+            twin._arena[:top] = self._arena[:top]
+            twin._records_np[:] = self._records_np
+            twin._records_np[:, _REC_SEQ] = 0
             twin._header_set("arena_top", top)
-            twin._aux_np[:] = aux
+            twin._index_states_np[:] = aux
+        finally:
+            self._unlock(_slot_lock_offset(0), self._dataset_len)
         return twin
 
 

@@ -131,7 +131,7 @@ def test_a_slot_being_written_or_cleared_is_a_miss(shm_dir):
         for i in range(4):
             c.set_slot(i, value_of(i, DIMS))
         with c._writing(2, 1):
-            c._np_slots[2] = 0
+            c._slot_samples[2] = 0
             batch, hit = c.get_batch(range(4))
         assert hit.tolist() == [True, True, False, True]
         assert not batch[2].any() and torch.equal(batch[3], value_of(3, DIMS))

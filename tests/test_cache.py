@@ -6,6 +6,7 @@ import copy
 import os
 import re
 import warnings
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
@@ -108,9 +109,10 @@ def test_same_results_as_021(shm_dir):
 
 def test_a_cache_of_one_tensor_keeps_its_attributes_in_a_shared_key_dict(shm_dir):
     """CPython (3.11 on) shares one dict of keys among a class's instances for at most 30
-    attributes (SHARED_KEYS_MAX_SIZE), and specialises attribute reads for it: an instance with
-    more gets a plain dict and every attribute read of the hit path is slower. So what only
-    some caches need is a class default, set on the instance only where it differs."""
+    attributes (SHARED_KEYS_MAX_SIZE). A hit past 30 measured the same on 3.11
+    (``python -m benchmark.microbench --idioms``, docs/benchmarks.md), so this is a budget that
+    keeps state from piling up on the instance: what only some caches need is a class default,
+    set on the instance only where it differs."""
     with SharedCache(1e-3, 10, (3, 4), shm_dir=shm_dir) as c:
         c.set_slot(1, torch.ones(3, 4, dtype=torch.uint8))
         assert c.get_slot(1) is not None
@@ -490,10 +492,36 @@ def test_every_call_on_a_closed_cache_says_it_is_closed(shm_dir):
     x = torch.zeros(3, 4, 4, dtype=torch.uint8)
     for call in (lambda: c.array, lambda: c.aux_array, lambda: c[0], lambda: c.stats(),
                  lambda: c.clear(), lambda: c.get_slot(0), lambda: c.set_slot(0, x)):
-        with pytest.raises(ValueError, match="this SharedCache is closed"):
+        with pytest.raises(ValueError, match="^this SharedCache is closed"):
             call()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ValueError, match="^this SharedCache is closed"):
         c.__setitem__(0, x)
+
+
+class MyCache(stocaching.OpenSizeCache):
+    pass
+
+
+@pytest.mark.parametrize("kind, dims, dtype, value, name", [
+    (SharedCache, {"image": (3, 4, 4), "label": ()}, {"image": torch.uint8, "label": torch.int64},
+     {"image": torch.zeros(3, 4, 4, dtype=torch.uint8), "label": 1}, "SharedCache"),
+    (stocaching.OpenSizeCache, (3, None, None), torch.uint8,
+     torch.zeros(3, 4, 5, dtype=torch.uint8), "OpenSizeCache"),
+    (MyCache, (3, None, None), torch.uint8, torch.zeros(3, 4, 5, dtype=torch.uint8),
+     "MyCache"),  # a user's subclass, by its own name
+], ids=["fields", "open sizes", "subclass"])
+def test_a_closed_cache_names_its_own_kind(shm_dir, kind, dims, dtype, value, name):
+    """The message names the class the user made (a cache with fields is a SharedCache to
+    them), both where a call checks first and where a read finds the views gone."""
+    c = kind(64 * KIB, 100, dims, dtype, shm_dir=shm_dir)
+    c.set_slot(0, value)
+    c.close()
+    for call in (lambda: c.aux_array, lambda: c.stats(), lambda: c.clear(),
+                 lambda: c.get_slot(0), lambda: c.set_slot(1, value)):
+        with pytest.raises(ValueError, match=f"^this {name} is closed"):
+            call()
+    with pytest.raises(ValueError, match=f"^a closed {name} cannot be sent"):
+        ForkingPickler.dumps(c)  # what a Queue, a Pool task or a process start does
 
 
 # -- found in review ---------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def test_read_racing_clear_is_a_miss_not_zeros(tmpfs):
     sequence-number view only decides *when* clear() runs."""
     with SharedCache(1, 4, (8,), name="race", shm_dir=tmpfs) as cache:
         cache.set_slot(0, torch.full((8,), 7, dtype=torch.uint8))
-        seq = cache._seq_mv
+        seq = cache._slot_versions
 
         class ClearFirst:
             done = False
@@ -207,9 +207,9 @@ def test_read_racing_clear_is_a_miss_not_zeros(tmpfs):
                     cache.clear()
                 return seq[k]
 
-        cache._seq_mv = ClearFirst()
+        cache._slot_versions = ClearFirst()
         got = cache.get_slot(0)
-        cache._seq_mv = seq
+        cache._slot_versions = seq
     assert got is None, f"read after clear() returned {got.tolist()}"
 
 
@@ -231,16 +231,16 @@ def _clear(cache):
 
 
 def _begin_write(cache):  # a writer in the middle of its copy (it finishes after the read)
-    cache._seq_np[0] |= 1
-    cache._aux_np[0] = 3  # WRITING
+    cache._slot_versions_np[0] |= 1
+    cache._index_states_np[0] = 3  # WRITING
 
 
 class _Views:
-    """Stands in for the cache's views of shared memory that a read uses (``_aux_mv``,
-    ``_seq_mv``, ``_np_slots``, ``_ro_slots``), counts the items read through them, and runs
-    ``event(cache)`` just before the ``at``-th (never, if the read makes fewer)."""
+    """Stands in for the cache's views of shared memory that a read uses (``_index_states``,
+    ``_slot_versions``, ``_slot_samples``, ``_read_only_slots``), counts the items read through
+    them, and runs ``event(cache)`` just before the ``at``-th (never, if the read makes fewer)."""
 
-    NAMES = ("_aux_mv", "_seq_mv", "_np_slots", "_ro_slots")
+    NAMES = ("_index_states", "_slot_versions", "_slot_samples", "_read_only_slots")
 
     def __init__(self, cache, event, at: int):
         self.cache, self.event, self.at, self.reads, self.busy = cache, event, at, 0, False
@@ -297,8 +297,8 @@ def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
             for at in range(1, 8):
                 answers = []
                 for read in (inlined, by_function):
-                    cache._seq_np[0] |= 1
-                    cache._seq_np[0] += 1  # a writer that finished (the number even again)
+                    cache._slot_versions_np[0] |= 1
+                    cache._slot_versions_np[0] += 1  # a writer that finished (even again)
                     cache.set_slot(0, old, allow_overwrite=True)
                     before = cache.stats()
                     with _Views(cache, event, at) as views:

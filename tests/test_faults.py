@@ -14,8 +14,8 @@ them), a DataLoader worker, and the main process of a single-process job. Phases
 
 To stop a process at an exact phase the child (tests/children/job.py) wraps one function or one
 buffer of the library (``os.posix_fallocate``, ``SharedCache._check_header``,
-``cache._np_slots``) so that it prints a marker and waits: a signal cannot otherwise be timed to
-land inside one call. The wrappers call the real code; the signals, processes, locks and tmpfs
+``cache._slot_samples``) so that it prints a marker and waits: a signal cannot otherwise be timed
+to land inside one call. The wrappers call the real code; the signals, processes, locks and tmpfs
 are real. Every wait of the test is for a marker or an exit, with a ceiling far above what it
 takes.
 

@@ -41,7 +41,8 @@ def same(a: dict, b: dict) -> bool:
 def snapshot(c: SharedCache) -> tuple:
     """Everything a refused call must leave as it was."""
     s = c.stats()
-    return (c._np_slots.tobytes(), c._aux_np.tobytes(), s["hits"], s["misses"], s["writes"])
+    return (c._slot_samples.tobytes(), c._index_states_np.tobytes(), s["hits"], s["misses"],
+            s["writes"])
 
 
 def test_fields_are_packed_in_order_each_aligned_to_its_itemsize(shm_dir):
@@ -53,7 +54,7 @@ def test_fields_are_packed_in_order_each_aligned_to_its_itemsize(shm_dir):
                                      {"a": torch.uint8, "b": torch.int64, "c": torch.int16})
     assert [f.offset for f in fields] == [0, 8, 16] and row == 24  # a struct's padding
     with fields_cache(shm_dir) as c:
-        assert len(c) == 30 and c._np_slots.shape[1] == 216
+        assert len(c) == 30 and c._slot_samples.shape[1] == 216
         assert c.fields == ("image", "label", "box")
         assert c.data_dims == FIELDS and c.dtype == FIELD_DTYPES
         assert plan(N, FIELDS, FIELD_DTYPES, size_limit_gib=budget(30), shm_dir=shm_dir)[
@@ -74,7 +75,7 @@ def test_a_sample_goes_in_as_a_dict_and_comes_back_as_one(shm_dir):
                 {k: (torch.Size(FIELDS[k]), FIELD_DTYPES[k]) for k in FIELDS}
         view = c.get_slot(3, copy=False)
         assert same(view, fields_of(3))
-        ro = np.frombuffer(c._ro_mm, np.uint8)  # views of the read-only mapping, not copies
+        ro = np.frombuffer(c._read_only_mapping, np.uint8)  # views of that mapping, not copies
         lo, hi = ro.ctypes.data, ro.ctypes.data + ro.size
         assert all(lo <= v.data_ptr() < hi for v in view.values())
         got = c.get_slot(3)
@@ -260,11 +261,11 @@ def test_ranks_that_agree_share_a_fields_cache_and_an_older_layout_is_refused(sh
         lead.set_slot(4, {"a": torch.tensor([1, 2, 3], dtype=torch.uint8), "b": 9})
         assert other.get_slot(4)["b"].item() == 9
         # A segment of another layout version: the attach check names the version.
-        head = core._read_header(lead._mm)
+        head = core._read_header(lead._mapping)
         assert head["version"] == core._LAYOUT_VERSION == 5 and head["nfields"] == 2
         with pytest.raises(CacheConfigError, match="version=3") as e:
             old = dict(head, version=3)
-            other._check_header(old, lead._total)
+            other._check_header(old, lead._segment_size)
         assert e.value.field == "version"
 
 
@@ -290,7 +291,7 @@ def test_staging_clear_deepcopy_and_raw_access_work_per_field(shm_dir):
         c.set_slot(3, fields_of(3))
         c.clear()
         assert c.get_slot(1) is None and c.get_slot(3) is None
-        assert not c._np_slots[:len(c)].any()  # (the staging rows follow)
+        assert not c._slot_samples[:len(c)].any()  # (the staging rows follow)
 
 
 def test_several_nodes_cache_disjoint_parts_of_a_fields_dataset(shm_dir):

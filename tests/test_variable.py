@@ -158,7 +158,7 @@ def test_overwrite_keeps_its_place_or_moves_or_empties_and_clear_gives_all_back(
         c.clear()
         s = c.stats()
         assert (s["filled"], s["arena_used"]) == (0, 0) and c.get_slot(0) is None
-        assert not c._arena_np.any()
+        assert not c._arena.any()
         for i in range(4):  # the whole arena is back
             c.set_slot(i, cloud(i, 4))
         assert c.stats()["arena_used"] == 4 * 48
@@ -182,7 +182,7 @@ def test_bad_values_are_refused_and_change_nothing(shm_dir, value, exc, match):
         def state():
             s = c.stats()
             del s["hit_rate"]  # nan without reads
-            return c._arena_np.tobytes(), c._rec_np.tobytes(), c._aux_np.tobytes(), s
+            return c._arena.tobytes(), c._records_np.tobytes(), c._index_states_np.tobytes(), s
 
         before = state()
         for idx in (2, 3):

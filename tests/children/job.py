@@ -18,8 +18,8 @@ in its environment, see ``rank_env``). Commands:
 
 A stop prints "<MARKER> <pid>" and waits for the file $FT_GO (or forever). To stop at an exact
 phase the program wraps one function or one buffer of the library (``os.posix_fallocate``,
-``SharedCache._check_header``, ``cache._np_slots``, ``cache._aux_mv``); the wrappers call the
-real code.
+``SharedCache._check_header``, ``cache._slot_samples``, ``cache._index_states``); the wrappers
+call the real code.
 """
 
 import faulthandler
@@ -134,7 +134,7 @@ def arm_attach():
 
 
 class MidCopy:
-    """Stands in for cache._np_slots in the writer: stops with half of the bytes copied."""
+    """Stands in for cache._slot_samples in the writer: stops with half of the bytes copied."""
 
     def __init__(self, real, marker, after_iter=False):
         self.real, self.marker, self.after_iter = real, marker, after_iter
@@ -150,7 +150,7 @@ class MidCopy:
 
 
 class AfterSet:
-    """Stands in for cache._aux_mv in the writer: stops right after the state becomes SET."""
+    """Stands in for cache._index_states in the writer: stops right after the state becomes SET."""
 
     def __init__(self, real, marker):
         self.real, self.marker = real, marker
@@ -210,7 +210,7 @@ class DS(Dataset):
         info = get_worker_info()
         if info is not None and info.id == 0 and i == 0:
             if self.phase == "write":
-                self.cache._np_slots = MidCopy(self.cache._np_slots, "WINSIDE", True)
+                self.cache._slot_samples = MidCopy(self.cache._slot_samples, "WINSIDE", True)
             elif self.phase == "read":
                 wait_iter_ready()
                 say("WREADING", os.getpid())
@@ -277,13 +277,13 @@ def main():
                     n += 1
             say("WROTE", n)
         elif cmd == "writehang" and VARIABLE:
-            cache._arena_np = MidCopy(cache._arena_np, "INSIDE")
+            cache._arena = MidCopy(cache._arena, "INSIDE")
             cache.set_slot(int(args[0]), pattern(int(args[0])))
         elif cmd == "writehang":
-            cache._np_slots = MidCopy(cache._np_slots, "INSIDE")
+            cache._slot_samples = MidCopy(cache._slot_samples, "INSIDE")
             cache.set_slot(int(args[0]), pattern(int(args[0])))
         elif cmd == "writehang_late":
-            cache._aux_mv = AfterSet(cache._aux_mv, "INSIDE")
+            cache._index_states = AfterSet(cache._index_states, "INSIDE")
             cache.set_slot(int(args[0]), pattern(int(args[0])))
         elif cmd == "readloop":
             say("READING", os.getpid())
