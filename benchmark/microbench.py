@@ -207,7 +207,7 @@ def bench_idioms(rounds: int = 15, number: int = 20000) -> dict[str, list[float]
         c.set_slot(5, x)
         caches[name] = c
     c = caches["SharedCache"]
-    offset = (1 << 50) + 1 + 7
+    offset = stocaching.stocaching._slot_lock_offset(7)  # the record lock of slot 7
 
     def pair():
         c._lock(offset)

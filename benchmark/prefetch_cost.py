@@ -53,7 +53,10 @@ def measure(samples: int, threads: int, processes: int, lookahead: int | None = 
                                processes=processes, lookahead=lookahead,
                                stand_aside=False)
     try:
-        loaders = [psutil.Process(p.pid) for p in psutil.Process().children()]
+        # The loader processes: this process's children, but multiprocessing's resource
+        # tracker if one started.
+        loaders = [c for c in psutil.Process().children()
+                   if not any("resource_tracker" in a for a in c.cmdline())]
         time.sleep(0.3)  # the loader processes started
 
         def loader_cpu() -> float:
