@@ -977,10 +977,6 @@ class _LoadTimes:
     def known(self) -> bool:
         return len(self._recent) >= self.KEEP  # (KEEP + 1 for a moment inside add)
 
-    def count(self) -> int:
-        """Loads measured (timed), up to ``KEEP``."""
-        return min(self.KEEP, len(self._recent))
-
     def cpu_bound(self) -> bool:
         with self._lock:
             return len(self._recent) == self.KEEP and 2 * self._bound > self.KEEP
@@ -1141,7 +1137,6 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._tap = _Tap(sampler, cache.dataset_len)
         self.window = None if window is None else check_int("window", window, low=1)
         self._load_times = _LoadTimes()
-        self._measured_alone = threading.Semaphore(2)  # measured loads in loader threads
         # The adaptive order serves the base order while standing aside (see _ReadyOrAside);
         # the fixed one stays a function of the cache state at the epoch's start.
         ready = cache if mode == "fixed" or not stand_aside else \
@@ -1172,9 +1167,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._lock = threading.Lock()  # guards the two above and the counters
         self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
         self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
-        # Misses left to the DataLoader: while the first loads were measured, and while
-        # the loads were CPU-bound (standing aside).
-        self.left = 0
+        self.left = 0  # misses left to the DataLoader while the loads were CPU-bound
         self._procs: _ProcessLoaderPool | None = None  # with processes=N
         # What the latest iterator of this epoch yielded: [the position it started from,
         # indices yielded], the default position of state_dict(); None before one started.
@@ -1511,93 +1504,42 @@ class Prefetcher(torch.utils.data.Sampler[int]):
 
     def _refill(self, run: "_EpochLoads", due: int) -> None:
         """Submit the misses among the base positions from ``run.nxt`` up to a span past the
-        last position due, in order; stop early where the probes (``_probing``) or the
-        staging limit say so. Until the loads are measured, only the measured ones go
-        (``_measure_ahead``)."""
+        last position due, in order; stop early where the measuring throttle
+        (``_throttled``) or the staging limit says so."""
         end = min(run.base.size, due - 1 + run.span)
         nxt = run.nxt
         if nxt >= end:
             return
-        if run.measuring and not self._load_times.known():
-            # Until the first loads are measured, only they go, far ahead; the misses due
-            # before the verdict are the workers'.
-            self._measure_ahead(run, due)
-            if nxt < due:
-                chunk, misses, oob = self._misses(run, nxt, due)
-                self.left += sum(int(chunk[j]) not in run.pending and
-                                 not self._left_to_workers(int(chunk[j]), bool(oob[j]))
-                                 for j in misses)
-                run.nxt = due
+        if not self._load_times.known() and self._throttled(run, False):
+            # While the first loads are measured, none may go before one ends: what the
+            # loop below would do, without looking at the chunk (once a position, then).
+            run.nxt = max(nxt, due)
             return
-        chunk, misses, oob = self._misses(run, nxt, end)
-        for j in misses:
+        chunk = run.base[nxt:end]
+        need = ~self.cache.ready_mask(chunk, tag=self._tag)
+        if nxt < run.skip.size:
+            need[:run.skip.size - nxt] &= ~run.skip[nxt:end]
+        oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
+        for j in np.flatnonzero(need):
             i, staged = int(chunk[j]), bool(oob[j])
             if i in run.pending or self._left_to_workers(i, staged):
                 continue
             bound = self.stand_aside and self._load_times.cpu_bound()
             if bound and self._stands_aside(run, i):
                 continue
-            if self._probing(run, bound):
+            if self._throttled(run, bound):
                 if nxt + j < due:  # due now: loaded here, the training thread
                     continue  # would wait for it; the workers load it instead
-                end = nxt + int(j)  # (never before due: a yielded index is not loaded)
-                break
+                end = nxt + int(j)  # first see whether loading ahead pays
+                break  # (never before due: a yielded index is not loaded)
             if staged:
                 if run.ahead >= self._stage_ahead:
                     end = nxt + int(j)  # the staging area is the limit: stop here
                     break
                 run.ahead += 1
             run.submitted += 1
-            run.pending[i] = (self._submit(run.pool, i, staged, measured=bound), staged)
+            run.pending[i] = (self._submit(run.pool, i, staged), staged)
         run.nxt = end
-
-    def _misses(self, run: "_EpochLoads", lo: int, hi: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The base positions ``[lo, hi)``: their indices, the offsets among them of the
-        misses not yielded before (a resume), and which of them have no slot (staged)."""
-        chunk = run.base[lo:hi]
-        need = ~self.cache.ready_mask(chunk, tag=self._tag)
-        if lo < run.skip.size:
-            need[:run.skip.size - lo] &= ~run.skip[lo:hi]
-        oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
-        return chunk, np.flatnonzero(need), oob
-
-    def _measure_ahead(self, run: "_EpochLoads", due: int) -> None:
-        """Submit the loads that measure whether loading ahead pays (``_LoadTimes.KEEP``,
-        less those measured or under way): the first misses a span past the positions due
-        now, so that the training thread does not wait for them (a DataLoader draws its
-        first ``num_workers x prefetch_factor`` batches at once), and its workers load the
-        misses due meanwhile. They run one a loader process at a time (two with threads):
-        loads that share a GIL wait for it, which would count as waiting on storage and hide
-        CPU-bound loads. An epoch too short for that measures what it can from the positions
-        after those due."""
-        times = self._load_times
-        want = min(times.KEEP - times.count() - (run.submitted - (times.seen - run.measured0)),
-                   2 * times.KEEP - run.submitted)  # (loads that end untimed are replaced)
-        base = run.base
-        if run.measure_at < 0:
-            run.measure_at = min(due - 1 + run.span, base.size)
-        while want > 0:
-            if run.measure_at >= base.size:
-                if run.measure_wrapped:
-                    return
-                run.measure_wrapped, run.measure_at = True, due
-            lo = run.measure_at
-            hi = min(base.size, lo + 4 * times.KEEP)
-            run.measure_at = hi
-            chunk, misses, oob = self._misses(run, lo, hi)
-            for j in misses:
-                i, staged = int(chunk[j]), bool(oob[j])
-                if i in run.pending or self._left_to_workers(i, staged) or (
-                        staged and run.ahead >= self._stage_ahead):
-                    continue
-                run.ahead += staged
-                run.submitted += 1
-                run.pending[i] = (self._submit(run.pool, i, staged, measured=True), staged)
-                want -= 1
-                if not want:
-                    run.measure_at = lo + int(j) + 1
-                    return
 
     def _left_to_workers(self, idx: int, staged: bool) -> bool:
         """Whether the miss ``idx`` is never loaded ahead: the DataLoader's workers load it."""
@@ -1618,12 +1560,18 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             return True
         return False
 
-    def _probing(self, run: "_EpochLoads", bound: bool) -> bool:
-        """Whether no probe may be submitted now while standing aside: one a loader process
-        at a time (each job goes to the least busy; two with threads), as the first loads
-        are measured (``_measure_ahead``; bursts of probes turned a GIL-holding load's
-        verdict back to "not CPU-bound")."""
-        return run.measuring and bound and (
+    def _throttled(self, run: "_EpochLoads", bound: bool) -> bool:
+        """Whether no load may be submitted now: the measuring throttle.
+
+        Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and until
+        then, and while standing aside (the probes), one load a loader process runs at a time
+        (each job goes to the least busy; two with threads): loads that share a GIL wait for
+        it, which would count as waiting on storage and hide CPU-bound loads (575 of 1,500
+        misses loaded before standing aside with 32 threads a process; and bursts of probes
+        turned a GIL-holding load's verdict back to "not CPU-bound")."""
+        known = self._load_times.known()
+        return run.measuring and (bound or not known) and (
+            (not known and run.submitted >= 2 * _LoadTimes.KEEP) or
             run.submitted - (self._load_times.seen - run.measured0) >= run.careful_in_flight)
 
     def _wait_due(self, run: "_EpochLoads", ids: list[int]) -> None:
@@ -1652,7 +1600,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 for i, (_, staged) in run.pending.items():  # loaded ahead and never yielded
                     if staged:
                         self.cache.unstage(i, tag=self._tag)
-        if self.left > run.left_before and self._load_times.cpu_bound():
+        if self.left > run.left_before:
             logger.info(
                 "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
                 "its loads were CPU-bound (%s), so loading them ahead could not save time, "
@@ -1682,22 +1630,19 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         else:
             self._arena_used = max(self._arena_used, used)
 
-    def _submit(self, pool: "_Loaders", idx: int, staged: bool, measured: bool = False
-                ) -> "_Job":
-        """A load of ``idx``: the one still running from an earlier epoch, or a new one
-        (``measured``: timed alone, see ``_measure_ahead``)."""
+    def _submit(self, pool: "_Loaders", idx: int, staged: bool) -> "_Job":
+        """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
         job = pool.live(idx)
         if job is not None and job.staged == staged:
             return job
-        return pool.submit(idx, staged, measured)
+        return pool.submit(idx, staged)
 
     def _fetch(self, job: "_Job", stop: threading.Event, meter: "_WaitMeter") -> None:
         """Load one sample and store it; runs in a loader thread."""
         idx = job.idx
-        with self._measured_alone if job.measured else contextlib.nullcontext():
-            t0 = meter.now()
-            value = self.load(idx)
-            self._load_times.add(meter.since(t0))
+        t0 = meter.now()
+        value = self.load(idx)
+        self._load_times.add(meter.since(t0))
         if not job.staged:
             self.cache.set_slot(idx, value, exist_ok=True)
             if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
@@ -1749,7 +1694,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             if outcome is _Job.CANCELLED:
                 if pool.stopped:  # (cancelled by the stop)
                     raise closed()
-                job = pool.submit(idx, job.staged, job.measured)
+                job = pool.submit(idx, job.staged)
                 job.mark_due()
                 pool.flush()
                 continue
@@ -1913,13 +1858,13 @@ class _Tap:
 
 class _EpochLoads:
     """The state of one epoch's iterator (``Prefetcher._iter_loaded``): where it is in the
-    base order, the loads it submitted ahead, and its counts for measuring and standing
-    aside. Its steps are the prefetcher's (``_refill``, ``_wait_due``,
+    base order, the loads it submitted ahead, and its counts for the measuring throttle and
+    standing aside. Its steps are the prefetcher's (``_refill``, ``_wait_due``,
     ``_end_epoch``)."""
 
     __slots__ = ("base", "pos", "skip", "nxt", "span", "pool", "pending", "ahead",
                  "submitted", "aside", "measuring", "measured0", "careful_in_flight",
-                 "measure_at", "measure_wrapped", "dropped_before", "left_before")
+                 "dropped_before", "left_before")
 
     def __init__(self, base: np.ndarray, pos: int, skip: np.ndarray, span: int,
                  pool: "_Loaders", *, dropped: int, left: int, measuring: bool,
@@ -1933,13 +1878,10 @@ class _EpochLoads:
         self.ahead = 0  # staged loads submitted and not yet yielded
         self.dropped_before, self.left_before = dropped, left  # the counters at the start
         self.aside = 0  # misses seen while standing aside
-        # Measuring (``_measure_ahead``, ``_probing``): on or not, loads submitted,
+        # The measuring throttle (``Prefetcher._throttled``): on or not, loads submitted,
         # loads finished before the epoch, loads a loader process runs at a time.
         self.measuring, self.submitted = measuring, 0
         self.measured0, self.careful_in_flight = measured, careful
-        # Where ``_measure_ahead`` looks next (-1: not yet), and whether it went back once
-        # to the positions nearer (an epoch too short to measure a span ahead).
-        self.measure_at, self.measure_wrapped = -1, False
 
 
 class _Job:
@@ -1951,17 +1893,16 @@ class _Job:
     (Not a concurrent.futures.Future: making, ending and waiting for one cost about 10 us of
     the training process's CPU a load, against 0.5 us.)"""
 
-    __slots__ = ("idx", "staged", "measured", "outcome", "_waiter", "due", "flag",
-                 "due_flag")
+    __slots__ = ("idx", "staged", "outcome", "_waiter", "due", "flag", "due_flag")
 
     DONE, CANCELLED = "done", "cancelled"
 
-    def __init__(self, idx: int, staged: bool, measured: bool = False) -> None:
-        self.idx, self.staged, self.measured = idx, staged, measured
+    def __init__(self, idx: int, staged: bool, flag: Callable[[], None] | None = None) -> None:
+        self.idx, self.staged = idx, staged
         self.outcome: Any = None
         self._waiter: threading.Lock | None = None  # held while the iterator waits
         self.due = False  # (a plain flag: an Event per job cost about 30 us of CPU a load)
-        self.flag: Callable[[], None] | None = None  # tells a loader process too
+        self.flag = flag  # tells a loader process too
         self.due_flag = -1  # its entry in the due flags (processes=N); -1: none, or given back
 
     def done(self) -> bool:
@@ -2011,15 +1952,14 @@ def _halt_threads(stop: threading.Event, jobs: queue.SimpleQueue,
 
 class _Loaders:
     """What a prefetcher asks of its loaders, threads (:class:`_LoaderPool`) or processes
-    (:class:`_ProcessLoaderPool`): ``submit(idx, staged, measured)`` a load and get its
-    :class:`_Job`, which the iterator waits for (a ``measured`` one runs alone, see
-    ``Prefetcher._measure_ahead``); ``flush()`` once the jobs of a refill
+    (:class:`_ProcessLoaderPool`): ``submit(idx, staged)`` a load and get its
+    :class:`_Job`, which the iterator waits for; ``flush()`` once the jobs of a refill
     are submitted; ``live(idx)``, a load of ``idx`` still running from an earlier epoch,
     which the next epoch waits for instead of loading it again; ``stop()`` at the end of an
     epoch (its jobs not started are cancelled); ``stopped``, whether a job not done yet will
     never run; ``dead()``, the loaders that died."""
 
-    def submit(self, idx: int, staged: bool, measured: bool = False) -> _Job:
+    def submit(self, idx: int, staged: bool) -> _Job:
         raise NotImplementedError
 
     def flush(self) -> None:
@@ -2067,8 +2007,8 @@ class _LoaderPool(_Loaders):
         # target when they end, so this does not keep a finished pool alive.
         weakref.finalize(self, _halt_threads, self._stop, self._jobs, self._threads)
 
-    def submit(self, idx: int, staged: bool, measured: bool = False) -> _Job:
-        job = _Job(idx, staged, measured)
+    def submit(self, idx: int, staged: bool) -> _Job:
+        job = _Job(idx, staged)
         self._jobs.put(job)
         if len(self._threads) < self._most:
             thread = threading.Thread(target=self._run, daemon=True,
@@ -2187,17 +2127,17 @@ class _ProcessLoaderPool(_Loaders):
         self._finalizer = weakref.finalize(owner, _ProcessLoaderPool._shut, self._procs,
                                            self._jobs, self._results)
 
-    def submit(self, idx: int, staged: bool, measured: bool = False) -> _Job:
+    def submit(self, idx: int, staged: bool) -> _Job:
         with self._lock:
             j, self._next_id = self._next_id, self._next_id + 1
             flag = self._free_flags.pop() if self._free_flags else -1
-            job = _Job(idx, staged, measured)
+            job = _Job(idx, staged)
             if flag >= 0:
                 self._due[flag] = self._started[flag] = 0
                 job.flag = functools.partial(self._mark_due, job)
             job.due_flag = flag
             self._live[j] = self._by_idx[idx] = job
-            self._batch.append((j, idx, staged, self._epoch.value, flag, measured))
+            self._batch.append((j, idx, staged, self._epoch.value, flag))
         return job
 
     def flush(self) -> None:
@@ -2315,10 +2255,8 @@ def _load_in_process(cache: BaseCache, load: Callable[[int], Any], tag: int, job
     torch.set_num_threads(1)
     mine: queue.SimpleQueue = queue.SimpleQueue()  # jobs, for this process's threads
     done: queue.SimpleQueue = queue.SimpleQueue()  # their results, to send
-    alone = threading.Lock()  # held by the measured load running
     loaders = [threading.Thread(target=_load_jobs, name=f"stocaching-prefetch-{k}",
-                                args=(cache, load, tag, mine, done, due, started, epoch,
-                                      alone),
+                                args=(cache, load, tag, mine, done, due, started, epoch),
                                 daemon=True) for k in range(threads)]
     sender = threading.Thread(target=_send_results, args=(done, results, me),
                               name="stocaching-prefetch-send", daemon=True)
@@ -2358,29 +2296,26 @@ def _send_results(done: queue.SimpleQueue, results: Any, me: int) -> None:
 
 
 def _load_jobs(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any,
-               results: Any, due: Any, started: Any, epoch: Any, alone: threading.Lock
-               ) -> None:
+               results: Any, due: Any, started: Any, epoch: Any) -> None:
     """One loader thread of a loader process: takes jobs from ``jobs`` and puts each result
     in ``results`` (this process's queues), with how long the load waited and the CPU it used
-    (see :class:`_WaitMeter`). A measured job's load runs holding ``alone``: one at a time
-    in this process."""
+    (see :class:`_WaitMeter`)."""
     meter = _WaitMeter()
     while True:
         msg = jobs.get()
         if msg is None:
             meter.close()
             return
-        j, idx, staged, ep, flag, measured = msg
+        j, idx, staged, ep, flag = msg
         if ep != epoch.value:
             results.put((j, "cancelled", None))
             continue
         if flag >= 0:
             started[flag] = 1
         try:
-            with alone if measured else contextlib.nullcontext():
-                t0 = meter.now()
-                value = load(idx)
-                times = meter.since(t0)
+            t0 = meter.now()
+            value = load(idx)
+            times = meter.since(t0)
             if not staged:
                 cache.set_slot(idx, value, exist_ok=True)
                 kind = "stored" if cache.aux_array.numpy()[idx] == _SET else "refused"

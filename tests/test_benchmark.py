@@ -450,12 +450,8 @@ def test_latency_command_prints_one_line_per_target(tmp_path, jpeg_dir, shm_dir,
     for r in saved:
         if r["arm"] == "a":  # f = 0.5, first epoch: every read a miss, loaded by the Dataset
             assert r["hit_rate"] == 0.0 and r["prefetched"] == 0
-        else:  # the prefetcher loaded every sample before the Dataset asked for it, but the
-            # first: due before its first loads, which it measures, could run (they are
-            # submitted with the first index, and here, the epoch shorter than a span, the
-            # positions after it are measured)
-            assert r["hit_rate"] == pytest.approx((N - 1) / N)
-            assert r["prefetched"] == N - 1 and r["samples"] == N
+        else:  # the prefetcher loaded every sample before the Dataset asked for it
+            assert r["hit_rate"] == 1.0 and r["prefetched"] == N and r["samples"] == N
     assert os.listdir(shm_dir) == []  # every arm's cache was released
 
 
@@ -520,14 +516,13 @@ def test_mixture_command_prints_shares_hits_and_the_build_target(shm_dir, capsys
 def test_cpu_roles_counts_each_process_kind(tmp_path, capsys):
     """``python -m benchmark.cpu_roles`` on 32 JPEGs, one epoch: the plain arm has no loader
     processes and its workers did the decoding; the prefetching arm's loader processes loaded
-    every sample but the first (half into slots, half staged; the first is due before the
-    loads it measures first can run, and its worker loads it)."""
+    every sample (half into slots, half staged)."""
     from benchmark import cpu_roles
     rows = cpu_roles.main(["--data-dir", str(tmp_path / "jpegs"), "--num-images", "32",
                            "--epochs", "1", "--repeats", "1", "--staging-slots", "32"])
     (plain,), (pf,) = rows["plain"], rows["prefetcher"]
     assert plain["loaders"] == 0.0 and plain["loaded"] == 0 and plain["workers"] > 0
-    assert pf["loaded"] == 31 and pf["loaders"] >= 0 and pf["trainer"] > 0
+    assert pf["loaded"] == 32 and pf["loaders"] >= 0 and pf["trainer"] > 0
     assert "medians:" in capsys.readouterr().out
 
 
