@@ -15,7 +15,8 @@ cached fraction f) is trained for a few epochs with four arms, side by side in o
 
 plus the zero-latency reference (arm (a) without latency: the limit where latency is fully
 hidden and a miss costs only its decode CPU), and at one f all four arms without latency (the
-CPU-bound case, where prefetching should cost nothing).
+CPU-bound case, where prefetching should cost nothing; its epochs are short and noisy, so it
+runs ``--cpu-bound-repeats`` rounds, more than the rest).
 
 The latencies are a pure function of (seed, epoch, index): every arm sleeps the same time for
 the same sample in the same epoch. The dataset is the benchmark's JPEGs (:mod:`benchmark.data`),
