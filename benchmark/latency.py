@@ -768,12 +768,13 @@ def main(args: argparse.Namespace, argv: Sequence[str],
         grid = configs_for(opts)
         token = secrets.token_hex(4)
         rows: list[dict[str, Any]] = []
-        rounds = max(opts.repeats, opts.cpu_bound_repeats)
+        cpu_bound = [(k, c) for k, c in enumerate(grid)
+                     if c.latency.kind == "none" and abs(c.fraction - TARGET_F) < 1e-9]
+        # (without f = 0.5 there is no CPU-bound check, and no extra rounds for it)
+        rounds = max(opts.repeats, opts.cpu_bound_repeats if cpu_bound else 0)
         for rep in range(rounds):
-            order = list(enumerate(grid))
-            if rep >= opts.repeats:  # the CPU-bound check's extra rounds
-                order = [(k, c) for k, c in order if c.latency.kind == "none" and
-                         abs(c.fraction - TARGET_F) < 1e-9]
+            # the CPU-bound check's extra rounds run its configurations alone
+            order = list(enumerate(grid)) if rep < opts.repeats else list(cpu_bound)
             if rep % 2:
                 order.reverse()
             if rounds > 1:
