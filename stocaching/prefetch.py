@@ -1897,12 +1897,13 @@ class _Job:
 
     DONE, CANCELLED = "done", "cancelled"
 
-    def __init__(self, idx: int, staged: bool, flag: Callable[[], None] | None = None) -> None:
+    def __init__(self, idx: int, staged: bool) -> None:
         self.idx, self.staged = idx, staged
         self.outcome: Any = None
         self._waiter: threading.Lock | None = None  # held while the iterator waits
         self.due = False  # (a plain flag: an Event per job cost about 30 us of CPU a load)
-        self.flag = flag  # tells a loader process too
+        # Tells a loader process too (set by _ProcessLoaderPool.submit when it has a flag).
+        self.flag: Callable[[], None] | None = None
         self.due_flag = -1  # its entry in the due flags (processes=N); -1: none, or given back
 
     def done(self) -> bool:
