@@ -304,6 +304,45 @@ def _checked_generator_state(base: Any, state: Mapping[str, Any], field: str
     return torch.frombuffer(bytearray(value), dtype=torch.uint8)
 
 
+_GLOBAL_RNG_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+                        torch.utils.data.WeightedRandomSampler)
+
+
+def _users_base(base: Any) -> Any:
+    """The user's sampler behind ``base`` (a prefetcher's order reads it through a _Tap)."""
+    return base.base if isinstance(base, _Tap) else base
+
+
+def _unseeded(base: Any) -> str:
+    """Why a mid-epoch state of ``base`` cannot be resumed, if its order comes from torch's
+    global generator (a ``RandomSampler`` made without a ``generator``); else ''."""
+    base = _users_base(base)
+    if isinstance(base, _GLOBAL_RNG_SAMPLERS) and base.generator is None:
+        return (f"the base sampler ({type(base).__name__}) has no generator, so it draws each "
+                f"epoch's order from torch's global generator, which the state does not hold; "
+                f"make it with generator=torch.Generator().manual_seed(seed) to resume mid-epoch")
+    return ""
+
+
+def _warn_unseeded(base: Any, warned: set[str]) -> None:
+    """Warn once (per sampler: ``warned``) that a mid-epoch state saved now will be refused
+    on resume; called by a sampler's ``state_dict``, the warning points at its caller."""
+    why = _unseeded(base)
+    if why and "unseeded" not in warned:
+        warned.add("unseeded")
+        warnings.warn(f"this state cannot resume the epoch: {why}", stacklevel=3)
+
+
+def _order_differs(epoch: Any, base: Any) -> ValueError:
+    """The refusal of a resume whose base order is not the saved one."""
+    why = _unseeded(base) or (f"the base sampler ({type(_users_base(base)).__name__}) "
+                              f"should give the same order for the same seed and epoch "
+                              f"(set_epoch): load its seed and epoch as saved (and each rank "
+                              f"its own state)")
+    return ValueError(f"the base order of epoch {epoch} differs from the one the loaded state "
+                      f"was saved from: {why}")
+
+
 def _set_generator_state(base: Any, value: torch.Tensor | None) -> None:
     """Set the base's generator to ``value`` (from ``_checked_generator_state``), if any."""
     if value is not None:
@@ -666,6 +705,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         state["emitted"] = np.packbits(ep.emitted_before(consumed, lo, hi)).tobytes()
         if self.mode == "fixed":
             state["ready"] = np.packbits(ep.mask[lo:]).tobytes()
+        if consumed < n and not isinstance(self.base, _Tap):  # (a prefetcher's: it warns)
+            _warn_unseeded(self.base, self._warned)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -780,9 +821,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         pre_bits = np.zeros(0, dtype=bool)
         if loaded is not None:
             if _digest(indices) != loaded["order_digest"]:
-                raise ValueError(f"the base order of epoch {self.epoch} differs from the one "
-                                 f"the loaded state was saved from: load the base sampler's "
-                                 f"seed and epoch as saved (and each rank its own state)")
+                raise _order_differs(self.epoch, self.base)
             start = loaded["consumed"]
             lo, hi = max(0, start - W), min(n, start + W + 1)
             pre_bits = np.unpackbits(np.frombuffer(loaded["emitted"], dtype=np.uint8),
@@ -886,6 +925,10 @@ def _start_context(ctx: Any) -> Any:
 _CPU_BOUND_WAIT_SHARE = 0.25
 # While the loads are CPU-bound, one miss in this many is still loaded, to keep measuring.
 _PROBE_EVERY = 16
+# Once the loads are measured and not CPU-bound, one load in this many is timed; probes, and
+# loads before the verdict, always are. (Reading the scheduler statistics twice cost a loader
+# thread about 50 us of CPU a load on 2 busy cores, 3 us when idle: docs/benchmarks.md.)
+_TIME_EVERY = 8
 
 
 class _WaitMeter:
@@ -961,12 +1004,14 @@ class _LoadTimes:
         self._bound = 0  # CPU-bound loads in _recent
         self._lock = threading.Lock()
         self.seen = 0  # loads finished, timed or not
+        self.timed = 0  # of those, the timed ones
 
     def add(self, times: tuple[int, int] | None) -> None:
         with self._lock:
             self.seen += 1
             if times is None:
                 return
+            self.timed += 1
             waited, cpu = times
             bound = int(waited < _CPU_BOUND_WAIT_SHARE * cpu)
             self._recent.append((waited, cpu, bound))
@@ -1287,6 +1332,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         progress = self._progress
         if consumed is None and progress is not None:
             consumed = progress[0] + progress[1]
+        if progress is not None and (consumed is None or consumed < len(self)):
+            _warn_unseeded(self._tap, self._warned)
         if self.window is None and not self._tap.positional:
             return self._skip_state(consumed)
         if consumed is None:  # no iterator of this epoch has started: the order knows
@@ -1481,10 +1528,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         loaded, self._skip_loaded = self._skip_loaded, None
         if loaded is not None and self.window is None:
             if base.size != loaded["len"] or self._tap.digest != loaded["order_digest"]:
-                raise ValueError(f"the base order of epoch {loaded['epoch']} differs from the "
-                                 f"one the loaded state was saved from: the base sampler "
-                                 f"({type(self._tap.base).__name__}) should give the same "
-                                 f"order for the same seed and epoch (set_epoch)")
+                raise _order_differs(loaded["epoch"], self._tap)
             pos = start = loaded["consumed"]
             skip = np.ones(pos, dtype=bool)
             order_it = itertools.islice(order_it, pos, None)
@@ -1537,8 +1581,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     end = nxt + int(j)  # the staging area is the limit: stop here
                     break
                 run.ahead += 1
+            timed = run.measuring and (bound or not self._load_times.known() or
+                                       run.submitted % _TIME_EVERY == 0)
             run.submitted += 1
-            run.pending[i] = (self._submit(run.pool, i, staged), staged)
+            run.pending[i] = (self._submit(run.pool, i, staged, timed), staged)
         run.nxt = end
 
     def _left_to_workers(self, idx: int, staged: bool) -> bool:
@@ -1630,19 +1676,20 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         else:
             self._arena_used = max(self._arena_used, used)
 
-    def _submit(self, pool: "_Loaders", idx: int, staged: bool) -> "_Job":
-        """A load of ``idx``: the one still running from an earlier epoch, or a new one."""
+    def _submit(self, pool: "_Loaders", idx: int, staged: bool, timed: bool) -> "_Job":
+        """A load of ``idx``: the one still running from an earlier epoch, or a new one
+        (timed by its loader when ``timed``: see ``_TIME_EVERY``)."""
         job = pool.live(idx)
         if job is not None and job.staged == staged:
             return job
-        return pool.submit(idx, staged)
+        return pool.submit(idx, staged, timed)
 
     def _fetch(self, job: "_Job", stop: threading.Event, meter: "_WaitMeter") -> None:
         """Load one sample and store it; runs in a loader thread."""
         idx = job.idx
-        t0 = meter.now()
+        t0 = meter.now() if job.timed else None
         value = self.load(idx)
-        self._load_times.add(meter.since(t0))
+        self._load_times.add(meter.since(t0) if job.timed else None)
         if not job.staged:
             self.cache.set_slot(idx, value, exist_ok=True)
             if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
@@ -1694,7 +1741,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             if outcome is _Job.CANCELLED:
                 if pool.stopped:  # (cancelled by the stop)
                     raise closed()
-                job = pool.submit(idx, job.staged)
+                job = pool.submit(idx, job.staged, job.timed)
                 job.mark_due()
                 pool.flush()
                 continue
@@ -1885,7 +1932,8 @@ class _EpochLoads:
 
 
 class _Job:
-    """One load: the index, whether its sample goes to a staging slot, its ``outcome`` once
+    """One load: the index, whether its sample goes to a staging slot, whether its loader
+    times it (``timed``, for standing aside: see ``_TIME_EVERY``), its ``outcome`` once
     it ended (``DONE``, ``CANCELLED`` or the exception it raised; set once, by ``end``), and
     ``due``, set (by ``mark_due``) once the iterator needs the index now. The iterator
     waits for it (``wait``); were two threads to wait at once (an abandoned epoch's iterator
@@ -1893,12 +1941,12 @@ class _Job:
     (Not a concurrent.futures.Future: making, ending and waiting for one cost about 10 us of
     the training process's CPU a load, against 0.5 us.)"""
 
-    __slots__ = ("idx", "staged", "outcome", "_waiter", "due", "flag", "due_flag")
+    __slots__ = ("idx", "staged", "timed", "outcome", "_waiter", "due", "flag", "due_flag")
 
     DONE, CANCELLED = "done", "cancelled"
 
-    def __init__(self, idx: int, staged: bool) -> None:
-        self.idx, self.staged = idx, staged
+    def __init__(self, idx: int, staged: bool, timed: bool = True) -> None:
+        self.idx, self.staged, self.timed = idx, staged, timed
         self.outcome: Any = None
         self._waiter: threading.Lock | None = None  # held while the iterator waits
         self.due = False  # (a plain flag: an Event per job cost about 30 us of CPU a load)
@@ -1953,14 +2001,14 @@ def _halt_threads(stop: threading.Event, jobs: queue.SimpleQueue,
 
 class _Loaders:
     """What a prefetcher asks of its loaders, threads (:class:`_LoaderPool`) or processes
-    (:class:`_ProcessLoaderPool`): ``submit(idx, staged)`` a load and get its
-    :class:`_Job`, which the iterator waits for; ``flush()`` once the jobs of a refill
+    (:class:`_ProcessLoaderPool`): ``submit(idx, staged, timed)`` a load (timed by its
+    loader or not) and get its :class:`_Job`, which the iterator waits for; ``flush()`` once the jobs of a refill
     are submitted; ``live(idx)``, a load of ``idx`` still running from an earlier epoch,
     which the next epoch waits for instead of loading it again; ``stop()`` at the end of an
     epoch (its jobs not started are cancelled); ``stopped``, whether a job not done yet will
     never run; ``dead()``, the loaders that died."""
 
-    def submit(self, idx: int, staged: bool) -> _Job:
+    def submit(self, idx: int, staged: bool, timed: bool = True) -> _Job:
         raise NotImplementedError
 
     def flush(self) -> None:
@@ -2008,8 +2056,8 @@ class _LoaderPool(_Loaders):
         # target when they end, so this does not keep a finished pool alive.
         weakref.finalize(self, _halt_threads, self._stop, self._jobs, self._threads)
 
-    def submit(self, idx: int, staged: bool) -> _Job:
-        job = _Job(idx, staged)
+    def submit(self, idx: int, staged: bool, timed: bool = True) -> _Job:
+        job = _Job(idx, staged, timed)
         self._jobs.put(job)
         if len(self._threads) < self._most:
             thread = threading.Thread(target=self._run, daemon=True,
@@ -2128,17 +2176,17 @@ class _ProcessLoaderPool(_Loaders):
         self._finalizer = weakref.finalize(owner, _ProcessLoaderPool._shut, self._procs,
                                            self._jobs, self._results)
 
-    def submit(self, idx: int, staged: bool) -> _Job:
+    def submit(self, idx: int, staged: bool, timed: bool = True) -> _Job:
         with self._lock:
             j, self._next_id = self._next_id, self._next_id + 1
             flag = self._free_flags.pop() if self._free_flags else -1
-            job = _Job(idx, staged)
+            job = _Job(idx, staged, timed)
             if flag >= 0:
                 self._due[flag] = self._started[flag] = 0
                 job.flag = functools.partial(self._mark_due, job)
             job.due_flag = flag
             self._live[j] = self._by_idx[idx] = job
-            self._batch.append((j, idx, staged, self._epoch.value, flag))
+            self._batch.append((j, idx, staged, timed, self._epoch.value, flag))
         return job
 
     def flush(self) -> None:
@@ -2307,16 +2355,16 @@ def _load_jobs(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any
         if msg is None:
             meter.close()
             return
-        j, idx, staged, ep, flag = msg
+        j, idx, staged, timed, ep, flag = msg
         if ep != epoch.value:
             results.put((j, "cancelled", None))
             continue
         if flag >= 0:
             started[flag] = 1
         try:
-            t0 = meter.now()
+            t0 = meter.now() if timed else None
             value = load(idx)
-            times = meter.since(t0)
+            times = meter.since(t0) if timed else None
             if not staged:
                 cache.set_slot(idx, value, exist_ok=True)
                 kind = "stored" if cache.aux_array.numpy()[idx] == _SET else "refused"

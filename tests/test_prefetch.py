@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 import numpy as np
 import psutil
@@ -38,7 +39,9 @@ if str(CHILDREN) not in sys.path:  # prefetch_common, for this module and spawne
 from prefetch_common import (BATCH, DIMS, N, SLOTS, Loads,  # noqa: E402
                              PrefetchedDataset, Shuffled, check_epoch, load_counts, loads_since,
                              make_cache, oob_of, overlaps, read_epoch, value_of)
-from stocaching import OpenSizeCache, PrefetchError, Prefetcher, SharedCache  # noqa: E402
+from stocaching import (OpenSizeCache, PrefetchError, Prefetcher,  # noqa: E402
+                        ReadyFirstSampler, SharedCache)
+from stocaching.prefetch import _WaitMeter  # noqa: E402
 
 THREAD_PREFIX = "stocaching-prefetch"
 
@@ -899,6 +902,30 @@ def test_loads_that_wait_on_storage_are_all_prefetched(shm_dir):
         cache.close()
 
 
+@pytest.mark.skipif(not _WaitMeter.WORKS, reason="no per-thread scheduler statistics")
+@pytest.mark.parametrize("processes", [0, 1])
+def test_once_measured_one_load_in_8_is_timed(shm_dir, processes):
+    # Timing a load costs a loader thread two reads of its scheduler statistics: every load
+    # submitted before the verdict (32 to 64 of them), then one in _TIME_EVERY = 8; none
+    # without standing aside.
+    n = 320
+    for stand_aside, lo, hi in ((True, 32 + (n - 32) // 8 - 1, 64 + (n - 64) // 8 + 1),
+                                (False, 0, 0)):
+        cache = SharedCache(budget_for(n, DIMS, dataset_len=n), n, DIMS, shm_dir=shm_dir)
+        pf = Prefetcher(list(range(n)), cache, waits_on_storage, threads=4, processes=processes,
+                        stand_aside=stand_aside, multiprocessing_context="fork")
+        try:
+            assert sorted(pf) == list(range(n))
+            assert (pf.loaded, pf.left) == (n, 0)
+            times = pf._load_times
+            assert times.seen == n
+            assert lo <= times.timed <= hi, (stand_aside, times.timed, str(times))
+            assert not times.cpu_bound(), str(times)
+        finally:
+            pf.close()
+            cache.close()
+
+
 @pytest.mark.parametrize("bad", [1, "yes", None])
 def test_stand_aside_must_be_a_bool(shm_dir, bad):
     cache = make_cache(shm_dir)
@@ -1000,3 +1027,63 @@ def test_a_job_ends_once_and_wakes_its_waiter_whenever_it_ends():
         assert raced.wait(60.0) and raced.outcome is _Job.DONE
         assert time.monotonic() - t0 < 30.0
         t.join()
+
+
+# ----------------------------------------------------------------------------------------------
+# A base whose order comes from torch's global generator cannot resume mid-epoch
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_an_unseeded_random_sampler_warns_at_the_save_and_the_refusal_says_the_fix(
+        shm_dir, window):
+    # A RandomSampler made without a generator draws each epoch from torch's global generator,
+    # which no state holds: its resume is refused. Say so when the state is saved (once), and
+    # name the fix in the refusal; a seeded one neither warns nor is refused.
+    cache = make_cache(shm_dir)
+    fix = r"make it with generator=torch\.Generator\(\)\.manual_seed\(seed\)"
+    pf = Prefetcher(torch.utils.data.RandomSampler(range(N)), cache, value_of, window=window,
+                    threads=2, stand_aside=False)
+    it = iter(pf)
+    first = [next(it) for _ in range(7)]
+    with pytest.warns(UserWarning, match=r"this state cannot resume the epoch: the base sampler "
+                                         r"\(RandomSampler\) has no generator.*" + fix):
+        state = pf.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pf.state_dict()["consumed"] == len(first)  # once a sampler
+    it.close()
+    other = Prefetcher(torch.utils.data.RandomSampler(range(N)), cache, value_of, window=window,
+                       threads=2, stand_aside=False)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"differs from the one the loaded state was saved "
+                                         r"from: the base sampler \(RandomSampler\) has no "
+                                         r"generator.*" + fix):
+        list(other)
+    seeded = [Prefetcher(torch.utils.data.RandomSampler(
+        range(N), generator=torch.Generator().manual_seed(3)), cache, value_of, window=window,
+        threads=2, stand_aside=False) for _ in range(2)]
+    it = iter(seeded[0])
+    first = [next(it) for _ in range(7)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = seeded[0].state_dict()
+    it.close()
+    seeded[1].load_state_dict(state)
+    rest = list(seeded[1])
+    assert sorted(first + rest) == list(range(N))
+    for pf in [pf, other, *seeded]:
+        pf.close()
+
+
+def test_a_ready_first_sampler_over_an_unseeded_random_sampler_warns_at_the_save(shm_dir):
+    cache = make_cache(shm_dir)
+    order = ReadyFirstSampler(torch.utils.data.RandomSampler(range(N)), cache, window=8)
+    it = iter(order)
+    next(it)
+    with pytest.warns(UserWarning, match=r"this state cannot resume the epoch") as got:
+        order.state_dict()
+    assert got[0].filename == __file__  # the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        order.state_dict()  # once a sampler
