@@ -47,6 +47,7 @@ import pickle
 import queue
 import secrets
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -326,11 +327,26 @@ def _unseeded(base: Any) -> str:
 
 def _warn_unseeded(base: Any, warned: set[str]) -> None:
     """Warn once (per sampler: ``warned``) that a mid-epoch state saved now will be refused
-    on resume; called by a sampler's ``state_dict``, the warning points at its caller."""
+    on resume, pointing at the first caller outside these modules (a ``state_dict`` may be
+    called by a ``Prefetcher`` or a ``DeviceLoader``)."""
     why = _unseeded(base)
     if why and "unseeded" not in warned:
         warned.add("unseeded")
-        warnings.warn(f"this state cannot resume the epoch: {why}", stacklevel=3)
+        warnings.warn(f"this state cannot resume the epoch: {why}",
+                      stacklevel=_level_outside_stocaching())
+
+
+def _level_outside_stocaching() -> int:
+    """The ``stacklevel`` of ``warnings.warn``, called by the caller of this function, that
+    names the first frame outside stocaching's modules (this one, or the package's)."""
+    package = __name__.rpartition(".")[0]
+    frame, level = sys._getframe(1), 1  # level 1: the frame that calls warnings.warn
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name != __name__ and not (package and name.startswith(package + ".")):
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _order_differs(epoch: Any, base: Any) -> ValueError:
@@ -990,9 +1006,10 @@ class _ReadyOrAside:
 
 
 class _LoadTimes:
-    """The waiting and CPU times of a prefetcher's latest loads (a :class:`_WaitMeter`'s).
-    A load is CPU-bound when it waited less than ``_CPU_BOUND_WAIT_SHARE`` of its CPU time,
-    and the loads are when most of the latest ``KEEP`` are (most, so that a few loads held up
+    """The waiting and CPU times of a prefetcher's latest timed loads (a
+    :class:`_WaitMeter`'s; which loads are timed: ``_TIME_EVERY``). A load is CPU-bound when
+    it waited less than ``_CPU_BOUND_WAIT_SHARE`` of its CPU time, and the loads are when
+    most of the latest ``KEEP`` timed ones are (most, so that a few loads held up
     by a page fault or the GIL do not decide). Loading CPU-bound samples ahead cannot shorten
     an epoch, since the ``DataLoader``'s workers would spend the same CPU on them, and it
     costs the prefetcher's own work."""
@@ -1030,7 +1047,7 @@ class _LoadTimes:
         with self._lock:
             recent, bound = list(self._recent), self._bound
         n = max(1, len(recent))
-        return (f"{bound} of the latest {len(recent)} loads were, and they waited "
+        return (f"{bound} of the latest {len(recent)} timed loads were, and they waited "
                 f"{sum(r[0] for r in recent) / n / 1e6:.2f} ms a load for "
                 f"{sum(r[1] for r in recent) / n / 1e6:.2f} ms of CPU")
 
@@ -1332,13 +1349,16 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         progress = self._progress
         if consumed is None and progress is not None:
             consumed = progress[0] + progress[1]
-        if progress is not None and (consumed is None or consumed < len(self)):
-            _warn_unseeded(self._tap, self._warned)
         if self.window is None and not self._tap.positional:
-            return self._skip_state(consumed)
-        if consumed is None:  # no iterator of this epoch has started: the order knows
-            return self._order.state_dict()
-        return self._order.state_dict(consumed=consumed)
+            state = self._skip_state(consumed)
+        elif consumed is None:  # no iterator of this epoch has started: the order knows
+            state = self._order.state_dict()
+        else:
+            state = self._order.state_dict(consumed=consumed)
+        # (the positions of this process, under accelerate's prepare(): len(self._tap))
+        if progress is not None and state["consumed"] < len(self._tap):
+            _warn_unseeded(self._tap, self._warned)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``, a dict from ``state_dict()``: the next iterator yields
@@ -2002,8 +2022,8 @@ def _halt_threads(stop: threading.Event, jobs: queue.SimpleQueue,
 class _Loaders:
     """What a prefetcher asks of its loaders, threads (:class:`_LoaderPool`) or processes
     (:class:`_ProcessLoaderPool`): ``submit(idx, staged, timed)`` a load (timed by its
-    loader or not) and get its :class:`_Job`, which the iterator waits for; ``flush()`` once the jobs of a refill
-    are submitted; ``live(idx)``, a load of ``idx`` still running from an earlier epoch,
+    loader or not) and get its :class:`_Job`, which the iterator waits for; ``flush()`` once
+    the jobs of a refill are submitted; ``live(idx)``, a load of ``idx`` still running from an earlier epoch,
     which the next epoch waits for instead of loading it again; ``stop()`` at the end of an
     epoch (its jobs not started are cancelled); ``stopped``, whether a job not done yet will
     never run; ``dead()``, the loaders that died."""
@@ -2348,7 +2368,7 @@ def _load_jobs(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any
                results: Any, due: Any, started: Any, epoch: Any) -> None:
     """One loader thread of a loader process: takes jobs from ``jobs`` and puts each result
     in ``results`` (this process's queues), with how long the load waited and the CPU it used
-    (see :class:`_WaitMeter`)."""
+    (see :class:`_WaitMeter`) if the job is timed, else None."""
     meter = _WaitMeter()
     while True:
         msg = jobs.get()

@@ -137,6 +137,19 @@ def test_the_package_samplers(cache, sampler_kind):
             assert sorted(seen) == list(range(N))
 
 
+def test_an_unseeded_sampler_warns_at_the_callers_save(cache):
+    # Its order comes from torch's global generator: a mid-epoch state will be refused. The
+    # warning names the line that called the loader's state_dict, not stocaching's own.
+    with DeviceLoader(cache, RandomSampler(range(N)), load, batch_size=6, threads=2) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.warns(UserWarning, match=r"cannot resume the epoch: the base sampler "
+                                             r"\(RandomSampler\) has no generator") as got:
+            loader.state_dict()
+        assert got[0].filename == __file__
+        it.close()
+
+
 @pytest.mark.parametrize("saved", ["in_the_loop", "after_leaving_it"])
 def test_a_resume_continues_the_epoch_exactly(cache, saved):
     """The state is the position of the batches handed out, not of those gathered ahead,

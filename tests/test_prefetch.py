@@ -1038,52 +1038,71 @@ def test_a_job_ends_once_and_wakes_its_waiter_whenever_it_ends():
 def test_an_unseeded_random_sampler_warns_at_the_save_and_the_refusal_says_the_fix(
         shm_dir, window):
     # A RandomSampler made without a generator draws each epoch from torch's global generator,
-    # which no state holds: its resume is refused. Say so when the state is saved (once), and
-    # name the fix in the refusal; a seeded one neither warns nor is refused.
+    # which no state holds: its resume is refused. Say so when a mid-epoch state is saved (once,
+    # at the caller's line), and name the fix in the refusal; say nothing before an iterator
+    # or at an epoch's end; a seeded one neither warns nor is refused.
     cache = make_cache(shm_dir)
     fix = r"make it with generator=torch\.Generator\(\)\.manual_seed\(seed\)"
-    pf = Prefetcher(torch.utils.data.RandomSampler(range(N)), cache, value_of, window=window,
-                    threads=2, stand_aside=False)
-    it = iter(pf)
-    first = [next(it) for _ in range(7)]
-    with pytest.warns(UserWarning, match=r"this state cannot resume the epoch: the base sampler "
-                                         r"\(RandomSampler\) has no generator.*" + fix):
-        state = pf.state_dict()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert pf.state_dict()["consumed"] == len(first)  # once a sampler
-    it.close()
-    other = Prefetcher(torch.utils.data.RandomSampler(range(N)), cache, value_of, window=window,
-                       threads=2, stand_aside=False)
-    other.load_state_dict(state)
-    with pytest.raises(ValueError, match=r"differs from the one the loaded state was saved "
-                                         r"from: the base sampler \(RandomSampler\) has no "
-                                         r"generator.*" + fix):
-        list(other)
-    seeded = [Prefetcher(torch.utils.data.RandomSampler(
-        range(N), generator=torch.Generator().manual_seed(3)), cache, value_of, window=window,
-        threads=2, stand_aside=False) for _ in range(2)]
-    it = iter(seeded[0])
-    first = [next(it) for _ in range(7)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        state = seeded[0].state_dict()
-    it.close()
-    seeded[1].load_state_dict(state)
-    rest = list(seeded[1])
-    assert sorted(first + rest) == list(range(N))
-    for pf in [pf, other, *seeded]:
-        pf.close()
+    made = []
+
+    def prefetcher(generator=None):
+        made.append(Prefetcher(torch.utils.data.RandomSampler(range(N), generator=generator),
+                               cache, value_of, window=window, threads=2, stand_aside=False))
+        return made[-1]
+
+    try:
+        pf = prefetcher()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert pf.state_dict()["consumed"] == 0  # no iterator yet: nothing to refuse
+        it = iter(pf)
+        first = [next(it) for _ in range(7)]
+        with pytest.warns(UserWarning, match=r"this state cannot resume the epoch: the base "
+                                             r"sampler \(RandomSampler\) has no generator.*" +
+                                             fix) as got:
+            state = pf.state_dict()
+        assert got[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert pf.state_dict()["consumed"] == len(first)  # once a sampler
+        it.close()
+        other = prefetcher()
+        other.load_state_dict(state)
+        with pytest.raises(ValueError, match=r"differs from the one the loaded state was saved "
+                                             r"from: the base sampler \(RandomSampler\) has no "
+                                             r"generator.*" + fix):
+            list(other)
+        done = prefetcher()
+        assert sorted(done) == list(range(N))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert done.state_dict()["consumed"] == N  # the epoch's end: the next one is new
+        seeded = [prefetcher(torch.Generator().manual_seed(3)) for _ in range(2)]
+        it = iter(seeded[0])
+        first = [next(it) for _ in range(7)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            state = seeded[0].state_dict()
+        it.close()
+        seeded[1].load_state_dict(state)
+        assert sorted(first + list(seeded[1])) == list(range(N))
+    finally:
+        for pf in made:
+            pf.close()
+        cache.close()
 
 
 def test_a_ready_first_sampler_over_an_unseeded_random_sampler_warns_at_the_save(shm_dir):
     cache = make_cache(shm_dir)
-    order = ReadyFirstSampler(torch.utils.data.RandomSampler(range(N)), cache, window=8)
-    it = iter(order)
-    next(it)
-    with pytest.warns(UserWarning, match=r"this state cannot resume the epoch") as got:
-        order.state_dict()
-    assert got[0].filename == __file__  # the caller's line
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        order.state_dict()  # once a sampler
+    try:
+        order = ReadyFirstSampler(torch.utils.data.RandomSampler(range(N)), cache, window=8)
+        it = iter(order)
+        next(it)
+        with pytest.warns(UserWarning, match=r"this state cannot resume the epoch") as got:
+            order.state_dict()
+        assert got[0].filename == __file__  # the caller's line
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            order.state_dict()  # once a sampler
+    finally:
+        cache.close()
