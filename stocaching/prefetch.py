@@ -1355,8 +1355,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             state = self._order.state_dict()
         else:
             state = self._order.state_dict(consumed=consumed)
-        # (the positions of this process, under accelerate's prepare(): len(self._tap))
-        if progress is not None and state["consumed"] < len(self._tap):
+        # (not state["consumed"]: a base's own state need not have it; and under accelerate's
+        # prepare(), consumed counts this process's positions: len(self._tap))
+        if progress is not None and consumed < len(self._tap):
             _warn_unseeded(self._tap, self._warned)
         return state
 

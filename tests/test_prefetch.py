@@ -1106,3 +1106,41 @@ def test_a_ready_first_sampler_over_an_unseeded_random_sampler_warns_at_the_save
             order.state_dict()  # once a sampler
     finally:
         cache.close()
+
+
+def test_a_base_whose_own_state_has_no_consumed_key_is_saved_mid_epoch(shm_dir):
+    # Without a window the state of a base whose state_dict takes `consumed` is the base's own,
+    # whatever its keys: the prefetcher must not look for its own key in it.
+    class Resumable(torch.utils.data.Sampler):
+        def __init__(self, n):
+            self.n, self.at = n, 0
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            return iter(range(self.at, self.n))
+
+        def state_dict(self, consumed=None):
+            return {"at": consumed}
+
+        def load_state_dict(self, state):
+            self.at = state["at"]
+
+    cache = make_cache(shm_dir)
+    made = [Prefetcher(Resumable(N), cache, value_of, threads=2, stand_aside=False)
+            for _ in range(2)]
+    try:
+        it = iter(made[0])
+        first = [next(it) for _ in range(5)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            state = made[0].state_dict()
+        assert state == {"at": 5}
+        it.close()
+        made[1].load_state_dict(state)
+        assert first + list(made[1]) == list(range(N))
+    finally:
+        for pf in made:
+            pf.close()
+        cache.close()
