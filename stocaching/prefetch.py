@@ -975,9 +975,12 @@ class _WaitMeter:
             return None
 
     def since(self, t0: tuple[int, int, int] | None) -> tuple[int, int] | None:
-        """(waited, CPU) in nanoseconds since ``t0`` from :meth:`now`, or None."""
+        """(waited, CPU) in nanoseconds since ``t0`` from :meth:`now`, or None (``t0`` None:
+        an untimed load, and nothing is read)."""
+        if t0 is None:
+            return None
         t1 = self.now()
-        if t0 is None or t1 is None:
+        if t1 is None:
             return None
         wall, cpu, ready = (b - a for a, b in zip(t0, t1))
         return max(0, wall - cpu - ready), cpu
@@ -1710,7 +1713,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         idx = job.idx
         t0 = meter.now() if job.timed else None
         value = self.load(idx)
-        self._load_times.add(meter.since(t0) if job.timed else None)
+        self._load_times.add(meter.since(t0))
         if not job.staged:
             self.cache.set_slot(idx, value, exist_ok=True)
             if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
@@ -2024,10 +2027,10 @@ class _Loaders:
     """What a prefetcher asks of its loaders, threads (:class:`_LoaderPool`) or processes
     (:class:`_ProcessLoaderPool`): ``submit(idx, staged, timed)`` a load (timed by its
     loader or not) and get its :class:`_Job`, which the iterator waits for; ``flush()`` once
-    the jobs of a refill are submitted; ``live(idx)``, a load of ``idx`` still running from an earlier epoch,
-    which the next epoch waits for instead of loading it again; ``stop()`` at the end of an
-    epoch (its jobs not started are cancelled); ``stopped``, whether a job not done yet will
-    never run; ``dead()``, the loaders that died."""
+    the jobs of a refill are submitted; ``live(idx)``, a load of ``idx`` still running from
+    an earlier epoch, which the next epoch waits for instead of loading it again; ``stop()``
+    at the end of an epoch (its jobs not started are cancelled); ``stopped``, whether a job
+    not done yet will never run; ``dead()``, the loaders that died."""
 
     def submit(self, idx: int, staged: bool, timed: bool = True) -> _Job:
         raise NotImplementedError
@@ -2385,7 +2388,7 @@ def _load_jobs(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any
         try:
             t0 = meter.now() if timed else None
             value = load(idx)
-            times = meter.since(t0) if timed else None
+            times = meter.since(t0)
             if not staged:
                 cache.set_slot(idx, value, exist_ok=True)
                 kind = "stored" if cache.aux_array.numpy()[idx] == _SET else "refused"
