@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import CacheLayout, World, check_int, dealt_by_accelerate
+    from .stocaching import (CacheLayout, World, accelerate_epoch, check_int,
+                             dealt_by_accelerate)
 except ImportError:  # copied beside stocaching.py
     from stocaching import (CacheLayout, World,  # type: ignore[no-redef]
-                            check_int, dealt_by_accelerate)
+                            accelerate_epoch, check_int, dealt_by_accelerate)
 
 logger = logging.getLogger("stocaching")
 
@@ -347,7 +348,10 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         of the epoch comes exactly once (with the padding, as ``DistributedSampler``'s);
         otherwise the last, short batches are cut and padded by accelerate's rules
         (``even_batches``). ``set_epoch`` is forwarded to this sampler (the prepared loader
-        calls it every epoch); resuming mid-epoch (``state_dict``) is not supported this way.
+        calls it every epoch), and under a prepared loader the epoch is the loader's own also
+        where that call does not reach (a resumed epoch inside ``skip_first_batches``, as
+        Hugging Face's ``Trainer`` resumes): the Trainer's ``resume_from_checkpoint``
+        continues an epoch exactly; this sampler's own ``state_dict`` is not used this way.
 
         Iterated outside a prepared loader with several ranks, every rank would read every
         rank's batches: that gives a warning, once.
@@ -450,6 +454,12 @@ class _AccelerateOrder(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         s = self.sampler
+        # The prepared loader passes its epoch to set_epoch at every iter(), but not through
+        # the SkipBatchSampler of a resumed epoch (Hugging Face's Trainer): read it here, or
+        # the resumed epoch would be drawn in the order of the epoch the sampler was left at.
+        epoch = accelerate_epoch(self)
+        if epoch is not None and epoch != s.epoch:
+            s.set_epoch(epoch)
         if s.num_replicas > 1 and not self._warned:
             shard = dealt_by_accelerate(self)
             if shard is None or shard.num_processes != s.num_replicas:

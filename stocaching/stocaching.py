@@ -47,6 +47,7 @@ __all__ = [
     "SharedCache",
     "SlotState",
     "World",
+    "accelerate_epoch",
     "check_int",
     "clean_segments",
     "dealt_by_accelerate",
@@ -408,9 +409,27 @@ def dealt_by_accelerate(sampler: Any) -> Any:
     """The ``BatchSamplerShard`` of a loader prepared by ``accelerate`` that draws its batches
     from ``sampler`` right now and deals them to its processes, else None. ``sampler`` may sit
     inside the loader's sampler, as the ``base`` of a ``Prefetcher`` or a
-    ``ReadyFirstSampler``. A prepared loader registers as the ``active_dataloader`` of
-    accelerate's ``GradientState`` before it starts drawing, which is when a sampler's
-    ``__iter__`` runs. Nothing is imported: without accelerate, None."""
+    ``ReadyFirstSampler``, and the shard inside wrappers of its own (the ``SkipBatchSampler``
+    of ``skip_first_batches``, which the Hugging Face ``Trainer`` puts around it to resume mid-
+    epoch). A prepared loader registers as the ``active_dataloader`` of accelerate's
+    ``GradientState`` before it starts drawing, which is when a sampler's ``__iter__`` runs.
+    Nothing is imported: without accelerate, None."""
+    found = _accelerate_deal(sampler)
+    return None if found is None else found[1]
+
+
+def accelerate_epoch(sampler: Any) -> int | None:
+    """The epoch of the loader prepared by ``accelerate`` that deals from ``sampler`` right now
+    (see ``dealt_by_accelerate``), else None: its ``iteration``, which the prepared loader
+    passes to ``set_epoch`` at every ``iter()``, also where that call cannot reach the sampler
+    (inside the ``SkipBatchSampler`` of a resumed epoch)."""
+    found = _accelerate_deal(sampler)
+    epoch = None if found is None else getattr(found[0], "iteration", None)
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
+def _accelerate_deal(sampler: Any) -> tuple[Any, Any] | None:
+    """(the prepared loader, its ``BatchSamplerShard``) when it deals from ``sampler``."""
     state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
     if state is None or loaders is None or not getattr(state.GradientState, "_shared_state", None):
         return None
@@ -419,13 +438,17 @@ def dealt_by_accelerate(sampler: Any) -> Any:
     except Exception:  # noqa: BLE001 - a state we do not understand is not a prepared loader
         return None
     shard = getattr(active, "batch_sampler", None)
+    for _ in range(4):  # down wrappers such as SkipBatchSampler to the shard
+        if isinstance(shard, loaders.BatchSamplerShard):
+            break
+        shard = getattr(shard, "batch_sampler", None)
     if not isinstance(shard, loaders.BatchSamplerShard) or shard.num_processes < 2:
         return None
     inner = shard.batch_sampler
     drawn = inner if inner is sampler else getattr(inner, "sampler", None)
     for _ in range(8):  # down the wrappers' bases
         if drawn is sampler:
-            return shard
+            return active, shard
         drawn = getattr(drawn, "base", None)
     return None
 

@@ -5,6 +5,7 @@ kills its whole process group."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import warnings
@@ -378,6 +379,72 @@ def test_cache_aware_sampler_is_a_distributed_sampler_with_its_attributes():
 
 
 # ----------------------------------------------------------------------------------------------
+# Hugging Face Trainer
+# ----------------------------------------------------------------------------------------------
+
+
+def run_hf(out, shm_dir: str, phase: str, workers: int = 0) -> list[dict]:
+    """hf_train.py under torchrun on 2 ranks; each rank's record of ``phase``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master-port={free_port()}", str(CHILDREN / "hf_train.py"), str(out), phase,
+           str(workers)]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=150, cwd=str(CHILDREN))
+    assert r.returncode == 0, r.stderr[-4000:]
+    records = [json.loads((out / f"{phase}-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rec["rank"] for rec in records] == [0, 1]
+    assert [rec["world_size"] for rec in records] == [2, 2], "the Trainer did not start DDP"
+    return records
+
+
+def every_index_once(parts: list[list[int]]) -> bool:
+    return sorted(i for part in parts for i in part) == list(range(TRAIN_LEN))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
+def test_hugging_face_trainer_trains_each_rank_on_its_cache_aware_batches(workers, shm_dir,
+                                                                          tmp_path):
+    """The Trainer subclass of docs/distributed.md under torchrun, with use_cpu=True, an
+    evaluation dataset with a cache of its own, and DataLoader workers or none: each rank
+    trains on exactly the batches its CacheAwareSampler planned, all ranks on every index once
+    an epoch, one segment per cache on the node, the second evaluation hits its cache, nothing
+    warns, and nothing is left in /dev/shm."""
+    pytest.importorskip("transformers")
+    records = run_hf(tmp_path, shm_dir, "whole", workers)
+    for rec in records:
+        assert rec["segments"] == {"eval": 1, "train": 1}, rec["segments"]
+        assert rec["warnings"] == []
+        assert [rec["trained"][str(e)] for e in range(TRAIN_EPOCHS)] == rec["planned"]
+        assert rec["eval_hits"] > 0 and rec["train_hits"] > 0
+    for epoch in range(TRAIN_EPOCHS):
+        assert every_index_once([rec["trained"][str(epoch)] for rec in records]), epoch
+    assert records[0]["planned"][0] != records[0]["planned"][1], "one order for every epoch"
+    assert named(shm_dir) == []
+
+
+@pytest.mark.timeout(300)
+def test_hugging_face_trainer_resumed_mid_epoch_trains_the_rest_of_that_epoch(shm_dir,
+                                                                             tmp_path):
+    """A checkpoint 4 batches into epoch 1, training stopped there, then
+    trainer.train(resume_from_checkpoint=...) in new processes: accelerate's
+    skip_first_batches wraps the sampler where the Trainer's set_epoch does not reach it, and
+    the resumed processes must still read epoch 1's order (not epoch 0's, where a new sampler
+    starts): over both runs, every index of epoch 1 exactly once, each rank the rest of its
+    own planned batches, and no warning (the wrapped loader is still a prepared one)."""
+    pytest.importorskip("transformers")
+    first = run_hf(tmp_path, shm_dir, "interrupt")
+    resumed = run_hf(tmp_path, shm_dir, "resume")
+    for before, after in zip(first, resumed):
+        assert before["trained"]["0"] == before["planned"][0]
+        head, tail = before["trained"]["1"], after["trained"]["1"]
+        assert len(head) == 4 * TRAIN_BATCH and set(after["trained"]) == {"1"}
+        assert head + tail == before["planned"][1], f"rank {before['rank']}: not its epoch 1"
+        assert before["warnings"] == [] and after["warnings"] == []
+    assert every_index_once([rec["trained"]["1"] for rec in first + resumed])
+    assert named(shm_dir) == []
+
+
+# ----------------------------------------------------------------------------------------------
 # The examples of docs/distributed.md, run as they say
 # ----------------------------------------------------------------------------------------------
 
@@ -397,7 +464,8 @@ def doc_programs() -> dict[str, tuple[str, str]]:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("program, needs", [("train_torchrun.py", None),
                                             ("train_lightning.py", "lightning"),
-                                            ("train_accelerate.py", "accelerate")])
+                                            ("train_accelerate.py", "accelerate"),
+                                            ("train_hf.py", "transformers")])
 def test_each_trainers_example_in_the_docs_runs_as_shown(program, needs, shm_dir, tmp_path):
     """The example, with the docs' images.py beside it, run by its own command (accelerate
     launch as the torchrun it runs): it ends well, warns of nothing about the cache or the
