@@ -39,7 +39,6 @@ import threading
 import time
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -328,13 +327,15 @@ def _to(batch: Any, device: torch.device) -> Any:
 # -- the loader -------------------------------------------------------------------------
 
 _END = object()  # the producer's last item of an epoch
+_POLL_S = 0.05  # how often a waiting thread looks whether its epoch was stopped
+_EXIT_WAIT_S = 10.0  # at interpreter exit, the most to wait for the batch being gathered
 
 
 def _hand_over(out: queue.Queue, item: Any, stop: threading.Event) -> None:
     """Put ``item`` in the queue as soon as there is room, unless the epoch stops first."""
     while not stop.is_set():
         try:
-            out.put(item, timeout=0.05)
+            out.put(item, timeout=_POLL_S)
             return
         except queue.Full:
             pass
@@ -343,6 +344,57 @@ def _hand_over(out: queue.Queue, item: Any, stop: threading.Event) -> None:
 class _Failure:
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+def _halt(stop: threading.Event, out: queue.Queue, thread: threading.Thread,
+          within: float | None = None) -> None:
+    """Stop an epoch's producer and wait for it (up to ``within`` seconds; None: until it
+    ends), then drop the batches it handed over that nobody will take."""
+    stop.set()
+    if thread is not threading.current_thread():  # (a transform that closes its loader)
+        thread.join(within)
+    with contextlib.suppress(queue.Empty):
+        while True:
+            out.get_nowait()
+
+
+class _Run:
+    """One iterator's epoch: the loader's thread that gathers it, the queue it hands the
+    batches over through, ``stop``, and ``ended``, the error its iterator raises once it was
+    stopped from outside (the loader closed, or a newer iterator started).
+
+    The thread is a daemon, stopped at interpreter exit by a finalizer (atexit), so that an
+    iterator still alive then does not hold the exit: a ``ThreadPoolExecutor``'s thread is
+    joined by the interpreter before atexit runs, and it waited for room in the queue that
+    only the iterator's ``finally`` could stop."""
+
+    def __init__(self, produce: Callable[..., None], order: Iterator[list[int]],
+                 depth: int) -> None:
+        self.out: queue.Queue = queue.Queue(depth)
+        self.stop = threading.Event()
+        self.ended: BaseException | None = None
+        self.thread = threading.Thread(target=produce, args=(order, self.out, self.stop),
+                                       name="stocaching-gather", daemon=True)
+        # (The thread drops its target, and so the loader, when it ends.)
+        self._at_exit = weakref.finalize(self, _halt, self.stop, self.out, self.thread,
+                                         _EXIT_WAIT_S)
+        self.thread.start()
+
+    def end(self, error: BaseException) -> None:
+        """Stop the epoch from outside: its iterator raises ``error`` if it is advanced, also
+        one waiting for its next batch in another thread."""
+        if self.ended is None:
+            self.ended = error
+        self.stop.set()
+
+    def halt(self) -> None:
+        """Stop the epoch and wait until its thread has ended: it finishes the batch it
+        gathers (which frees the staging slots that batch read) and closes the prefetcher's
+        iterator (which gives back what was staged ahead). Any thread may call it, any
+        number of times."""
+        self._at_exit.detach()
+        _halt(self.stop, self.out, self.thread)
+
 
 class DeviceLoader:
     """Batches of a :class:`SharedCache`'s samples, gathered by the training process and
@@ -427,8 +479,8 @@ class DeviceLoader:
         self.cache, self.load, self.transform, self.drop_last = cache, load, transform, drop_last
         self.prefetcher = Prefetcher(sampler, cache, load, stand_aside=False, **prefetch)
         self._gather, self.path = self._choose_gather(register)
-        # One thread for the loader's life gathers every batch (it runs an epoch at a time).
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="stocaching-gather")
+        # The epoch of the latest iterator, while it is alive: close() stops it.
+        self._run: _Run | None = None
         # The position in the epoch: its indices in the batches handed out by the latest
         # iterator (None before one of this epoch started): kept when an iterator is left
         # early, since the batches gathered ahead were never handed out.
@@ -472,17 +524,27 @@ class DeviceLoader:
         ``transform``, ``indices`` an int64 tensor of the n dataset indices."""
         if self._closed:
             raise ValueError("this DeviceLoader is closed")
+        if self._run is not None:  # one epoch at a time: the loader's gather is not shared
+            self._run.end(RuntimeError(
+                "this iterator of the DeviceLoader was replaced by a newer one (iter(loader) "
+                "was advanced while it was alive); iterate the newest"))
+            self._run.halt()
         order = self.prefetcher.batches(self.batch_size)
         start = self.prefetcher.position
-        out: queue.Queue = queue.Queue(self.depth)
-        stop = threading.Event()
         self._position = start
         for _ in range(self.depth + 1):  # the first batches' tensors, made here
             self._gather.replenish()
-        producing = self._thread.submit(self._produce, order, out, stop)
+        run = self._run = _Run(self._produce, order, self.depth)
         try:
             while True:
-                item = out.get()
+                try:  # (returns at once when a batch is there)
+                    item = run.out.get(timeout=_POLL_S)
+                except queue.Empty:
+                    item = None
+                if run.ended is not None:  # closed or replaced meanwhile, from any thread
+                    raise run.ended
+                if item is None:
+                    continue
                 if item is _END:
                     return
                 if isinstance(item, _Failure):
@@ -497,29 +559,30 @@ class DeviceLoader:
                 self._position += len(indices)
                 yield batch, indices
         finally:
-            stop.set()
-            while not producing.done():  # let it finish its batch and see the stop
-                try:
-                    out.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            order.close()  # the prefetcher gives back what it staged and was never read
+            run.halt()
+            if self._run is run:
+                self._run = None
 
     def _produce(self, order: Iterator[list[int]], out: queue.Queue, stop: threading.Event
                  ) -> None:
         """The loader's thread: take a batch of indices, start its gather, and finish and
-        hand over the oldest gather once ``ahead`` more are started."""
+        hand over the oldest gather once ``ahead`` more are started. It closes ``order``
+        itself (a generator cannot be closed while another thread runs it), and always hands
+        over an end or a failure, unless the epoch was stopped."""
         started: collections.deque = collections.deque()
         try:
-            with self._gather.context():
-                for ids in order:
-                    started.append(self._gather.start(np.array(ids, dtype=np.int64)))
-                    if len(started) > self._gather.ahead:
+            try:
+                with self._gather.context():
+                    for ids in order:
+                        started.append(self._gather.start(np.array(ids, dtype=np.int64)))
+                        if len(started) > self._gather.ahead:
+                            self._deliver(started.popleft(), out, stop)
+                        if stop.is_set():
+                            break
+                    while started:
                         self._deliver(started.popleft(), out, stop)
-                    if stop.is_set():
-                        break
-                while started:
-                    self._deliver(started.popleft(), out, stop)
+            finally:
+                order.close()  # the prefetcher gives back what it staged and was never read
             item = _END
         except BaseException as exc:  # handed to the caller's thread, raised there
             item = _Failure(exc)
@@ -575,13 +638,25 @@ class DeviceLoader:
 
     def close(self) -> None:
         """Stop the prefetcher's loads, the loader's thread, and end the registration of the
-        segment (on CUDA). Idempotent; also done when the loader is collected."""
+        segment (on CUDA). Idempotent; also done when the loader is collected.
+
+        An iterator still alive (a loop left by ``break`` or an exception, whose iterator is
+        still referenced) is stopped: close() waits for the batch being gathered (a ``load``
+        or ``transform`` of yours running in it ends first), every staging slot is given
+        back, and the iterator raises ``ValueError`` if it is advanced, also in a thread
+        waiting for its next batch meanwhile."""
         if self._closed:
             return
         self._closed = True
-        self._thread.shutdown(wait=True)
-        self._gather.close()
+        run, self._run = self._run, None
+        if run is not None:
+            run.end(ValueError("this DeviceLoader was closed while this iterator was alive"))
+        # Before the wait: the loader's thread, waiting for the loads of its batch, then
+        # raises PrefetchError at once instead of waiting for them.
         self.prefetcher.close()
+        if run is not None:
+            run.halt()
+        self._gather.close()
 
     def __enter__(self) -> "DeviceLoader":
         return self

@@ -9,6 +9,7 @@ for the GPU's, racing real writer processes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,9 +18,9 @@ import torch
 from torch.utils.data import RandomSampler, SequentialSampler
 
 from _helpers import CHILDREN, FIELD_DTYPES, FIELDS, budget_for, fields_of, free_port, racing_writers, \
-    rank_env, value_of
+    rank_env, run_child, value_of
 from stocaching import (CacheAwareSampler, DeviceLoader, OpenSizeCache, SharedCache,
-                        WeightedMixtureSampler)
+                        WeightedMixtureSampler, World)
 
 DIMS = (3, 8, 8)
 N = 50
@@ -221,6 +222,73 @@ def test_an_epoch_left_early_gives_back_its_staging_slots(cache):
     assert cache.stats()["staged"] == 0
     assert sorted(read_epoch(loader)) == list(range(N))  # the next epoch is whole
     loader.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Closing with an iterator alive (issue 36)
+# ----------------------------------------------------------------------------------------------
+#
+# Each in a child program (tests/children/device_close_alive.py), which a loader that hangs
+# leaves to run_child's timeout instead of hanging the suite. The child attaches, as local rank
+# 1, to a cache made here as local rank 0, so that this process sees its staging area, also
+# once the child is gone.
+
+CLOSING_N, CLOSING_SLOTS, CLOSING_STAGING = 64, 16, 64
+
+
+def closed_in_a_child(shm_dir: str, scenario: str) -> dict:
+    """Run the child's ``scenario``; what it printed, once it ended with nothing staged."""
+    key = f"device-close-{os.getpid()}-{scenario}"
+    world = World(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    cache = SharedCache(budget_for(CLOSING_SLOTS, DIMS, staging=CLOSING_STAGING,
+                                   dataset_len=CLOSING_N), CLOSING_N, DIMS,
+                        staging_slots=CLOSING_STAGING, name="device-close", world=world,
+                        shm_dir=shm_dir, job_key=key)
+    try:
+        run = run_child("device_close_alive.py", scenario, CLOSING_N, CLOSING_SLOTS,
+                        CLOSING_STAGING, env=rank_env(shm_dir, key), timeout=60)
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert run.stderr == ""
+        assert cache.stats()["staged"] == 0
+        return json.loads(run.stdout.strip().splitlines()[-1])
+    finally:
+        cache.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scenario", ["plain", "another-thread", "with-block"])
+def test_closing_with_an_iterator_alive_returns_frees_the_staging_and_ends_the_iterator(
+        shm_dir, scenario):
+    """close() while the iterator is suspended at its yield, from another thread while the
+    iterator waits for a batch (it wakes up with the error), or by leaving a ``with`` block:
+    it returns, every staging slot is free, and the iterator raises a clear error."""
+    seen = closed_in_a_child(shm_dir, scenario)
+    assert seen["staged_at_close"] > 0  # (else the check below would show nothing)
+    assert seen["staged_after"] == 0
+    assert seen["next"] == "ValueError: this DeviceLoader was closed while this iterator " \
+                           "was alive"
+    assert seen["iter"] == "ValueError: this DeviceLoader is closed"
+    if scenario == "another-thread":
+        assert seen["close_returned"]
+
+
+@pytest.mark.timeout(120)
+def test_the_program_ends_with_an_iterator_alive_and_the_loader_never_closed(shm_dir):
+    """The interpreter's exit stops the loader's thread, which waited for room in the queue
+    (no ThreadPoolExecutor thread for the exit to join), and gives back what was staged."""
+    seen = closed_in_a_child(shm_dir, "exit")
+    assert seen["staged_at_close"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_newer_iterator_stops_the_one_alive_which_then_raises(shm_dir):
+    """One epoch at a time: the second iterator gathers its whole epoch, and the first,
+    stopped by it, raises instead of waiting for a batch that never comes."""
+    seen = closed_in_a_child(shm_dir, "replaced")
+    assert sorted(seen["second"]) == list(range(CLOSING_N))
+    assert seen["staged_after"] == 0
+    assert seen["next"].startswith("RuntimeError: this iterator of the DeviceLoader was "
+                                   "replaced by a newer one")
 
 
 # ----------------------------------------------------------------------------------------------
