@@ -383,11 +383,11 @@ def test_cache_aware_sampler_is_a_distributed_sampler_with_its_attributes():
 # ----------------------------------------------------------------------------------------------
 
 
-def run_hf(out, shm_dir: str, phase: str, workers: int = 0) -> list[dict]:
+def run_hf(out, shm_dir: str, phase: str, workers: int = 0, sampler: str = "") -> list[dict]:
     """hf_train.py under torchrun on 2 ranks; each rank's record of ``phase``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master-port={free_port()}", str(CHILDREN / "hf_train.py"), str(out), phase,
-           str(workers)]
+           str(workers), *([sampler] if sampler else [])]
     r = run_bounded(cmd, env=rank_env(shm_dir), timeout=150, cwd=str(CHILDREN))
     assert r.returncode == 0, r.stderr[-4000:]
     records = [json.loads((out / f"{phase}-rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -423,17 +423,19 @@ def test_hugging_face_trainer_trains_each_rank_on_its_cache_aware_batches(worker
 
 
 @pytest.mark.timeout(300)
-def test_hugging_face_trainer_resumed_mid_epoch_trains_the_rest_of_that_epoch(shm_dir,
+@pytest.mark.parametrize("sampler", ["", "prefetch"], ids=["for_accelerate", "prefetcher"])
+def test_hugging_face_trainer_resumed_mid_epoch_trains_the_rest_of_that_epoch(sampler, shm_dir,
                                                                              tmp_path):
     """A checkpoint 4 batches into epoch 1, training stopped there, then
     trainer.train(resume_from_checkpoint=...) in new processes: accelerate's
     skip_first_batches wraps the sampler where the Trainer's set_epoch does not reach it, and
     the resumed processes must still read epoch 1's order (not epoch 0's, where a new sampler
     starts): over both runs, every index of epoch 1 exactly once, each rank the rest of its
-    own planned batches, and no warning (the wrapped loader is still a prepared one)."""
+    own planned batches, and no warning (the wrapped loader is still a prepared one); also
+    through a Prefetcher over the sampler."""
     pytest.importorskip("transformers")
-    first = run_hf(tmp_path, shm_dir, "interrupt")
-    resumed = run_hf(tmp_path, shm_dir, "resume")
+    first = run_hf(tmp_path, shm_dir, "interrupt", sampler=sampler)
+    resumed = run_hf(tmp_path, shm_dir, "resume", sampler=sampler)
     for before, after in zip(first, resumed):
         assert before["trained"]["0"] == before["planned"][0]
         head, tail = before["trained"]["1"], after["trained"]["1"]

@@ -1,10 +1,12 @@
 """Two CPU ranks trained by Hugging Face's ``Trainer`` with the recipe of docs/distributed.md,
-as ``torchrun --nproc_per_node=2 hf_train.py OUT PHASE WORKERS``.
+as ``torchrun --nproc_per_node=2 hf_train.py OUT PHASE WORKERS [prefetch]``.
 
 PHASE is "whole" (``TRAIN_EPOCHS`` epochs), "interrupt" (a checkpoint at global step
 ``STOP_AT``, 4 batches into epoch 1, where training stops as if the job were killed) or
 "resume" (``trainer.train(resume_from_checkpoint=...)`` from that checkpoint, in new
-processes). WORKERS is ``dataloader_num_workers``. An evaluation dataset with a cache of its
+processes). WORKERS is ``dataloader_num_workers``. With "prefetch", the sampler is a
+``Prefetcher`` (2 threads, no window: a resume skips batches by count, so the order must not
+depend on what was cached) over ``sampler.for_accelerate()``. An evaluation dataset with a cache of its
 own runs at the end of each epoch. Each rank writes ``OUT/<PHASE>-rank<r>.json``: the indices
 its model was trained on, by epoch; the indices its ``CacheAwareSampler`` planned for it;
 the stocaching segments seen while training; the evaluation cache's hits; the warnings that
@@ -20,7 +22,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from _helpers import TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN, budget_for, value_of
-from stocaching import CacheAwareSampler, SharedCache, list_segments
+from stocaching import CacheAwareSampler, Prefetcher, SharedCache, list_segments
 
 DIMS = (3, 8, 8)
 STEPS_PER_EPOCH = TRAIN_LEN // 2 // TRAIN_BATCH  # 2 ranks
@@ -41,17 +43,26 @@ class Samples(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         x = self.cache.get_slot(i)
         if x is None:
-            x = value_of(i, DIMS)
+            x = load(i)
             self.cache.set_slot(i, x)
         return {"x": x, "idx": i}
 
 
+def load(i: int) -> torch.Tensor:
+    return value_of(i, DIMS)
+
+
 # The recipe of docs/distributed.md ("Hugging Face Trainer"), as a user writes it.
 class CachedTrainer(Trainer):
+    prefetch = False
+
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return CacheAwareSampler(dataset, batch_size=self.args.per_device_train_batch_size,
-                                 seed=self.args.seed).for_accelerate()
+        sampler = CacheAwareSampler(dataset, batch_size=self.args.per_device_train_batch_size,
+                                    seed=self.args.seed).for_accelerate()
+        if self.prefetch:
+            return Prefetcher(sampler, dataset.cache, load, threads=2)
+        return sampler
 
 
 class Model(torch.nn.Module):
@@ -91,7 +102,8 @@ class Watch(TrainerCallback):
             control.should_training_stop = True
 
 
-def main(out: str, phase: str, workers: int) -> None:
+def main(out: str, phase: str, workers: int, prefetch: bool) -> None:
+    CachedTrainer.prefetch = prefetch
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
     warnings.simplefilter("always")
@@ -128,4 +140,4 @@ def main(out: str, phase: str, workers: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["prefetch"])
