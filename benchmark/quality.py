@@ -7,8 +7,13 @@ data ships with scikit-learn) with these orders over several seeds:
 - ``fixed``: ``Prefetcher(RandomSampler(...), window=W, mode="fixed")``, W = 4 batches;
 - ``adaptive``: the same with ``mode="adaptive"``;
 - ``fixed-large``, ``adaptive-large``: the same with a window of a third of the epoch;
-- ``fixed-large-first`` (shown, not checked): ``fixed-large`` over a cache that holds the
-  first indices (0.2.1's layout, ``random_subset=False``), the usage the docs warn against;
+- over a cache that holds the first indices (0.2.1's layout, ``random_subset=False``, the
+  default): ``ReadyFirstSampler(RandomSampler(...), cache, window=W)`` alone, its misses
+  loaded by the DataLoader, with the docs' window, 256 (``order-docs-first``: checked to be
+  warned at construction, or else within one standard deviation of ``random``), and with the
+  widest window that does not warn, ``n // WIDE_WINDOW_PART`` (``order-bound-first``:
+  checked to be unwarned and within one standard deviation of ``random``); and
+  ``fixed-large`` there (``fixed-large-first``, shown);
 
 and reports the test accuracy (mean +- standard deviation over the seeds) of each, with a
 PASS/MISS line per checked arm: within one standard deviation of ``random``.
@@ -39,6 +44,7 @@ import secrets
 import shlex
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -53,6 +59,7 @@ from . import latency as L
 from . import report
 
 DIVERSITY_TOL = 0.01
+DOCS_WINDOW = 256  # the README's Prefetcher example
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +72,8 @@ class Arm:
     window: int = 0
     random_subset: bool = True
     checked: bool = True
+    guard: str = ""  # over the first indices: "warned or close", "unwarned and close"
+    prefetch: bool = True  # False: a ReadyFirstSampler alone, misses loaded by the loader
 
 
 def arms_for(n: int, args: argparse.Namespace) -> list[Arm]:
@@ -72,6 +81,10 @@ def arms_for(n: int, args: argparse.Namespace) -> list[Arm]:
     return [Arm("random"),
             Arm("fixed", "fixed", args.window), Arm("adaptive", "adaptive", args.window),
             Arm("fixed-large", "fixed", large), Arm("adaptive-large", "adaptive", large),
+            Arm("order-docs-first", "fixed", DOCS_WINDOW, random_subset=False, checked=False,
+                guard="warned or close", prefetch=False),
+            Arm("order-bound-first", "fixed", max(1, n // stocaching.WIDE_WINDOW_PART),
+                random_subset=False, checked=False, guard="unwarned and close", prefetch=False),
             Arm("fixed-large-first", "fixed", large, random_subset=False, checked=False)]
 
 
@@ -157,9 +170,15 @@ def train_arm(arm: Arm, seed: int, data: tuple[np.ndarray, ...], args: argparse.
         else L.Latency("none")
     base = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
     sampler: Any = base
+    warned = False
     if arm.mode is not None:
-        sampler = stocaching.Prefetcher(base, cache, ds.load, window=arm.window, mode=arm.mode,
-                                        threads=args.threads)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sampler = stocaching.Prefetcher(base, cache, ds.load, window=arm.window,
+                                            mode=arm.mode, threads=args.threads) \
+                if arm.prefetch else \
+                stocaching.ReadyFirstSampler(base, cache, window=arm.window, mode=arm.mode)
+        warned = any("random_subset=True" in str(w.message) for w in caught)
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, sampler=sampler,
                                          num_workers=0)
     torch.manual_seed(seed)
@@ -172,7 +191,8 @@ def train_arm(arm: Arm, seed: int, data: tuple[np.ndarray, ...], args: argparse.
         for epoch in range(args.epochs):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            ds.delays = lat.delays(n, seed, epoch) if arm.mode is not None else None
+            # (a latency changes what is ready only where a prefetcher loads ahead)
+            ds.delays = lat.delays(n, seed, epoch) if arm.mode and arm.prefetch else None
             s0 = cache.stats()
             model.train()
             for k, (x, y) in enumerate(loader):
@@ -191,7 +211,8 @@ def train_arm(arm: Arm, seed: int, data: tuple[np.ndarray, ...], args: argparse.
         loader = sampler = None
         ds.cache = None
         cache.close()
-    return {"arm": arm.name, "window": arm.window, "checked": arm.checked, "seed": seed, "accuracy": float((pred == yte).mean()),
+    return {"arm": arm.name, "window": arm.window, "checked": arm.checked, "seed": seed,
+            "accuracy": float((pred == yte).mean()), "warned": warned,
             "batches": batches, "hit_rate_later": hits / reads if reads else math.nan}
 
 
@@ -241,6 +262,22 @@ def check_lines(runs: Sequence[dict[str, Any]], arms: Sequence[Arm], args: argpa
         if arm.mode is None or a not in acc or not ref:
             continue
         m, mr, s = statistics.fmean(acc[a]), statistics.fmean(ref), sd(ref)
+        if arm.guard:
+            warned = all(r["warned"] for r in by[a])
+            close = abs(m - mr) <= s
+            ok = (warned or close) if arm.guard == "warned or close" else \
+                (not any(r["warned"] for r in by[a]) and close)
+            checks.append({"name": f"default layout {a}", "status": "PASS" if ok else "MISS",
+                           "measured": {"warned": warned, "difference": m - mr},
+                           "target": arm.guard})
+            text.append(f"[{'PASS' if ok else 'MISS'}] the first indices cached (the default), "
+                        f"W = {arm.window}, target {arm.guard} (within one standard deviation "
+                        f"of random): {'warned' if warned else 'not warned'} at construction; "
+                        f"{100 * m:.2f} % +- {100 * sd(acc[a]):.2f} vs {100 * mr:.2f} % "
+                        f"(difference {100 * (m - mr):+.2f} points, std of random "
+                        f"{100 * s:.2f} points), distinct classes per batch {div[a][0]:.3f} vs "
+                        f"{div['random'][0]:.3f}")
+            continue
         if not arm.checked:
             text.append(f"[shown] test accuracy, {a} (the first indices cached, W = "
                         f"{arm.window}) vs random: {100 * m:.2f} % +- {100 * sd(acc[a]):.2f} vs "

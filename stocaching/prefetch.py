@@ -32,7 +32,7 @@ This module imports only public names of ``stocaching``, so it also works copied
 
 from __future__ import annotations
 
-__all__ = ["PrefetchError", "Prefetcher", "ReadyFirstSampler", "ready_first_order"]
+__all__ = ["PrefetchError", "Prefetcher", "ReadyFirstSampler", "WIDE_WINDOW_PART", "ready_first_order"]
 
 import collections
 import contextlib
@@ -441,6 +441,31 @@ def _wrapped_by_lightning(what: str, base: Any, cost: str = "") -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+# A window wider than this part of the epoch, over a cache of the first indices, gives a
+# warning: see NOTE [ A wide window over the first indices ] in docs/order.md.
+WIDE_WINDOW_PART = 16
+
+
+def _warn_wide_window_over_first_indices(ready: Any, window: int, length: int) -> None:
+    """Warn, pointing at the caller's line, when an order that prefers the cached samples
+    runs over a cache whose cached samples are its first indices (0.2.1's layout, the
+    default on one node) with a window wider than ``1 / WIDE_WINDOW_PART`` of the epoch."""
+    cache = ready if isinstance(ready, BaseCache) else getattr(ready, "cache", None)
+    layout = getattr(cache, "layout", None)
+    if layout is None or layout.num_nodes > 1 or layout.random_subset or \
+            not 0 < layout.slots < layout.dataset_len or window * WIDE_WINDOW_PART <= length \
+            or length < WIDE_WINDOW_PART:  # (no window is that short)
+        return
+    warnings.warn(
+        f"window={window} is {100 * window / length:.0f} % of the epoch ({length} indices), "
+        f"over a cache that holds the first {layout.slots} of {layout.dataset_len} indices "
+        f"(the default layout on one node): the cached samples come first in every epoch, and "
+        f"on data ordered by class (as ImageFolder orders it) they are the first classes, "
+        f"which can wreck training. Make the cache with random_subset=True, or keep window <= "
+        f"{length // WIDE_WINDOW_PART} (see 'Which samples are cached' in docs/order.md)",
+        stacklevel=_level_outside_stocaching())
+
+
 def _check_in_range(name: str, indices: np.ndarray, dataset_len: int) -> None:
     """Raise unless every index that ``name`` yielded is in ``[0, dataset_len)``."""
     if indices.size and (indices.min() < 0 or indices.max() >= dataset_len):
@@ -569,6 +594,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         self._loaded: dict | None = None        # a state to resume from at the next __iter__
         self._spare: np.ndarray | None = None   # see load_state_dict
         self._warned: set[str] = set()          # the trainers it warned about
+        _warn_wide_window_over_first_indices(ready, window, len(base))
 
     # -- the public surface -----------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from typing import Sequence
 import pytest
 import torch
 
+import stocaching
+
 from benchmark import data as D
 from benchmark import plot, report
 from benchmark.__main__ import main, parse
@@ -465,7 +467,7 @@ def test_batch_diversity():
     assert u == 4 and h == pytest.approx(2.0)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_quality_command_runs(tmp_path, shm_dir, capsys):
     pytest.importorskip("sklearn")
     rc = main(["quality", "--seeds", "2", "--epochs", "1", "--latency-ms", "0.5", "--out",
@@ -475,11 +477,20 @@ def test_quality_command_runs(tmp_path, shm_dir, capsys):
     checks = [line for line in text.splitlines() if line.startswith("[")]
     checked = [line for line in checks if line[:6] in ("[PASS]", "[MISS]")]
     shown = [line for line in checks if line.startswith("[shown]")]
-    assert len(checked) == 12 and len(shown) == 1 and len(checks) == 13
+    assert len(checked) == 14 and len(shown) == 1 and len(checks) == 15
     saved = json.loads((tmp_path / "q" / "quality.json").read_text())
-    arms = ["random", "fixed", "adaptive", "fixed-large", "adaptive-large", "fixed-large-first"]
+    arms = ["random", "fixed", "adaptive", "fixed-large", "adaptive-large", "order-docs-first",
+            "order-bound-first", "fixed-large-first"]
     assert sorted(r["arm"] for r in saved["runs"]) == sorted(arms * 2)
-    assert {r["arm"]: r["window"] for r in saved["runs"]}["fixed-large"] == 1347 // 3
+    windows = {r["arm"]: r["window"] for r in saved["runs"]}
+    assert windows["fixed-large"] == 1347 // 3 and windows["order-docs-first"] == 256
+    assert windows["order-bound-first"] == 1347 // stocaching.WIDE_WINDOW_PART
+    # The default layout at the README's window warns at construction; the widest window
+    # that does not warn, does not.
+    warned = {r["arm"]: r["warned"] for r in saved["runs"]}
+    assert warned["order-docs-first"] and warned["fixed-large-first"]
+    assert not warned["order-bound-first"] and not warned["fixed"]
+    assert [c["status"] for c in saved["checks"] if c["name"].endswith("docs-first")] == ["PASS"]
     assert os.listdir(shm_dir) == []
 
 

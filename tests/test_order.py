@@ -627,3 +627,65 @@ def test_prefetch_py_works_copied_next_to_stocaching_py(tmp_path):
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[0, 4, 1, 2, 3, 5]"
+
+
+# ------------------------------------------------------------------------------------------------
+# A wide window over a cache of the first indices
+# ------------------------------------------------------------------------------------------------
+
+
+def first_indices_cache(shm_dir, **kwargs):
+    """523 of 1,000 indices cached: with the default layout, the first 523."""
+    return SharedCache(0.0005, 1000, (1024,), **kwargs)
+
+
+def zeros(i):
+    return torch.zeros(1024, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("make", ["order", "fixed prefetcher", "adaptive prefetcher",
+                                  "device loader"])
+def test_a_window_over_a_sixteenth_of_the_epoch_over_the_first_indices_warns_at_the_callers_line(
+        make, shm_dir):
+    """The README's window (256) over a cache of the first indices, the default: the cached
+    samples would come first in every epoch (the first classes of an ImageFolder), so the
+    construction warns, naming random_subset=True and the widest window that does not warn,
+    at the caller's line, whichever of the three documented ways built the order."""
+    from stocaching import DeviceLoader, Prefetcher
+    cache = first_indices_cache(shm_dir)
+    assert (cache.layout.slots, cache.layout.random_subset) == (523, False)
+    build = {"order": lambda: ReadyFirstSampler(range(1000), cache, window=256),
+             "fixed prefetcher": lambda: Prefetcher(range(1000), cache, zeros, window=256),
+             "adaptive prefetcher": lambda: Prefetcher(range(1000), cache, zeros, window=256,
+                                                       mode="adaptive"),
+             "device loader": lambda: DeviceLoader(cache, range(1000), zeros, batch_size=4,
+                                                   device="cpu", window=256)}[make]
+    with pytest.warns(UserWarning, match=r"window=256 is 26 % of the epoch .* first 523 of "
+                                         r"1000 .* random_subset=True, or keep window <= 62") \
+            as caught:
+        made = build()
+    assert len(caught) == 1 and caught[0].filename == __file__
+    getattr(made, "close", lambda: None)()
+    cache.close()
+
+
+@pytest.mark.parametrize("case", ["random subset", "window of a sixteenth", "all cached",
+                                  "a ready function", "several nodes"])
+def test_an_order_that_cannot_bring_the_first_classes_first_does_not_warn(case, shm_dir):
+    """No warning where the cached samples are not the first indices (random_subset=True,
+    several nodes, every index cached), the window is at most a sixteenth of the epoch, or
+    the order is given a ready function (whose samples it cannot know)."""
+    import warnings
+    kwargs = {"random subset": {"random_subset": True},
+              "several nodes": {"world": World(rank=0, world_size=2, local_rank=0,
+                                               local_world_size=1, node_rank=0,
+                                               num_nodes=2)}}.get(case, {})
+    cache = SharedCache(0.01, 1000, (1024,)) if case == "all cached" else \
+        first_indices_cache(shm_dir, **kwargs)
+    ready = (lambda idx: np.zeros(len(idx), dtype=bool)) if case == "a ready function" \
+        else cache
+    window = 62 if case == "window of a sixteenth" else 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ReadyFirstSampler(range(1000), ready, window=window)
+    cache.close()
