@@ -46,11 +46,11 @@ import torch
 
 try:  # the package, or the modules copied side by side into a project
     from .prefetch import Prefetcher
-    from .stocaching import OpenSizeCache, SharedCache, SlotState, check_int
+    from .stocaching import OpenSizeCache, SharedCache, check_int
 except ImportError:  # pragma: no cover - the copied-files layout
     from prefetch import Prefetcher  # type: ignore[no-redef]
     from stocaching import (OpenSizeCache, SharedCache,  # type: ignore[no-redef]
-                            SlotState, check_int)
+                            check_int)
 
 logger = logging.getLogger("stocaching")
 
@@ -608,14 +608,14 @@ class DeviceLoader:
         """Rows the gather did not confirm: read again alone (unless the gather did), else
         loaded here (and stored with ``set_slot`` when the index has a slot, as the two-line
         pattern does)."""
-        aux = self.cache.aux_array.numpy()
         idx = indices.cpu().numpy()
+        slotted = self.cache.slot_mask(idx)
         for k in np.flatnonzero(~hit).tolist():
             i = int(idx[k])
             sample = None if self._gather.rereads else self.cache.get_slot(i)
             if sample is None:
                 sample = self.load(i)
-                if aux[i] != SlotState.OOB.value:
+                if slotted[k]:
                     self.cache.set_slot(i, sample, exist_ok=True)  # (a writer may be first)
             if isinstance(batch, Mapping):
                 for name, t in batch.items():

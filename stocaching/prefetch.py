@@ -59,11 +59,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache, SlotState, check_int,
+    from .stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache, check_int,
                              dealt_by_accelerate, in_lightnings_wrapper)
 except ImportError:  # copied beside stocaching.py
     from stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache,  # type: ignore[no-redef]
-                            SlotState, check_int, dealt_by_accelerate, in_lightnings_wrapper)
+                            check_int, dealt_by_accelerate, in_lightnings_wrapper)
 
 logger = logging.getLogger("stocaching")
 
@@ -74,8 +74,6 @@ MODES = ("fixed", "adaptive")
 DEFAULT_REFRESH = 64
 # Indices converted to Python ints at a time while yielding.
 _YIELD_CHUNK = 65536
-# The aux_array value of a slot that holds its sample.
-_SET = SlotState.SET.value
 
 ReadyFn = Callable[[np.ndarray], Any]
 
@@ -499,9 +497,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     epoch by what it sees ready, and the processes would deal batches from different orders;
     use a :class:`Prefetcher` with a window there.
 
-    Ready means: for a ``SharedCache``, the index's slot is set on this node
-    (``aux_array == SlotState.SET``) or it is staged (``SharedCache.ready_mask``); for a
-    callable, what it returns.
+    Ready means: for a ``SharedCache``, the index's slot holds its sample on this node or it
+    is staged (``SharedCache.ready_mask``); for a callable, what it returns.
 
     Modes (the default, ``"fixed"``, is the same here and in :class:`Prefetcher`):
 
@@ -1235,17 +1232,16 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._order: Any = self._tap if window is None else \
             ReadyFirstSampler(self._tap, ready, window=self.window, mode=mode)
         lws = cache.world.local_world_size
-        stats = cache.stats()
-        self._stage_ahead = stats["staging_slots"] // (2 * lws)
+        self._stage_ahead = cache.staging_slots // (2 * lws)
         # What this prefetcher staged is tagged with a number of its own, so that it gives
         # back only its own samples (another rank's prefetcher may stage the same index).
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
         self._staged = _Staged()  # what this prefetcher staged, and the stages under way
-        self._staging_slots = stats["staging_slots"]
+        self._staging_slots = cache.staging_slots
         self._pool: _LoaderPool | None = None  # the loader threads of the running epoch
         # Indices whose loaded sample the cache did not keep (open sizes, arena full; a byte
         # an index), and the most of the arena seen in use: see __iter__.
-        self._may_refuse = "arena_bytes" in stats  # a cache of open sizes
+        self._may_refuse = cache.may_refuse  # a cache of open sizes
         self._refused = np.zeros(cache.dataset_len if self._may_refuse else 0, dtype=bool)
         self._arena_used = 0
         # Given back when the prefetcher goes: another rank's prefetcher does not take them
@@ -1613,7 +1609,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         need = ~self.cache.ready_mask(chunk, tag=self._tag)
         if nxt < run.skip.size:
             need[:run.skip.size - nxt] &= ~run.skip[nxt:end]
-        oob = self.cache.aux_array.numpy()[chunk] == SlotState.OOB.value
+        oob = ~self.cache.slot_mask(chunk)
         for j in np.flatnonzero(need):
             i, staged = int(chunk[j]), bool(oob[j])
             if i in run.pending or self._left_to_workers(i, staged):
@@ -1718,7 +1714,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         the refused indices if less is in use now (a clear())."""
         if not self._may_refuse:
             return
-        used = self.cache.stats()["arena_used"]
+        used = self.cache.arena_used
         if clear_refused and used < self._arena_used:
             with self._lock:
                 self._refused[:] = False
@@ -1742,7 +1738,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._load_times.add(meter.since(t0))
         if not job.staged:
             self.cache.set_slot(idx, value, exist_ok=True)
-            if self._may_refuse and self.cache.aux_array.numpy()[idx] != _SET:  # no room
+            if self._may_refuse and not self.cache.stored_mask([idx])[0]:  # no room
                 with self._lock:
                     self._refused[idx] = True
         else:
@@ -1879,7 +1875,7 @@ def _unstage_tagged(cache: BaseCache, tag: int) -> None:
     """Free every staging slot that holds a sample staged with ``tag``; quiet when the
     cache is closed."""
     with contextlib.suppress(ValueError, OSError):  # the cache may be closed by now
-        oob = np.flatnonzero(cache.aux_array.numpy() == SlotState.OOB.value)
+        oob = np.flatnonzero(~cache.slot_mask())
         for idx in oob[cache.ready_mask(oob, tag=tag)].tolist():
             cache.unstage(idx, tag=tag)
 
@@ -2417,7 +2413,8 @@ def _load_jobs(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any
             times = meter.since(t0)
             if not staged:
                 cache.set_slot(idx, value, exist_ok=True)
-                kind = "stored" if cache.aux_array.numpy()[idx] == _SET else "refused"
+                kind = "refused" if cache.may_refuse and not cache.stored_mask([idx])[0] \
+                    else "stored"
             else:
                 kind = "staged"
                 while not cache.stage(idx, value, tag=tag):

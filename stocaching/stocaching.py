@@ -2469,6 +2469,15 @@ class BaseCache:
         """Name of the cache within its job."""
         return self._name
 
+    @property
+    def staging_slots(self) -> int:
+        """Staging slots of the node's cache, shared by its local ranks (0: none)."""
+        return self._staging_slots
+
+    # Whether set_slot may decline a sample for lack of room (a cache of open sizes, whose
+    # arena can fill up): the fixed-size caches store every sample that has a slot.
+    may_refuse: bool = False
+
     def cached_indices(self) -> np.ndarray:
         """Dataset indices that have a slot on this node, in slot order."""
         return self._layout.indices(self._world.node_rank)
@@ -2701,6 +2710,31 @@ class BaseCache:
         finally:
             self._unlock(_STAGE_LOCK)
         return bool(found.size)
+
+    def slot_mask(self, indices: Any = None) -> np.ndarray:
+        """True where the dataset index has a slot on this node (``set_slot`` can store its
+        sample; without one, only a staging slot can hold it), for ``indices`` (default:
+        every dataset index). Fixed for the cache's life.
+
+        Args:
+            indices: dataset indices. Default: None, every index.
+        """
+        self._check_open()
+        states = self._index_states_np
+        return states != OOB if indices is None else \
+            states[np.asarray(indices, dtype=np.int64)] != OOB
+
+    def stored_mask(self, indices: Any = None) -> np.ndarray:
+        """True where the index's slot holds its sample now (staged samples do not count:
+        see ``ready_mask``), for ``indices`` (default: every dataset index). A snapshot.
+
+        Args:
+            indices: dataset indices. Default: None, every index.
+        """
+        self._check_open()
+        states = self._index_states_np
+        return states == SET if indices is None else \
+            states[np.asarray(indices, dtype=np.int64)] == SET
 
     def ready_mask(self, indices: Any = None, *, tag: int | None = None) -> np.ndarray:
         """True where ``get_slot`` would return a sample now (its slot is set, or it is
@@ -4552,6 +4586,15 @@ class OpenSizeCache(BaseCache):
                 self._unlock(_ARENA_LOCK)
         finally:
             self._unlock(_slot_lock_offset(0), self._dataset_len)
+
+    may_refuse = True  # set_slot declines a sample that finds no room in the arena
+
+    @property
+    def arena_used(self) -> int:
+        """Bytes of the arena handed out since the last ``clear()`` (overwritten places
+        included): it falls only when the cache is cleared."""
+        self._check_open()
+        return self._header_get("arena_top")
 
     def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """As ``SharedCache.stats``, plus ``arena_bytes`` (the arena's size) and ``arena_used``

@@ -440,7 +440,8 @@ def training_data(kind: str, *, for_accelerate: bool = False):
     ``"cache"``, one cache of a third of ``TRAIN_LEN`` samples; ``"prefetch"``, the same (a
     cache of its own) with a ``Prefetcher`` (2 threads, loads recorded by a ``RecordedLoad``)
     over the sampler, ``sampler.for_accelerate()`` with ``for_accelerate``; ``"prefetch
-    window"``, the same with a window of two batches; ``"random prefetch"``, a
+    window"``, the same with a window of two batches (over a cache of a random subset, as the
+    docs make it for a window); ``"random prefetch"``, a
     ``Prefetcher`` over a ``RandomSampler`` (no plan); ``"mixture"``, two sub-datasets with a
     cache each, mixed by a ``WeightedMixtureSampler`` with its default weights (every sample
     once an epoch) that a ``CacheAwareSampler`` routes; ``"bare mixture"``, the same with the
@@ -451,8 +452,10 @@ def training_data(kind: str, *, for_accelerate: bool = False):
     if kind == "cache" or kind in PREFETCH_KINDS:
         n = TRAIN_LEN
         name = "train" if kind == "cache" else kind.replace(" ", "-")
+        # (with a window, the documented cache: a random subset, not the first indices)
         ds = CachedDataset(SharedCache(budget_for(n // 3, dims, dataset_len=n), n, dims,
-                                       name=name, timeout=60), n)
+                                       name=name, timeout=60,
+                                       random_subset=bool(PREFETCH_KINDS.get(kind))), n)
         if kind == "random prefetch":
             base, plan = torch.utils.data.RandomSampler(ds), None
         else:

@@ -48,6 +48,23 @@ def test_a_staged_sample_is_read_once_then_its_slot_is_free(shm_dir):
         assert (s["staged"], s["staged_hits"], s["hits"], s["stages"]) == (0, 1, 1, 1)
 
 
+def test_the_masks_tell_a_slot_a_stored_sample_and_a_staged_one_apart(shm_dir):
+    """What the opt-in modules ask instead of reading slot codes: slot_mask (the index has a
+    slot on this node), stored_mask (its slot holds the sample), ready_mask (stored, or
+    staged); also staging_slots, and that a cache of fixed sizes never refuses a sample."""
+    with staged_cache(shm_dir) as c:
+        c.set_slot(0, value_of(0, DIMS))
+        assert c.stage(50, value_of(50, DIMS))
+        idx = [0, 1, 50, 51]
+        assert c.slot_mask(idx).tolist() == [True, True, False, False]
+        assert c.stored_mask(idx).tolist() == [True, False, False, False]
+        assert c.ready_mask(idx).tolist() == [True, False, True, False]
+        assert c.slot_mask().sum() == c.layout.slots and c.stored_mask().sum() == 1
+        assert c.staging_slots == c.stats()["staging_slots"] > 0 and not c.may_refuse
+    with pytest.raises(ValueError, match="closed"):
+        c.slot_mask([0])
+
+
 def test_a_full_staging_area_says_so_and_changes_nothing(shm_dir):
     with staged_cache(shm_dir, staging=2) as c:
         assert c.stage(50, value_of(50, DIMS)) and c.stage(51, value_of(51, DIMS))

@@ -209,8 +209,9 @@ def test_it_honours_everything_the_base_offers(shm_dir):
     subclass of SharedCache); what needs rows of one size is not there at all."""
     offered = {n for n in dir(BaseCache) if not n.startswith("_")}
     assert offered == {"aux_array", "cached_indices", "clear", "close", "data_dims",
-                       "dataset_len", "dtype", "fields", "get_slot", "layout", "name",
-                       "read_tags", "ready_mask", "set_slot", "stats", "unstage", "world"}
+                       "dataset_len", "dtype", "fields", "get_slot", "layout", "may_refuse",
+                       "name", "read_tags", "ready_mask", "set_slot", "slot_mask",
+                       "staging_slots", "stats", "stored_mask", "unstage", "world"}
     with OpenSizeCache(0.001, N, {"points": (None, 3), "label": ()}, shm_dir=shm_dir) as c:
         sample = {"points": cloud(0).to(torch.uint8), "label": 7}
         c.set_slot(0, sample)
@@ -219,6 +220,8 @@ def test_it_honours_everything_the_base_offers(shm_dir):
         c.read_tags = {3}
         assert c.read_tags == frozenset({3}) and c.unstage(0) is False
         assert c.ready_mask([0, 1]).tolist() == [True, False]
+        assert c.stored_mask([0, 1]).tolist() == [True, False] and c.slot_mask().all()
+        assert c.may_refuse and c.staging_slots == 0 and c.arena_used > 0
         assert c.aux_array[0] == 1 and len(c.cached_indices()) == len(c) == c.dataset_len == N
         assert c.fields == ("points", "label") and c.data_dims["points"] == (None, 3)
         assert c.dtype["label"] == torch.uint8 and c.layout.slots == N and c.name
