@@ -152,6 +152,17 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         self.seed = check_int("seed", seed, low=0, high=2**63 - 1)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         num_nodes = self.layout.num_nodes if self.layout is not None else 1
+        if world is not None and world.world_size != world.num_nodes * world.local_world_size:
+            raise ValueError(
+                f"dataset's cache should come from a job with the same number of ranks on "
+                f"every node (the sampler sends rank r to node r // local_world_size), but its "
+                f"world has world_size={world.world_size} ranks on num_nodes={world.num_nodes} "
+                f"nodes with local_world_size={world.local_world_size} on this one: uneven "
+                "placement is not supported. Start as many ranks on every node (torchrun "
+                "does; under Ray Train, num_workers a multiple of the nodes with "
+                "resources_per_worker that fill each node, such as one GPU each, or "
+                "placement_strategy='STRICT_SPREAD' for one worker a node), or use a "
+                "DistributedSampler")
         if local_world_size is None:
             if self.num_replicas % num_nodes:
                 raise ValueError(

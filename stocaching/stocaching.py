@@ -499,9 +499,17 @@ class World:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "World":
         """Read torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-        GROUP_WORLD_SIZE; Lightning's NODE_RANK), else SLURM's (SLURM_PROCID, SLURM_NTASKS,
-        SLURM_LOCALID, SLURM_NODEID, SLURM_NNODES); a process with neither is a world of one.
-        Without LOCAL_WORLD_SIZE every rank of WORLD_SIZE is taken to be on this machine."""
+        GROUP_WORLD_SIZE; Lightning's and Ray Train's NODE_RANK), else SLURM's (SLURM_PROCID,
+        SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_NNODES); a process with neither is a
+        world of one. Without LOCAL_WORLD_SIZE every rank of WORLD_SIZE is taken to be on this
+        machine.
+
+        Where the variables leave a count out (no GROUP_WORLD_SIZE: the number of nodes is
+        WORLD_SIZE // LOCAL_WORLD_SIZE; under SLURM the tasks on this node are SLURM_NTASKS //
+        SLURM_NNODES), it is derived as if every node ran as many ranks, and variables that
+        rule that out raise a ``ValueError``: read from one node of an uneven placement, the
+        derived count would differ from the other nodes' (``discover`` asks the process group
+        instead)."""
         env = os.environ if env is None else env
 
         def get(*names: str) -> int | None:
@@ -515,12 +523,39 @@ class World:
                                          f"but got {n}={v!r}") from None
             return None
 
-        if "LOCAL_RANK" in env or "RANK" in env:  # torchrun, accelerate, Lightning, by hand
+        def uneven(rule: str, count: str, *names: str) -> ValueError:
+            got = ", ".join(f"{n}={env[n]}" for n in names if env.get(n) not in (None, ""))
+            return ValueError(
+                f"{rule}, but got {got}: {count} cannot be derived from this node's "
+                "variables (the ranks may be spread unevenly over the nodes, and each node "
+                "would derive another). Construct the cache after init_process_group "
+                "(World.discover then asks the process group), or pass world=World(...)")
+
+        if "LOCAL_RANK" in env or "RANK" in env:  # torchrun, accelerate, Lightning, Ray Train
             world_size = get("WORLD_SIZE") or 1
             local_rank = get("LOCAL_RANK") or 0
             local_ws = get("LOCAL_WORLD_SIZE") or (world_size if "LOCAL_RANK" in env else 1)
-            num_nodes = get("GROUP_WORLD_SIZE") or max(1, world_size // local_ws)
-            node_rank = get("GROUP_RANK", "NODE_RANK")  # Lightning sets NODE_RANK, not RANK
+            node_rank = get("GROUP_RANK", "NODE_RANK")  # Lightning, Ray Train: NODE_RANK
+            num_nodes = get("GROUP_WORLD_SIZE") or None
+            if num_nodes is None:  # derived: as many ranks on every node as on this one
+                names = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK",
+                         "NODE_RANK")
+                if world_size % local_ws:
+                    raise uneven("with no GROUP_WORLD_SIZE to name the number of nodes, "
+                                 "WORLD_SIZE should be a multiple of LOCAL_WORLD_SIZE",
+                                 "the number of nodes", *names)
+                num_nodes = world_size // local_ws
+                if node_rank is not None and node_rank >= num_nodes:
+                    alone = "" if "LOCAL_WORLD_SIZE" in env else \
+                        " (with no LOCAL_WORLD_SIZE, every rank is on this node)"
+                    raise uneven(f"with no GROUP_WORLD_SIZE to name the number of nodes, the "
+                                 f"node rank should be below WORLD_SIZE // LOCAL_WORLD_SIZE = "
+                                 f"{num_nodes}{alone}", "the number of nodes", *names)
+            elif local_ws + num_nodes - 1 > world_size:  # each other node runs a rank or more
+                raise ValueError(f"LOCAL_WORLD_SIZE + GROUP_WORLD_SIZE - 1 should be at most "
+                                 f"WORLD_SIZE (each other node runs a rank at least), but got "
+                                 f"WORLD_SIZE={world_size}, LOCAL_WORLD_SIZE={local_ws}, "
+                                 f"GROUP_WORLD_SIZE={num_nodes}")
             rank = get("RANK")
             if rank is None:
                 rank = (node_rank or 0) * local_ws + local_rank
@@ -532,11 +567,31 @@ class World:
             local_rank = get("SLURM_LOCALID") or 0
             num_nodes = get("SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
             node_rank = get("SLURM_NODEID") or 0
+            if num_nodes > 0 and world_size % num_nodes:
+                raise uneven("with no count of the tasks on each node, SLURM_NTASKS should be "
+                             "a multiple of SLURM_NNODES", "the tasks on this node",
+                             "SLURM_NTASKS", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+                             "SLURM_NODEID")
             local_ws = max(1, world_size // num_nodes)
         else:
             return cls()
         return cls(rank=rank, world_size=world_size, local_rank=local_rank,
                    local_world_size=local_ws, node_rank=node_rank, num_nodes=num_nodes)
+
+    @staticmethod
+    def _env_names_the_nodes(env: Mapping[str, str]) -> bool:
+        """True when the variables ``from_env`` would read name the number of nodes and the
+        ranks on this one (torchrun and accelerate: GROUP_WORLD_SIZE and LOCAL_WORLD_SIZE;
+        srun: SLURM_NNODES, with SLURM_NTASKS a multiple of it), so that no count is derived
+        from one node's view. Ray Train and Lightning set no GROUP_WORLD_SIZE."""
+        if "LOCAL_RANK" in env or "RANK" in env:
+            return all(env.get(n) for n in ("RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"))
+        if "SLURM_PROCID" in env:
+            tasks = env.get("SLURM_NTASKS", "")
+            nodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES", "")
+            return tasks.isdigit() and nodes.isdigit() and int(nodes) > 0 and \
+                int(tasks) % int(nodes) == 0
+        return False
 
     @classmethod
     def from_process_group(cls, group: Any = None) -> "World":
@@ -560,20 +615,32 @@ class World:
         ``SharedCache(world=...)``):
 
         1. an initialised ``torch.distributed`` process group whose rank and size agree with
-           complete launcher variables (torchrun, torchelastic and accelerate set
-           LOCAL_WORLD_SIZE; SLURM's srun sets SLURM_PROCID): those variables, no collective;
-        2. an initialised process group otherwise (``torch.multiprocessing.spawn`` with
-           ``init_process_group``, Lightning): ``from_process_group()``, a collective, so every
-           rank must construct its caches in the same order;
+           launcher variables that name the number of nodes and the ranks on this one
+           (torchrun, torchelastic and accelerate set GROUP_WORLD_SIZE and LOCAL_WORLD_SIZE;
+           SLURM's srun sets SLURM_NNODES): those variables, no collective;
+        2. an initialised process group otherwise (Ray Train and Lightning, which set no
+           GROUP_WORLD_SIZE; ``torch.multiprocessing.spawn`` with ``init_process_group``):
+           ``from_process_group()``, a collective, so every rank must construct its caches in
+           the same order, in its own process (not in a DataLoader worker);
         3. no process group: the launcher's variables (``from_env``), else a world of one.
         """
         env = os.environ if env is None else env
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
-            if ("LOCAL_WORLD_SIZE" in env and "RANK" in env) or "SLURM_PROCID" in env:
+            if cls._env_names_the_nodes(env):
                 world = cls.from_env(env)
                 if (world.rank, world.world_size) == (dist.get_rank(), dist.get_world_size()):
                     return world
+            info = torch.utils.data.get_worker_info()
+            if info is not None:
+                # A forked worker inherits the group but must not use it: its collective
+                # would run over the training process's connections.
+                raise RuntimeError(
+                    f"a cache constructed in DataLoader worker {info.id} would have to ask the "
+                    f"process group who its node's ranks are, which only the training process "
+                    f"may do: construct the cache in the training process before the "
+                    f"DataLoader starts its workers (with a cache made at first use, read "
+                    f"dataset.cache once there; CacheAwareSampler(dataset) does)")
             return cls.from_process_group()
         return cls.from_env(env)
 
@@ -2410,11 +2477,15 @@ class BaseCache:
             raise TypeError(
                 "a SharedCache can be pickled only by multiprocessing (starting a process, "
                 "Pool tasks and results, Queue, Pipe; torch.multiprocessing and DataLoader "
-                "workers included), which shares it with the receiver; pickle.dumps or "
-                "torch.save would give a pickle that no other process can load. To save a "
-                "Dataset that holds one, leave the cache out in __getstate__ and construct it "
-                "again in __setstate__; copy.copy(cache) is the same cache, "
-                "copy.deepcopy(cache) a private copy")
+                "workers included), which shares it with the receiver; pickle.dumps, "
+                "torch.save or another pickler (Ray's, sending a train_loop_config) would give "
+                "a pickle that no other process can load. To pickle a Dataset that holds one, "
+                "leave the cache out in __getstate__ and create it at first use in the "
+                "process that reads it (a property that builds it while it is None), not in "
+                "__setstate__: a framework may unpickle copies in processes that never read "
+                "them (Ray does, in its controller), and each would build a cache of its own. "
+                "Under Ray Train, build the Dataset inside train_loop_per_worker. "
+                "copy.copy(cache) is the same cache, copy.deepcopy(cache) a private copy")
         return self._reduce_for_process()
 
     def __copy__(self) -> "BaseCache":

@@ -467,7 +467,8 @@ def doc_programs() -> dict[str, tuple[str, str]]:
 @pytest.mark.parametrize("program, needs", [("train_torchrun.py", None),
                                             ("train_lightning.py", "lightning"),
                                             ("train_accelerate.py", "accelerate"),
-                                            ("train_hf.py", "transformers")])
+                                            ("train_hf.py", "transformers"),
+                                            ("train_ray.py", "ray.train.torch")])
 def test_each_trainers_example_in_the_docs_runs_as_shown(program, needs, shm_dir, tmp_path):
     """The example, with the docs' images.py beside it, run by its own command (accelerate
     launch as the torchrun it runs): it ends well, warns of nothing about the cache or the
