@@ -12,10 +12,12 @@ from .device import *  # noqa: F401,F403
 from .device import __all__ as _device_all
 from .mixtures import *  # noqa: F401,F403
 from .mixtures import __all__ as _mixtures_all
+from .order import *  # noqa: F401,F403
+from .order import __all__ as _order_all
 from .prefetch import *  # noqa: F401,F403
 from .prefetch import __all__ as _prefetch_all
 from .samplers import *  # noqa: F401,F403
 from .samplers import __all__ as _samplers_all
 
-__all__ = [*_core_all, *_samplers_all, *_prefetch_all, *_mixtures_all,
+__all__ = [*_core_all, *_samplers_all, *_order_all, *_prefetch_all, *_mixtures_all,
            *_device_all]

@@ -75,12 +75,12 @@ def test_module_runs_as_a_copied_single_file(tmp_path):
 
 
 def test_opt_in_modules_import_only_the_cores_public_names():
-    """samplers.py, prefetch.py and mixtures.py import from the core only names in its
-    ``__all__``, so that copying the core plus one of them keeps working."""
+    """samplers.py, order.py, prefetch.py, mixtures.py and device.py import from the core only
+    names in its ``__all__``, so that copying the core plus them keeps working."""
     import ast
 
     import stocaching.stocaching as core
-    for module in ("samplers", "prefetch", "mixtures"):
+    for module in ("samplers", "order", "prefetch", "mixtures", "device"):
         tree = ast.parse(read("stocaching", f"{module}.py"))
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                     and node.module in ("stocaching", "stocaching.stocaching")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from stocaching import CacheAwareSampler, CacheLayout, SharedCache, World
-from stocaching.prefetch import ReadyFirstSampler, ready_first_order
+from stocaching.order import ReadyFirstSampler, ready_first_order
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
 MODES = ["fixed", "adaptive"]
@@ -613,14 +613,18 @@ def test_base_that_yields_less_than_its_length_is_refused():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_prefetch_py_works_copied_next_to_stocaching_py(tmp_path):
-    for name in ("stocaching.py", "prefetch.py"):
+@pytest.mark.parametrize("module", ["order", "prefetch"])
+def test_the_order_works_copied_next_to_stocaching_py(module, tmp_path):
+    """order.py copied beside stocaching.py, and prefetch.py beside both: the copies import
+    each other, not the package."""
+    for name in ("stocaching.py", "order.py", *(["prefetch.py"] if module == "prefetch" else [])):
         shutil.copy(os.path.join(ROOT, "stocaching", name), tmp_path / name)
-    code = textwrap.dedent("""
-        import os, prefetch, stocaching
+    code = textwrap.dedent(f"""
+        import os, order, stocaching, {module} as m
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
-        assert prefetch.SharedCache is stocaching.SharedCache
-        s = prefetch.ReadyFirstSampler(list(range(6)), lambda i: i == 4, window=3)
+        assert os.path.dirname(m.__file__) == os.getcwd()
+        assert m.ReadyFirstSampler is order.ReadyFirstSampler
+        s = m.ReadyFirstSampler(list(range(6)), lambda i: i == 4, window=3)
         print(list(s))
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,

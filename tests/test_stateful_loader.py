@@ -27,7 +27,7 @@ from _helpers import budget_for  # noqa: E402
 from prefetch_common import DIMS, PrefetchedDataset, value_of  # noqa: E402
 from stocaching import CacheAwareSampler, Prefetcher, SharedCache  # noqa: E402
 from stocaching.mixtures import WeightedMixtureSampler  # noqa: E402
-from stocaching.prefetch import ReadyFirstSampler  # noqa: E402
+from stocaching.order import ReadyFirstSampler  # noqa: E402
 
 # torchdata's own deprecation notice, raised by every StatefulDataLoader it makes.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

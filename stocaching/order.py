@@ -1,0 +1,971 @@
+"""The cache-preferring order: ready samples first, within a window.
+
+:class:`ReadyFirstSampler` wraps any base order (``RandomSampler``, ``DistributedSampler``,
+:class:`~stocaching.CacheAwareSampler`, ...) and, within a window of ``W`` positions, emits the
+indices whose samples are ready (in the cache) before those that are not. Every index of the
+base order still comes exactly once per epoch, and none moves more than ``W`` positions from
+where the base order put it::
+
+    from torch.utils.data import DataLoader, RandomSampler
+    from stocaching import ReadyFirstSampler
+
+    sampler = ReadyFirstSampler(RandomSampler(dataset), dataset.cache, window=256)
+    loader = DataLoader(dataset, batch_size=64, sampler=sampler, num_workers=2)
+
+``ready_first_order`` is the rule itself, on a ready mask. Reordering cannot change how many
+misses an epoch has; with a :class:`~stocaching.Prefetcher` (``prefetch.py``, which uses this
+order when given a ``window``) the order gives the loads lead time. See docs/order.md.
+
+This module imports only public names of ``stocaching``, so it also works copied next to
+``stocaching.py``; ``prefetch.py`` needs it beside it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ReadyFirstSampler", "WIDE_WINDOW_PART", "ready_first_order"]
+
+import hashlib
+import inspect
+import itertools
+import logging
+import sys
+import time
+import warnings
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+try:  # inside the package
+    from .stocaching import BaseCache, check_int, dealt_by_accelerate, in_lightnings_wrapper
+except ImportError:  # copied beside stocaching.py
+    from stocaching import (BaseCache, check_int,  # type: ignore[no-redef]
+                            dealt_by_accelerate, in_lightnings_wrapper)
+
+logger = logging.getLogger("stocaching")
+
+#: The two modes of :class:`ReadyFirstSampler`.
+MODES = ("fixed", "adaptive")
+#: Steps between two readiness queries in "adaptive" mode, unless ``refresh_every`` is given
+#: (at most this, and at most the window).
+DEFAULT_REFRESH = 64
+# Indices converted to Python ints at a time while yielding.
+_YIELD_CHUNK = 65536
+
+ReadyFn = Callable[[np.ndarray], Any]
+
+
+def _nbytes(bits: int) -> int:
+    return (bits + 7) // 8
+
+
+# ----------------------------------------------------------------------------------------------
+# The order itself
+# ----------------------------------------------------------------------------------------------
+
+
+def _dtype(n: int, window: int) -> type:
+    """The integer type for base positions and steps of an n-index epoch: int32 when
+    everything fits (half the memory traffic), else int64."""
+    return np.int32 if 2 * n + window < 2**31 else np.int64
+
+
+def _split(mask: np.ndarray, lo: int, dtype: type,
+           keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``lo + i`` (where ``keep[i]``, if given) split into (not ready, ready) by
+    ``mask[i]``, both sorted."""
+    pos = np.arange(lo, lo + mask.size, dtype=dtype)
+    if keep is not None:
+        pos, mask = pos[keep], mask[keep]
+    return pos[~mask], pos[mask]
+
+
+def _schedule(u: np.ndarray, r: np.ndarray, t0: int, window: int, nsteps: int) -> np.ndarray:
+    """Base positions emitted at output steps ``t0 .. t0 + nsteps - 1``.
+
+    The rule, at output step t: the pending position t - window, if any, is emitted (its
+    deadline); otherwise the smallest pending ready position <= t + window; otherwise the
+    smallest pending position. Pending ready and pending not-ready positions thus each leave
+    in increasing order, and the order is a merge of the two: the k-th not-ready one leaves at
+
+        s_k = min(u_k + W - t0, max(s_{k-1} + 1, T_k))       (steps relative to t0)
+
+    where T_k is the first step at which no ready position is pending after k not-ready ones
+    have left. Both ``u_k + W - t0 - k`` and ``T_k - k`` are non-decreasing, which makes
+    ``s_k - k`` the running maximum of their minimum: the whole merge is vectorised, O(n).
+
+    Args:
+        u: sorted positions not yet emitted at step t0 that are not ready, all >= t0 - window.
+        r: the same for the ready ones.
+        t0: the first step to compute.
+        window: W.
+        nsteps: steps to compute. Every position that may be admitted during them (up to
+            t0 + nsteps - 1 + window) must be in ``u`` or ``r``; positions past the last one
+            given are treated as past the end of the epoch.
+    """
+    it = np.result_type(u.dtype, r.dtype)
+    if nsteps <= 0:
+        return np.zeros(0, dtype=it)
+    nu = u.size
+    if nu == 0:
+        return r[:nsteps].copy()
+    edge = t0 + window  # the last position admitted at step t0
+    first = int(np.searchsorted(r, edge, side="right"))  # ready ones admitted at step t0
+    late = r[first:int(np.searchsorted(r, edge + nsteps))] - edge
+    admits_ready = np.zeros(nsteps, dtype=bool)  # steps 1 .. nsteps-1 admitting a ready one
+    admits_ready[late] = True
+    # h(d) = d - (ready ones admitted by step d) starts at -first and rises by one at each
+    # step d >= 1 that admits no ready position; T_k is the first step with h(d) >= k, that
+    # is rises[k + first - 1] (0 if k + first - 1 < 0, past the steps if there is none).
+    rises = np.flatnonzero(~admits_ready)[1:]  # step 0 never admits: drop it
+    del admits_ready, late
+    T = np.full(nu, nsteps, dtype=it)
+    skip = 1 if first == 0 else 0  # T_0 = 0 when no ready position is admitted at step 0
+    T[:skip] = 0
+    got = rises[first - 1 + skip:first - 1 + nu]
+    T[skip:skip + got.size] = got
+    del rises, got
+    k = np.arange(nu, dtype=it)
+    T -= k
+    slack = u - k  # deadline - k, less (window - t0)
+    slack += window - t0
+    np.minimum(T, slack, out=T)
+    del slack
+    np.maximum.accumulate(T, out=T)
+    T += k  # T is now s_k, the step at which the k-th not-ready position leaves
+    del k
+    m = int(np.searchsorted(T, nsteps))  # not-ready ones emitted within the steps
+    take_u = np.zeros(nsteps, dtype=bool)
+    take_u[T[:m]] = True
+    out = np.empty(nsteps, dtype=it)
+    out[take_u] = u[:m]
+    out[~take_u] = r[:nsteps - m]
+    return out
+
+
+def ready_first_order(ready: Any, window: int) -> np.ndarray:
+    """Base positions in the cache-preferring shuffle-buffer order, for a fixed ready mask.
+
+    The pure function behind ``ReadyFirstSampler(mode="fixed")``: output position t takes
+    base position t - ``window`` if that one is still pending, else the ready pending
+    position with the smallest base position up to t + ``window``, else the smallest pending
+    position. The result is a permutation of ``range(len(ready))`` with
+    ``abs(result[t] - t) <= window`` for every t. O(n) time and memory.
+
+    Args:
+        ready: a 1-D bool array (or sequence): ``ready[b]`` says whether the sample at base
+            position b is ready.
+        window: W, an int >= 1.
+
+    Returns:
+        An int64 array of base positions, one per output position.
+    """
+    window = check_int("window", window, low=1)
+    mask = np.asarray(ready)
+    if mask.ndim != 1 or mask.dtype != np.bool_:
+        raise TypeError(f"ready should be a 1-D bool array, but got an array of shape "
+                        f"{mask.shape} and dtype {mask.dtype}")
+    order = _schedule(*_split(mask, 0, _dtype(mask.size, window)), 0, window, mask.size)
+    return order.astype(np.int64, copy=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# One epoch's iteration
+# ----------------------------------------------------------------------------------------------
+
+
+class _Epoch:
+    """What one iterator knows about its epoch: the base order, the output positions it has
+    computed, what was emitted before its first step, and (fixed mode) the ready mask."""
+
+    def __init__(self, epoch: int, indices: np.ndarray, window: int, start: int,
+                 pre_bits: np.ndarray, base_state: Any, mask: np.ndarray | None) -> None:
+        self.epoch = epoch
+        self.indices = indices                 # the base order (int64)
+        self.n = indices.size
+        self.window = window
+        self.start = start                     # first output step this iterator yields
+        # Emitted before ``start``: every position below pre_lo, and those whose bit is set
+        # in pre_bits (over positions [pre_lo, pre_lo + pre_bits.size)); none above.
+        self.pre_lo = max(0, start - window)
+        self.pre_bits = pre_bits
+        # out[t - start]: the base position emitted at step t, for start <= t < computed.
+        self.out = np.empty(self.n - start, dtype=_dtype(self.n, window))
+        self.computed = start
+        # The list iterator being yielded from, with the step of its first item and its
+        # length: its length hint tells how many it has handed out.
+        self.chunk: tuple[int, int, Iterator[int]] = (start, 0, iter(()))
+        self.base_state = base_state           # the base's state at the epoch's start
+        # The state of the base's generator at the epoch's start and after its draw (None:
+        # no generator, or not known).
+        self.generators: tuple[bytes | None, bytes | None] = (None, None)
+        self.mask = mask                       # fixed: ready bits seen at the epoch's start
+        self._digest: str | None = None
+        self.owner = object()                  # the iterator that may yield from it
+
+    @property
+    def done(self) -> int:
+        """Steps yielded so far (counting those before ``start``)."""
+        first, size, it = self.chunk
+        return first + size - it.__length_hint__()  # type: ignore[attr-defined]
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the base order, to refuse a resume into another order."""
+        if self._digest is None:
+            self._digest = _digest(self.indices)
+        return self._digest
+
+    def emitted_before(self, c: int, lo: int, hi: int) -> np.ndarray:
+        """Bits over positions [lo, hi): emitted at a step < c. Needs lo >= c - window and
+        start <= c <= computed."""
+        bits = np.zeros(hi - lo, dtype=bool)
+        bits[:max(0, min(hi, self.pre_lo) - lo)] = True
+        a, b = max(lo, self.pre_lo), min(hi, self.pre_lo + self.pre_bits.size)
+        if a < b:
+            bits[a - lo:b - lo] = self.pre_bits[a - self.pre_lo:b - self.pre_lo]
+        # A step t emits a position <= t + window, so only steps >= lo - window matter.
+        seg = self.out[max(0, lo - self.window - self.start):c - self.start]
+        seg = seg[(seg >= lo) & (seg < hi)]
+        bits[seg - lo] = True
+        return bits
+
+
+def _digest(indices: np.ndarray) -> str:
+    return hashlib.blake2b(indices.astype("<i8", copy=False).tobytes(),
+                           digest_size=16).hexdigest()
+
+
+# A base that draws each epoch from a torch.Generator of its own (RandomSampler,
+# SubsetRandomSampler, WeightedRandomSampler with generator=...) gives as epoch k the generator's
+# k-th draw: its order is a function of the generator's state, not of a seed and an epoch
+# number, and a fresh sampler made with the same seed gives the first epoch's order again. A
+# resume therefore restores the generator's state: the one at the epoch's start (the epoch is
+# drawn again and the generator ends where it did), or, when the resumed epoch is not iterated
+# again (set_epoch of another epoch discards the position), the one after the epoch's draw.
+# States saved before these fields existed lack them: nothing is restored then.
+_GENERATOR_FIELDS = ("generator", "generator_after")
+
+
+def _generator_of(base: Any) -> torch.Generator | None:
+    """The ``torch.Generator`` the base order draws its epochs from, or None."""
+    generator = getattr(base, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+def _generator_state(base: Any) -> bytes | None:
+    """The state of the base's generator now, or None if it has none."""
+    generator = _generator_of(base)
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+def _checked_generator_state(base: Any, state: Mapping[str, Any], field: str
+                             ) -> torch.Tensor | None:
+    """``state[field]`` (a ``_generator_state``; None or absent: nothing to restore) as the
+    state of the base's generator; a ValueError where it cannot be one."""
+    value = state.get(field)
+    if value is None:
+        return None
+    generator = _generator_of(base)
+    if generator is None:
+        raise ValueError(f"state['{field}'] is the state of the base sampler's generator, but "
+                         f"this base sampler ({type(base).__name__}) has no torch.Generator: "
+                         f"make it as it was saved, with generator=torch.Generator()")
+    size = generator.get_state().numel()
+    if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else \
+            f"type {type(value).__name__}"
+        raise ValueError(f"state['{field}'] should be the {size} bytes of the state of the base "
+                         f"sampler's generator, but got {got}")
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+
+
+_GLOBAL_RNG_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+                        torch.utils.data.WeightedRandomSampler)
+
+
+def _users_base(base: Any) -> Any:
+    """The user's sampler behind ``base`` (a prefetcher's order reads it through a _Tap)."""
+    return base.base if isinstance(base, _Tap) else base
+
+
+def _unseeded(base: Any) -> str:
+    """Why a mid-epoch state of ``base`` cannot be resumed, if its order comes from torch's
+    global generator (a ``RandomSampler`` made without a ``generator``); else ''."""
+    base = _users_base(base)
+    if isinstance(base, _GLOBAL_RNG_SAMPLERS) and base.generator is None:
+        return (f"the base sampler ({type(base).__name__}) has no generator, so it draws each "
+                f"epoch's order from torch's global generator, which the state does not hold; "
+                f"make it with generator=torch.Generator().manual_seed(seed) to resume mid-epoch")
+    return ""
+
+
+def _warn_unseeded(base: Any, warned: set[str]) -> None:
+    """Warn once (per sampler: ``warned``) that a mid-epoch state saved now will be refused
+    on resume, pointing at the first caller outside these modules (a ``state_dict`` may be
+    called by a ``Prefetcher`` or a ``DeviceLoader``)."""
+    why = _unseeded(base)
+    if why and "unseeded" not in warned:
+        warned.add("unseeded")
+        warnings.warn(f"this state cannot resume the epoch: {why}",
+                      stacklevel=_level_outside_stocaching())
+
+
+# The modules' names when they are copied side by side into a project, without the package.
+_COPIED_MODULES = ("stocaching", "order", "prefetch", "device", "samplers", "mixtures")
+
+
+def _level_outside_stocaching() -> int:
+    """The ``stacklevel`` of ``warnings.warn``, called by the caller of this function, that
+    names the first frame outside stocaching's modules (the package's, or the modules copied
+    side by side into a project)."""
+    package = __name__.rpartition(".")[0]
+    frame, level = sys._getframe(1), 1  # level 1: the frame that calls warnings.warn
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        ours = name.startswith(package + ".") if package else name in _COPIED_MODULES
+        if not ours:
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _order_differs(epoch: Any, base: Any) -> ValueError:
+    """The refusal of a resume whose base order is not the saved one."""
+    why = _unseeded(base) or (f"the base sampler ({type(_users_base(base)).__name__}) "
+                              f"should give the same order for the same seed and epoch "
+                              f"(set_epoch): load its seed and epoch as saved (and each rank "
+                              f"its own state)")
+    return ValueError(f"the base order of epoch {epoch} differs from the one the loaded state "
+                      f"was saved from: {why}")
+
+
+def _set_generator_state(base: Any, value: torch.Tensor | None) -> None:
+    """Set the base's generator to ``value`` (from ``_checked_generator_state``), if any."""
+    if value is not None:
+        _generator_of(base).set_state(value)  # type: ignore[union-attr]
+
+
+class _Tap:
+    """Passes a sampler through and keeps the order of its latest epoch, which the
+    prefetcher reads ahead in; other attributes are the sampler's."""
+
+    def __init__(self, base: Any, dataset_len: int) -> None:
+        if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
+            raise TypeError(f"sampler should be a Sampler or an iterable of ints with a length, "
+                            f"but got sampler of type {type(base).__name__}")
+        self.base, self.dataset_len = base, dataset_len
+        self.order = np.zeros(0, dtype=np.int64)
+        # Whether the base records a position (its state_dict takes consumed), and else its
+        # state when the latest epoch started (None without state_dict).
+        state_dict = getattr(base, "state_dict", None)
+        try:
+            self.positional = state_dict is not None and \
+                "consumed" in inspect.signature(state_dict).parameters
+        except (TypeError, ValueError):
+            self.positional = False
+        self.start_state: Any = None
+        # The state of its generator (see _generator_of) before and after the latest epoch's
+        # order was drawn.
+        self.generators: tuple[bytes | None, bytes | None] = (None, None)
+        self._digest: str | None = None
+        # Under accelerate's prepare(): the positions of the epoch this process reads (bool),
+        # which alone it passes on; the whole epoch's order; whether take() has listed an
+        # epoch that __iter__ has not passed on yet.
+        self.keep: np.ndarray | None = None
+        self.full = self.order
+        self._taken = False
+
+    def __len__(self) -> int:
+        return len(self.base) if self.keep is None else int(np.count_nonzero(self.keep))
+
+    def take(self) -> None:
+        """List the base's epoch now; the next ``__iter__`` passes it on."""
+        self.start_state = self.state_now()
+        before = _generator_state(self.base)
+        order = np.asarray(list(self.base), dtype=np.int64)
+        self.generators = (before, _generator_state(self.base))
+        _check_in_range("sampler", order, self.dataset_len)
+        if self.keep is not None and order.size != self.keep.size:
+            raise ValueError(f"sampler should yield len(sampler)={self.keep.size} indices per "
+                             f"epoch, but it yielded {order.size}")
+        self.full = order
+        self.order = order if self.keep is None else order[self.keep]
+        self._digest, self._taken = None, True
+
+    def __iter__(self) -> Iterator[int]:
+        if not self._taken:
+            self.take()
+        self._taken = False
+        return iter(self.order.tolist())
+
+    def state_now(self) -> Any:
+        """The base's own state now (None if it has none, or records a position)."""
+        state_dict = getattr(self.base, "state_dict", None)
+        return None if state_dict is None or self.positional else state_dict()
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the latest epoch's order."""
+        if self._digest is None:
+            self._digest = _digest(self.order)
+        return self._digest
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
+        return getattr(self.__dict__["base"], name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Under trainers: a DistributedSampler over one, and the positions accelerate deals a process
+# ----------------------------------------------------------------------------------------------
+
+#: What a sampler over a ``DistributedSampler`` shows of it, to be one too.
+_MIRRORED = ("dataset", "num_replicas", "rank", "shuffle", "seed", "drop_last", "num_samples",
+             "total_size")
+
+
+class _OverDistributed(torch.utils.data.DistributedSampler):
+    """What makes a sampler over a ``DistributedSampler`` one too: the base's arguments and
+    attributes (``_MIRRORED``), read from it, so that trainers which replace any sampler that
+    is not distributed (Lightning's ``use_distributed_sampler=True``) leave it as it is.
+    ``DistributedSampler.__init__`` is not called: the base has done what it does. The
+    subclass says where its base is (``_distributed_base``)."""
+
+    def _distributed_base(self) -> torch.utils.data.DistributedSampler:
+        raise NotImplementedError
+
+
+def _mirror(name: str) -> property:
+    return property(lambda self: getattr(self._distributed_base(), name),
+                    doc=f"The base sampler's ``{name}``.")
+
+
+for _name in _MIRRORED:
+    setattr(_OverDistributed, _name, _mirror(_name))
+del _name
+
+
+def _base_of(args: tuple, kwargs: dict, keyword: str) -> Any:
+    """The first argument of a constructor, given by position or as ``keyword``."""
+    return args[0] if args else kwargs.get(keyword)
+
+
+def _positions_dealt(shard: Any, sampler: Any, n: int) -> np.ndarray | None:
+    """Which of the ``n`` positions of ``sampler``'s epoch the process of ``shard`` (accelerate's
+    ``BatchSamplerShard``) reads, as a bool mask: found by running a shard like it over the
+    positions themselves, so that accelerate's own rules (batches dealt in turn or split, the
+    last round evened out or dropped) decide. None unless the shard's batches are a torch
+    ``BatchSampler`` drawing from ``sampler`` itself (positions of anything else are unknown)."""
+    inner = shard.batch_sampler
+    if not isinstance(inner, torch.utils.data.BatchSampler) or inner.sampler is not sampler \
+            or inner.batch_size is None:
+        return None
+    positions = torch.utils.data.BatchSampler(range(n), inner.batch_size, inner.drop_last)
+    like = type(shard)(positions, num_processes=shard.num_processes,
+                       process_index=shard.process_index, split_batches=shard.split_batches,
+                       even_batches=shard.even_batches)
+    read = np.fromiter(itertools.chain.from_iterable(like), dtype=np.int64)
+    # Positions come in increasing order until even_batches fills the last round with the
+    # epoch's first indices again: those the shard takes from batches already drawn.
+    back = np.flatnonzero(np.diff(read) <= 0)
+    mine = np.zeros(n, dtype=bool)
+    mine[read[:back[0] + 1] if back.size else read] = True
+    return mine
+
+
+def _wrapped_by_lightning(what: str, base: Any, cost: str = "") -> str:
+    """The warning of a sampler that Lightning's default wrapped: what it costs, the fix."""
+    split = ", of this rank's share, already split over the ranks" \
+        if getattr(base, "num_replicas", 1) > 1 else ""
+    return (f"Lightning (use_distributed_sampler=True) put this {what} inside a "
+            f"DistributedSampler of its own, since its base sampler ({type(base).__name__}) is "
+            f"not one: that wrapper lists the whole epoch at its start{cost} and trains each "
+            f"rank on a share of the list{split}. Give the {what} a DistributedSampler or a "
+            f"CacheAwareSampler as its base (for a WeightedMixtureSampler: "
+            f"CacheAwareSampler(dataset, batch_size=..., order=it)): the {what} is then a "
+            f"DistributedSampler too, which Lightning leaves alone")
+
+
+# ----------------------------------------------------------------------------------------------
+# The sampler
+# ----------------------------------------------------------------------------------------------
+
+
+# A window wider than this part of the epoch, over a cache of the first indices, gives a
+# warning: see NOTE [ A wide window over the first indices ] in docs/order.md.
+WIDE_WINDOW_PART = 16
+
+
+def _warn_wide_window_over_first_indices(ready: Any, window: int, length: int) -> None:
+    """Warn, pointing at the caller's line, when an order that prefers the cached samples
+    runs over a cache whose cached samples are its first indices (0.2.1's layout, the
+    default on one node) with a window wider than ``1 / WIDE_WINDOW_PART`` of the epoch."""
+    cache = ready if isinstance(ready, BaseCache) else getattr(ready, "cache", None)
+    layout = getattr(cache, "layout", None)
+    if layout is None or layout.num_nodes > 1 or layout.random_subset or \
+            not 0 < layout.slots < layout.dataset_len or window * WIDE_WINDOW_PART <= length \
+            or length < WIDE_WINDOW_PART:  # (no window is that short)
+        return
+    warnings.warn(
+        f"window={window} is {100 * window / length:.0f} % of the epoch ({length} indices), "
+        f"over a cache that holds the first {layout.slots} of {layout.dataset_len} indices "
+        f"(the default layout on one node): the cached samples come first in every epoch, and "
+        f"on data ordered by class (as ImageFolder orders it) they are the first classes, "
+        f"which can wreck training. Make the cache with random_subset=True, or keep window <= "
+        f"{length // WIDE_WINDOW_PART} (see 'Which samples are cached' in docs/order.md)",
+        stacklevel=_level_outside_stocaching())
+
+
+def _check_in_range(name: str, indices: np.ndarray, dataset_len: int) -> None:
+    """Raise unless every index that ``name`` yielded is in ``[0, dataset_len)``."""
+    if indices.size and (indices.min() < 0 or indices.max() >= dataset_len):
+        raise ValueError(f"{name} should yield indices in [0, {dataset_len}) (the cache's "
+                         f"dataset_len), but it yielded {indices.min()}..{indices.max()}")
+
+
+class ReadyFirstSampler(torch.utils.data.Sampler[int]):
+    """The cache-preferring shuffle-buffer order: ready samples first, within a window.
+
+    Wraps a base order and reorders it within a window of ``window`` (W) positions: output
+    position t may take any index whose base position b is in ``[t - W, t + W]``. It takes
+    the one at ``b = t - W`` if that is still waiting (its deadline), otherwise the ready one
+    with the smallest b, otherwise the waiting one with the smallest b. So:
+
+    - every index of the base order comes exactly once per epoch (repeated indices, such as
+      ``DistributedSampler``'s padding, as often as in the base order);
+    - no index moves more than W positions from its base position. With per-rank batches of
+      B indices, a sample stays within ``ceil(W / B)`` batches of its batch in the base order;
+      under ``CacheAwareSampler`` or ``DistributedSampler`` each rank wraps its own base
+      sampler, so which rank gets which index is unchanged, and a sample of global batch j is
+      trained in a global step between ``j - ceil(W / B)`` and ``j + ceil(W / B)``;
+    - with every sample ready, or none, the order is the base order.
+
+    Over a ``DistributedSampler`` (``CacheAwareSampler`` is one) it is one too: the sampler
+    made is of a subclass that is also a ``DistributedSampler``, with the base's
+    ``num_replicas``, ``rank``, ``shuffle``, ``seed``, ``drop_last``, ``num_samples`` and
+    ``total_size``, so Lightning's default (``use_distributed_sampler=True``) leaves it as it
+    is. Over another sampler Lightning wraps it in a distributed sampler of its own, and it
+    warns once. Under accelerate's ``prepare()`` it warns once: each process would reorder the
+    epoch by what it sees ready, and the processes would deal batches from different orders;
+    use a :class:`Prefetcher` with a window there.
+
+    Ready means: for a ``SharedCache``, the index's slot holds its sample on this node or it
+    is staged (``SharedCache.ready_mask``); for a callable, what it returns.
+
+    Modes (the default, ``"fixed"``, is the same here and in :class:`Prefetcher`):
+
+    - ``"fixed"`` (default): the ready mask is read once, at the start of each epoch (when
+      its first iterator is created), and the whole epoch's order is computed then
+      (vectorised, O(N)). The order is a pure function of (base order, W, the ready mask
+      seen at the epoch's start), that is of (seed, epoch, cache state at the epoch's start)
+      for a seeded base: the same inputs give the same order, and a resume continues it
+      exactly. See :func:`ready_first_order`.
+    - ``"adaptive"``: the order is computed ``refresh_every`` steps at a time, each time
+      after reading the ready bits of the positions that may be emitted in those steps (the
+      waiting ones of the window plus the ``refresh_every`` positions entering it, one call
+      of ``ready`` for all of them); it serves whatever is ready now, so the order depends on
+      timing, and a resume gives a valid rest, not the same one. Pick it with a prefetcher
+      whose loads may finish late (slow or uneven storage): a late miss is then passed over
+      until its deadline instead of holding up the batch.
+
+    Resume: as with ``CacheAwareSampler``, ``state_dict()`` records the epoch and how many
+    indices of it the latest iterator yielded; with ``num_workers > 0`` pass what the model
+    consumed, ``state_dict(consumed=steps * batch_size)``. After ``load_state_dict`` the next
+    iterator yields the rest of that epoch: in "fixed" mode exactly the sequence the original
+    would have yielded (the state carries the ready bits it observed, so the cache of the new
+    process does not matter), in "adaptive" mode a valid continuation (the rest of the epoch
+    exactly once, each within W of its base position) that again prefers what is ready now.
+    The state is per rank: each rank saves and loads its own.
+
+    Cost: the fixed-mode state carries 1 bit per remaining index plus ``2 W + 1`` bits
+    (at most 125 KB per million indices), the adaptive-mode state ``2 W + 1`` bits. While
+    iterating, an epoch holds the base order and the output order (12 bytes per index below
+    2**30 indices) plus, in fixed mode, the ready mask (1 byte per index).
+
+    Not thread-safe: create and advance its iterators from one thread (the ``DataLoader``
+    does so in the main process).
+
+    .. warning::
+        Call ``set_epoch(epoch)`` before each epoch, as with ``DistributedSampler``: it is
+        forwarded to the base sampler, without which every epoch repeats the same base order.
+
+    Args:
+        base: the base order: a ``Sampler`` or any iterable of ints with a ``len``. It is
+            iterated once per epoch, when the iterator is created. ``set_epoch`` is forwarded
+            to it when it has one; its ``state_dict``/``load_state_dict`` are used when it has
+            them. Do not resume it separately: resume this sampler.
+        ready: a ``SharedCache`` (an index is ready when its slot is set on this node), or a
+            callable ``ready(indices)`` taking a read-only int64 array of dataset indices and
+            returning one bool per index.
+        window: W, how far an index may move from its base position, an int >= 1. A
+            multiple of the batch size (1 to 8 batches) is a good start: larger gives a
+            prefetcher more lead time but mixes batches more.
+        mode: "fixed" (deterministic, ready mask read at the epoch's start) or "adaptive"
+            (ready bits read as the iterator advances). Default: "fixed".
+        refresh_every: in "adaptive" mode, output steps computed per reading of the ready
+            bits, an int >= 1. Smaller reacts sooner to samples becoming ready and costs
+            more (one ``ready`` call of about ``W + refresh_every`` indices each time).
+            Default: ``min(window, 64)``.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "ReadyFirstSampler":
+        if cls is ReadyFirstSampler and isinstance(_base_of(args, kwargs, "base"),
+                                                   torch.utils.data.DistributedSampler):
+            cls = _DistributedReadyFirstSampler
+        return super().__new__(cls)
+
+    def __init__(self, base: Any, ready: BaseCache | ReadyFn, *, window: int,
+                 mode: str = "fixed", refresh_every: int | None = None) -> None:
+        if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
+            raise TypeError(f"base should be a Sampler or an iterable of ints with a length, "
+                            f"but got base of type {type(base).__name__}")
+        if isinstance(ready, BaseCache):
+            cache, fn = ready, None
+        elif callable(ready):
+            cache, fn = None, ready
+        else:
+            raise TypeError(f"ready should be a SharedCache, an OpenSizeCache or a callable "
+                            f"ready(indices) -> bool array, but got ready of type "
+                            f"{type(ready).__name__}")
+        window = check_int("window", window, low=1)
+        if not isinstance(mode, str):
+            raise TypeError(f"mode should be 'fixed' or 'adaptive', but got mode={mode!r} "
+                            f"(type {type(mode).__name__})")
+        if mode not in MODES:
+            raise ValueError(f"mode should be 'fixed' or 'adaptive', but got mode={mode!r}")
+        refresh_every = min(window, DEFAULT_REFRESH) if refresh_every is None else \
+            check_int("refresh_every", refresh_every, low=1)
+        self.base = base
+        self.window, self.mode, self.refresh_every = window, mode, refresh_every
+        self._cache, self._fn = cache, fn
+        self.epoch = 0
+        self._ep: _Epoch | None = None          # the latest iterator's epoch
+        self._loaded: dict | None = None        # a state to resume from at the next __iter__
+        self._spare: np.ndarray | None = None   # see load_state_dict
+        self._warned: set[str] = set()          # the trainers it warned about
+        _warn_wide_window_over_first_indices(ready, window, len(base))
+
+    # -- the public surface -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Indices per epoch: ``len(base)`` (the whole epoch, also right after a resume)."""
+        return len(self.base)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch, and forward it to the base sampler if it has ``set_epoch``.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        epoch = check_int("epoch", epoch, low=0)
+        if epoch != self.epoch and self._loaded is not None:
+            if 0 < self._loaded["consumed"] < self._loaded["len"]:
+                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
+                              f"epoch {self.epoch} ({self._loaded['consumed']} of "
+                              f"{self._loaded['len']} indices consumed)", stacklevel=2)
+            # The loaded epoch is not drawn again: its base goes on from after it.
+            _set_generator_state(self.base, _checked_generator_state(
+                self.base, self._loaded, "generator_after"))  # (checked when loaded)
+            self._loaded = None
+        set_base = getattr(self.base, "set_epoch", None)
+        if set_base is not None:
+            set_base(epoch)
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        """The current epoch's indices, from the loaded position if any.
+
+        An iterator that has yielded nothing does not count as an iteration of the epoch: the
+        next ``iter()`` of the same epoch replaces it and continues the same order from the
+        same position (loaders such as torchdata's ``StatefulDataLoader`` create one, load a
+        state, and create another). Iterating an epoch again after an iterator has yielded
+        warns, unless ``set_epoch`` was called meanwhile.
+        """
+        if "lightning" not in self._warned and in_lightnings_wrapper():
+            self._warned.add("lightning")
+            warnings.warn(_wrapped_by_lightning("ReadyFirstSampler", self.base), stacklevel=2)
+        shard = dealt_by_accelerate(self) if "accelerate" not in self._warned else None
+        if shard is not None:
+            self._warned.add("accelerate")
+            warnings.warn(
+                f"accelerate's prepare() deals this loader's batches to its "
+                f"{shard.num_processes} processes, each drawing them from its own "
+                f"ReadyFirstSampler, whose order depends on what that process saw ready: the "
+                f"processes deal from different orders, and samples are lost or doubled. Give "
+                f"the loader Prefetcher(sampler, cache, load, window=...) instead, which under "
+                f"prepare() reorders only the batches of its own process", stacklevel=2)
+        ep = self._ep
+        if self._loaded is None and ep is not None and ep.epoch == self.epoch:
+            if ep.done == ep.start:  # never advanced: the same epoch, order and position
+                ep.owner = object()
+                return self._yield(ep, ep.owner)
+            if hasattr(self.base, "set_epoch"):
+                warnings.warn(f"epoch {self.epoch} is iterated again; call "
+                              f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
+        t0 = time.perf_counter()
+        base_state = self._base_state()
+        n = len(self)
+        spare, self._spare = self._spare, None
+        if spare is not None and self._loaded is not None and spare.size == n and \
+                _digest(spare) == self._loaded["order_digest"]:
+            indices = spare  # the order the state continues, taken before it was loaded
+            generators = (None, _generator_state(self.base))  # its start is not known
+        else:
+            before = _generator_state(self.base)
+            indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, once
+            generators = (before, _generator_state(self.base))
+        if indices.size != n:
+            raise ValueError(f"base should yield len(base)={n} indices per epoch, but it "
+                             f"yielded {indices.size}; if the base sampler was resumed on its "
+                             f"own, resume the ReadyFirstSampler instead")
+        if self._cache is not None:
+            _check_in_range("base", indices, self._cache.dataset_len)
+        ep = self._start(indices, base_state)
+        ep.generators = generators
+        self._ep = ep
+        if self.mode == "fixed":
+            logger.debug("epoch %d: %d indices from step %d, %.1f%% ready at the start, order "
+                         "built in %.3f s", self.epoch, n, ep.start,
+                         100 * ep.mask.mean() if n else 0.0, time.perf_counter() - t0)
+        return self._yield(ep, ep.owner)
+
+    def resumed_from(self) -> tuple[int, np.ndarray]:
+        """Where the latest iterator starts, for a loader that loads the base order ahead of
+        it (:class:`Prefetcher`): the step it yields first (0, or the position of a loaded
+        state), and one bool per base position from 0 up to that step plus ``window``, set
+        for those emitted before that step, which it does not yield again (an empty array
+        from step 0). Call it after ``iter()``."""
+        ep = self._ep
+        if ep is None:
+            raise RuntimeError("resumed_from() tells where the latest iterator starts: call "
+                               "iter(sampler) first")
+        if not ep.start:
+            return 0, np.zeros(0, dtype=bool)
+        return ep.start, ep.emitted_before(ep.start, 0, min(ep.n, ep.start + ep.window + 1))
+
+    def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
+        """The position in the current epoch, with what is needed to continue it.
+
+        Once an iterator of the current epoch exists, the state carries what it observed,
+        also at ``consumed=0``: a "fixed" epoch resumes in the order it started with.
+
+        Args:
+            consumed: indices of this epoch that were used. Default: the number the latest
+                iterator has yielded (plus the position it was resumed from). At most the
+                number whose order is known: in "fixed" mode the whole epoch, in "adaptive"
+                mode those yielded plus at most ``refresh_every`` more.
+
+        Returns:
+            A dict of plain values (ints, str, bytes, None, and the base's own state):
+            ``epoch``, ``consumed``, ``window``, ``mode``, ``len``, ``base`` (the base
+            sampler's state at the epoch's start, or None), ``order_digest`` (a fingerprint of
+            the epoch's base order), ``emitted`` (packed bits: which base positions in
+            ``[consumed - W, consumed + W]`` were already emitted), ``ready`` (fixed mode:
+            packed ready bits seen at the epoch's start, from base position
+            ``consumed - W`` on), and, for a base that draws its epochs from a
+            ``torch.Generator`` (``RandomSampler(generator=...)``), ``generator`` and
+            ``generator_after``: that generator's state at the epoch's start and after the
+            epoch's order was drawn (bytes; None where there is none, or before the draw).
+        """
+        n = len(self)
+        if consumed is not None:
+            consumed = check_int("consumed", consumed, low=0, high=n)
+        if self._loaded is not None:
+            if consumed is not None and consumed != self._loaded["consumed"]:
+                raise ValueError(f"consumed should be {self._loaded['consumed']} (the position "
+                                 f"loaded by load_state_dict; no iterator has run since), but "
+                                 f"got consumed={consumed}")
+            return dict(self._loaded)
+        ep = self._ep if self._ep is not None and self._ep.epoch == self.epoch else None
+        if ep is None:
+            if consumed:
+                raise ValueError(f"consumed should be 0: no iterator of epoch {self.epoch} "
+                                 f"has run, but got consumed={consumed}")
+            return self._state(0, self._base_state())
+        if consumed is None:
+            consumed = ep.done
+        if not ep.start <= consumed <= ep.computed:
+            raise ValueError(f"consumed should be in [{ep.start}, {ep.computed}] (from where "
+                             f"this epoch's iterator started to the last position whose order "
+                             f"is known), but got consumed={consumed}")
+        W = self.window
+        lo, hi = max(0, consumed - W), min(n, consumed + W + 1)
+        state = self._state(consumed, ep.base_state)
+        state["generator"], state["generator_after"] = ep.generators
+        state["order_digest"] = ep.digest
+        state["emitted"] = np.packbits(ep.emitted_before(consumed, lo, hi)).tobytes()
+        if self.mode == "fixed":
+            state["ready"] = np.packbits(ep.mask[lo:]).tobytes()
+        if consumed < n and not isinstance(self.base, _Tap):  # (a prefetcher's: it warns)
+            _warn_unseeded(self.base, self._warned)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``: the next iterator yields the rest of its epoch.
+
+        ``window``, ``mode`` and ``len`` must match; the base sampler's state is loaded into
+        the base sampler (or, without ``load_state_dict``, its epoch is set), its generator
+        (if the state has one) is set to its state at the epoch's start, and the next
+        iterator checks that the base order is the one the state was saved from. If
+        ``set_epoch`` of another epoch discards the position instead, the generator is set to
+        its state after the saved epoch, so later epochs are those of an uninterrupted run.
+        Nothing is changed when the state is refused. States without the ``generator``
+        fields (saved by an older version) load; their generator is left as it is.
+
+        Args:
+            state: a dict from ``state_dict()`` of a sampler of the same rank.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
+                            f"got {type(state).__name__}")
+        mine = self._state(0, None)
+        missing = sorted(set(mine) - set(state) - set(_GENERATOR_FIELDS))
+        if missing:
+            raise ValueError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
+                             f"it lacks {missing}")
+        for field in ("window", "mode", "len"):
+            if state[field] != mine[field]:
+                raise ValueError(f"state['{field}'] should be this sampler's {field}="
+                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}")
+        n = mine["len"]
+        epoch = check_int("state['epoch']", state["epoch"], low=0)
+        consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
+        loaded = dict(state)
+        loaded["epoch"], loaded["consumed"] = epoch, consumed
+        started = state["order_digest"] is not None  # the epoch's order had been computed
+        if started or consumed:
+            if not isinstance(state["order_digest"], str):
+                raise ValueError(f"state['order_digest'] should be a str for "
+                                 f"consumed={consumed}, but got "
+                                 f"state['order_digest']={state['order_digest']!r}")
+            lo, hi = max(0, consumed - self.window), min(n, consumed + self.window + 1)
+            expect = {"emitted": _nbytes(hi - lo),
+                      "ready": _nbytes(n - lo) if self.mode == "fixed" else None}
+            for field, size in expect.items():
+                value = state[field]
+                if size is None:
+                    continue
+                if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+                    got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) \
+                        else repr(type(value).__name__)
+                    raise ValueError(f"state['{field}'] should be {size} bytes of packed bits "
+                                     f"for consumed={consumed}, window={self.window}, "
+                                     f"len={n}, but got {got}")
+        generator = _checked_generator_state(self.base, state, "generator")
+        _checked_generator_state(self.base, state, "generator_after")
+        if state["base"] is not None and hasattr(self.base, "load_state_dict"):
+            self.base.load_state_dict(state["base"])  # may refuse; ours is unchanged then
+        elif hasattr(self.base, "set_epoch"):
+            self.base.set_epoch(epoch)
+        _set_generator_state(self.base, generator)
+        self.epoch = epoch
+        # The base order that an iterator which never yielded took: a base whose order
+        # depends on how often it was iterated (RandomSampler with a generator whose state
+        # the state does not carry) would give another one if iterated again.
+        ep = self._ep
+        self._spare = ep.indices if ep is not None and ep.done == ep.start and \
+            generator is None else None
+        self._ep = None
+        self._loaded = loaded if started else None
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _state(self, consumed: int, base_state: Any) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": consumed, "window": self.window,
+                "mode": self.mode, "len": len(self), "base": base_state,
+                "order_digest": None, "emitted": None, "ready": None,
+                "generator": _generator_state(self.base), "generator_after": None}
+
+    def _base_state(self) -> Any:
+        """The base sampler's state now, positioned at the start of its epoch when its
+        ``state_dict`` takes ``consumed`` (as ``CacheAwareSampler``'s does)."""
+        sd = getattr(self.base, "state_dict", None)
+        if sd is None:
+            return None
+        try:
+            takes_consumed = "consumed" in inspect.signature(sd).parameters
+        except (TypeError, ValueError):
+            takes_consumed = False
+        return sd(consumed=0) if takes_consumed else sd()
+
+    def _query(self, indices: np.ndarray) -> np.ndarray:
+        """One bool per index: is its sample ready now."""
+        if self._cache is not None:
+            return self._cache.ready_mask(indices)
+        view = indices.view()
+        view.flags.writeable = False
+        got = np.asarray(self._fn(view))
+        if got.shape != indices.shape:
+            raise ValueError(f"ready(indices) should return one bool per index, shape "
+                             f"{indices.shape}, but got shape {got.shape}")
+        if got.dtype != np.bool_:
+            if not np.issubdtype(got.dtype, np.integer):
+                raise TypeError(f"ready(indices) should return bools, but got dtype "
+                                f"{got.dtype}")
+            got = got != 0
+        return got
+
+    def _start(self, indices: np.ndarray, base_state: Any) -> _Epoch:
+        """The epoch of a new iterator: fresh, or resumed from ``self._loaded``."""
+        n, W = indices.size, self.window
+        loaded, start = self._loaded, 0
+        pre_bits = np.zeros(0, dtype=bool)
+        if loaded is not None:
+            if _digest(indices) != loaded["order_digest"]:
+                raise _order_differs(self.epoch, self.base)
+            start = loaded["consumed"]
+            lo, hi = max(0, start - W), min(n, start + W + 1)
+            pre_bits = np.unpackbits(np.frombuffer(loaded["emitted"], dtype=np.uint8),
+                                     count=hi - lo).astype(bool)
+            if loaded["base"] is not None:
+                base_state = loaded["base"]
+        ep = _Epoch(self.epoch, indices, W, start, pre_bits, base_state, None)
+        if self.mode == "fixed":
+            if loaded is None:
+                mask = self._query(indices)
+                order = _schedule(*_split(mask, 0, ep.out.dtype), 0, W, n)
+            else:
+                mask = np.zeros(n, dtype=bool)
+                lo = ep.pre_lo
+                mask[lo:] = np.unpackbits(np.frombuffer(loaded["ready"], dtype=np.uint8),
+                                          count=n - lo).astype(bool)
+                left = ~ep.emitted_before(start, lo, n)
+                order = _schedule(*_split(mask[lo:], lo, ep.out.dtype, left), start, W,
+                                  n - start)
+            ep.mask, ep.out[:], ep.computed = mask, order, n
+        self._loaded = None
+        return ep
+
+    def _extend(self, ep: _Epoch) -> None:
+        """Adaptive mode: compute the next ``refresh_every`` steps from the ready bits now."""
+        t0, W, n = ep.computed, self.window, ep.n
+        steps = min(self.refresh_every, n - t0)
+        lo, hi = max(0, t0 - W), min(n, t0 + steps + W)
+        left = lo + np.flatnonzero(~ep.emitted_before(t0, lo, hi))
+        ready = self._query(ep.indices[left])
+        left = left.astype(ep.out.dtype)
+        order = _schedule(left[~ready], left[ready], t0, W, steps)
+        ep.out[t0 - ep.start:t0 - ep.start + steps] = order
+        ep.computed = t0 + steps
+
+    def _yield(self, ep: _Epoch, owner: object) -> Iterator[int]:
+        if ep.owner is not owner:
+            raise RuntimeError(f"this iterator of epoch {ep.epoch} was replaced by a newer one "
+                               f"before it yielded anything (iter(sampler) was called again); "
+                               f"iterate the newest")
+        t = ep.start
+        while t < ep.n:
+            if t >= ep.computed:
+                self._extend(ep)
+            stop = min(ep.computed, t + _YIELD_CHUNK)
+            chunk = ep.indices[ep.out[t - ep.start:stop - ep.start]].tolist()
+            ep.chunk = (t, len(chunk), iter(chunk))
+            yield from ep.chunk[2]
+            t = stop
+
+
+class _DistributedReadyFirstSampler(ReadyFirstSampler, _OverDistributed):
+    """A ``ReadyFirstSampler`` over a ``DistributedSampler``: one too (see ``_OverDistributed``)."""
+
+    def _distributed_base(self) -> torch.utils.data.DistributedSampler:
+        return self.base
