@@ -28,6 +28,16 @@ forkserver) and every local rank of a ``torchrun`` job: the local leader creates
 local ranks attach to it. Its name is removed from /dev/shm as soon as every local rank has
 attached, so the kernel frees the memory when the last process using it exits, however it
 exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
+
+Contents (``grep -n "^# [0-9]*[.] " stocaching.py`` lists the sections with their lines):
+
+ 1. Constants                              8. Segment files: names, opening, liveness
+ 2. Argument checks                        9. The cache contract: BaseCache
+ 3. What a trainer did to a sampler       10. Fixed-size rows: SharedCache (the hit path)
+ 4. Who am I: World                       11. Several fields a sample
+ 5. Which indices each node caches        12. Open sizes: OpenSizeCache
+ 6. Exceptions                            13. Saved files
+ 7. The segment's layout and sizing       14. Planning a cache, and the command line
 """
 
 from __future__ import annotations
@@ -93,9 +103,11 @@ import numpy as np
 import psutil
 import torch
 
+
 # ----------------------------------------------------------------------------------------------
-# Constants
+# 1. Constants
 # ----------------------------------------------------------------------------------------------
+
 
 BYTES_PER_GIB = 1024**3
 BYTES_PER_MIB = 1024**2
@@ -183,7 +195,7 @@ logger = logging.getLogger("stocaching")
 
 
 # ----------------------------------------------------------------------------------------------
-# Private helpers: argument checks
+# 2. Argument checks
 # ----------------------------------------------------------------------------------------------
 
 
@@ -380,7 +392,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# What a trainer did to a sampler (public for the opt-in samplers, like check_int)
+# 3. What a trainer did to a sampler (public for the opt-in samplers, like check_int)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -454,7 +466,7 @@ def _accelerate_deal(sampler: Any) -> tuple[Any, Any] | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Who am I: the world and rank description
+# 4. Who am I: the world and rank description
 # ----------------------------------------------------------------------------------------------
 
 
@@ -657,7 +669,7 @@ def _host_identity() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Which dataset indices each node caches
+# 5. Which dataset indices each node caches
 # ----------------------------------------------------------------------------------------------
 
 
@@ -752,7 +764,7 @@ class CacheLayout:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exceptions (they cross DataLoader worker boundaries, so they pickle with their attributes)
+# 6. Exceptions (they cross DataLoader worker boundaries, so they pickle with their attributes)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -825,7 +837,7 @@ class CacheTimeoutError(TimeoutError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Sizing: the segment's layout, how many slots a budget buys, and the inverse
+# 7. The segment's layout, and how many slots a budget buys
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1000,7 +1012,7 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Segment files: names, opening, locks, liveness, listing and cleaning up
+# 8. Segment files: names, opening, locks, liveness, listing and cleaning up
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1493,326 +1505,105 @@ def _more_room(shm_dir: str, total: int) -> str:
             f"remount,size={need_gib}G {shm_dir})")
 
 
-# ----------------------------------------------------------------------------------------------
-# Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
-# ----------------------------------------------------------------------------------------------
-#
-# One file:
-#   [superblock 0, 4 KiB][superblock 1, 4 KiB][config: JSON, padded to 4 KiB][chunk]...
-# A chunk is one save's records: [rows: row_bytes each][int64 dataset index of each row]
-# [int64 indices emptied since the last save][pad][trailer, 64 bytes], its end 4 KiB aligned;
-# its trailer says where it starts, so the chunks are found from the end backwards. A later
-# chunk's record of an index replaces an earlier one's. A superblock (magic, generation, the
-# end of the last chunk, the chunk count, the config's length and CRC, and its own CRC) commits
-# a save: the valid one with the higher generation counts, and bytes past its end do not exist.
-# A first save writes a new file under a temporary name, syncs it and renames it over ``path``;
-# a later one appends a chunk past the committed end, syncs it, then writes the other
-# superblock (the one not in force) and syncs again. A save killed at any point leaves the
-# previous commit in force (or no file at all), and every byte of a commit is covered by a
-# CRC-32, so a truncated or damaged file is refused rather than loaded in part.
-
-_SAVE_MAGIC = b"STOSAVE1"
-_SAVE_VERSION = 1
-_SAVE_BLOCK = 4096
-_SUPER = struct.Struct("<8sqqqqqqq")  # magic, version, generation, end, chunks, config
-_SUPER_CRC = struct.Struct("<I")      # length and CRC, rows in the file; then the CRC of those
-_CONFIG_OFF = 2 * _SAVE_BLOCK
-_TRAILER = struct.Struct("<8sqqqqqq")  # magic, rows, emptied, row bytes, start, rows' CRC,
-_CHUNK_MAGIC = b"STOCHUNK"             # the indices' CRC; then the CRC of those
-_TRAILER_BYTES = 64
-_SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered, rows loaded)
-
-
-def _align(n: int) -> int:
-    return -(-n // _SAVE_BLOCK) * _SAVE_BLOCK
-
-
-def _pack_super(gen: int, end: int, chunks: int, config: bytes, rows: int) -> bytes:
-    body = _SUPER.pack(_SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
-                       zlib.crc32(config), rows)
-    return body + _SUPER_CRC.pack(zlib.crc32(body))
-
-
-def _super_off(gen: int) -> int:
-    """Where the superblock of generation ``gen`` goes: the one not in force."""
-    return (gen % 2) * _SAVE_BLOCK
-
-
-def _pack_trailer(rows: int, emptied: int, row_bytes: int, start: int, rows_crc: int,
-                  meta_crc: int) -> bytes:
-    body = _TRAILER.pack(_CHUNK_MAGIC, rows, emptied, row_bytes, start, rows_crc, meta_crc)
-    return (body + _SUPER_CRC.pack(zlib.crc32(body))).ljust(_TRAILER_BYTES, b"\0")
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> int:
-    """Write all of ``data`` (bytes or a contiguous array) at ``offset``; returns its length."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return done
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    """Fill ``buf`` from ``offset``; a file that ends first is truncated."""
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got == 0:
-            raise CacheFileError(f"{path} is truncated: it ends at byte {offset + done}, inside "
-                                 "a saved chunk; remove it (the next save writes it anew)",
-                                 path, "truncated")
-        done += got
-
-
-def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
-               ) -> None:
-    """Copy ``nbytes`` of the saved file at ``src_fd`` from ``src_off`` into the segment at
-    ``dst_fd`` at ``dst_off``, in the kernel (``sendfile``): no copy through this process, and
-    the segment's pages, written whole through the file, are not zeroed first as pages first
-    touched through a mapping are. A file that ends first is truncated."""
-    os.lseek(dst_fd, dst_off, os.SEEK_SET)  # (sendfile writes at the destination's position)
-    done = 0
-    while done < nbytes:
-        got = os.sendfile(dst_fd, src_fd, src_off + done, nbytes - done)
-        if got == 0:
-            raise CacheFileError(f"{path} is truncated: it ends at byte {src_off + done}, "
-                                 "inside a saved chunk; remove it (the next save writes it "
-                                 "anew)", path, "truncated")
-        done += got
-
-
-# Whether os.sendfile writes into a regular file here (Linux); elsewhere the rows are read
-# into the segment's mapping.
-_SENDFILE = hasattr(os, "sendfile") and sys.platform.startswith("linux")
-
-
-class _CrcChain:
-    """The CRC-32 of buffers given one after the other, computed in order by ``pool`` (one
-    thread: zlib releases the GIL on large buffers), so that checking a saved file's rows
-    overlaps the copy of the next ones. A buffer must not change until ``value()`` returns."""
-
-    def __init__(self, pool: Any) -> None:
-        self._pool, self._last = pool, None
-
-    def add(self, data: np.ndarray) -> None:
-        """Add ``data`` after the buffers added before."""
-        prev = self._last
-        self._last = self._pool.submit(
-            lambda: zlib.crc32(data, prev.result() if prev is not None else 0))
-
-    def value(self) -> int:
-        """The CRC-32 of every buffer added so far (waits for them)."""
-        return self._last.result() if self._last is not None else 0
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename in the directory of ``path`` durable."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+def _a_local_rank_may_come() -> bool:
+    """True while another local rank may still attach: a sibling process is alive (same
+    parent, even init; not one of multiprocessing's helper processes), or a child of ours that
+    a launcher started as another local rank (its LOCAL_RANK differs from ours). Our own
+    forks and DataLoader workers do not count."""
     try:
-        os.fsync(fd)
-    except OSError:  # (some filesystems cannot sync a directory: the rename is all they give)
-        pass
-    finally:
-        os.close(fd)
+        me = psutil.Process()
+        mine = os.environ.get("LOCAL_RANK")
+        kin = [c for c in me.children() if _environ(c).get("LOCAL_RANK", mine) != mine]
+        parent = me.ppid()
+        if parent > 0:  # pid 1 too: in a container the launcher often is pid 1
+            kin += [p for p in psutil.Process(parent).children()
+                    if p.pid != me.pid and not _is_multiprocessing_helper(p)]
+    except psutil.Error:
+        return False
+    return any(_running(p) for p in kin)
 
 
-def _read_super(fd: int, path: str) -> dict:
-    """The superblock in force of the saved file open at ``fd``, checked against its size."""
-    raw = os.pread(fd, _CONFIG_OFF, 0)
-    best = None
-    for k in range(2):
-        block = raw[k * _SAVE_BLOCK: k * _SAVE_BLOCK + _SUPER.size + _SUPER_CRC.size]
-        if len(block) < _SUPER.size + _SUPER_CRC.size:
-            continue
-        body, (crc,) = block[:_SUPER.size], _SUPER_CRC.unpack(block[_SUPER.size:])
-        magic, version, gen, end, chunks, config_len, config_crc, rows = _SUPER.unpack(body)
-        if magic != _SAVE_MAGIC or zlib.crc32(body) != crc:
-            continue
-        if version != _SAVE_VERSION:
-            raise CacheFileError(f"{path} was saved by another stocaching version (file format "
-                                 f"{version}, this one reads {_SAVE_VERSION}); remove it",
-                                 path, "version")
-        if best is None or gen > best["gen"]:
-            best = {"gen": gen, "end": end, "chunks": chunks, "config_len": config_len,
-                    "config_crc": config_crc, "rows": rows, "slot": k}
-    if best is None:
-        raise CacheFileError(f"{path} is not a file saved by SharedCache.save, or its header is "
-                             "damaged; remove it (the next save writes it anew)", path, "header")
-    size = os.fstat(fd).st_size
-    if size < best["end"]:
-        raise CacheFileError(f"{path} is truncated: {size} bytes, but its last save ends at "
-                             f"byte {best['end']}; remove it (the next save writes it anew)",
-                             path, "truncated")
-    return best
-
-
-def _read_config(fd: int, sup: dict, path: str) -> dict:
-    raw = os.pread(fd, sup["config_len"], _CONFIG_OFF)
-    if len(raw) != sup["config_len"] or zlib.crc32(raw) != sup["config_crc"]:
-        raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
-                             path, "config")
-    return json.loads(raw)
-
-
-def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
-                 ) -> list[dict]:
-    """Every committed chunk of the file, first to last, with its indices (checked)."""
-    first, end, chunks = _CONFIG_OFF + _align(sup["config_len"]), sup["end"], []
-    while end > first:
-        raw = os.pread(fd, _TRAILER_BYTES, end - _TRAILER_BYTES)
-        body = raw[:_TRAILER.size]
-        crc = _SUPER_CRC.unpack_from(raw, _TRAILER.size)[0] if len(raw) == _TRAILER_BYTES \
-            else -1
-        magic, rows, emptied, rb, start, rows_crc, meta_crc = _TRAILER.unpack(body) \
-            if len(body) == _TRAILER.size else (b"", 0, 0, 0, 0, 0, 0)
-        meta_off = start + rows * rb
-        if magic != _CHUNK_MAGIC or zlib.crc32(body) != crc or rb != row_bytes or \
-                not first <= start < end or meta_off + 8 * (rows + emptied) > end - \
-                _TRAILER_BYTES or rows < 0 or emptied < 0:
-            raise CacheFileError(f"{path} is damaged: no valid save record ends at byte {end}; "
-                                 "remove it (the next save writes it anew)", path, "chunk")
-        meta = os.pread(fd, 8 * (rows + emptied), meta_off)
-        if zlib.crc32(meta) != meta_crc:
-            raise CacheFileError(f"{path} is damaged: the indices of the save record at byte "
-                                 f"{start} fail their check; remove it", path, "chunk")
-        idx = np.frombuffer(meta, np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= dataset_len):
-            raise CacheFileError(f"{path} is damaged: the save record at byte {start} names "
-                                 f"indices outside [0, {dataset_len}); remove it", path, "chunk")
-        chunks.append({"start": start, "rows": rows, "rows_crc": rows_crc,
-                       "indices": idx[:rows], "emptied": idx[rows:]})
-        end = start
-    if len(chunks) != sup["chunks"]:
-        raise CacheFileError(f"{path} is damaged: {len(chunks)} save records, but its header "
-                             f"counts {sup['chunks']}; remove it", path, "chunk")
-    return chunks[::-1]
-
-
-def _damaged_rows(path: str, chunk: dict) -> CacheFileError:
-    """The error for a save record whose rows fail their CRC (nothing of the file loads)."""
-    return CacheFileError(f"{path} is damaged: the samples of the save record at byte "
-                          f"{chunk['start']} fail their check; nothing of the file was loaded. "
-                          "Remove it (the next save writes it anew)", path, "rows")
-
-
-def _config_dims(cfg: dict) -> Any:
-    """The ``data_dims`` of a saved file's configuration: a tuple, or a dict for fields."""
-    fs = cfg.get("fields") or [["", [], "", 0]]
-    if len(fs) == 1 and fs[0][0] == "":
-        return tuple(fs[0][1])
-    return {f[0]: tuple(f[1]) for f in fs}
-
-
-def _config_dtypes(cfg: dict) -> Any:
-    """The dtype of a saved file's configuration, by name ("uint8"), or a dict for fields."""
-    fs = cfg.get("fields") or [["", [], "", 0]]
-    if len(fs) == 1 and fs[0][0] == "":
-        return fs[0][2]
-    return {f[0]: f[2] for f in fs}
-
-
-def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
-    """What a file written by ``SharedCache.save`` holds, read from its header and its save
-    records' indices (a few KiB), without loading it: what ``python -m stocaching inspect``
-    shows.
-
-    Args:
-        path: the saved file.
-        verify: also read every sample row and check it against its CRC (reads the whole
-            file), as ``load_from`` does. Default: False (the header, the configuration and
-            the indices are checked; the rows are not read).
-
-    Returns:
-        A dict with ``path``, ``key``, ``dataset_len``, ``data_dims`` (a tuple, or a dict of
-        fields), ``dtype`` (its name, or a dict), ``node_rank`` and ``num_nodes`` (of the job
-        that saved it), ``samples`` (samples a load would take: the last record of each
-        index, less those emptied), ``rows`` (sample rows in the file, replaced ones
-        included), ``saves`` (save records: 1 for a file written anew, one more per
-        incremental save), ``bytes`` (the committed size), ``age_s`` (seconds since it was
-        last saved to) and ``verified`` (True where ``verify`` read every row).
-
-    Raises:
-        TypeError: ``path`` is not a str or path.
-        FileNotFoundError: there is no file at ``path``.
-        CacheFileError: the file is truncated, damaged or not a saved cache.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
-    path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _environ(p: psutil.Process) -> dict:
     try:
-        st = os.fstat(fd)
-        sup = _read_super(fd, path)
-        cfg = _read_config(fd, sup, path)
-        try:
-            dataset_len, row_bytes = int(cfg["dataset_len"]), int(cfg["row_bytes"])
-        except (KeyError, TypeError, ValueError):
-            raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
-                                 path, "config") from None
-        chunks = _read_chunks(fd, sup, path, dataset_len, row_bytes)
-        held = np.zeros(dataset_len, bool)
-        for c in chunks:
-            held[c["indices"]] = True
-            held[c["emptied"]] = False
-        if verify:
-            buf = bytearray(min(_SAVE_IO, max((c["rows"] * row_bytes for c in chunks),
-                                              default=0)))
-            for c in chunks:
-                crc, off, end = 0, c["start"], c["start"] + c["rows"] * row_bytes
-                while off < end:
-                    view = memoryview(buf)[:min(len(buf), end - off)]
-                    _pread_into(fd, view, off, path)
-                    crc, off = zlib.crc32(view, crc), off + len(view)
-                if crc != c["rows_crc"]:
-                    raise _damaged_rows(path, c)
+        return p.environ()
+    except psutil.Error:
+        return {}
+
+
+def _is_multiprocessing_helper(p: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return True
+    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0,
+                      wait: float = 0.0) -> None:
+    """Close our descriptor. The creating process (not its forks, which inherit this
+    finalizer) first waits up to ``wait`` seconds for the local ranks that have not attached
+    yet (the last one to attach drops the public name), then drops the name itself."""
+    try:
+        if path is not None and os.getpid() == owner:
+            _wait_for_attachers(path, ino, dev, wait)
+            _unlink_if_same(path, ino, dev)
     finally:
+        _close_fd(fd)
+
+
+def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
+    """A leader that is done before another local rank has even constructed the cache (a
+    short job, a slow import on that rank) must not take the segment away from under it: the
+    latecomer would find nothing to attach to and time out. Holding our descriptor keeps the
+    segment alive and not stale while we wait. We wait only while another local rank may
+    still come: the launchers start the local ranks as siblings (torchrun, mp.spawn, srun) or
+    as children of rank 0 (Lightning), so when no such process is alive (see
+    ``_a_local_rank_may_come``), the missing ranks died or were never started, and nobody is
+    left to wait for."""
+    start = time.monotonic()
+    delay, told = 0.005, False
+    while _names(path, ino, dev) and _a_local_rank_may_come():
+        waited = time.monotonic() - start
+        if waited >= wait:
+            warnings.warn(
+                f"local rank 0 closed the cache {path} after waiting {wait:.0f} s for the other "
+                "local ranks to attach, and not all of them did; a local rank that constructs "
+                "it later will time out. Construct each cache on every local rank (see "
+                "docs/distributed.md), or pass a World with local_world_size=1 for a cache of "
+                "one process", RuntimeWarning, stacklevel=2)
+            return
+        if waited > 10 and not told:
+            logger.warning("stocaching: local rank 0 is done with %s but waits (up to %.0f s) "
+                           "for the other local ranks to attach before it lets go", path, wait)
+            told = True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
+    """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
+    fd = dupfd.detach()
+    cache = cls.__new__(cls)
+    cache.__dict__.update(state)
+    cache._fd, cache._finalizer = fd, None
+    try:
+        cache._map_existing(fd)
+    except BaseException:
         os.close(fd)
-    return {"path": path, "key": cfg.get("key"), "dataset_len": dataset_len,
-            "data_dims": _config_dims(cfg), "dtype": _config_dtypes(cfg),
-            "node_rank": cfg.get("node_rank"), "num_nodes": cfg.get("num_nodes"),
-            "samples": int(np.count_nonzero(held)), "rows": sup["rows"],
-            "saves": sup["chunks"], "bytes": sup["end"], "age_s": time.time() - st.st_mtime,
-            "verified": verify}
-
-
-def _stale_temporaries(path: str) -> list[str]:
-    """Temporary files of saves to ``path`` whose process is gone (killed mid-save)."""
-    d, base = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(base) + r"\.(\d+)\.[0-9a-f]+\.tmp$")
-    found = []
-    with contextlib.suppress(OSError):
-        for fname in os.listdir(d):
-            m = pattern.match(fname)
-            if m and not _alive(int(m.group(1)), 0):
-                found.append(os.path.join(d, fname))
-    return found
-
-
-@dataclasses.dataclass
-class _SaveState:
-    """What this process knows of the file it saved to (or loaded from) last: the file's
-    identity and commit, and per slot the sequence number it had when the file last took it
-    (a slot whose number differs has changed since) and whether the file holds its sample."""
-
-    path: str
-    dev: int
-    ino: int
-    gen: int
-    end: int
-    chunks: int
-    rows: int  # rows in the file, the replaced ones included
-    seq: np.ndarray
-    held: np.ndarray
-
-
-# The save state of each cache in this process (kept off the instance: see _STATE).
-_SAVED: "weakref.WeakKeyDictionary[SharedCache, _SaveState]" = weakref.WeakKeyDictionary()
-_SAVE_LOCK = threading.Lock()  # one save at a time in a process
+        raise
+    cache._finalizer = weakref.finalize(cache, _finalize_segment, fd, None, 0, 0)
+    return cache
 
 
 # ----------------------------------------------------------------------------------------------
-# SharedCache
+# 9. The cache contract: BaseCache (construction, attach, locks, sending, the public API)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2366,7 +2157,7 @@ class BaseCache:
     # Every path that takes a record lock calls this pair: ``self._lock(offset)``, then
     # ``try: ... finally: self._unlock(offset)``. A pair of methods rather than a context
     # manager because set_slot takes it: a ``with`` on an object made for each call cost more
-    # than the pair (docs/benchmarks.md, "One lock idiom").
+    # than the pair (docs/design.md, "One lock idiom").
 
     def _lock(self, offset: int, length: int = 1) -> None:
         """Take this process's thread lock, then the POSIX record lock on ``length`` bytes at
@@ -2448,7 +2239,7 @@ class BaseCache:
     # Class-level defaults, set on the instance only where they differ, so that a cache of one
     # tensor keeps within the 30 instance attributes whose keys CPython shares among a class's
     # instances (tests/test_cache.py checks it). On CPython 3.11 a hit past 30 measured the
-    # same (docs/benchmarks.md, "Instance attributes"): a budget, not a speed.
+    # same (docs/design.md, "Instance attributes"): a budget, not a speed.
     _fields: tuple = ()  # the fields of a sample (_FieldsCache, OpenSizeCache with a dict)
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
     _persistent, _key = False, ""  # a persistent cache and the key of the data it holds
@@ -2943,6 +2734,11 @@ class BaseCache:
                 f"node={self._world.node_rank})")
 
 
+# ----------------------------------------------------------------------------------------------
+# 10. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
+# ----------------------------------------------------------------------------------------------
+
+
 class SharedCache(BaseCache):
     """A cache of fixed-shape samples in shared memory, one per node, for PyTorch datasets.
 
@@ -3285,8 +3081,8 @@ class SharedCache(BaseCache):
             idx = self._index(idx)
         if self._index_states[idx] == SET:  # the hit path: no lock, no system call
             # The first try is _read and _read_row inlined, the one copy of them (else this is
-            # BaseCache.get_slot): the two calls cost more than 5 % of a small hit
-            # (docs/benchmarks.md), and tests/test_concurrency.py checks that the two give the
+            # BaseCache.get_slot): the two calls cost more than 5 % of a small hit (docs/design.md,
+            # "get_slot's inlined read"), and tests/test_concurrency.py checks that the two give the
             # same answer whatever write or clear() lands before any of their reads.
             slot = idx if self._slot_map is None else self._slot_map[idx]
             seq = self._slot_versions[slot]
@@ -4136,6 +3932,11 @@ class SharedCache(BaseCache):
         super()._unmap()
 
 
+# ----------------------------------------------------------------------------------------------
+# 11. Several fields a sample: _FieldsCache
+# ----------------------------------------------------------------------------------------------
+
+
 def _check_keys(value: Any, dims: Mapping) -> Mapping:
     """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
     ``data_dims``) as keys, or raise."""
@@ -4263,6 +4064,11 @@ class _FieldsCache(SharedCache):
 _ARENA_LOCK = _LOCK_BASE - 2  # lockf offset of a cache of open sizes' arena allocator
 _ARENA_ALIGN = 16  # every sample's bytes start at a multiple of this in the arena
 _REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the open sizes
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
+# ----------------------------------------------------------------------------------------------
 
 
 def _arena_bytes(size_limit_gib: float, dataset_len: int, record_words: int) -> int:
@@ -4713,105 +4519,328 @@ class OpenSizeCache(BaseCache):
         return twin
 
 
-def _a_local_rank_may_come() -> bool:
-    """True while another local rank may still attach: a sibling process is alive (same
-    parent, even init; not one of multiprocessing's helper processes), or a child of ours that
-    a launcher started as another local rank (its LOCAL_RANK differs from ours). Our own
-    forks and DataLoader workers do not count."""
+# ----------------------------------------------------------------------------------------------
+# 13. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
+# ----------------------------------------------------------------------------------------------
+
+
+#
+# One file:
+#   [superblock 0, 4 KiB][superblock 1, 4 KiB][config: JSON, padded to 4 KiB][chunk]...
+# A chunk is one save's records: [rows: row_bytes each][int64 dataset index of each row]
+# [int64 indices emptied since the last save][pad][trailer, 64 bytes], its end 4 KiB aligned;
+# its trailer says where it starts, so the chunks are found from the end backwards. A later
+# chunk's record of an index replaces an earlier one's. A superblock (magic, generation, the
+# end of the last chunk, the chunk count, the config's length and CRC, and its own CRC) commits
+# a save: the valid one with the higher generation counts, and bytes past its end do not exist.
+# A first save writes a new file under a temporary name, syncs it and renames it over ``path``;
+# a later one appends a chunk past the committed end, syncs it, then writes the other
+# superblock (the one not in force) and syncs again. A save killed at any point leaves the
+# previous commit in force (or no file at all), and every byte of a commit is covered by a
+# CRC-32, so a truncated or damaged file is refused rather than loaded in part.
+
+_SAVE_MAGIC = b"STOSAVE1"
+_SAVE_VERSION = 1
+_SAVE_BLOCK = 4096
+_SUPER = struct.Struct("<8sqqqqqqq")  # magic, version, generation, end, chunks, config
+_SUPER_CRC = struct.Struct("<I")      # length and CRC, rows in the file; then the CRC of those
+_CONFIG_OFF = 2 * _SAVE_BLOCK
+_TRAILER = struct.Struct("<8sqqqqqq")  # magic, rows, emptied, row bytes, start, rows' CRC,
+_CHUNK_MAGIC = b"STOCHUNK"             # the indices' CRC; then the CRC of those
+_TRAILER_BYTES = 64
+_SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered, rows loaded)
+
+
+def _align(n: int) -> int:
+    return -(-n // _SAVE_BLOCK) * _SAVE_BLOCK
+
+
+def _pack_super(gen: int, end: int, chunks: int, config: bytes, rows: int) -> bytes:
+    body = _SUPER.pack(_SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
+                       zlib.crc32(config), rows)
+    return body + _SUPER_CRC.pack(zlib.crc32(body))
+
+
+def _super_off(gen: int) -> int:
+    """Where the superblock of generation ``gen`` goes: the one not in force."""
+    return (gen % 2) * _SAVE_BLOCK
+
+
+def _pack_trailer(rows: int, emptied: int, row_bytes: int, start: int, rows_crc: int,
+                  meta_crc: int) -> bytes:
+    body = _TRAILER.pack(_CHUNK_MAGIC, rows, emptied, row_bytes, start, rows_crc, meta_crc)
+    return (body + _SUPER_CRC.pack(zlib.crc32(body))).ljust(_TRAILER_BYTES, b"\0")
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """Write all of ``data`` (bytes or a contiguous array) at ``offset``; returns its length."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``offset``; a file that ends first is truncated."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise CacheFileError(f"{path} is truncated: it ends at byte {offset + done}, inside "
+                                 "a saved chunk; remove it (the next save writes it anew)",
+                                 path, "truncated")
+        done += got
+
+
+def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+               ) -> None:
+    """Copy ``nbytes`` of the saved file at ``src_fd`` from ``src_off`` into the segment at
+    ``dst_fd`` at ``dst_off``, in the kernel (``sendfile``): no copy through this process, and
+    the segment's pages, written whole through the file, are not zeroed first as pages first
+    touched through a mapping are. A file that ends first is truncated."""
+    os.lseek(dst_fd, dst_off, os.SEEK_SET)  # (sendfile writes at the destination's position)
+    done = 0
+    while done < nbytes:
+        got = os.sendfile(dst_fd, src_fd, src_off + done, nbytes - done)
+        if got == 0:
+            raise CacheFileError(f"{path} is truncated: it ends at byte {src_off + done}, "
+                                 "inside a saved chunk; remove it (the next save writes it "
+                                 "anew)", path, "truncated")
+        done += got
+
+
+# Whether os.sendfile writes into a regular file here (Linux); elsewhere the rows are read
+# into the segment's mapping.
+_SENDFILE = hasattr(os, "sendfile") and sys.platform.startswith("linux")
+
+
+class _CrcChain:
+    """The CRC-32 of buffers given one after the other, computed in order by ``pool`` (one
+    thread: zlib releases the GIL on large buffers), so that checking a saved file's rows
+    overlaps the copy of the next ones. A buffer must not change until ``value()`` returns."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool, self._last = pool, None
+
+    def add(self, data: np.ndarray) -> None:
+        """Add ``data`` after the buffers added before."""
+        prev = self._last
+        self._last = self._pool.submit(
+            lambda: zlib.crc32(data, prev.result() if prev is not None else 0))
+
+    def value(self) -> int:
+        """The CRC-32 of every buffer added so far (waits for them)."""
+        return self._last.result() if self._last is not None else 0
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in the directory of ``path`` durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
     try:
-        me = psutil.Process()
-        mine = os.environ.get("LOCAL_RANK")
-        kin = [c for c in me.children() if _environ(c).get("LOCAL_RANK", mine) != mine]
-        parent = me.ppid()
-        if parent > 0:  # pid 1 too: in a container the launcher often is pid 1
-            kin += [p for p in psutil.Process(parent).children()
-                    if p.pid != me.pid and not _is_multiprocessing_helper(p)]
-    except psutil.Error:
-        return False
-    return any(_running(p) for p in kin)
-
-
-def _environ(p: psutil.Process) -> dict:
-    try:
-        return p.environ()
-    except psutil.Error:
-        return {}
-
-
-def _is_multiprocessing_helper(p: psutil.Process) -> bool:
-    try:
-        cmd = " ".join(p.cmdline())
-    except psutil.Error:
-        return True
-    return "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd
-
-
-def _running(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0,
-                      wait: float = 0.0) -> None:
-    """Close our descriptor. The creating process (not its forks, which inherit this
-    finalizer) first waits up to ``wait`` seconds for the local ranks that have not attached
-    yet (the last one to attach drops the public name), then drops the name itself."""
-    try:
-        if path is not None and os.getpid() == owner:
-            _wait_for_attachers(path, ino, dev, wait)
-            _unlink_if_same(path, ino, dev)
+        os.fsync(fd)
+    except OSError:  # (some filesystems cannot sync a directory: the rename is all they give)
+        pass
     finally:
-        _close_fd(fd)
-
-
-def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
-    """A leader that is done before another local rank has even constructed the cache (a
-    short job, a slow import on that rank) must not take the segment away from under it: the
-    latecomer would find nothing to attach to and time out. Holding our descriptor keeps the
-    segment alive and not stale while we wait. We wait only while another local rank may
-    still come: the launchers start the local ranks as siblings (torchrun, mp.spawn, srun) or
-    as children of rank 0 (Lightning), so when no such process is alive (see
-    ``_a_local_rank_may_come``), the missing ranks died or were never started, and nobody is
-    left to wait for."""
-    start = time.monotonic()
-    delay, told = 0.005, False
-    while _names(path, ino, dev) and _a_local_rank_may_come():
-        waited = time.monotonic() - start
-        if waited >= wait:
-            warnings.warn(
-                f"local rank 0 closed the cache {path} after waiting {wait:.0f} s for the other "
-                "local ranks to attach, and not all of them did; a local rank that constructs "
-                "it later will time out. Construct each cache on every local rank (see "
-                "docs/distributed.md), or pass a World with local_world_size=1 for a cache of "
-                "one process", RuntimeWarning, stacklevel=2)
-            return
-        if waited > 10 and not told:
-            logger.warning("stocaching: local rank 0 is done with %s but waits (up to %.0f s) "
-                           "for the other local ranks to attach before it lets go", path, wait)
-            told = True
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-
-
-def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
-    """Unpickle a SharedCache in a spawned or forkserver worker: map the inherited descriptor."""
-    fd = dupfd.detach()
-    cache = cls.__new__(cls)
-    cache.__dict__.update(state)
-    cache._fd, cache._finalizer = fd, None
-    try:
-        cache._map_existing(fd)
-    except BaseException:
         os.close(fd)
-        raise
-    cache._finalizer = weakref.finalize(cache, _finalize_segment, fd, None, 0, 0)
-    return cache
+
+
+def _read_super(fd: int, path: str) -> dict:
+    """The superblock in force of the saved file open at ``fd``, checked against its size."""
+    raw = os.pread(fd, _CONFIG_OFF, 0)
+    best = None
+    for k in range(2):
+        block = raw[k * _SAVE_BLOCK: k * _SAVE_BLOCK + _SUPER.size + _SUPER_CRC.size]
+        if len(block) < _SUPER.size + _SUPER_CRC.size:
+            continue
+        body, (crc,) = block[:_SUPER.size], _SUPER_CRC.unpack(block[_SUPER.size:])
+        magic, version, gen, end, chunks, config_len, config_crc, rows = _SUPER.unpack(body)
+        if magic != _SAVE_MAGIC or zlib.crc32(body) != crc:
+            continue
+        if version != _SAVE_VERSION:
+            raise CacheFileError(f"{path} was saved by another stocaching version (file format "
+                                 f"{version}, this one reads {_SAVE_VERSION}); remove it",
+                                 path, "version")
+        if best is None or gen > best["gen"]:
+            best = {"gen": gen, "end": end, "chunks": chunks, "config_len": config_len,
+                    "config_crc": config_crc, "rows": rows, "slot": k}
+    if best is None:
+        raise CacheFileError(f"{path} is not a file saved by SharedCache.save, or its header is "
+                             "damaged; remove it (the next save writes it anew)", path, "header")
+    size = os.fstat(fd).st_size
+    if size < best["end"]:
+        raise CacheFileError(f"{path} is truncated: {size} bytes, but its last save ends at "
+                             f"byte {best['end']}; remove it (the next save writes it anew)",
+                             path, "truncated")
+    return best
+
+
+def _read_config(fd: int, sup: dict, path: str) -> dict:
+    raw = os.pread(fd, sup["config_len"], _CONFIG_OFF)
+    if len(raw) != sup["config_len"] or zlib.crc32(raw) != sup["config_crc"]:
+        raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
+                             path, "config")
+    return json.loads(raw)
+
+
+def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
+                 ) -> list[dict]:
+    """Every committed chunk of the file, first to last, with its indices (checked)."""
+    first, end, chunks = _CONFIG_OFF + _align(sup["config_len"]), sup["end"], []
+    while end > first:
+        raw = os.pread(fd, _TRAILER_BYTES, end - _TRAILER_BYTES)
+        body = raw[:_TRAILER.size]
+        crc = _SUPER_CRC.unpack_from(raw, _TRAILER.size)[0] if len(raw) == _TRAILER_BYTES \
+            else -1
+        magic, rows, emptied, rb, start, rows_crc, meta_crc = _TRAILER.unpack(body) \
+            if len(body) == _TRAILER.size else (b"", 0, 0, 0, 0, 0, 0)
+        meta_off = start + rows * rb
+        if magic != _CHUNK_MAGIC or zlib.crc32(body) != crc or rb != row_bytes or \
+                not first <= start < end or meta_off + 8 * (rows + emptied) > end - \
+                _TRAILER_BYTES or rows < 0 or emptied < 0:
+            raise CacheFileError(f"{path} is damaged: no valid save record ends at byte {end}; "
+                                 "remove it (the next save writes it anew)", path, "chunk")
+        meta = os.pread(fd, 8 * (rows + emptied), meta_off)
+        if zlib.crc32(meta) != meta_crc:
+            raise CacheFileError(f"{path} is damaged: the indices of the save record at byte "
+                                 f"{start} fail their check; remove it", path, "chunk")
+        idx = np.frombuffer(meta, np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= dataset_len):
+            raise CacheFileError(f"{path} is damaged: the save record at byte {start} names "
+                                 f"indices outside [0, {dataset_len}); remove it", path, "chunk")
+        chunks.append({"start": start, "rows": rows, "rows_crc": rows_crc,
+                       "indices": idx[:rows], "emptied": idx[rows:]})
+        end = start
+    if len(chunks) != sup["chunks"]:
+        raise CacheFileError(f"{path} is damaged: {len(chunks)} save records, but its header "
+                             f"counts {sup['chunks']}; remove it", path, "chunk")
+    return chunks[::-1]
+
+
+def _damaged_rows(path: str, chunk: dict) -> CacheFileError:
+    """The error for a save record whose rows fail their CRC (nothing of the file loads)."""
+    return CacheFileError(f"{path} is damaged: the samples of the save record at byte "
+                          f"{chunk['start']} fail their check; nothing of the file was loaded. "
+                          "Remove it (the next save writes it anew)", path, "rows")
+
+
+def _config_dims(cfg: dict) -> Any:
+    """The ``data_dims`` of a saved file's configuration: a tuple, or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return tuple(fs[0][1])
+    return {f[0]: tuple(f[1]) for f in fs}
+
+
+def _config_dtypes(cfg: dict) -> Any:
+    """The dtype of a saved file's configuration, by name ("uint8"), or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return fs[0][2]
+    return {f[0]: f[2] for f in fs}
+
+
+def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """What a file written by ``SharedCache.save`` holds, read from its header and its save
+    records' indices (a few KiB), without loading it: what ``python -m stocaching inspect``
+    shows.
+
+    Args:
+        path: the saved file.
+        verify: also read every sample row and check it against its CRC (reads the whole
+            file), as ``load_from`` does. Default: False (the header, the configuration and
+            the indices are checked; the rows are not read).
+
+    Returns:
+        A dict with ``path``, ``key``, ``dataset_len``, ``data_dims`` (a tuple, or a dict of
+        fields), ``dtype`` (its name, or a dict), ``node_rank`` and ``num_nodes`` (of the job
+        that saved it), ``samples`` (samples a load would take: the last record of each
+        index, less those emptied), ``rows`` (sample rows in the file, replaced ones
+        included), ``saves`` (save records: 1 for a file written anew, one more per
+        incremental save), ``bytes`` (the committed size), ``age_s`` (seconds since it was
+        last saved to) and ``verified`` (True where ``verify`` read every row).
+
+    Raises:
+        TypeError: ``path`` is not a str or path.
+        FileNotFoundError: there is no file at ``path``.
+        CacheFileError: the file is truncated, damaged or not a saved cache.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        sup = _read_super(fd, path)
+        cfg = _read_config(fd, sup, path)
+        try:
+            dataset_len, row_bytes = int(cfg["dataset_len"]), int(cfg["row_bytes"])
+        except (KeyError, TypeError, ValueError):
+            raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
+                                 path, "config") from None
+        chunks = _read_chunks(fd, sup, path, dataset_len, row_bytes)
+        held = np.zeros(dataset_len, bool)
+        for c in chunks:
+            held[c["indices"]] = True
+            held[c["emptied"]] = False
+        if verify:
+            buf = bytearray(min(_SAVE_IO, max((c["rows"] * row_bytes for c in chunks),
+                                              default=0)))
+            for c in chunks:
+                crc, off, end = 0, c["start"], c["start"] + c["rows"] * row_bytes
+                while off < end:
+                    view = memoryview(buf)[:min(len(buf), end - off)]
+                    _pread_into(fd, view, off, path)
+                    crc, off = zlib.crc32(view, crc), off + len(view)
+                if crc != c["rows_crc"]:
+                    raise _damaged_rows(path, c)
+    finally:
+        os.close(fd)
+    return {"path": path, "key": cfg.get("key"), "dataset_len": dataset_len,
+            "data_dims": _config_dims(cfg), "dtype": _config_dtypes(cfg),
+            "node_rank": cfg.get("node_rank"), "num_nodes": cfg.get("num_nodes"),
+            "samples": int(np.count_nonzero(held)), "rows": sup["rows"],
+            "saves": sup["chunks"], "bytes": sup["end"], "age_s": time.time() - st.st_mtime,
+            "verified": verify}
+
+
+def _stale_temporaries(path: str) -> list[str]:
+    """Temporary files of saves to ``path`` whose process is gone (killed mid-save)."""
+    d, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(base) + r"\.(\d+)\.[0-9a-f]+\.tmp$")
+    found = []
+    with contextlib.suppress(OSError):
+        for fname in os.listdir(d):
+            m = pattern.match(fname)
+            if m and not _alive(int(m.group(1)), 0):
+                found.append(os.path.join(d, fname))
+    return found
+
+
+@dataclasses.dataclass
+class _SaveState:
+    """What this process knows of the file it saved to (or loaded from) last: the file's
+    identity and commit, and per slot the sequence number it had when the file last took it
+    (a slot whose number differs has changed since) and whether the file holds its sample."""
+
+    path: str
+    dev: int
+    ino: int
+    gen: int
+    end: int
+    chunks: int
+    rows: int  # rows in the file, the replaced ones included
+    seq: np.ndarray
+    held: np.ndarray
+
+
+# The save state of each cache in this process (kept off the instance: see _STATE).
+_SAVED: "weakref.WeakKeyDictionary[SharedCache, _SaveState]" = weakref.WeakKeyDictionary()
+_SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
 # ----------------------------------------------------------------------------------------------
-# Planning a cache, and the command line
+# 14. Planning a cache, and the command line
 # ----------------------------------------------------------------------------------------------
 
 
