@@ -1641,7 +1641,41 @@ class BaseCache:
     ``__deepcopy__``.
     """
 
-    _read_tags: frozenset = frozenset()
+    # -- state: every attribute a cache holds, by role (set in _configure, _map and
+    # _claim_stats_row; a closed cache's views are replaced by a _Closed) ------------------
+    # What it is: its configuration, the same in every process that holds it.
+    _layout: CacheLayout  # which dataset indices have a slot on which node
+    _world: World  # who this process is
+    _name: str  # the cache's name within its job
+    _path: str  # the segment's name in the shm directory (gone once every local rank holds it)
+    _dataset_len: int
+    _dims: Any  # data_dims as given (a dict of them for a cache of fields)
+    _dtype: Any  # dtype as given (a dict of them for a cache of fields)
+    _staging_slots: int
+    _timeout: float  # how long a local rank waits for its leader's segment
+    _fields: tuple = ()  # the fields of a sample (_FieldsCache, OpenSizeCache with a dict)
+    _persistent = False  # a persistent cache (it outlives its job: keep=True)
+    _key = ""  # the key of the data a persistent cache holds
+    _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
+    _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
+    # The mapped segment: views of the same pages in every process (the hot path reads them).
+    _fd: int
+    _mapping: mmap.mmap
+    _read_only_mapping: mmap.mmap  # backs the copy=False views: writing into one is a crash
+    _segment_size: int
+    _file_id: tuple[int, int]  # (st_dev, st_ino) of the segment this handle maps
+    _index_states: memoryview  # one state byte per dataset index (aux_array)
+    _index_states_np: np.ndarray  # the same bytes, for numpy
+    _slot_map: memoryview | None  # slot of each dataset index (a random subset), else None
+    _staging_table: np.ndarray  # what each staging slot holds (tag and index), -1 if free
+    _stats_rows: np.ndarray  # the counters of every process that used the cache
+    # This process's own: made anew in a forked child (_after_fork).
+    _own_counters: memoryview  # this process's row of _stats_rows
+    _thread_lock: threading.RLock  # the threads of this process, around its record locks
+    _finalizer: weakref.finalize | None  # closes the mapping when the cache is collected
+    _populating: tuple[threading.Thread, threading.Event]  # mapping the pages in, at attach
+    _closed: bool
+    _read_tags: frozenset = frozenset()  # the staging tags this process reads (prefetchers')
     _closing = False  # set by close(), before it frees this process's staged samples
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -2236,14 +2270,9 @@ class BaseCache:
     _STATE = ("_layout", "_world", "_dims", "_dtype", "_name", "_path", "_staging_slots",
               "_fields", "_read_tags")
 
-    # Class-level defaults, set on the instance only where they differ, so that a cache of one
-    # tensor keeps within the 30 instance attributes whose keys CPython shares among a class's
-    # instances (tests/test_cache.py checks it). On CPython 3.11 a hit past 30 measured the
-    # same (docs/design.md, "Instance attributes"): a budget, not a speed.
-    _fields: tuple = ()  # the fields of a sample (_FieldsCache, OpenSizeCache with a dict)
-    _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
-    _persistent, _key = False, ""  # a persistent cache and the key of the data it holds
-    _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
+    # (The class-level defaults among the state declared at the top of the class are set on
+    # the instance only where they differ; how many attributes an instance holds made no
+    # difference to a hit on CPython 3.11: docs/design.md, "Instance attributes".)
 
     def _reduce_for_process(self) -> tuple:
         """What multiprocessing's pickler sends: a duplicate of the descriptor and the
@@ -2858,6 +2887,15 @@ class SharedCache(BaseCache):
         RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
     """
+
+    # -- state: BaseCache's, and its views of the slots (set in _map_samples / _map_slots) --
+    _slot_samples: np.ndarray  # the slots' bytes, one row a slot
+    _array: torch.Tensor  # the slots as samples (the 0.2.1 name: what get_slot copies from)
+    _read_only_slots: torch.Tensor  # the same through the read-only mapping (copy=False)
+    _slot_versions: memoryview  # each slot's sequence number: odd while it is written
+    _slot_versions_np: np.ndarray  # the same, for numpy
+    _view_as: torch.dtype | None  # bfloat16, whose slots are stored as int16
+    _fast_dtype: torch.dtype | None  # the dtype the hit path copies as, where one is exact
 
     def __new__(cls, size_limit_gib: Any = None, dataset_len: Any = None, data_dims: Any = None,
                 *args: Any, **kwargs: Any) -> "SharedCache":
@@ -3961,6 +3999,11 @@ class _FieldsCache(SharedCache):
     ``get_slot`` returns a dict of tensors and ``set_slot`` takes one. The single-tensor class
     keeps its own hit path, untouched by this one."""
 
+    # -- state: SharedCache's, and the fields' views of each slot's row ---------------------
+    _row_bytes: int  # one slot: every field, packed
+    _field_arrays: dict[str, torch.Tensor]  # each field of every slot
+    _read_only_fields: dict[str, torch.Tensor]  # the same through the read-only mapping
+
     def _map_slots(self, data_off: int, n_slots: int) -> None:
         self._row_bytes = row_bytes = _check_fields(self._dims, self._dtype)[1]
 
@@ -4158,6 +4201,31 @@ class OpenSizeCache(BaseCache):
 
     _STATE = BaseCache._STATE + ("_sample_fields", "_arena_size", "_record_words",
                                  "_mean_sample_bytes", "_limit_gib")
+
+    # -- state: BaseCache's, and the records and the arena (set in _size_arena and
+    # _map_samples) --------------------------------------------------------------------------
+    # What it is: the same in every process.
+    _sample_fields: tuple  # the _Field of each part of a sample (one for a tensor)
+    _np_dtypes: list  # the numpy dtype of each part
+    _record_words: int  # 8-byte words of one index's record (where its bytes are, its sizes)
+    _arena_size: int  # bytes of the arena
+    _mean_sample_bytes: int  # the sizing's guess of a sample's bytes (0: none was given)
+    _limit_gib: float  # size_limit_gib as given
+    _view_as: torch.dtype | None  # bfloat16, whose samples are stored as int16
+    # For a sample of one tensor (None with fields): its element's bytes, the sizes of its
+    # dims that are not None, the arena as elements, and the shape of a sample from its record.
+    _itemsize: int
+    _fixed_sizes: tuple[int, ...] | None
+    _arena_items: np.ndarray | None
+    _shape_of: Callable[[Any], tuple] | None
+    # The mapped records and arena: views of the same pages in every process.
+    _records_np: np.ndarray  # one record an index
+    _records_bytes: memoryview
+    _records: memoryview  # the same, as 8-byte words
+    _record_struct: struct.Struct  # unpacks one record
+    _arena: np.ndarray  # the samples' bytes
+    _arena_file_off: int  # where the arena starts in the segment's file
+    _read_only_arena: torch.Tensor  # the arena through the read-only mapping (copy=False)
 
     def __init__(self, size_limit_gib: float, dataset_len: int,
                  data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],

@@ -107,16 +107,25 @@ def test_same_results_as_021(shm_dir):
     assert torch.equal(r.array, c.array)  # clear() zeroes, as in 0.2.1
 
 
-def test_a_cache_of_one_tensor_keeps_its_attributes_in_a_shared_key_dict(shm_dir):
-    """CPython (3.11 on) shares one dict of keys among a class's instances for at most 30
-    attributes (SHARED_KEYS_MAX_SIZE). A hit past 30 measured the same on 3.11
-    (``python -m benchmark.microbench --idioms``, docs/benchmarks.md), so this is a budget that
-    keeps state from piling up on the instance: what only some caches need is a class default,
-    set on the instance only where it differs."""
-    with SharedCache(1e-3, 10, (3, 4), shm_dir=shm_dir) as c:
-        c.set_slot(1, torch.ones(3, 4, dtype=torch.uint8))
+@pytest.mark.parametrize("kind", ["one tensor", "fields", "open sizes"])
+def test_every_attribute_of_a_cache_is_declared_in_its_class(kind, shm_dir):
+    """A cache's state is declared at the top of its class, grouped by role (what it is, the
+    mapped segment, this process's own): every attribute an instance holds once used is
+    among the annotations or class attributes of a class of its MRO, so that a reader finds
+    all of it there."""
+    from stocaching import OpenSizeCache
+    make = {"one tensor": lambda: SharedCache(1e-3, 10, (3, 4), shm_dir=shm_dir),
+            "fields": lambda: SharedCache(1e-3, 10, {"x": (3, 4), "y": ()}, shm_dir=shm_dir),
+            "open sizes": lambda: OpenSizeCache(1e-3, 10, (None, 4), shm_dir=shm_dir)}[kind]
+    sample = {"one tensor": torch.ones(3, 4, dtype=torch.uint8),
+              "fields": {"x": torch.ones(3, 4, dtype=torch.uint8), "y": torch.tensor(1)},
+              "open sizes": torch.ones(2, 4, dtype=torch.uint8)}[kind]
+    with make() as c:
+        c.set_slot(1, sample)
         assert c.get_slot(1) is not None
-        assert len(vars(c)) <= 30, sorted(vars(c))
+        declared = {name for cls in type(c).__mro__
+                    for name in (*getattr(cls, "__annotations__", {}), *vars(cls))}
+        assert set(vars(c)) <= declared, sorted(set(vars(c)) - declared)
 
 
 def test_budget_below_the_aux_array_gives_no_slots_and_a_warning(shm_dir):
