@@ -24,6 +24,13 @@ from _helpers import value_of
 import stocaching.stocaching as core
 from stocaching import SharedCache
 
+
+def say(line: str) -> None:
+    """One write of a whole line: the ranks under torchrun share this stdout, and print()
+    writes its arguments and the newline one by one, which interleaved two ranks' lines."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 DIMS = (4, 32, 32)  # 4 KiB a sample
 path, n, slow_mib = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 
@@ -36,7 +43,7 @@ if slow_mib > 0:
     def slow(fd, data, offset):
         done = pwrite(fd, data, offset)
         if done >= slow_mib * 2**20:
-            print("MID", flush=True)
+            say("MID")
             time.sleep(60)
         return done
 
@@ -48,7 +55,7 @@ for step in os.environ["SAVED_STEPS"].split(","):
         cache = SharedCache(n * 4200 / 2**30, n, DIMS, name="saved", timeout=60,
                             load_from=path if step == "load" else None,
                             key="k1" if step == "load" else "")
-        print("LOADED", cache.stats()["filled"], flush=True)
+        say(f"LOADED {cache.stats()['filled']}")
     elif step.startswith("fill"):
         a, b, s = map(int, step.split(":")[1:])
         for i in range(a, b, s):
@@ -56,13 +63,13 @@ for step in os.environ["SAVED_STEPS"].split(","):
     elif step == "save":
         out = cache.save(path)
         if out["saved"]:
-            print("SAVED", out["samples"], out["bytes"], out["rewritten"], flush=True)
+            say(f"SAVED {out['samples']} {out['bytes']} {out['rewritten']}")
     elif step == "check":
         k = 0
         for i in range(n):
             got = cache.get_slot(i)
             if got is not None:
                 if not (got == value_of(i, DIMS)).all():
-                    print("WRONG", i, flush=True)
+                    say(f"WRONG {i}")
                 k += 1
-        print("CHECKED", k, flush=True)
+        say(f"CHECKED {k}")
