@@ -1237,12 +1237,10 @@ class _Closed:
     __setitem__ = __getitem__
 
 
+# Process-wide by nature: the caches open in this process, which a forked child must give
+# fresh thread locks and stats rows (one fork hook for all of them, registered once), and
+# which a segment being cleaned up is checked against.
 _LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
-# The read_tags a process set on a cache, with its pid: the tags of that process's stagers
-# (prefetchers), whose staged samples close() gives back. (A forked child inherits the entry
-# with its parent's pid, and a spawned one gets none: neither gives back its parent's.)
-_OWN_TAGS: "weakref.WeakKeyDictionary[SharedCache, tuple[int, frozenset]]" = \
-    weakref.WeakKeyDictionary()
 _FORK_HOOK_REGISTERED = False
 _NAME_COUNTER = itertools.count()
 _COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
@@ -1676,6 +1674,10 @@ class BaseCache:
     _populating: tuple[threading.Thread, threading.Event]  # mapping the pages in, at attach
     _closed: bool
     _read_tags: frozenset = frozenset()  # the staging tags this process reads (prefetchers')
+    # The read_tags this process set, with its pid: its stagers' (prefetchers'), whose staged
+    # samples close() gives back. A forked child inherits them with its parent's pid, and a
+    # process the cache is sent to gets none: neither gives back its parent's.
+    _own_tags: tuple[int, frozenset] = (0, frozenset())
     _closing = False  # set by close(), before it frees this process's staged samples
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -2574,7 +2576,7 @@ class BaseCache:
                             f"got read_tags={tags!r}")
         self._read_tags = frozenset(check_int("read_tags", t, low=0, high=MAX_STAGE_TAG)
                                     for t in tags)
-        _OWN_TAGS[self] = (os.getpid(), self._read_tags)
+        self._own_tags = (os.getpid(), self._read_tags)
 
     def _take_staged(self, idx: int) -> Any:
         """The staged sample of ``idx`` (its staging slot freed), or None. A kind with staging
@@ -2718,7 +2720,7 @@ class BaseCache:
             self._finalizer()
 
     def _free_own_staging(self) -> None:
-        pid, tags = _OWN_TAGS.pop(self, (0, frozenset()))
+        (pid, tags), self._own_tags = self._own_tags, BaseCache._own_tags
         if pid != os.getpid() or not tags or not self._staging_slots:
             return
         with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
@@ -2896,6 +2898,9 @@ class SharedCache(BaseCache):
     _slot_versions_np: np.ndarray  # the same, for numpy
     _view_as: torch.dtype | None  # bfloat16, whose slots are stored as int16
     _fast_dtype: torch.dtype | None  # the dtype the hit path copies as, where one is exact
+    # This process's own: what it knows of the file it saved to or loaded from last (a
+    # process the cache is sent to knows none, and writes its first save anew).
+    _saved_file: _SaveState | None = None
 
     def __new__(cls, size_limit_gib: Any = None, dataset_len: Any = None, data_dims: Any = None,
                 *args: Any, **kwargs: Any) -> "SharedCache":
@@ -3706,7 +3711,7 @@ class SharedCache(BaseCache):
         """The state of the last save to (or load from) ``path`` in this process and the
         file, open and locked, if the file is still the one it describes and not mostly
         replaced records; else None (the save writes it anew)."""
-        state = _SAVED.get(self)
+        state = self._saved_file
         if state is None or state.path != os.path.realpath(path):
             return None
         try:
@@ -3776,7 +3781,7 @@ class SharedCache(BaseCache):
             raise
         os.close(fd)
         _fsync_dir(path)
-        _SAVED[self] = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
+        self._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
                                   rows, chunk["seq"], chunk["held"])
         logger.info("stocaching: saved %d samples of cache %r to %s (%s)", rows, self._name,
                     path, _fmt_bytes(end))
@@ -3800,7 +3805,7 @@ class SharedCache(BaseCache):
         written += _pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
                                                rows), _super_off(gen))
         os.fdatasync(fd)
-        _SAVED[self] = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
+        self._saved_file = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
                                   state.chunks + 1, rows, chunk["seq"], chunk["held"])
         logger.info("stocaching: saved %d more samples of cache %r to %s (%d emptied, %s)",
                     chunk["samples"], self._name, path, chunk["emptied"], _fmt_bytes(written))
@@ -3925,7 +3930,7 @@ class SharedCache(BaseCache):
             self._index_states_np[indices[loaded]] = SET
         finally:
             os.close(fd)
-        _SAVED[self] = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
+        self._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
                                   sup["end"], sup["chunks"], sup["rows"],
                                   self._slot_versions_np[:self._layout.slots].copy(), loaded)
         took = time.perf_counter() - t0
@@ -4902,8 +4907,6 @@ class _SaveState:
     held: np.ndarray
 
 
-# The save state of each cache in this process (kept off the instance: see _STATE).
-_SAVED: "weakref.WeakKeyDictionary[SharedCache, _SaveState]" = weakref.WeakKeyDictionary()
 _SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
