@@ -1242,6 +1242,7 @@ class _Closed:
 # which a segment being cleaned up is checked against.
 _LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
 _FORK_HOOK_REGISTERED = False
+# Process-wide: numbers the caches made without a name in this process (their default names).
 _NAME_COUNTER = itertools.count()
 _COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
 
@@ -1304,6 +1305,7 @@ def _after_fork_in_child() -> None:
         cache._after_fork()
 
 
+# Process-wide: the cache classes registered with multiprocessing's pickler (once each).
 _SENDABLE_CLASSES: set = set()
 
 
