@@ -1,25 +1,64 @@
 """Write docs/api.md from the docstrings of stocaching's public names.
 
 Run: ``python docs/gen_api.py`` (tests/test_docs.py fails when api.md is out of date).
+
+The page is grouped by audience (``GROUPS``): what a user of the core meets, the opt-in parts,
+then what module authors need. Every name of ``stocaching.__all__`` sits in exactly one group;
+a new public name makes this script fail until it is given one.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import re
 import sys
+import textwrap
 
 import stocaching
 
 HEAD = """# API reference
 
-Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand.
-
+Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand. Every name is
+importable from `stocaching`.
 """
 
+# The members of BaseCache, which SharedCache and OpenSizeCache share, go to the first group, under
+# this heading; the class's own text (how a kind of cache is built) goes to the module authors.
+EVERY_CACHE = "What every cache offers"
+
+GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("The cache",
+     "What a user of the core meets: the two kinds of cache (`SharedCache` for samples of one "
+     "shape, `OpenSizeCache` for samples whose sizes vary) and what both offer, the errors "
+     "they raise, who this process is (`World`) and which indices each node caches "
+     "(`CacheLayout`), and the functions that size a cache, describe a saved one, and list or "
+     "remove leftover segments. All of it is in the core module, {modules}.",
+     ("SharedCache", "OpenSizeCache", EVERY_CACHE, "CacheCapacityError", "CacheConfigError",
+      "CacheFileError", "CacheTimeoutError", "World", "CacheLayout", "SlotState", "plan",
+      "get_shm_size", "describe_saved_file", "list_segments", "clean_segments")),
+    ("The opt-in parts",
+     "Modules beside the core that import only its public names, so that each also works "
+     "copied next to `stocaching.py`: {modules}.",
+     ("CacheAwareSampler", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
+      "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader")),
+    ("For module authors",
+     "For code that extends the opt-in modules or writes another: the base class of every "
+     "kind of cache (its members are under [{every}](#{every_anchor})), where a batch's rows "
+     "are (`SharedCache.locate`), the argument check the package raises its errors with, the "
+     "helpers that tell a sampler how Accelerate or Lightning drive it, and the constants. "
+     "From {modules}.",
+     ("BaseCache", "BatchRows", "check_int", "dealt_by_accelerate", "accelerate_epoch",
+      "in_lightnings_wrapper", "C_DTYPES", "BYTES_PER_GIB", "MAX_STAGE_TAG",
+      "WIDE_WINDOW_PART")),
+)
 
 SECTIONS = ("Args:", "Returns:", "Raises:", "Attributes:", "Example::", "Example:")
+
+# Where a constant (an int, a dict) is defined: it carries no module of its own.
+MODULES = ("stocaching.stocaching", "stocaching.samplers", "stocaching.order",
+           "stocaching.prefetch", "stocaching.mixtures", "stocaching.device")
 
 
 def _doc(obj) -> str:
@@ -64,27 +103,114 @@ def _sig(name: str, obj) -> str:
         return name
 
 
-def render() -> str:
-    out = [HEAD]
-    for name in sorted(stocaching.__all__, key=lambda n: (not inspect.isclass(
-            getattr(stocaching, n)), n)):
-        obj = getattr(stocaching, name)
-        kind = "class" if inspect.isclass(obj) else "function"
-        out.append(f"## `{name}`\n\n```python\n{kind} {_sig(name, obj)}\n```\n\n{_doc(obj)}\n")
-        if not inspect.isclass(obj) or issubclass(obj, BaseException):
+def _module_of(name: str, obj) -> str:
+    if inspect.isclass(obj) or inspect.isroutine(obj):
+        return obj.__module__
+    for module in MODULES:
+        if re.search(rf"^{name}\s*[:=]", inspect.getsource(importlib.import_module(module)),
+                     re.M):
+            return module
+    raise ValueError(f"gen_api: no module of {MODULES} assigns {name}")
+
+
+def _constant(name: str, obj) -> str:
+    """A constant: its assignment as the source writes it (with the value, for a number) and
+    the comment lines right above it."""
+    lines = inspect.getsource(importlib.import_module(_module_of(name, obj))).splitlines()
+    at = next(i for i, ln in enumerate(lines) if re.match(rf"{name}\s*[:=]", ln))
+    head = re.match(rf"({name}\s*(?::[^=]*)?)=", lines[at]).group(1).strip()
+    if isinstance(obj, (int, float, str)) and not isinstance(obj, bool):
+        head = f"{head} = {obj!r}"
+    comment = []
+    for ln in reversed(lines[:at]):
+        if not ln.startswith("#"):
+            break
+        comment.insert(0, re.sub(r"^#:? ?", "", ln))
+    text = _fill(" ".join(comment).strip())
+    return f"### `{name}`\n\n```python\n{head}\n```\n" + (f"\n{text}\n" if text else "")
+
+
+def _members(name: str, obj, level: str) -> list[str]:
+    out = []
+    for attr, member in vars(obj).items():
+        if attr.startswith("_") and attr not in ("__len__", "__getitem__", "__setitem__",
+                                                 "__iter__"):
             continue
-        for attr, member in vars(obj).items():
-            if attr.startswith("_") and attr not in ("__len__", "__getitem__", "__setitem__",
-                                                     "__iter__"):
-                continue
-            if isinstance(member, property):
-                if member.__doc__:
-                    out.append(f"### `{name}.{attr}` (property)\n\n{_doc(member)}\n")
-            elif isinstance(member, (classmethod, staticmethod)):
-                fn = member.__func__
-                out.append(f"### `{name}.{_sig(attr, fn)}`\n\n{_doc(fn)}\n")
-            elif inspect.isfunction(member) and member.__doc__:
-                out.append(f"### `{name}.{_sig(attr, member)}`\n\n{_doc(member)}\n")
+        if isinstance(member, property):
+            if member.__doc__:
+                out.append(f"{level} `{name}.{attr}` (property)\n\n{_doc(member)}\n")
+        elif isinstance(member, (classmethod, staticmethod)):
+            fn = member.__func__
+            out.append(f"{level} `{name}.{_sig(attr, fn)}`\n\n{_doc(fn)}\n")
+        elif inspect.isfunction(member) and member.__doc__:
+            out.append(f"{level} `{name}.{_sig(attr, member)}`\n\n{_doc(member)}\n")
+    return out
+
+
+def _entry(name: str) -> list[str]:
+    if name == EVERY_CACHE:
+        base = stocaching.BaseCache
+        return [f"### {EVERY_CACHE}\n\n" + _fill(
+                    "`SharedCache` and `OpenSizeCache` both have these, from their base class "
+                    "[`BaseCache`](#basecache); where a kind has its own version, it is listed "
+                    "under that kind above.") + "\n",
+                *_members("BaseCache", base, "####")]
+    obj = getattr(stocaching, name)
+    if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+        return [_constant(name, obj)]
+    kind = "class" if inspect.isclass(obj) else "function"
+    out = [f"### `{name}`\n\n```python\n{kind} {_sig(name, obj)}\n```\n\n{_doc(obj)}\n"]
+    if name == "BaseCache":
+        out.append(f"Its properties and methods: [{EVERY_CACHE}](#{_anchor(EVERY_CACHE)}).\n")
+    elif inspect.isclass(obj) and not issubclass(obj, BaseException):
+        out += _members(name, obj, "####")
+    return out
+
+
+def _fill(text: str, indent: str = "") -> str:
+    """Generated prose wrapped as the hand-written pages are (96 columns), links unbroken."""
+    return textwrap.fill(text, 96, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub and mkdocs give a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _check_groups() -> None:
+    placed = [n for _, _, names in GROUPS for n in names if n != EVERY_CACHE]
+    public = set(stocaching.__all__)
+    twice = sorted({n for n in placed if placed.count(n) > 1})
+    missing, unknown = sorted(public - set(placed)), sorted(set(placed) - public)
+    if twice or missing or unknown:
+        raise ValueError(
+            f"gen_api: every public name belongs to exactly one of GROUPS in docs/gen_api.py, "
+            f"but got names in no group: {missing}, names in two: {twice}, names not public: "
+            f"{unknown}")
+
+
+def render() -> str:
+    _check_groups()
+    out = [HEAD]
+    contents = []
+    for title, _, names in GROUPS:
+        links = ", ".join(f"[{n}](#{_anchor(n)})" if n == EVERY_CACHE else f"[`{n}`](#{n.lower()})"
+                          for n in names)
+        contents.append(_fill(f"- [{title}](#{_anchor(title)}): {links}", indent="  "))
+    out.append("\n".join(contents) + "\n")
+    for title, intro, names in GROUPS:
+        modules: dict[str, list[str]] = {}
+        for n in names:
+            if n != EVERY_CACHE:
+                modules.setdefault(_module_of(n, getattr(stocaching, n)), []).append(n)
+        where = ", ".join(f"`{m.replace('.', '/')}.py` (" + ", ".join(f"`{n}`" for n in ns) + ")"
+                          for m, ns in modules.items()) if len(modules) > 1 else \
+            f"`{next(iter(modules)).replace('.', '/')}.py`"
+        text = intro.format(modules=where, every=EVERY_CACHE, every_anchor=_anchor(EVERY_CACHE))
+        out.append(f"## {title}\n\n{_fill(text)}\n")
+        for name in names:
+            out += _entry(name)
     return "\n".join(out)
 
 
