@@ -9,9 +9,11 @@
 and Hypothesis's profile: derandomized, with no example database, so that CI sees what a
 developer sees, and no deadline, so that no example fails by time. The inputs are the same on
 every run of the same tests, not of one test alone: Hypothesis (6.170) also draws constants
-found in the loaded modules of the project, so the whole suite, one file and ``-k`` give a test
-different inputs. A fuzz test's asserted counts therefore hold with a wide margin in randomized
-runs, not only in the derandomized one.
+found in the loaded modules of the project, so the whole suite, the fast loop, one file and
+``-k`` may give a test different inputs. A fuzz test's asserted counts therefore hold with a
+wide margin in randomized runs, not only in the derandomized one.
+
+It also marks the tests that the fast loop leaves to CI (see NOTE [ The fast loop ] below).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import pytest
 from hypothesis import settings
@@ -32,6 +35,185 @@ SHM_ROOT = "/dev/shm"
 settings.register_profile("stocaching", deadline=None, derandomize=True, database=None,
                           print_blob=False)
 settings.load_profile("stocaching")
+
+# NOTE [ The fast loop ]
+# `python -m pytest -q -m "not slow"` runs tests of every file and of every module of stocaching
+# in about 2 minutes on 2 cores; `python -m pytest -q` (CI, .ci/run) runs everything, about 20
+# minutes. `slow` is added here, in one place, from measured durations (`--durations=0`, the
+# whole suite on 2 cores shared with other jobs, 2026-11): every test that took 1.5 s or more,
+# and each start-method variant (a test id naming spawn, forkserver or torchrun; the fork
+# variant, a fraction of a second, stays). A few tests also carry @pytest.mark.slow in their
+# files. KEEP holds the exceptions that keep a test of every file, and the command line, in the
+# loop. A new test that takes seconds belongs in SLOW: the fast loop names those that took over
+# FAST_BUDGET_S at its end.
+SLOW_VARIANTS = {"spawn", "forkserver", "torchrun"}
+
+# "file::test" covers every parametrization of the test; "file::test[id]" that one. Seconds as
+# measured (all parametrizations together).
+SLOW = {
+    # torture, fuzz, endurance, kills and fault-injection matrices
+    "tests/test_batch.py::test_a_writer_killed_mid_copy_leaves_a_miss_in_a_batch",  # 3 s
+    "tests/test_concurrency.py::test_torture_reads_are_never_corrupt",  # 31 s
+    "tests/test_endurance.py::test_workers_recreated_every_epoch_leak_nothing",  # 33 s
+    "tests/test_faults.py::test_fault_cell",  # 177 s (45 cells)
+    "tests/test_faults.py::test_sigkill_at_random_times_during_big_writes",  # 5 s
+    "tests/test_faults.py::test_writer_dying_after_state_set_leaves_slot_writable",  # 8 s
+    "tests/test_fields.py::test_a_writer_of_a_fields_sample_killed_mid_write_leaves_a_miss",  # 7 s
+    "tests/test_fields.py::test_random_operations_on_a_fields_cache_match_a_model",  # 2 s
+    "tests/test_fuzz.py::test_cache_matches_model",  # 34 s
+    "tests/test_fuzz_samples.py::test_fields_and_open_sizes_match_model",  # 15 s
+    "tests/test_lifecycle.py::test_nothing_left_after_any_exit",  # 24 s
+    "tests/test_persistent.py::"
+    "test_a_slot_half_written_when_a_job_was_killed_is_a_miss_in_the_next_job",  # 6 s
+    "tests/test_saved.py::test_a_save_killed_mid_write_leaves_the_previous_file_loadable",  # 6 s
+    "tests/test_prefetch.py::test_sigkill_of_the_trainer_leaves_nothing",  # 7 s
+    "tests/test_prefetch_closing.py::"
+    "test_ending_in_any_order_is_quiet_and_frees_the_staging_area",  # 24 s (10 cells)
+    "tests/test_prefetch_processes.py::"
+    "test_sigkill_of_the_trainer_takes_its_loader_processes_along",  # 17 s
+    "tests/test_variable.py::test_a_writer_killed_mid_write_leaves_a_miss",  # 8 s
+    "tests/test_variable.py::test_writers_and_clears_never_give_a_torn_sample",  # 4 s
+    # trainers: Lightning, Hugging Face, Accelerate, Ray Train and their examples in the docs
+    "tests/test_trainers.py::"
+    "test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches",  # 20 s
+    "tests/test_trainers.py::"
+    "test_accelerate_prepare_of_a_per_rank_sampler_warns_once_with_the_fix",  # 12 s
+    "tests/test_trainers.py::test_each_trainers_example_in_the_docs_runs_as_shown",  # 59 s
+    "tests/test_trainers.py::"
+    "test_hugging_face_trainer_resumed_mid_epoch_trains_the_rest_of_that_epoch",  # 73 s
+    "tests/test_trainers.py::"
+    "test_hugging_face_trainer_trains_each_rank_on_its_cache_aware_batches",  # 34 s
+    "tests/test_trainers.py::test_lightning_cache_made_before_the_launch_fails_at_once",  # 17 s
+    "tests/test_trainers.py::test_lightning_trains_each_rank_on_its_own_cache_aware_share",  # 35 s
+    "tests/test_trainers.py::"
+    "test_lightning_wrapping_a_sampler_that_is_not_distributed_warns_once_with_the_fix",  # 20 s
+    "tests/test_ray.py::"
+    "test_a_dataset_holding_a_cache_in_train_loop_config_fails_at_fit_with_the_advice",  # 14 s
+    "tests/test_ray.py::"
+    "test_ray_places_three_workers_2_plus_1_and_the_process_group_reconciles_the_nodes",  # 58 s
+    "tests/test_ray.py::"
+    "test_ray_workers_that_build_the_dataset_in_train_loop_per_worker_share_one_cache",  # 57 s
+    "tests/test_ray.py::"
+    "test_the_advice_sent_in_train_loop_config_builds_one_cache_per_node",  # 53 s
+    # several ranks: torchrun, mp.spawn, two nodes, a rank waiting for another
+    "tests/test_launchers.py::"
+    "test_a_leader_done_before_another_rank_constructs_waits_for_it",  # 7 s
+    "tests/test_launchers.py::"
+    "test_a_leader_waits_for_missing_ranks_only_while_one_may_come",  # 9 s
+    "tests/test_launchers.py::test_mp_spawn_ranks_share_one_cache",  # 10 s
+    "tests/test_launchers.py::"
+    "test_readme_example_under_torchrun_with_every_rank_reading_every_index",  # 9 s
+    "tests/test_mixtures.py::"
+    "test_torchrun_two_ranks_cover_the_mixture_and_resume_from_rank_1",  # 6 s
+    "tests/test_prefetch.py::test_ddp_two_ranks_one_cache_each_index_once",  # 6 s
+    "tests/test_processes.py::test_mismatched_configuration_is_named",  # 6 s
+    "tests/test_processes.py::test_real_torchrun_two_local_ranks",  # 4 s
+    "tests/test_processes.py::test_two_local_ranks_share_one_segment",  # 9 s
+    "tests/test_processes.py::test_two_nodes_under_real_torchrun",  # 11 s
+    "tests/test_processes.py::test_waiting_rank_names_the_leader_that_never_came",  # 3 s
+    "tests/test_saved.py::test_two_local_ranks_under_torchrun_load_once",  # 5 s
+    # a fresh interpreter: the command line, copied modules, new processes, the benchmark
+    "tests/test_benchmark.py::"
+    "test_persistent_command_prints_its_checks_and_leaves_nothing",  # 29 s
+    "tests/test_benchmark.py::test_latency_command_prints_one_line_per_target",  # 2 s
+    "tests/test_benchmark.py::test_quality_command_runs",  # 6 s
+    "tests/test_benchmark.py::test_run_end_to_end",  # 4 s
+    "tests/test_benchmark.py::test_run_spawn_persistent_views_release_the_cache",  # 8 s
+    "tests/test_benchmark.py::test_run_varied_sizes_end_to_end",  # 3 s
+    "tests/test_benchmark.py::test_run_with_repeats",  # 2 s
+    "tests/test_benchmark.py::test_run_with_the_device_loader",  # 3 s
+    "tests/test_docs.py::test_module_runs_as_a_copied_single_file",  # 3 s
+    "tests/test_launchers.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
+    "tests/test_launchers.py::test_cli_output_into_a_closed_pipe_ends_quietly",  # 3 s
+    "tests/test_launchers.py::"
+    "test_cli_plan_takes_torch_dtypes_and_warns_when_it_does_not_fit",  # 10 s
+    "tests/test_launchers.py::test_the_help_of_every_option_is_written",  # 8 s
+    "tests/test_lifecycle.py::test_cli_info_lists_live_segments",  # 2 s
+    "tests/test_lifecycle.py::test_cli_plan",  # 5 s
+    "tests/test_lifecycle.py::test_startup_leftover_is_removed_by_clean",  # 4 s
+    "tests/test_mixtures.py::test_mixtures_py_works_copied_next_to_stocaching_py",  # 2 s
+    "tests/test_order.py::test_the_order_works_copied_next_to_stocaching_py",  # 8 s
+    "tests/test_persistent.py::test_a_persistent_cache_goes_to_spawned_processes_too",  # 5 s
+    "tests/test_persistent.py::test_clean_removes_a_persistent_cache_only_by_name_or_flag",  # 3 s
+    "tests/test_persistent.py::test_the_next_job_attaches_with_every_filled_slot_a_hit",  # 2 s
+    "tests/test_saved.py::test_a_saved_cache_loads_in_a_new_process_with_the_same_samples",  # 4 s
+    "tests/test_saved.py::test_the_cli_inspects_saved_files_and_says_which_are_damaged",  # 6 s
+    "tests/test_sending.py::test_every_kind_of_cache_goes_through_a_pool",  # 7 s
+    "tests/test_sending.py::test_torch_multiprocessing_pool_queue_and_process",  # 3 s
+    # the others over 1.5 s
+    "tests/test_cache.py::test_view_is_read_only_and_writing_it_crashes",  # 2 s
+    "tests/test_capacity_security.py::"
+    "test_cache_that_just_fits_fills_completely_without_sigbus",  # 5 s
+    "tests/test_capacity_security.py::"
+    "test_stale_segments_are_reclaimed_and_live_ones_never_touched",  # 6 s
+    "tests/test_device.py::test_a_newer_iterator_stops_the_one_alive_which_then_raises",  # 2 s
+    "tests/test_device.py::test_a_writer_racing_the_gather_never_yields_a_torn_row",  # 2 s
+    "tests/test_device.py::"
+    "test_closing_with_an_iterator_alive_returns_frees_the_staging_and_ends_the_iterator",  # 6 s
+    "tests/test_device.py::"
+    "test_the_program_ends_with_an_iterator_alive_and_the_loader_never_closed",  # 2 s
+}
+
+KEEP = {
+    # one cell of each matrix that is its file's only fast candidate: a DataLoader worker
+    # killed while it reads; the Prefetcher closed first, the ordinary ending
+    "tests/test_faults.py::test_fault_cell[worker-read-KILL]",  # 2 s
+    "tests/test_prefetch_closing.py::"
+    "test_ending_in_any_order_is_quiet_and_frees_the_staging_area[prefetcher-closed-first-0]",
+    # the file's only test
+    "tests/test_fuzz_samples.py::test_fields_and_open_sizes_match_model",  # 15 s
+    # `python -m stocaching` (stocaching/__main__.py) in a fresh interpreter
+    "tests/test_lifecycle.py::test_cli_info_lists_live_segments",  # 2 s
+}
+
+FAST_BUDGET_S = 5.0  # a test in the fast loop that takes longer is listed at the end
+
+
+def _entries(nodeid: str) -> tuple[str, str]:
+    """The two SLOW/KEEP entries that can name a test: itself, and all its parametrizations."""
+    return nodeid, nodeid.split("[", 1)[0]
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    if any(e in KEEP for e in _entries(item.nodeid)):
+        return False
+    if any(e in SLOW for e in _entries(item.nodeid)):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and not SLOW_VARIANTS.isdisjoint(callspec.id.split("-"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(slow)
+    if config.args_source is not pytest.Config.ArgsSource.TESTPATHS:
+        return  # some files or tests named: the tables are checked on whole runs only
+    named = {e for item in items for e in _entries(item.nodeid)}
+    stale = sorted((SLOW | KEEP) - named)
+    if stale:
+        warnings.warn(f"tests/conftest.py's SLOW or KEEP names tests that no longer exist "
+                      f"(renamed?): {stale}", pytest.PytestWarning, stacklevel=1)
+    files = {item.path.name for item in items}
+    fast = {item.path.name for item in items if not item.get_closest_marker("slow")}
+    if files - fast:
+        warnings.warn(f"every test of {sorted(files - fast)} is slow, so the fast loop "
+                      f"(-m 'not slow') runs none of it: name one in KEEP in tests/conftest.py",
+                      pytest.PytestWarning, stacklevel=1)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if "not slow" not in (config.option.markexpr or ""):
+        return
+    over = sorted((r.duration, r.nodeid) for r in terminalreporter.stats.get("passed", [])
+                  if r.when == "call" and r.duration > FAST_BUDGET_S and r.nodeid not in KEEP)
+    if over:
+        terminalreporter.write_line(
+            f"fast loop: {len(over)} test(s) took over {FAST_BUDGET_S:g} s; if they always "
+            f"do, add them to SLOW in tests/conftest.py: "
+            + ", ".join(f"{n} ({d:.1f} s)" for d, n in over[::-1]))
 
 
 @pytest.fixture

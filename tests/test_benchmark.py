@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Sequence
 
 import pytest
@@ -523,39 +522,19 @@ def test_mixture_command_prints_shares_hits_and_the_build_target(shm_dir, capsys
     assert os.listdir(shm_dir) == []
 
 
-@pytest.mark.timeout(300)
-def test_cpu_roles_counts_each_process_kind(tmp_path, capsys):
-    """``python -m benchmark.cpu_roles`` on 32 JPEGs, one epoch: the plain arm has no loader
-    processes and its workers did the decoding; the prefetching arm's loader processes loaded
-    every sample (half into slots, half staged)."""
-    from benchmark import cpu_roles
-    rows = cpu_roles.main(["--data-dir", str(tmp_path / "jpegs"), "--num-images", "32",
-                           "--epochs", "1", "--repeats", "1", "--staging-slots", "32"])
-    (plain,), (pf,) = rows["plain"], rows["prefetcher"]
-    assert plain["loaders"] == 0.0 and plain["loaded"] == 0 and plain["workers"] > 0
-    assert pf["loaded"] == 32 and pf["loaders"] >= 0 and pf["trainer"] > 0
-    assert "medians:" in capsys.readouterr().out
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["cpu_roles", "prefetch_cost"])
+def test_lab_instrument_prints_its_help(name):
+    """``python -m benchmark.lab.<name> --help``: the development instruments (benchmark/lab/)
+    are checked only to start and parse their options; what they measure is not asserted."""
+    import subprocess
+    import sys
 
-
-@pytest.mark.timeout(300)
-def test_prefetch_cost_runs_both_checkouts_alternately(capsys):
-    """``python -m benchmark.prefetch_cost`` on 300 misses, with ``--before`` naming this very
-    checkout: each arm runs once in a process of its own, loads every miss (half of them into
-    slots, half staged), and reports CPU per index and per load."""
-    from benchmark import prefetch_cost
-    here = str(prefetch_cost.HERE)
-    res = prefetch_cost.main(["--samples", "300", "--threads", "2", "--processes", "1",
-                              "--repeats", "1", "--before", here])
-    for name in ("this checkout", "before"):
-        (r,) = res[name]
-        assert r["loaded"] == 300 and r["slots"] == 150, r
-        assert r["trainer_us_per_index"] > 0 and r["loaders_us_per_load"] >= 0
-    out = capsys.readouterr().out
-    assert "this checkout (median of 1): trainer" in out and "before (median of 1)" in out
-    with pytest.raises(SystemExit):
-        prefetch_cost.main(["--before", str(Path(here) / "docs")])
-    assert "--before should be a directory holding stocaching/prefetch.py" in \
-        capsys.readouterr().err
+    from _helpers import REPO
+    r = subprocess.run([sys.executable, "-m", f"benchmark.lab.{name}", "--help"], cwd=REPO,
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: python -m benchmark.lab.{name}"), r.stdout
 
 
 # ----------------------------------------------------------------------------------------------

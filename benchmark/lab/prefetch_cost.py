@@ -1,4 +1,5 @@
-"""The CPU the Prefetcher's own machinery costs a load: ``python -m benchmark.prefetch_cost``.
+"""The CPU the Prefetcher's own machinery costs a load:
+``python -m benchmark.lab.prefetch_cost``.
 
 A ``Prefetcher`` over a plain order of ``--samples`` indices, every one a miss, with a trivial
 load (one preallocated 3x64x64 tensor: no decode, no storage), iterated as a ``DataLoader``
@@ -27,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import arguments as A
+from benchmark import arguments as A
 
-HERE = Path(__file__).resolve().parent.parent  # the checkout this module belongs to
+HERE = Path(__file__).resolve().parents[2]  # the checkout this module belongs to
 
 
 def measure(samples: int, threads: int, processes: int, lookahead: int | None = None,
@@ -78,7 +79,7 @@ def measure(samples: int, threads: int, processes: int, lookahead: int | None = 
 def run_with(package_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     """``measure`` in a new process that imports ``stocaching`` from ``package_dir``."""
     code = (f"import json, sys; sys.path.insert(0, {str(HERE)!r}); "
-            f"from benchmark.prefetch_cost import measure; "
+            f"from benchmark.lab.prefetch_cost import measure; "
             f"print(json.dumps(measure({args.samples}, {args.threads}, {args.processes}, "
             f"{args.lookahead}, {args.cached_fraction})))")
     env = {**os.environ, "PYTHONPATH": str(package_dir)}
@@ -89,7 +90,7 @@ def run_with(package_dir: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Run, print, and return every run's figures by arm ('this checkout', 'before')."""
-    p = argparse.ArgumentParser(prog="python -m benchmark.prefetch_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmark.lab.prefetch_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=A.positive_int, default=12000, help="default: %(default)s")
     p.add_argument("--threads", type=A.positive_int, default=32, help="default: %(default)s")

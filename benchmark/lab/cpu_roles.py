@@ -14,8 +14,8 @@ model, and prints the CPU seconds (user + system) of
 Arms alternate, ``--repeats`` times each; the load average is printed before and after. Run
 from the repository root::
 
-    python -m benchmark.cpu_roles
-    python -m benchmark.cpu_roles --threads 32 --processes 2 --repeats 3
+    python -m benchmark.lab.cpu_roles
+    python -m benchmark.lab.cpu_roles --threads 32 --processes 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def run_arm(arm: str, root: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv=None) -> dict[str, list[dict[str, float]]]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.lab.cpu_roles",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=None,
                     help="where the JPEGs are (made if missing); default: the benchmark's")
     ap.add_argument("--num-images", type=int, default=1500)
