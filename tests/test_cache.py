@@ -642,7 +642,9 @@ def test_local_ranks_must_agree_on_random_subset(shm_dir):
     worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
     args = dict(size_limit_gib=1e-4, dataset_len=1000, data_dims=(3, 8, 8), name="r",
                 job_key=f"subset{os.getpid()}", shm_dir=shm_dir, timeout=60)
-    with SharedCache(**args, world=worlds[0], random_subset=True):
+    # (The leader's timeout is also how long its close() waits for the refused rank, while a
+    # process beside the test runner lives.)
+    with SharedCache(**{**args, "timeout": 3}, world=worlds[0], random_subset=True):
         with pytest.raises(CacheConfigError, match="random_subset") as e:
             SharedCache(**args, world=worlds[1])
         assert (e.value.field, e.value.expected, e.value.found) == ("random_subset", 0, 1)

@@ -216,8 +216,10 @@ def _pair(shm_dir, lead_kw, other_kw):
     """A leader and a second local rank (in this process) with their own arguments."""
     worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
     key = f"fields{os.getpid()}"
+    # (The leader's timeout is also how long its close() waits for a rank that never
+    # attached, while a process beside the test runner lives: a refused rank never does.)
     lead = SharedCache(0.001, 10, **lead_kw, name="p", job_key=key, world=worlds[0],
-                       shm_dir=shm_dir, timeout=60)
+                       shm_dir=shm_dir, timeout=3)
     try:
         return lead, SharedCache(0.001, 10, **other_kw, name="p", job_key=key, world=worlds[1],
                                  shm_dir=shm_dir, timeout=60)
