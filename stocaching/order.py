@@ -18,6 +18,9 @@ order when given a ``window``) the order gives the loads lead time. See docs/ord
 
 This module imports only public names of ``stocaching``, so it also works copied next to
 ``stocaching.py``; ``prefetch.py`` needs it beside it.
+
+Contents: 1. the rule (``ready_first_order``), 2. one epoch's iteration and what a resume
+needs of the base order, 3. under trainers, 4. the sampler (``ReadyFirstSampler``).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _nbytes(bits: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# The order itself
+# 1. The rule: ready first within a window, on a mask
 # ----------------------------------------------------------------------------------------------
 
 
@@ -170,7 +173,7 @@ def ready_first_order(ready: Any, window: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# One epoch's iteration
+# 2. One epoch's iteration, and what a resume needs of the base order
 # ----------------------------------------------------------------------------------------------
 
 
@@ -416,7 +419,7 @@ class _Tap:
 
 
 # ----------------------------------------------------------------------------------------------
-# Under trainers: a DistributedSampler over one, and the positions accelerate deals a process
+# 3. Under trainers: a DistributedSampler over one, the positions accelerate deals a process
 # ----------------------------------------------------------------------------------------------
 
 #: What a sampler over a ``DistributedSampler`` shows of it, to be one too.
@@ -487,7 +490,7 @@ def _wrapped_by_lightning(what: str, base: Any, cost: str = "") -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The sampler
+# 4. The sampler: ReadyFirstSampler
 # ----------------------------------------------------------------------------------------------
 
 

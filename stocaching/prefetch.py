@@ -26,6 +26,10 @@ routes around misses that are not loaded yet. See docs/prefetch.md and docs/orde
 
 This module imports only public names of ``stocaching`` and the order's module, so it also
 works copied next to ``stocaching.py`` and ``order.py``.
+
+Contents: 1. its error and how loader processes start, 2. standing aside (measuring the
+loads), 3. the ``Prefetcher``, 4. staged samples given back, 5. an epoch's loads and a load,
+6. the loaders in threads, 7. the loaders in processes.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ logger = logging.getLogger("stocaching")
 
 
 # ----------------------------------------------------------------------------------------------
-# The prefetcher: misses loaded ahead of need, with many reads in flight
+# 1. Its error, and how its loader processes start
 # ----------------------------------------------------------------------------------------------
 
 
@@ -108,6 +112,11 @@ def _start_context(ctx: Any) -> Any:
                         f"multiprocessing context or None, but got multiprocessing_context of "
                         f"type {type(ctx).__name__}")
     return ctx
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Standing aside: measuring the loads
+# ----------------------------------------------------------------------------------------------
 
 
 # Loads are CPU-bound while they wait (for storage, a socket, a sleep) less than this share of
@@ -228,6 +237,11 @@ class _LoadTimes:
         return (f"{bound} of the latest {len(recent)} timed loads were, and they waited "
                 f"{sum(r[0] for r in recent) / n / 1e6:.2f} ms a load for "
                 f"{sum(r[1] for r in recent) / n / 1e6:.2f} ms of CPU")
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The Prefetcher
+# ----------------------------------------------------------------------------------------------
 
 
 class Prefetcher(torch.utils.data.Sampler[int]):
@@ -961,6 +975,11 @@ class _DistributedPrefetcher(Prefetcher, _OverDistributed):
         return self._tap.base.epoch
 
 
+# ----------------------------------------------------------------------------------------------
+# 4. Staged samples, given back however an epoch ends
+# ----------------------------------------------------------------------------------------------
+
+
 class _Staged:
     """The indices a prefetcher's loads staged, and how many stages are under way. A loader
     thread stages only while its epoch (``stop``) and the prefetcher (``closed``) go on, so
@@ -1030,6 +1049,11 @@ def _unstage_tagged(cache: BaseCache, tag: int) -> None:
         oob = np.flatnonzero(~cache.slot_mask())
         for idx in oob[cache.ready_mask(oob, tag=tag)].tolist():
             cache.unstage(idx, tag=tag)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. An epoch's loads, and a load
+# ----------------------------------------------------------------------------------------------
 
 
 class _EpochLoads:
@@ -1113,6 +1137,11 @@ class _Job:
         self.due = True
         if self.flag is not None:
             self.flag()
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The loaders: threads
+# ----------------------------------------------------------------------------------------------
 
 
 def _halt_threads(stop: threading.Event, jobs: queue.SimpleQueue,
@@ -1238,6 +1267,11 @@ class _LoaderPool(_Loaders):
     @property
     def stopped(self) -> bool:
         return self._stop.is_set()
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. The loaders: processes
+# ----------------------------------------------------------------------------------------------
 
 
 def _unpicklable_load(load: Any, ctx: Any, error: BaseException) -> TypeError:
