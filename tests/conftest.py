@@ -5,6 +5,7 @@
 * ``tmpfs``: a freshly mounted 64 MiB tmpfs, for capacity checks and leak checks that count the
   filesystem's bytes (skipped, with the reason, where ``mount`` is not allowed);
 * ``children``: starts ``tests/children/job.py`` processes and kills what is left of them;
+* ``process_group_of_one``: a real gloo process group of one rank in the test's process;
 
 and Hypothesis's profile: derandomized, with no example database, so that CI sees what a
 developer sees, and no deadline, so that no example fails by time. The inputs are the same on
@@ -26,9 +27,10 @@ import tempfile
 import warnings
 
 import pytest
+import torch.distributed as dist
 from hypothesis import settings
 
-from _helpers import Child
+from _helpers import Child, free_port
 
 SHM_ROOT = "/dev/shm"
 
@@ -214,6 +216,17 @@ def pytest_terminal_summary(terminalreporter, config):
             f"fast loop: {len(over)} test(s) took over {FAST_BUDGET_S:g} s; if they always "
             f"do, add them to SLOW in tests/conftest.py: "
             + ", ".join(f"{n} ({d:.1f} s)" for d, n in over[::-1]))
+
+
+@pytest.fixture
+def process_group_of_one():
+    """A real gloo process group of one rank in this process, destroyed afterwards."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

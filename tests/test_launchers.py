@@ -16,7 +16,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Subset
 
 from _helpers import (CHILDREN, CachedDataset, assert_no_leak, budget_for, free_port, named,
@@ -55,17 +54,6 @@ def test_each_launchers_variables_give_its_world(launcher):
     env, want = LAUNCHERS[launcher]
     assert World.from_env(env) == want
     assert World.discover(env) == want  # no process group here: the variables decide
-
-
-@pytest.fixture
-def process_group_of_one():
-    """A real gloo process group of one rank in this process, destroyed afterwards."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_process_group_overrules_variables_that_disagree_with_it(process_group_of_one):

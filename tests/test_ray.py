@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 import stocaching.stocaching as core
-from _helpers import (CHILDREN, free_port, named, rank_env, run_bounded, value_of,
-                      wait_until_unmapped)
+from _helpers import (CHILDREN, assert_no_leak, free_port, named, rank_env, run_bounded,
+                      value_of)
 from stocaching import CacheAwareSampler, SharedCache, World, list_segments
 
 DIMS = (3, 8, 8)
@@ -136,17 +136,6 @@ def test_ranks_placed_2_plus_1_on_two_hosts_agree_on_the_nodes_through_the_proce
             if p.is_alive():
                 p.kill()
     assert got == {0: [0, 3, 0, 2, 0, 2], 1: [1, 3, 1, 2, 0, 2], 2: [2, 3, 0, 1, 1, 2]}
-
-
-@pytest.fixture
-def process_group_of_one():
-    """A real gloo process group of one rank in this process, destroyed afterwards."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Discovering(Dataset):
@@ -282,11 +271,6 @@ def assert_read_every_index_once_hits_after_the_first_epoch(ranks: list[dict]) -
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1], "set_epoch was not called"
 
 
-def assert_nothing_left(shm_dir: str) -> None:
-    state = wait_until_unmapped(shm_dir)
-    assert not any(state.values()) and named(shm_dir) == [], (state, named(shm_dir))
-
-
 @pytest.mark.timeout(300)
 def test_ray_workers_that_build_the_dataset_in_train_loop_per_worker_share_one_cache(
         shm_dir, tmp_path):
@@ -303,7 +287,7 @@ def test_ray_workers_that_build_the_dataset_in_train_loop_per_worker_share_one_c
     assert_read_every_index_once_hits_after_the_first_epoch(ranks)
     ((segment, pids),) = driver["segments"].items()
     assert segment.endswith("_n0_ray") and {rec["pid"] for rec in ranks} <= set(pids)
-    assert_nothing_left(shm_dir)
+    assert_no_leak(shm_dir)
 
 
 @pytest.mark.timeout(300)
@@ -316,7 +300,7 @@ def test_a_dataset_holding_a_cache_in_train_loop_config_fails_at_fit_with_the_ad
     assert "create it at first use in the process that reads it" in driver["error"]
     assert "build the Dataset inside train_loop_per_worker" in driver["error"]
     assert list(driver["segments"].values()) == [[driver["pid"]]]  # the driver's own only
-    assert_nothing_left(shm_dir)
+    assert_no_leak(shm_dir)
 
 
 @pytest.mark.timeout(300)
@@ -333,7 +317,7 @@ def test_the_advice_sent_in_train_loop_config_builds_one_cache_per_node(shm_dir,
     (pids,) = others.values()
     assert {rec["pid"] for rec in ranks} <= set(pids) and driver["pid"] not in pids
     assert_read_every_index_once_hits_after_the_first_epoch(ranks)
-    assert_nothing_left(shm_dir)
+    assert_no_leak(shm_dir)
 
 
 def _second_loopback_address_works() -> bool:
@@ -365,4 +349,4 @@ def test_ray_places_three_workers_2_plus_1_and_the_process_group_reconciles_the_
     assert_read_every_index_once_hits_after_the_first_epoch(ranks)
     ((segment, pids),) = driver["segments"].items()
     assert {rec["pid"] for rec in ranks} <= set(pids)
-    assert_nothing_left(shm_dir)
+    assert_no_leak(shm_dir)
