@@ -264,6 +264,15 @@ def tmpfs():
 
 
 @pytest.fixture
+def private_shm_dir(tmpfs, monkeypatch):
+    """STOCACHING_SHM_DIR on a tmpfs of the test's own, for tests of programs that use /dev/shm
+    themselves (Ray keeps its object store there): the leak check's byte count then counts
+    only the cache's segments."""
+    monkeypatch.setenv("STOCACHING_SHM_DIR", tmpfs)
+    return tmpfs
+
+
+@pytest.fixture
 def children(tmp_path):
     """Start job processes with ``children(label, env)``; any still running at the end are
     killed (only the process groups this fixture started)."""

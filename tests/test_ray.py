@@ -273,11 +273,11 @@ def assert_read_every_index_once_hits_after_the_first_epoch(ranks: list[dict]) -
 
 @pytest.mark.timeout(300)
 def test_ray_workers_that_build_the_dataset_in_train_loop_per_worker_share_one_cache(
-        shm_dir, tmp_path):
+        private_shm_dir, tmp_path):
     """The recipe of docs/distributed.md: TorchTrainer, two CPU workers, the dataset made in
     train_loop_per_worker with a CacheAwareSampler, prepare_data_loader (which leaves it as it
     is) and two DataLoader workers each. One segment for the node, mapped by both ranks."""
-    driver, ranks = train_with_ray("inside", shm_dir, tmp_path)
+    driver, ranks = train_with_ray("inside", private_shm_dir, tmp_path)
     assert driver["error"] is None
     assert [rec["world"] for rec in ranks] == [[0, 2, 0, 2, 0, 1], [1, 2, 1, 2, 0, 1]]
     for rec in ranks:
@@ -287,29 +287,30 @@ def test_ray_workers_that_build_the_dataset_in_train_loop_per_worker_share_one_c
     assert_read_every_index_once_hits_after_the_first_epoch(ranks)
     ((segment, pids),) = driver["segments"].items()
     assert segment.endswith("_n0_ray") and {rec["pid"] for rec in ranks} <= set(pids)
-    assert_no_leak(shm_dir)
+    assert_no_leak(private_shm_dir)
 
 
 @pytest.mark.timeout(300)
 def test_a_dataset_holding_a_cache_in_train_loop_config_fails_at_fit_with_the_advice(
-        shm_dir, tmp_path):
-    driver, ranks = train_with_ray("driver", shm_dir, tmp_path)
+        private_shm_dir, tmp_path):
+    driver, ranks = train_with_ray("driver", private_shm_dir, tmp_path)
     assert ranks == []
     assert driver["error"].startswith("TypeError: Could not serialize"), driver["error"][:500]
     assert "a SharedCache can be pickled only by multiprocessing" in driver["error"]
     assert "create it at first use in the process that reads it" in driver["error"]
     assert "build the Dataset inside train_loop_per_worker" in driver["error"]
     assert list(driver["segments"].values()) == [[driver["pid"]]]  # the driver's own only
-    assert_no_leak(shm_dir)
+    assert_no_leak(private_shm_dir)
 
 
 @pytest.mark.timeout(300)
-def test_the_advice_sent_in_train_loop_config_builds_one_cache_per_node(shm_dir, tmp_path):
+def test_the_advice_sent_in_train_loop_config_builds_one_cache_per_node(
+        private_shm_dir, tmp_path):
     """The dataset made in the driver and read there once (the driver's own cache), then sent
     in train_loop_config: Ray unpickles it in its controller and in each worker, which builds
     nothing; the workers' CacheAwareSampler reads dataset.cache and makes one cache for the
     node. With the old advice (rebuild in __setstate__) this run made five segments."""
-    driver, ranks = train_with_ray("lazy", shm_dir, tmp_path)
+    driver, ranks = train_with_ray("lazy", private_shm_dir, tmp_path)
     assert driver["error"] is None
     assert [rec["world"] for rec in ranks] == [[0, 2, 0, 2, 0, 1], [1, 2, 1, 2, 0, 1]]
     others = {s: pids for s, pids in driver["segments"].items() if pids != [driver["pid"]]}
@@ -317,7 +318,7 @@ def test_the_advice_sent_in_train_loop_config_builds_one_cache_per_node(shm_dir,
     (pids,) = others.values()
     assert {rec["pid"] for rec in ranks} <= set(pids) and driver["pid"] not in pids
     assert_read_every_index_once_hits_after_the_first_epoch(ranks)
-    assert_no_leak(shm_dir)
+    assert_no_leak(private_shm_dir)
 
 
 def _second_loopback_address_works() -> bool:
@@ -331,7 +332,7 @@ def _second_loopback_address_works() -> bool:
 
 @pytest.mark.timeout(300)
 def test_ray_places_three_workers_2_plus_1_and_the_process_group_reconciles_the_nodes(
-        shm_dir, tmp_path):
+        private_shm_dir, tmp_path):
     """Two Ray nodes on this machine (2 CPUs and 1 CPU, at two loopback addresses), three
     workers: Ray places them 2 + 1 and gives each node's workers that node's variables (those
     of RAY_2_PLUS_1). From them alone the ranks would disagree on the nodes (1 and 3); every
@@ -339,7 +340,7 @@ def test_ray_places_three_workers_2_plus_1_and_the_process_group_reconciles_the_
     read by all three."""
     if not _second_loopback_address_works():
         pytest.skip("a second Ray node needs the loopback address 127.0.0.2")
-    driver, ranks = train_with_ray("uneven", shm_dir, tmp_path)
+    driver, ranks = train_with_ray("uneven", private_shm_dir, tmp_path)
     assert driver["error"] is None
     assert len({rec["ray_node"] for rec in ranks}) == 2
     for rec in ranks:
@@ -349,4 +350,4 @@ def test_ray_places_three_workers_2_plus_1_and_the_process_group_reconciles_the_
     assert_read_every_index_once_hits_after_the_first_epoch(ranks)
     ((segment, pids),) = driver["segments"].items()
     assert {rec["pid"] for rec in ranks} <= set(pids)
-    assert_no_leak(shm_dir)
+    assert_no_leak(private_shm_dir)
