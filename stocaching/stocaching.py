@@ -31,13 +31,14 @@ exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
 
 Contents (``grep -n "^# [0-9]*[.] " stocaching.py`` lists the sections with their lines):
 
- 1. Constants                              8. Segment files: names, opening, liveness
- 2. Argument checks                        9. The cache contract: BaseCache
- 3. What a trainer did to a sampler       10. Fixed-size rows: SharedCache (the hit path)
- 4. Who am I: World                       11. Several fields a sample
- 5. Which indices each node caches        12. Open sizes: OpenSizeCache
- 6. Exceptions                            13. Saved files
- 7. The segment's layout and sizing       14. Planning a cache, and the command line
+ 1. Constants                              9. The segment, as a process holds it
+ 2. Argument checks                       10. The cache contract: BaseCache
+ 3. What a trainer did to a sampler       11. Fixed-size rows: SharedCache (the hit path)
+ 4. Who am I: World                       12. Several fields a sample
+ 5. Which indices each node caches        13. Open sizes: OpenSizeCache
+ 6. Exceptions                            14. Saved files
+ 7. The segment's layout and sizing       15. Planning a cache, and the command line
+ 8. _Segment files: names, opening, liveness
 """
 
 from __future__ import annotations
@@ -1012,7 +1013,7 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Segment files: names, opening, locks, liveness, listing and cleaning up
+# 8. _Segment files: names, opening, locks, liveness, listing and cleaning up
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1297,7 +1298,7 @@ def _held_here(path: str) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    return any(c._file_id == (st.st_dev, st.st_ino) for c in list(_LIVE_CACHES))
+    return any(c._segment.file_id == (st.st_dev, st.st_ino) for c in list(_LIVE_CACHES))
 
 
 def _after_fork_in_child() -> None:
@@ -1592,18 +1593,448 @@ def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
     fd = dupfd.detach()
     cache = cls.__new__(cls)
     cache.__dict__.update(state)
-    cache._fd, cache._finalizer = fd, None
+    segment = cache._segment = _Segment(cache._path)
     try:
-        cache._map_existing(fd)
+        segment.map_existing(cache, fd)
     except BaseException:
         os.close(fd)
         raise
-    cache._finalizer = weakref.finalize(cache, _finalize_segment, fd, None, 0, 0)
+    segment.finalizer = weakref.finalize(segment, _finalize_segment, fd, None, 0, 0)
     return cache
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. The cache contract: BaseCache (construction, attach, locks, sending, the public API)
+# 9. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
+# ----------------------------------------------------------------------------------------------
+
+
+class _Segment:
+    """A cache's file of shared memory on this node, as this process holds it: the
+    descriptor, the two mappings, the record locks and the header's counters.
+
+    The local leader makes it (``make``; a persistent cache's is adopted where it exists:
+    ``open_persistent``), the other local ranks attach to it by name (``attach``), and a
+    process the cache is sent to maps the descriptor it received (``map_existing``). What the
+    segment holds is the cache's to say: each of those takes the cache as ``owner``, which
+    gives the header it expects (``_expected_header``), checks one someone else wrote
+    (``_check_header``), builds its views on the mapping (``_map``), marks which indices
+    have a slot (``_mark_slots``) and fills it from a saved file (``_load``).
+    """
+
+    # -- state: this process's handle (a forked child inherits it; a process the cache is
+    # sent to makes its own in _rebuild_cache) ---------------------------------------------
+    path: str  # the segment's name in the shm directory (gone once every local rank holds it)
+    fd: int = -1
+    mapping: mmap.mmap | None = None  # read-write: every copying read and every write
+    read_only_mapping: mmap.mmap | None = None  # backs copy=False views: writing one crashes
+    size: int = 0
+    file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file this handle maps
+    finalizer: weakref.finalize | None = None  # closes fd (the leader: drops the name too)
+    populating: tuple[threading.Thread, threading.Event] | None = None  # pages mapped in
+    thread_lock: threading.RLock  # the threads of this process, around its record locks
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.thread_lock = threading.RLock()
+
+    # -- making, adopting and attaching -----------------------------------------------------
+
+    def _make_file(self, owner: BaseCache, publish: Callable[[str, int], None],
+                   load_from: str | None = None) -> tuple[int, os.stat_result, dict]:
+        """Make ``owner``'s segment in a private temporary file (header written, mapped),
+        fill it from the saved file ``load_from`` if given, then ``publish(tmp, fd)`` gives it
+        its name, or not. The temporary name is gone afterwards; on any error (``publish``'s
+        included) so are the mapping and the descriptor, and the error is raised."""
+        head = owner._expected_header()
+        self._preflight(owner, os.path.dirname(self.path), head["total_bytes"])
+        tmp = f"{self.path}.{os.getpid()}.{secrets.token_hex(4)}.init"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        st = os.fstat(fd)
+        try:
+            # A load by sendfile writes the slots through the file, which allocates their
+            # pages as it goes (no SIGBUS: a full filesystem fails the write): reserving the
+            # rest afterwards spares it a pass over the memory before the copy can start.
+            late = load_from is not None and _SENDFILE
+            self._init_file(owner, fd, head, reserve=head["data_off"] if late else None)
+            if load_from is not None:
+                owner._load(load_from, head["data_off"], reserved=not late)
+            if late:
+                self.reserve(owner, fd, head["total_bytes"])
+            publish(tmp, fd)
+        except BaseException:
+            if self.mapping is not None:
+                owner._unmap()  # the traceback keeps the cache alive: free the memory now
+            _close_fd(fd)
+            raise
+        finally:
+            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+        return fd, st, head
+
+    def make(self, owner: BaseCache, load_from: str | None = None) -> None:
+        """The local leader of a cache that is not persistent: make the segment (filled from
+        ``load_from`` if given) and, when other local ranks will attach, publish its name."""
+        shared = owner._world.local_world_size > 1
+        fd, st, head = self._make_file(
+            owner, (lambda tmp, fd: self._publish(owner, tmp, fd)) if shared else
+            (lambda tmp, fd: None), load_from)
+        shm_dir = os.path.dirname(self.path)
+        wait = owner._timeout if owner._world.local_world_size > 1 else 0.0
+        self.finalizer = weakref.finalize(self, _finalize_segment, fd, self.path,
+                                          st.st_ino, st.st_dev, os.getpid(), wait)
+        lay = owner._layout
+        logger.info(
+            "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s on node %d: "
+            "%s in %s, %s free there afterwards", owner._name, lay.slots, lay.dataset_len,
+            100.0 * lay.slots / lay.dataset_len, owner._describe(), owner._world.node_rank,
+            _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
+
+    def open_persistent(self, owner: BaseCache, load_from: str | None = None) -> None:
+        """The local leader of a persistent cache: attach to the segment of this name if it
+        holds this configuration and key (a mismatch raises, or with on_mismatch="replace"
+        makes way for a new one), else make it (filled from ``load_from`` if given). Its name
+        stays after the job."""
+        for _ in range(5):
+            try:
+                fd = _open_existing(self.path)
+            except FileNotFoundError:
+                if self._create_persistent(owner, load_from):
+                    return
+                continue  # another job made it at the same moment: attach to theirs
+            try:
+                if self._adopt_persistent(owner, fd):
+                    if load_from is not None:
+                        logger.info("stocaching: the persistent cache %r exists: attached to it "
+                                    "as it is, without reading %s", owner._name, load_from)
+                    return
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # replaced: make a new one
+        raise CacheConfigError(f"could not open or make the persistent cache {self.path}: it "
+                               "keeps changing", "name", owner._name, self.path)
+
+    def _create_persistent(self, owner: BaseCache, load_from: str | None = None) -> bool:
+        """Make the segment and give it its name; False if another process named one first."""
+        try:
+            fd, _, head = self._make_file(owner, lambda tmp, fd: os.link(tmp, self.path),
+                                          load_from)
+        except FileExistsError:
+            return False
+        self.finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        logger.info("stocaching: made the persistent cache %r (key %r): %d of %d samples of %s, "
+                    "%s in %s; it stays after this job (python -m stocaching clean --persistent "
+                    "%s removes it)", owner._name, owner._key, owner._layout.slots,
+                    owner._layout.dataset_len, owner._describe(),
+                    _fmt_bytes(head["total_bytes"]), os.path.dirname(self.path), owner._name)
+        return True
+
+    def _adopt_persistent(self, owner: BaseCache, fd: int) -> bool:
+        """Attach to an existing persistent segment; False if it was removed to be replaced."""
+        for _ in range(3):  # (another process may probe it for an instant, as we do)
+            alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
+            if alone:
+                break
+            time.sleep(0.05)
+        if not alone:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        st = os.fstat(fd)
+        if not _names(self.path, st.st_ino, st.st_dev):
+            return False  # removed (or replaced) meanwhile: look again
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, min(size, _HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            head = _read_header(mm) if size >= _HEADER_BYTES else None
+            theirs = _read_key(mm) if head is not None else None
+        mismatch = None
+        if head is None or not head["persistent"]:
+            mismatch = CacheConfigError(f"{self.path} is not a persistent cache", "persistent",
+                                        1, 0)
+        elif head["key_hash"] != _key_hash(owner._key):
+            mismatch = CacheConfigError(
+                f"the persistent cache {self.path} holds key={theirs!r}, but this job asked "
+                f"for key={owner._key!r}: it holds other data. Pass on_mismatch='replace' to "
+                "make a new cache in its place, or another name=", "key", owner._key, theirs)
+        else:
+            try:
+                owner._check_header(head, size)
+            except CacheConfigError as e:
+                mismatch = CacheConfigError(
+                    f"the persistent cache {self.path} holds {e.field}={e.found}, but this job "
+                    f"asked for {e.field}={e.expected}. Pass on_mismatch='replace' to make a new "
+                    "cache in its place, or another name=", e.field, e.expected, e.found)
+        if mismatch is not None:
+            if owner._on_mismatch == "replace" and not alone:
+                raise CacheConfigError(f"{mismatch} (not replaced: another process uses it "
+                                       "now)", mismatch.field, mismatch.expected, mismatch.found)
+            if owner._on_mismatch != "replace":
+                raise mismatch
+            st = os.fstat(fd)
+            _unlink_if_same(self.path, st.st_ino, st.st_dev)
+            logger.warning("stocaching: replaced the persistent cache %s: %s", self.path,
+                           mismatch.args[0])
+            return False
+        if alone:
+            # What the last job left staged is nobody's now (cleared before mapping, still
+            # alone). flock cannot turn exclusive into shared atomically: it drops the lock
+            # first, and a `clean` of this name or a job replacing it may take the segment
+            # in between. Once shared it is ours to keep, so look at the name again then.
+            _pwrite_all(fd, np.full(owner._staging_slots, -1, np.int64), head["stage_off"])
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not _names(self.path, st.st_ino, st.st_dev):
+                return False  # removed meanwhile: look again
+        with contextlib.suppress(OSError):
+            os.utime(fd)  # the listing's age: since a job last attached
+        head = self.map_existing(owner, fd)
+        self.finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        self.populate(head["data_off"])
+        logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
+                    "filled", owner._name, owner._key,
+                    int(np.count_nonzero(owner._index_states_np == SET)), owner._layout.slots)
+        return True
+
+    def populate(self, data_off: int) -> None:
+        """Map the pages of the slots of a segment that holds samples into this process
+        ahead of the reads, the first now and the rest in the background (the read-write
+        mapping: the one every copying read reads); ``unmap`` stops the thread first."""
+        rows = np.frombuffer(self.mapping, np.uint8, self.size - data_off, data_off)
+        self.populating = _populate_in_background(rows.ctypes.data, rows.nbytes)
+
+    def _preflight(self, owner: BaseCache, shm_dir: str, total: int) -> None:
+        """Before anything is made: drop stale segments, refuse what cannot fit, warn about
+        a directory on disk or a machine left short of RAM."""
+        clean_segments(shm_dir)  # segments of this user whose processes are all gone
+        free = _free_bytes(shm_dir)
+        if total > free:
+            raise owner._capacity_error(shm_dir, total, free)
+        fstype = _fs_type(shm_dir)
+        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS
+        if on_disk:
+            warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
+                          "the cache is a file there, and may be as slow as the data it "
+                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=5)
+        vm = psutil.virtual_memory()
+        margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
+        if not on_disk and vm.available - total < margin:
+            warnings.warn(
+                f"the cache needs {_fmt_bytes(total)} of shared memory but only "
+                f"{_fmt_bytes(vm.available)} of RAM is available; less than "
+                f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
+                "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
+                ResourceWarning, stacklevel=5)
+
+    def reserve(self, owner: BaseCache, fd: int, nbytes: int) -> str | None:
+        """Allocate the first ``nbytes`` of the new segment now (pages already written stay
+        as they are): no SIGBUS mid-epoch. Returns why not where the filesystem cannot
+        reserve ahead, else None; a full one raises ``CacheCapacityError``."""
+        shm_dir = os.path.dirname(self.path)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise owner._capacity_error(shm_dir, os.fstat(fd).st_size,
+                                            _free_bytes(shm_dir)) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            return e.strerror
+        return None
+
+    def _init_file(self, owner: BaseCache, fd: int, head: dict, reserve: int | None = None
+                   ) -> None:
+        """Reserve the memory of a new segment (its first ``reserve`` bytes, default all),
+        write its header, map it and let ``owner`` mark which indices have a slot here; the
+        segment is ready (but not yet public) afterwards."""
+        shm_dir, total = os.path.dirname(self.path), head["total_bytes"]
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, total)
+        why = self.reserve(owner, fd, total if reserve is None else reserve)
+        if why is not None:
+            warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
+                          f"{why}); a full filesystem may raise SIGBUS later",
+                          RuntimeWarning, stacklevel=5)
+        mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
+                    local_world_size=owner._world.local_world_size, attached=1, ready=0)
+        _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
+        if owner._persistent:
+            mm[_KEY_OFF: _KEY_OFF + len(owner._key.encode())] = owner._key.encode()
+        for k, f in enumerate(owner._fields):
+            _FIELD_RECORD.pack_into(mm, _FIELDS_OFF + k * _FIELD_RECORD.size, f.name.encode(),
+                                    _DTYPES[f.dtype][0], len(f.dims), f.offset,
+                                    *(-1 if d is None else d for d in f.dims),
+                                    *[0] * (_MAX_DIMS - len(f.dims)))
+        self._take(fd, mm, total)
+        owner._map(head)
+        owner._mark_slots(head)
+        struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
+
+    def _publish(self, owner: BaseCache, tmp: str, fd: int) -> None:
+        """Give the finished segment its public name so the other local ranks can attach."""
+        for _ in range(3):
+            try:
+                os.link(tmp, self.path)
+                return
+            except FileExistsError:
+                pass
+            if _held_here(self.path):  # a live cache of this very process: do not open it
+                raise CacheConfigError(f"a live cache is already named {self.path} (in this "
+                                       "process); pass a distinct name=", "name",
+                                       owner._name, self.path)
+            try:
+                other = _open_existing(self.path)
+            except FileNotFoundError:
+                continue
+            try:
+                stale = _try_stale(other)
+                if not stale:  # an attacher probing for staleness holds it for an instant
+                    time.sleep(0.05)
+                    stale = _try_stale(other)
+                if not stale:
+                    raise CacheConfigError(
+                        f"a live cache is already named {self.path}: another job or cache of "
+                        "this job uses the same job_key and name. Pass a distinct name= (e.g. "
+                        "'train' and 'val') or set STOCACHING_JOB_KEY per job",
+                        "name", owner._name, self.path)
+                st = os.fstat(other)
+                _unlink_if_same(self.path, st.st_ino, st.st_dev)  # left by a dead job
+            finally:
+                os.close(other)
+        raise CacheConfigError(f"could not publish {self.path}: it keeps reappearing", "name",
+                               owner._name, self.path)
+
+    def attach(self, owner: BaseCache, timeout: float) -> None:
+        """A local rank other than the leader: wait up to ``timeout`` s for the leader's
+        segment, map it and count this rank in; the last rank to attach drops the name."""
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            try:
+                fd = _open_existing(self.path)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
+                    os.close(fd)
+                else:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except OSError:
+                        os.close(fd)  # a cleaner holds it for a moment
+                    else:
+                        break
+            if time.monotonic() > deadline:
+                raise CacheTimeoutError(
+                    f"local rank {owner._world.local_rank} waited {timeout:.0f} s for local rank "
+                    f"0 (the local leader) to create {self.path}, but it never arrived. Check "
+                    "that every local rank constructs its caches with the same arguments and in "
+                    "the same order, that rank 0 is alive, and that all ranks see the same "
+                    "STOCACHING_JOB_KEY", self.path, timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        try:
+            head = self.map_existing(owner, fd)
+            self.lock(_LOCK_BASE)
+            try:
+                attached = self.header_get("attached") + 1
+                self.header_set("attached", attached)
+            finally:
+                self.unlock(_LOCK_BASE)
+            # All here: drop the name (a persistent cache keeps it: the next job attaches by it).
+            if attached >= head["local_world_size"] and not head["persistent"]:
+                dev, ino = self.file_id
+                _unlink_if_same(self.path, ino, dev)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        if head["persistent"]:  # (it may hold a past job's samples)
+            self.populate(head["data_off"])
+
+    def map_existing(self, owner: BaseCache, fd: int) -> dict:
+        """Map a segment someone else made (by name, or a descriptor this process received),
+        let ``owner`` check its header and build its views. Returns the header."""
+        size = os.fstat(fd).st_size
+        if size < _HEADER_BYTES:
+            raise CacheConfigError(f"{self.path} is too small to be a cache segment",
+                                   "total_bytes", _HEADER_BYTES, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        head = _read_header(mm)
+        if owner._slots_from_leader and 0 <= head["slots"] <= owner._layout.dataset_len:
+            owner._layout = dataclasses.replace(owner._layout, slots=head["slots"])
+        owner._check_header(head, size)
+        self._take(fd, mm, head["total_bytes"])
+        owner._map(head)
+        return head
+
+    # -- locks and the header -------------------------------------------------------------
+
+    # Every path that takes a record lock calls this pair: ``segment.lock(offset)``, then
+    # ``try: ... finally: segment.unlock(offset)``. A pair of methods rather than a context
+    # manager because set_slot takes it: a ``with`` on an object made for each call cost more
+    # than the pair (docs/design.md, "One lock idiom").
+
+    def lock(self, offset: int, length: int = 1) -> None:
+        """Take this process's thread lock, then the POSIX record lock on ``length`` bytes at
+        ``offset`` (record locks do not exclude threads of one process). The thread lock is
+        reentrant: the arena's lock is taken inside an index's lock."""
+        self.thread_lock.acquire()
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, length, offset)
+        except BaseException:
+            self.thread_lock.release()
+            raise
+
+    def unlock(self, offset: int, length: int = 1) -> None:
+        """Release what ``lock(offset, length)`` took."""
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, length, offset)
+        finally:
+            self.thread_lock.release()
+
+    def header_get(self, field: str) -> int:
+        return struct.unpack_from("<q", self.mapping, _FIELD_OFFSET[field])[0]
+
+    def header_set(self, field: str, value: int) -> None:
+        struct.pack_into("<q", self.mapping, _FIELD_OFFSET[field], value)
+
+    def _take(self, fd: int, mm: mmap.mmap, size: int) -> None:
+        """Hold the descriptor and read-write mapping of the segment, and map it read-only."""
+        self.fd, self.mapping, self.size = fd, mm, size
+        st = os.fstat(fd)
+        self.file_id = (st.st_dev, st.st_ino)
+        # A read-only mapping of the same pages backs the copy=False views: writing into one
+        # is a crash (SIGSEGV), not a silent change of the cached sample.
+        self.read_only_mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+
+    def after_fork(self) -> None:
+        """In a forked child: a thread lock of its own (the parent's may be held)."""
+        self.thread_lock = threading.RLock()
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def stop_populating(self) -> None:
+        """Stop mapping pages in, and wait for it: it reads the mapping's addresses."""
+        thread, stop = self.populating or (None, None)
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            stop.set()
+            thread.join()
+
+    def unmap(self) -> None:
+        """Unmap now, not when collected (a tensor the caller still holds keeps its pages)."""
+        self.stop_populating()
+        for mm in (self.mapping, self.read_only_mapping):
+            if mm is not None:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+
+    def close(self) -> None:
+        """Close this process's descriptor: ``finalizer`` (the leader first waits for the
+        local ranks still to attach, then drops the name). Idempotent."""
+        if self.finalizer is not None:
+            self.finalizer()
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. The cache contract: BaseCache (construction, views, sending, the public API)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1658,12 +2089,9 @@ class BaseCache:
     _key = ""  # the key of the data a persistent cache holds
     _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
-    # The mapped segment: views of the same pages in every process (the hot path reads them).
-    _fd: int
-    _mapping: mmap.mmap
-    _read_only_mapping: mmap.mmap  # backs the copy=False views: writing into one is a crash
-    _segment_size: int
-    _file_id: tuple[int, int]  # (st_dev, st_ino) of the segment this handle maps
+    # The segment this process holds (descriptor, mappings, record locks), and views of its
+    # pages, the same in every process (the hot path reads them).
+    _segment: _Segment
     _index_states: memoryview  # one state byte per dataset index (aux_array)
     _index_states_np: np.ndarray  # the same bytes, for numpy
     _slot_map: memoryview | None  # slot of each dataset index (a random subset), else None
@@ -1671,9 +2099,6 @@ class BaseCache:
     _stats_rows: np.ndarray  # the counters of every process that used the cache
     # This process's own: made anew in a forked child (_after_fork).
     _own_counters: memoryview  # this process's row of _stats_rows
-    _thread_lock: threading.RLock  # the threads of this process, around its record locks
-    _finalizer: weakref.finalize | None  # closes the mapping when the cache is collected
-    _populating: tuple[threading.Thread, threading.Event]  # mapping the pages in, at attach
     _closed: bool
     _read_tags: frozenset = frozenset()  # the staging tags this process reads (prefetchers')
     # The read_tags this process set, with its pid: its stagers' (prefetchers'), whose staged
@@ -1750,12 +2175,13 @@ class BaseCache:
         self._dims, self._dtype, self._staging_slots = dims, dtype, staging
         if fields:  # (else the class's (): see _fields below)
             self._fields = fields
-        self._fd = -1
-        self._finalizer: weakref.finalize | None = None
-        if self._world.is_local_leader:
-            self._open_persistent(load_from) if self._persistent else self._create(load_from)
+        self._segment = _Segment(self._path)
+        if not self._world.is_local_leader:
+            self._segment.attach(self, self._timeout)
+        elif self._persistent:
+            self._segment.open_persistent(self, load_from)
         else:
-            self._attach_by_name(self._timeout)
+            self._segment.make(self, load_from)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -1782,334 +2208,6 @@ class BaseCache:
             return ", ".join(f"{f.name} {f.dims} {str(f.dtype).replace('torch.', '')}"
                              for f in self._fields)
         return f"{tuple(self._dims)} {str(self._dtype).replace('torch.', '')}"
-
-    def _make_segment(self, publish: Callable[[str, int], None], load_from: str | None = None
-                      ) -> tuple[int, os.stat_result, dict]:
-        """Make this cache's segment in a private temporary file (header written, mapped),
-        fill it from the saved file ``load_from`` if given, then ``publish(tmp, fd)`` gives it
-        its name, or not. The temporary name is gone afterwards; on any error (``publish``'s
-        included) so are the mapping and the descriptor, and the error is raised."""
-        head = self._expected_header()
-        self._preflight(os.path.dirname(self._path), head["total_bytes"])
-        tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        st = os.fstat(fd)
-        try:
-            # A load by sendfile writes the slots through the file, which allocates their
-            # pages as it goes (no SIGBUS: a full filesystem fails the write): reserving the
-            # rest afterwards spares it a pass over the memory before the copy can start.
-            late = load_from is not None and _SENDFILE
-            self._init_segment(fd, head, reserve=head["data_off"] if late else None)
-            if load_from is not None:
-                self._load(load_from, head["data_off"], reserved=not late)
-            if late:
-                self._reserve(fd, head["total_bytes"])
-            publish(tmp, fd)
-        except BaseException:
-            if getattr(self, "_mapping", None) is not None:
-                self._unmap()  # the traceback keeps self alive: free the memory now
-            _close_fd(fd)
-            raise
-        finally:
-            _unlink_if_same(tmp, st.st_ino, st.st_dev)
-        return fd, st, head
-
-    def _create(self, load_from: str | None = None) -> None:
-        shared = self._world.local_world_size > 1
-        fd, st, head = self._make_segment(self._publish if shared else lambda tmp, fd: None,
-                                          load_from)
-        shm_dir = os.path.dirname(self._path)
-        wait = self._timeout if self._world.local_world_size > 1 else 0.0
-        self._finalizer = weakref.finalize(self, _finalize_segment, fd, self._path,
-                                           st.st_ino, st.st_dev, os.getpid(), wait)
-        lay = self._layout
-        logger.info(
-            "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s on node %d: "
-            "%s in %s, %s free there afterwards", self._name, lay.slots, lay.dataset_len,
-            100.0 * lay.slots / lay.dataset_len, self._describe(), self._world.node_rank,
-            _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
-
-    def _open_persistent(self, load_from: str | None = None) -> None:
-        """The local leader of a persistent cache: attach to the segment of this name if it
-        holds this configuration and key (a mismatch raises, or with on_mismatch="replace"
-        makes way for a new one), else make it (filled from ``load_from`` if given). Its name
-        stays after the job."""
-        for _ in range(5):
-            try:
-                fd = _open_existing(self._path)
-            except FileNotFoundError:
-                if self._create_persistent(load_from):
-                    return
-                continue  # another job made it at the same moment: attach to theirs
-            try:
-                if self._adopt_persistent(fd):
-                    if load_from is not None:
-                        logger.info("stocaching: the persistent cache %r exists: attached to it "
-                                    "as it is, without reading %s", self._name, load_from)
-                    return
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)  # replaced: make a new one
-        raise CacheConfigError(f"could not open or make the persistent cache {self._path}: it "
-                               "keeps changing", "name", self._name, self._path)
-
-    def _create_persistent(self, load_from: str | None = None) -> bool:
-        """Make the segment and give it its name; False if another process named one first."""
-        try:
-            fd, _, head = self._make_segment(lambda tmp, fd: os.link(tmp, self._path),
-                                             load_from)
-        except FileExistsError:
-            return False
-        self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
-        logger.info("stocaching: made the persistent cache %r (key %r): %d of %d samples of %s, "
-                    "%s in %s; it stays after this job (python -m stocaching clean --persistent "
-                    "%s removes it)", self._name, self._key, self._layout.slots,
-                    self._layout.dataset_len, self._describe(), _fmt_bytes(head["total_bytes"]),
-                    os.path.dirname(self._path), self._name)
-        return True
-
-    def _adopt_persistent(self, fd: int) -> bool:
-        """Attach to an existing persistent segment; False if it was removed to be replaced."""
-        for _ in range(3):  # (another process may probe it for an instant, as we do)
-            alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
-            if alone:
-                break
-            time.sleep(0.05)
-        if not alone:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        st = os.fstat(fd)
-        if not _names(self._path, st.st_ino, st.st_dev):
-            return False  # removed (or replaced) meanwhile: look again
-        size = os.fstat(fd).st_size
-        with mmap.mmap(fd, min(size, _HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-            head = _read_header(mm) if size >= _HEADER_BYTES else None
-            theirs = _read_key(mm) if head is not None else None
-        mismatch = None
-        if head is None or not head["persistent"]:
-            mismatch = CacheConfigError(f"{self._path} is not a persistent cache", "persistent",
-                                        1, 0)
-        elif head["key_hash"] != _key_hash(self._key):
-            mismatch = CacheConfigError(
-                f"the persistent cache {self._path} holds key={theirs!r}, but this job asked "
-                f"for key={self._key!r}: it holds other data. Pass on_mismatch='replace' to "
-                "make a new cache in its place, or another name=", "key", self._key, theirs)
-        else:
-            try:
-                self._check_header(head, size)
-            except CacheConfigError as e:
-                mismatch = CacheConfigError(
-                    f"the persistent cache {self._path} holds {e.field}={e.found}, but this job "
-                    f"asked for {e.field}={e.expected}. Pass on_mismatch='replace' to make a new "
-                    "cache in its place, or another name=", e.field, e.expected, e.found)
-        if mismatch is not None:
-            if self._on_mismatch == "replace" and not alone:
-                raise CacheConfigError(f"{mismatch} (not replaced: another process uses it "
-                                       "now)", mismatch.field, mismatch.expected, mismatch.found)
-            if self._on_mismatch != "replace":
-                raise mismatch
-            st = os.fstat(fd)
-            _unlink_if_same(self._path, st.st_ino, st.st_dev)
-            logger.warning("stocaching: replaced the persistent cache %s: %s", self._path,
-                           mismatch.args[0])
-            return False
-        if alone:
-            # What the last job left staged is nobody's now (cleared before mapping, still
-            # alone). flock cannot turn exclusive into shared atomically: it drops the lock
-            # first, and a `clean` of this name or a job replacing it may take the segment
-            # in between. Once shared it is ours to keep, so look at the name again then.
-            _pwrite_all(fd, np.full(self._staging_slots, -1, np.int64), head["stage_off"])
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if not _names(self._path, st.st_ino, st.st_dev):
-                return False  # removed meanwhile: look again
-        with contextlib.suppress(OSError):
-            os.utime(fd)  # the listing's age: since a job last attached
-        head = self._map_existing(fd)
-        self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
-        self._populate(head["data_off"])
-        logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
-                    "filled", self._name, self._key,
-                    int(np.count_nonzero(self._index_states_np == SET)), self._layout.slots)
-        return True
-
-    def _populate(self, data_off: int) -> None:
-        """Map the pages of the slots of a segment that holds samples into this process
-        ahead of the reads, the first now and the rest in the background (the read-write
-        mapping: the one every copying read reads); ``_unmap`` stops the thread first."""
-        rows = np.frombuffer(self._mapping, np.uint8, self._segment_size - data_off, data_off)
-        self._populating = _populate_in_background(rows.ctypes.data, rows.nbytes)
-
-    def _preflight(self, shm_dir: str, total: int) -> None:
-        """Before anything is made: drop stale segments, refuse what cannot fit, warn about
-        a directory on disk or a machine left short of RAM."""
-        clean_segments(shm_dir)  # segments of this user whose processes are all gone
-        free = _free_bytes(shm_dir)
-        if total > free:
-            raise self._capacity_error(shm_dir, total, free)
-        fstype = _fs_type(shm_dir)
-        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS
-        if on_disk:
-            warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
-                          "the cache is a file there, and may be as slow as the data it "
-                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=5)
-        vm = psutil.virtual_memory()
-        margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
-        if not on_disk and vm.available - total < margin:
-            warnings.warn(
-                f"the cache needs {_fmt_bytes(total)} of shared memory but only "
-                f"{_fmt_bytes(vm.available)} of RAM is available; less than "
-                f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
-                "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
-                ResourceWarning, stacklevel=5)
-
-    def _reserve(self, fd: int, nbytes: int) -> str | None:
-        """Allocate the first ``nbytes`` of the new segment now (pages already written stay
-        as they are): no SIGBUS mid-epoch. Returns why not where the filesystem cannot
-        reserve ahead, else None; a full one raises ``CacheCapacityError``."""
-        shm_dir = os.path.dirname(self._path)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise self._capacity_error(shm_dir, os.fstat(fd).st_size,
-                                           _free_bytes(shm_dir)) from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            return e.strerror
-        return None
-
-    def _init_segment(self, fd: int, head: dict, reserve: int | None = None) -> None:
-        """Reserve the memory of a new segment (its first ``reserve`` bytes, default all),
-        write its header, map it and mark which indices have a slot here; the segment is
-        ready (but not yet public) afterwards."""
-        shm_dir, total = os.path.dirname(self._path), head["total_bytes"]
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, total)
-        why = self._reserve(fd, total if reserve is None else reserve)
-        if why is not None:
-            warnings.warn(f"{shm_dir} cannot reserve memory ahead (posix_fallocate: "
-                          f"{why}); a full filesystem may raise SIGBUS later",
-                          RuntimeWarning, stacklevel=5)
-        mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
-                    local_world_size=self._world.local_world_size, attached=1, ready=0)
-        _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
-        if self._persistent:
-            mm[_KEY_OFF: _KEY_OFF + len(self._key.encode())] = self._key.encode()
-        for k, f in enumerate(self._fields):
-            _FIELD_RECORD.pack_into(mm, _FIELDS_OFF + k * _FIELD_RECORD.size, f.name.encode(),
-                                    _DTYPES[f.dtype][0], len(f.dims), f.offset,
-                                    *(-1 if d is None else d for d in f.dims),
-                                    *[0] * (_MAX_DIMS - len(f.dims)))
-        self._map(fd, mm, head)
-        lay = self._layout
-        if self._slot_map is not None or lay.slots < lay.dataset_len:
-            aux = self._index_states_np
-            aux[:] = OOB
-            held = lay.indices(self._world.node_rank)
-            aux[held] = EMPTY
-            if self._slot_map is not None:
-                smap = np.frombuffer(mm, _slot_map_dtype(lay), lay.dataset_len, head["map_off"])
-                smap[:] = -1
-                smap[held] = np.arange(len(held))
-        self._staging_table[:] = -1
-        struct.pack_into("<q", mm, _FIELD_OFFSET["ready"], 1)
-
-    def _publish(self, tmp: str, fd: int) -> None:
-        """Give the finished segment its public name so the other local ranks can attach."""
-        for _ in range(3):
-            try:
-                os.link(tmp, self._path)
-                return
-            except FileExistsError:
-                pass
-            if _held_here(self._path):  # a live cache of this very process: do not open it
-                raise CacheConfigError(f"a live cache is already named {self._path} (in this "
-                                       "process); pass a distinct name=", "name",
-                                       self._name, self._path)
-            try:
-                other = _open_existing(self._path)
-            except FileNotFoundError:
-                continue
-            try:
-                stale = _try_stale(other)
-                if not stale:  # an attacher probing for staleness holds it for an instant
-                    time.sleep(0.05)
-                    stale = _try_stale(other)
-                if not stale:
-                    raise CacheConfigError(
-                        f"a live cache is already named {self._path}: another job or cache of "
-                        "this job uses the same job_key and name. Pass a distinct name= (e.g. "
-                        "'train' and 'val') or set STOCACHING_JOB_KEY per job",
-                        "name", self._name, self._path)
-                st = os.fstat(other)
-                _unlink_if_same(self._path, st.st_ino, st.st_dev)  # left by a dead job
-            finally:
-                os.close(other)
-        raise CacheConfigError(f"could not publish {self._path}: it keeps reappearing", "name",
-                               self._name, self._path)
-
-    def _attach_by_name(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            try:
-                fd = _open_existing(self._path)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
-                    os.close(fd)
-                else:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    except OSError:
-                        os.close(fd)  # a cleaner holds it for a moment
-                    else:
-                        break
-            if time.monotonic() > deadline:
-                raise CacheTimeoutError(
-                    f"local rank {self._world.local_rank} waited {timeout:.0f} s for local rank "
-                    f"0 (the local leader) to create {self._path}, but it never arrived. Check "
-                    "that every local rank constructs its caches with the same arguments and in "
-                    "the same order, that rank 0 is alive, and that all ranks see the same "
-                    "STOCACHING_JOB_KEY", self._path, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        try:
-            head = self._map_existing(fd)
-            self._lock(_LOCK_BASE)
-            try:
-                attached = self._header_get("attached") + 1
-                self._header_set("attached", attached)
-            finally:
-                self._unlock(_LOCK_BASE)
-            # All here: drop the name (a persistent cache keeps it: the next job attaches by it).
-            if attached >= head["local_world_size"] and not head["persistent"]:
-                dev, ino = self._file_id
-                _unlink_if_same(self._path, ino, dev)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
-        if head["persistent"]:  # (it may hold a past job's samples)
-            self._populate(head["data_off"])
-
-    def _map_existing(self, fd: int) -> dict:
-        """Map a segment someone else made (by name, or an inherited descriptor), check its
-        header against this cache's configuration, and build the views. Returns the header."""
-        size = os.fstat(fd).st_size
-        if size < _HEADER_BYTES:
-            raise CacheConfigError(f"{self._path} is too small to be a cache segment",
-                                   "total_bytes", _HEADER_BYTES, size)
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        head = _read_header(mm)
-        if self._slots_from_leader and 0 <= head["slots"] <= self._layout.dataset_len:
-            self._layout = dataclasses.replace(self._layout, slots=head["slots"])
-        self._check_header(head, size)
-        self._map(fd, mm, head)
-        return head
 
     def _check_header(self, head: dict, size: int) -> None:
         want = self._expected_header()
@@ -2155,14 +2253,11 @@ class BaseCache:
             raise CacheConfigError(f"{self._path} is damaged or from another stocaching "
                                    "version", "layout", want["total_bytes"], head["total_bytes"])
 
-    def _map(self, fd: int, mm: mmap.mmap, head: dict) -> None:
-        """Build every view of the segment and claim this process's stats row."""
+    def _map(self, head: dict) -> None:
+        """Build every view of the segment's mapping and claim this process's stats row."""
         global _FORK_HOOK_REGISTERED
         lay = self._layout
-        self._fd, self._mapping = fd, mm
-        st = os.fstat(fd)
-        self._file_id = (st.st_dev, st.st_ino)
-        self._segment_size = head["total_bytes"]
+        mm = self._segment.mapping
         self._dataset_len = lay.dataset_len
         view = memoryview(mm)
         self._index_states_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
@@ -2176,12 +2271,7 @@ class BaseCache:
                                   lay.dataset_len].cast(dt.char)
         else:
             self._slot_map = None
-        # A read-only mapping of the same pages backs the copy=False views: writing into one
-        # is a crash (SIGSEGV), not a silent change of the cached sample.
-        self._read_only_mapping = mmap.mmap(fd, self._segment_size, mmap.MAP_SHARED,
-                                            mmap.PROT_READ)
         self._map_samples(head)
-        self._thread_lock = threading.RLock()
         self._closed = False
         self._claim_stats_row()
         _LIVE_CACHES.add(self)
@@ -2190,36 +2280,23 @@ class BaseCache:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _FORK_HOOK_REGISTERED = True
 
-    # -- locks and the header -------------------------------------------------------------
+    def _mark_slots(self, head: dict) -> None:
+        """In a new segment: mark the indices without a slot here, write the slot map, and
+        free every staging slot."""
+        lay = self._layout
+        if self._slot_map is not None or lay.slots < lay.dataset_len:
+            aux = self._index_states_np
+            aux[:] = OOB
+            held = lay.indices(self._world.node_rank)
+            aux[held] = EMPTY
+            if self._slot_map is not None:
+                smap = np.frombuffer(self._segment.mapping, _slot_map_dtype(lay),
+                                     lay.dataset_len, head["map_off"])
+                smap[:] = -1
+                smap[held] = np.arange(len(held))
+        self._staging_table[:] = -1
 
-    # Every path that takes a record lock calls this pair: ``self._lock(offset)``, then
-    # ``try: ... finally: self._unlock(offset)``. A pair of methods rather than a context
-    # manager because set_slot takes it: a ``with`` on an object made for each call cost more
-    # than the pair (docs/design.md, "One lock idiom").
-
-    def _lock(self, offset: int, length: int = 1) -> None:
-        """Take this process's thread lock, then the POSIX record lock on ``length`` bytes at
-        ``offset`` (record locks do not exclude threads of one process). The thread lock is
-        reentrant: the arena's lock is taken inside an index's lock."""
-        self._thread_lock.acquire()
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
-        except BaseException:
-            self._thread_lock.release()
-            raise
-
-    def _unlock(self, offset: int, length: int = 1) -> None:
-        """Release what ``_lock(offset, length)`` took."""
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
-        finally:
-            self._thread_lock.release()
-
-    def _header_get(self, field: str) -> int:
-        return struct.unpack_from("<q", self._mapping, _FIELD_OFFSET[field])[0]
-
-    def _header_set(self, field: str, value: int) -> None:
-        struct.pack_into("<q", self._mapping, _FIELD_OFFSET[field], value)
+    # -- this process's stats row -------------------------------------------------------
 
     def _claim_stats_row(self) -> None:
         """Give this process its own row of counters; fold rows of dead processes into row 0.
@@ -2227,7 +2304,7 @@ class BaseCache:
         the cache in each of its Pool tasks must not use up the rows)."""
         rows = self._stats_rows
         pid = os.getpid()
-        self._lock(_LOCK_BASE)
+        self._segment.lock(_LOCK_BASE)
         try:
             free = 0
             for r in np.flatnonzero(rows[1:, _PID]) + 1:
@@ -2245,14 +2322,14 @@ class BaseCache:
                 warnings.warn(f"more than {_STATS_ROWS - 1} processes use this cache; their "
                               "stats share one row and may undercount", RuntimeWarning)
         finally:
-            self._unlock(_LOCK_BASE)
+            self._segment.unlock(_LOCK_BASE)
         row_off = _HEADER_BYTES + free * _STATS_COLS * 8
-        self._own_counters = memoryview(self._mapping)[row_off: row_off + _STATS_COLS * 8
+        self._own_counters = memoryview(self._segment.mapping)[row_off: row_off + _STATS_COLS * 8
                                                        ].cast("q")
 
     def _after_fork(self) -> None:
         """In a forked child (e.g. a DataLoader worker): fresh thread lock, own stats row."""
-        self._thread_lock = threading.RLock()
+        self._segment.after_fork()
         if not self._closed:
             try:
                 self._claim_stats_row()
@@ -2289,7 +2366,7 @@ class BaseCache:
         state = {k: getattr(self, k) for k in self._STATE}
         if self._persistent or self._key:  # (on the instance only where not the class's)
             state.update(_persistent=self._persistent, _key=self._key)
-        return _rebuild_cache, (DupFd(self._fd), type(self), state)
+        return _rebuild_cache, (DupFd(self._segment.fd), type(self), state)
 
     def __reduce__(self) -> tuple:
         # Reached by picklers other than multiprocessing's (which looks up the registered
@@ -2596,14 +2673,14 @@ class BaseCache:
         if not self._staging_slots:
             return False
         table = self._staging_table
-        self._lock(_STAGE_LOCK)
+        self._segment.lock(_STAGE_LOCK)
         try:
             found = _staged_entries(table, idx)
             if tag is not None:
                 found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
             table[found] = -1
         finally:
-            self._unlock(_STAGE_LOCK)
+            self._segment.unlock(_STAGE_LOCK)
         return bool(found.size)
 
     def slot_mask(self, indices: Any = None) -> np.ndarray:
@@ -2690,17 +2767,17 @@ class BaseCache:
                                   not all(_is_int(since.get(k)) for k in counters)):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
-        self._lock(_LOCK_BASE)
+        self._segment.lock(_LOCK_BASE)
         try:
             rows = self._stats_rows.copy()
         finally:
-            self._unlock(_LOCK_BASE)
+            self._segment.unlock(_LOCK_BASE)
         counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
         if since is not None:
             counts = {k: v - int(since[k]) for k, v in counts.items()}
         reads = counts["hits"] + counts["misses"]
         return {**counts, "filled": int(np.count_nonzero(self._index_states_np == SET)),
-                "slots": len(self), "dataset_len": self._dataset_len, "bytes": self._segment_size,
+                "slots": len(self), "dataset_len": self._dataset_len, "bytes": self._segment.size,
                 "staging_slots": self._staging_slots, "staged": int(np.count_nonzero(
                     self._staging_table >= 0)),
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
@@ -2718,21 +2795,20 @@ class BaseCache:
             return
         self._free_own_staging()
         self._unmap()
-        if self._finalizer is not None:
-            self._finalizer()
+        self._segment.close()
 
     def _free_own_staging(self) -> None:
         (pid, tags), self._own_tags = self._own_tags, BaseCache._own_tags
         if pid != os.getpid() or not tags or not self._staging_slots:
             return
         with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
-            self._lock(_STAGE_LOCK)
+            self._segment.lock(_STAGE_LOCK)
             try:  # (holds _thread_lock: a stage of this process that publishes later sees _closing
                 self._closing = True  # and withdraws)
                 table = self._staging_table
                 table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
             finally:
-                self._unlock(_STAGE_LOCK)
+                self._segment.unlock(_STAGE_LOCK)
 
     def _unmap(self) -> None:
         """Drop every view of the segment and unmap it now rather than when the object is
@@ -2741,17 +2817,11 @@ class BaseCache:
         closed = _Closed(type(self))
         self._closed = True
         _LIVE_CACHES.discard(self)
-        thread, stop = getattr(self, "_populating", (None, None))
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            stop.set()
-            thread.join()  # (it reads the mapping's addresses: they must stay mapped)
+        self._segment.stop_populating()  # (it reads the mapping's addresses: they stay mapped)
         self._index_states = self._index_states_np = closed  # type: ignore
         self._own_counters = self._stats_rows = closed  # type: ignore
         self._slot_map = self._staging_table = closed  # type: ignore
-        for mm in (self._mapping, getattr(self, "_read_only_mapping", None)):
-            if mm is not None:
-                with contextlib.suppress(BufferError):
-                    mm.close()
+        self._segment.unmap()
 
     def __enter__(self) -> "BaseCache":
         return self
@@ -2768,7 +2838,7 @@ class BaseCache:
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
+# 11. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3003,9 +3073,9 @@ class SharedCache(BaseCache):
     def _map_samples(self, head: dict) -> None:
         """The views of the slots' sequence numbers and of the slots (``_map_slots``), the
         staging slots after the others."""
-        n_slots = self._layout.slots + self._staging_slots
-        self._slot_versions_np = np.frombuffer(self._mapping, np.uint32, n_slots, head["seq_off"])
-        self._slot_versions = memoryview(self._mapping)[
+        n_slots, mm = self._layout.slots + self._staging_slots, self._segment.mapping
+        self._slot_versions_np = np.frombuffer(mm, np.uint32, n_slots, head["seq_off"])
+        self._slot_versions = memoryview(mm)[
             head["seq_off"]: head["seq_off"] + 4 * n_slots].cast("I")
         self._map_slots(head["data_off"], n_slots)
 
@@ -3018,7 +3088,7 @@ class SharedCache(BaseCache):
             return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
                                  data_off).reshape(n_slots, *self._dims)
 
-        self._slot_samples = slots_of(self._mapping)
+        self._slot_samples = slots_of(self._segment.mapping)
         self._view_as = self._dtype if self._dtype is torch.bfloat16 else None
         # set_slot takes a tensor of this dtype as it is (numpy has no bfloat16, and a complex
         # tensor may carry a conjugate bit that numpy cannot see)
@@ -3027,7 +3097,7 @@ class SharedCache(BaseCache):
         self._array = self._to_torch(self._slot_samples[:self._layout.slots])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._read_only_slots = self._to_torch(slots_of(self._read_only_mapping))
+            self._read_only_slots = self._to_torch(slots_of(self._segment.read_only_mapping))
 
     def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(arr)
@@ -3038,7 +3108,7 @@ class SharedCache(BaseCache):
         """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
         caller writes them: concurrent readers of those slots see misses."""
         lock, length = _slot_lock_offset(first), max(1, count)
-        self._lock(lock, length)
+        self._segment.lock(lock, length)
         try:
             seq = self._slot_versions_np[first: first + count]
             seq |= 1
@@ -3047,7 +3117,7 @@ class SharedCache(BaseCache):
             finally:
                 seq += 1
         finally:
-            self._unlock(lock, length)
+            self._segment.unlock(lock, length)
 
     def __deepcopy__(self, memo: dict) -> "SharedCache":
         """An independent cache with this one's configuration and contents, private to this
@@ -3065,7 +3135,7 @@ class SharedCache(BaseCache):
             random_subset=lay.random_subset)
         memo[id(self)] = twin
         every = max(1, lay.slots)
-        self._lock(_slot_lock_offset(0), every)  # no writer meanwhile
+        self._segment.lock(_slot_lock_offset(0), every)  # no writer meanwhile
         try:
             aux = self._index_states_np.copy()
             held = np.flatnonzero(aux == SET)
@@ -3076,7 +3146,7 @@ class SharedCache(BaseCache):
             twin._slot_samples[:lay.slots] = self._slot_samples[:lay.slots]
             twin._index_states_np[:] = aux  # (staged samples are not copied: they wait for a read)
         finally:
-            self._unlock(_slot_lock_offset(0), every)
+            self._segment.unlock(_slot_lock_offset(0), every)
         return twin
 
     @property
@@ -3359,12 +3429,12 @@ class SharedCache(BaseCache):
             taken = staged[hit[staged]]
             if taken.size:
                 k = located.rows[taken] - self._layout.slots
-                self._lock(_STAGE_LOCK)
+                self._segment.lock(_STAGE_LOCK)
                 try:
                     k = k[table[k] == located.entries[taken]]  # (still there: freed once)
                     table[k] = -1
                 finally:
-                    self._unlock(_STAGE_LOCK)
+                    self._segment.unlock(_STAGE_LOCK)
                 self._own_counters[_STAGED_HITS] += int(taken.size)
         if count:
             self._own_counters[_HITS] += int(np.count_nonzero(hit))
@@ -3497,7 +3567,7 @@ class SharedCache(BaseCache):
         src = self._source_array(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
         lock = _slot_lock_offset(slot)
-        self._lock(lock)
+        self._segment.lock(lock)
         try:
             # A slot left WRITING, or SET with an odd sequence number, by a writer that
             # died (or was interrupted) is empty: we hold its lock, so nobody writes it.
@@ -3516,7 +3586,7 @@ class SharedCache(BaseCache):
                     "the cache: cache the decoded sample and augment after get_slot.)")
             self._write(slot, src, idx)
         finally:
-            self._unlock(lock)
+            self._segment.unlock(lock)
         self._own_counters[_WRITES] += 1
 
     def _holds(self, slot: int, src: np.ndarray) -> bool:
@@ -3560,7 +3630,7 @@ class SharedCache(BaseCache):
         src = self._source_array(value)
         table = self._staging_table
         entry = idx | tag << _STAGE_TAG_SHIFT
-        self._lock(_STAGE_LOCK)
+        self._segment.lock(_STAGE_LOCK)
         try:
             # Staged already by the same stager (the same entry): kept; another stager's
             # copy stays its own. One comparison of the whole map: a few microseconds.
@@ -3576,19 +3646,19 @@ class SharedCache(BaseCache):
                     return False
             table[k] = -2 - os.getpid()  # reserved by us while we fill it
         finally:
-            self._unlock(_STAGE_LOCK)
+            self._segment.unlock(_STAGE_LOCK)
         slot = self._layout.slots + k
         lock = _slot_lock_offset(slot)
         try:
-            self._lock(lock)
+            self._segment.lock(lock)
             try:
                 self._write(slot, src, None)
             finally:
-                self._unlock(lock)
+                self._segment.unlock(lock)
         except BaseException:
             table[k] = -1
             raise
-        with self._thread_lock:  # not while close() frees this process's entries: see there
+        with self._segment.thread_lock:  # not while close() frees this process's entries: see there
             closing = self._closing
             table[k] = -1 if closing else entry  # published only once the bytes are in
         if closing:
@@ -3616,12 +3686,12 @@ class SharedCache(BaseCache):
         row = self._read_row(self._layout.slots + k, True, table, k, entry)
         if row is None:
             return None
-        self._lock(_STAGE_LOCK)
+        self._segment.lock(_STAGE_LOCK)
         try:
             if table[k] == entry:  # (still there: freed once)
                 table[k] = -1
         finally:
-            self._unlock(_STAGE_LOCK)
+            self._segment.unlock(_STAGE_LOCK)
         self._own_counters[_HITS] += 1
         self._own_counters[_STAGED_HITS] += 1
         return self._from_row(row)
@@ -3640,12 +3710,12 @@ class SharedCache(BaseCache):
             aux[aux != OOB] = EMPTY
             self._slot_samples[:len(self)].reshape(-1).view(np.uint8).fill(0)
         if self._staging_slots:
-            self._lock(_STAGE_LOCK)  # staged samples are dropped (fillers finish)
+            self._segment.lock(_STAGE_LOCK)  # staged samples are dropped (fillers finish)
             try:
                 table = self._staging_table
                 table[table >= 0] = -1
             finally:
-                self._unlock(_STAGE_LOCK)
+                self._segment.unlock(_STAGE_LOCK)
 
     # -- saving to a file, and loading one ---------------------------------------------------
 
@@ -3916,7 +3986,7 @@ class SharedCache(BaseCache):
                             c["crc"].add(dst)
                         else:
                             if not reserved:  # (before the first write through the mapping)
-                                self._reserve(self._fd, self._segment_size)
+                                self._segment.reserve(self, self._segment.fd, self._segment.size)
                                 reserved = True
                             if len(buf) < len(t):
                                 buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
@@ -3944,12 +4014,12 @@ class SharedCache(BaseCache):
                    ) -> None:
         """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
         try:
-            _send_into(self._fd, dst_off, src_fd, src_off, nbytes, path)
+            _send_into(self._segment.fd, dst_off, src_fd, src_off, nbytes, path)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             shm_dir = os.path.dirname(self._path)
-            raise self._capacity_error(shm_dir, self._segment_size, _free_bytes(shm_dir)) from None
+            raise self._capacity_error(shm_dir, self._segment.size, _free_bytes(shm_dir)) from None
 
     def _file_mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
         """The first difference between a saved file's configuration and this cache's that
@@ -3978,7 +4048,7 @@ class SharedCache(BaseCache):
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Several fields a sample: _FieldsCache
+# 12. Several fields a sample: _FieldsCache
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4022,14 +4092,14 @@ class _FieldsCache(SharedCache):
             return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(
                 _DTYPES[f.dtype][1]).reshape(n_slots, *f.dims) for f in self._fields}
 
-        self._slot_samples = rows_of(self._mapping)  # what _write, clear() and deepcopy copy
+        self._slot_samples = rows_of(self._segment.mapping)  # _write, clear() and deepcopy's
         self._view_as = self._fast_dtype = None
         self._field_arrays = fields_of(self._slot_samples)
         self._array = {f.name: _torch_of(self._field_arrays[f.name][:self._layout.slots], f.dtype)
                        for f in self._fields}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            ro = fields_of(rows_of(self._read_only_mapping))
+            ro = fields_of(rows_of(self._segment.read_only_mapping))
             self._read_only_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
 
     def _unmap(self) -> None:
@@ -4117,7 +4187,7 @@ _REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
+# 13. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4313,17 +4383,17 @@ class OpenSizeCache(BaseCache):
         (``_fixed_sizes``), and one copy; a sample of fields is unpacked from its bytes."""
         n, words = self._layout.dataset_len, self._record_words
         rec_off, data_off = head["seq_off"], head["data_off"]
-        self._records_np = np.frombuffer(self._mapping, np.int64, n * words, rec_off
+        self._records_np = np.frombuffer(self._segment.mapping, np.int64, n * words, rec_off
                                          ).reshape(n, words)
-        self._records_bytes = memoryview(self._mapping)[rec_off: rec_off + n * words * 8]
+        self._records_bytes = memoryview(self._segment.mapping)[rec_off: rec_off + n * words * 8]
         self._records = self._records_bytes.cast("q")
         self._record_struct = struct.Struct(f"{words}q")
-        self._arena = np.frombuffer(self._mapping, np.uint8, self._arena_size, data_off)
+        self._arena = np.frombuffer(self._segment.mapping, np.uint8, self._arena_size, data_off)
         self._arena_file_off = data_off  # (the segment is mapped from its start)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
             self._read_only_arena = torch.from_numpy(np.frombuffer(
-                self._read_only_mapping, np.uint8, self._arena_size, data_off))
+                self._segment.read_only_mapping, np.uint8, self._arena_size, data_off))
         self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._sample_fields]
         first = self._sample_fields[0]
         self._view_as = first.dtype if first.dtype is torch.bfloat16 else None
@@ -4335,7 +4405,7 @@ class OpenSizeCache(BaseCache):
             fixed = iter(range(words, words + len(self._fixed_sizes)))
             self._shape_of = operator.itemgetter(
                 *(next(opened) if d is None else next(fixed) for d in first.dims))
-            self._arena_items = np.frombuffer(self._mapping, self._np_dtypes[0],
+            self._arena_items = np.frombuffer(self._segment.mapping, self._np_dtypes[0],
                                               self._arena_size // self._itemsize, data_off)
 
     def _unmap(self) -> None:
@@ -4451,12 +4521,12 @@ class OpenSizeCache(BaseCache):
                 raise self._oob_error(idx)
             return
         lock = _slot_lock_offset(idx)
-        self._lock(lock)
+        self._segment.lock(lock)
         try:
             if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
                 return
         finally:
-            self._unlock(lock)
+            self._segment.unlock(lock)
         self._own_counters[_WRITES] += 1
 
     def _store(self, idx: int, src: np.ndarray, sizes: list[int], allow_overwrite: bool,
@@ -4479,16 +4549,17 @@ class OpenSizeCache(BaseCache):
             off, cap = rec[base + _REC_OFF], rec[base + _REC_CAP]  # its place, reused
         else:
             cap = -(-src.size // _ARENA_ALIGN) * _ARENA_ALIGN
-            self._lock(_ARENA_LOCK)
+            self._segment.lock(_ARENA_LOCK)
             try:
-                off = self._header_get("arena_top")
+                off = self._segment.header_get("arena_top")
                 if off + cap <= self._arena_size:
-                    self._header_set("arena_top", off + cap)
+                    self._segment.header_set("arena_top", off + cap)
                 else:  # counted here, under the lock: one counter for the node
                     off = -1
-                    self._header_set("arena_full", self._header_get("arena_full") + 1)
+                    full = self._segment.header_get("arena_full")
+                    self._segment.header_set("arena_full", full + 1)
             finally:
-                self._unlock(_ARENA_LOCK)
+                self._segment.unlock(_ARENA_LOCK)
             if off < 0:  # full: nothing stored; an overwritten sample is dropped
                 if state != EMPTY:
                     self._drop(idx)
@@ -4503,7 +4574,7 @@ class OpenSizeCache(BaseCache):
         if src.size < _WRITE_THROUGH_FILE:
             self._arena[off: off + src.size] = src
         else:
-            _write_at(self._fd, src, self._arena_file_off + off)
+            _write_at(self._segment.fd, src, self._arena_file_off + off)
         self._index_states[idx] = SET
         rec[base] = seq + 2
         return True
@@ -4522,22 +4593,22 @@ class OpenSizeCache(BaseCache):
         """Empty every index and give back the whole arena. Safe while other processes read
         (they see misses) or write (they finish first)."""
         self._check_open()
-        self._lock(_slot_lock_offset(0), self._dataset_len)
+        self._segment.lock(_slot_lock_offset(0), self._dataset_len)
         try:
-            self._lock(_ARENA_LOCK)
+            self._segment.lock(_ARENA_LOCK)
             try:
                 seq = self._records_np[:, _REC_SEQ]
                 seq |= 1
                 aux = self._index_states_np
                 aux[aux != OOB] = EMPTY
                 self._records_np[:, 1:] = 0
-                self._arena[: self._header_get("arena_top")].fill(0)
-                self._header_set("arena_top", 0)
+                self._arena[: self._segment.header_get("arena_top")].fill(0)
+                self._segment.header_set("arena_top", 0)
                 seq += 1
             finally:
-                self._unlock(_ARENA_LOCK)
+                self._segment.unlock(_ARENA_LOCK)
         finally:
-            self._unlock(_slot_lock_offset(0), self._dataset_len)
+            self._segment.unlock(_slot_lock_offset(0), self._dataset_len)
 
     may_refuse = True  # set_slot declines a sample that finds no room in the arena
 
@@ -4546,7 +4617,7 @@ class OpenSizeCache(BaseCache):
         """Bytes of the arena handed out since the last ``clear()`` (overwritten places
         included): it falls only when the cache is cleared."""
         self._check_open()
-        return self._header_get("arena_top")
+        return self._segment.header_get("arena_top")
 
     def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """As ``SharedCache.stats``, plus ``arena_bytes`` (the arena's size) and ``arena_used``
@@ -4554,13 +4625,13 @@ class OpenSizeCache(BaseCache):
         counts writes that found no room. ``slots`` is the number of indices this node may
         admit."""
         self._check_open()  # (before the header is read: a closed mapping says less)
-        full = self._header_get("arena_full")
+        full = self._segment.header_get("arena_full")
         if since is not None and not _is_int(since.get("full")):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
         out = super().stats(since=since)
         out.update(full=full - (int(since["full"]) if since is not None else 0),
-                   arena_bytes=self._arena_size, arena_used=self._header_get("arena_top"))
+                   arena_bytes=self._arena_size, arena_used=self._segment.header_get("arena_top"))
         return out
 
     # -- copies and raw access ----------------------------------------------------------------
@@ -4578,24 +4649,24 @@ class OpenSizeCache(BaseCache):
                              random_subset=lay.random_subset,
                              mean_sample_bytes=self._mean_sample_bytes or None)
         memo[id(self)] = twin
-        self._lock(_slot_lock_offset(0), self._dataset_len)
+        self._segment.lock(_slot_lock_offset(0), self._dataset_len)
         try:
             aux = self._index_states_np.copy()
             aux[(aux == SET) & (self._records_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
             aux[aux == WRITING] = EMPTY
-            top = self._header_get("arena_top")
+            top = self._segment.header_get("arena_top")
             twin._arena[:top] = self._arena[:top]
             twin._records_np[:] = self._records_np
             twin._records_np[:, _REC_SEQ] = 0
-            twin._header_set("arena_top", top)
+            twin._segment.header_set("arena_top", top)
             twin._index_states_np[:] = aux
         finally:
-            self._unlock(_slot_lock_offset(0), self._dataset_len)
+            self._segment.unlock(_slot_lock_offset(0), self._dataset_len)
         return twin
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
+# 14. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4913,7 +4984,7 @@ _SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Planning a cache, and the command line
+# 15. Planning a cache, and the command line
 # ----------------------------------------------------------------------------------------------
 
 

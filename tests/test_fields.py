@@ -75,7 +75,7 @@ def test_a_sample_goes_in_as_a_dict_and_comes_back_as_one(shm_dir):
                 {k: (torch.Size(FIELDS[k]), FIELD_DTYPES[k]) for k in FIELDS}
         view = c.get_slot(3, copy=False)
         assert same(view, fields_of(3))
-        ro = np.frombuffer(c._read_only_mapping, np.uint8)  # views of that mapping, not copies
+        ro = np.frombuffer(c._segment.read_only_mapping, np.uint8)  # views of that mapping, not copies
         lo, hi = ro.ctypes.data, ro.ctypes.data + ro.size
         assert all(lo <= v.data_ptr() < hi for v in view.values())
         got = c.get_slot(3)
@@ -263,11 +263,11 @@ def test_ranks_that_agree_share_a_fields_cache_and_an_older_layout_is_refused(sh
         lead.set_slot(4, {"a": torch.tensor([1, 2, 3], dtype=torch.uint8), "b": 9})
         assert other.get_slot(4)["b"].item() == 9
         # A segment of another layout version: the attach check names the version.
-        head = core._read_header(lead._mapping)
+        head = core._read_header(lead._segment.mapping)
         assert head["version"] == core._LAYOUT_VERSION == 5 and head["nfields"] == 2
         with pytest.raises(CacheConfigError, match="version=3") as e:
             old = dict(head, version=3)
-            other._check_header(old, lead._segment_size)
+            other._check_header(old, lead._segment.size)
         assert e.value.field == "version"
 
 

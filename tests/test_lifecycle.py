@@ -146,11 +146,11 @@ def test_cleaning_does_not_drop_this_process_slot_locks(shm_dir):
     (name,) = named(shm_dir)
     path = os.path.join(shm_dir, name)
     age([path])
-    c._lock((1 << 50) + 1 + 3)  # as set_slot holds slot 3's lock
+    c._segment.lock((1 << 50) + 1 + 3)  # as set_slot holds slot 3's lock
     try:
         stocaching.clean_segments(shm_dir)
         r = run_child("lock_probe.py", path, (1 << 50) + 1 + 3)
     finally:
-        c._unlock((1 << 50) + 1 + 3)
+        c._segment.unlock((1 << 50) + 1 + 3)
     assert r.stdout.strip() == "held"
     c.close()

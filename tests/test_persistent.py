@@ -165,7 +165,7 @@ def test_a_cache_removed_while_a_job_turns_its_lock_shared_is_made_anew(shm_dir,
     with _persistent(shm_dir) as c:
         assert len(cleaned) == 1 and c.stats()["filled"] == 0
         st = os.stat(os.path.join(shm_dir, named(shm_dir)[0]))
-        assert (st.st_dev, st.st_ino) == c._file_id  # the name is this cache's
+        assert (st.st_dev, st.st_ino) == c._segment.file_id  # the name is this cache's
 
 
 @pytest.mark.parametrize("kw,exc,match", [

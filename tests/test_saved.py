@@ -315,7 +315,7 @@ def test_a_loaded_segment_is_reserved_whole_once_loaded(shm_dir, tmp_path):
     empty slots) is reserved before the cache is handed out, as for any new cache."""
     path = _saved_file(shm_dir, tmp_path)  # every other slot filled
     with _cache(shm_dir, path) as c:
-        st = os.fstat(c._fd)
+        st = os.fstat(c._segment.fd)
         assert st.st_blocks * 512 >= st.st_size == c.stats()["bytes"]
 
 
