@@ -31,14 +31,14 @@ exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
 
 Contents (``grep -n "^# [0-9]*[.] " stocaching.py`` lists the sections with their lines):
 
- 1. Constants                              9. The segment, as a process holds it
- 2. Argument checks                       10. The cache contract: BaseCache
- 3. What a trainer did to a sampler       11. Fixed-size rows: SharedCache (the hit path)
- 4. Who am I: World                       12. Several fields a sample
- 5. Which indices each node caches        13. Open sizes: OpenSizeCache
- 6. Exceptions                            14. Saved files
- 7. The segment's layout and sizing       15. Planning a cache, and the command line
- 8. _Segment files: names, opening, liveness
+ 1. Constants                            9. The segment, as a process holds it
+ 2. Argument checks                    10. The cache contract: BaseCache
+ 3. What a trainer did to a sampler    11. Fixed-size rows: SharedCache (the hit path)
+ 4. Who am I: World                    12. Several fields a sample
+ 5. Which indices each node caches     13. Open sizes: OpenSizeCache
+ 6. Exceptions                         14. Saved files: the format
+ 7. The segment's layout and sizing    15. Saving and loading a cache
+ 8. Segment files, liveness, cleaning  16. Planning a cache, and the command line
 """
 
 from __future__ import annotations
@@ -3768,53 +3768,12 @@ class SharedCache(BaseCache):
         if not self._world.is_local_leader:
             return out
         with _SAVE_LOCK:
-            found = self._save_state(path)
-            if found is None:
-                out.update(self._save_anew(path), rewritten=True)
-            else:
-                state, fd = found
-                try:
-                    out.update(self._save_changes(state, fd, path))
-                finally:
-                    os.close(fd)
+            out.update(_SavedFileWriter(self).save(path))
         return out
 
-    def _save_state(self, path: str) -> tuple[_SaveState, int] | None:
-        """The state of the last save to (or load from) ``path`` in this process and the
-        file, open and locked, if the file is still the one it describes and not mostly
-        replaced records; else None (the save writes it anew)."""
-        state = self._saved_file
-        if state is None or state.path != os.path.realpath(path):
-            return None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # (another process that appends to it waits)
-            st = os.fstat(fd)
-            sup = _read_super(fd, path)
-            same = (st.st_dev, st.st_ino, sup["gen"], sup["end"]) == \
-                (state.dev, state.ino, state.gen, state.end)
-            compact = state.rows > 2 * int(np.count_nonzero(state.held)) + 1024
-        except (OSError, CacheFileError):
-            same = False
-        if not same or compact:
-            os.close(fd)
-            return None
-        return state, fd
-
-    def _save_config(self) -> dict[str, Any]:
-        """What a saved file says of the samples it holds, checked by ``load_from``."""
-        lay = self._layout
-        fields = self._fields or (_Field("", self._dims, self._dtype, 0, self._slot_bytes),)
-        return {"key": self._key, "dataset_len": lay.dataset_len,
-                "fields": [[f.name, list(f.dims), str(f.dtype).replace("torch.", ""),
-                            f.offset] for f in fields],
-                "row_bytes": self._slot_bytes, "segment_layout_version": _LAYOUT_VERSION,
-                "node_rank": self._world.node_rank, "num_nodes": lay.num_nodes,
-                "slots": lay.slots, "layout_seed": lay.seed,
-                "random_subset": lay.random_subset}
+    def _load(self, path: str, data_off: int, *, reserved: bool) -> None:
+        """Fill this new segment from the saved file at ``path`` (``_SavedFileReader``)."""
+        _SavedFileReader(self).load(path, data_off, reserved=reserved)
 
     def _slot_rows(self) -> np.ndarray:
         """The bytes of every slot (not the staging slots): one row per slot."""
@@ -3822,223 +3781,6 @@ class SharedCache(BaseCache):
         if not n:
             return np.empty((0, self._slot_bytes), np.uint8)
         return self._slot_samples[:n].reshape(n, -1).view(np.uint8)
-
-    def _save_anew(self, path: str) -> dict[str, Any]:
-        """A first save (or a compaction): a new file under a temporary name, renamed over
-        ``path`` once complete and synced."""
-        for old in _stale_temporaries(path):  # left by saves that were killed
-            with contextlib.suppress(OSError):
-                os.unlink(old)
-        config = json.dumps(self._save_config()).encode()
-        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            _pwrite_all(fd, config, _CONFIG_OFF)
-            first = _CONFIG_OFF + _align(len(config))
-            n = self._layout.slots
-            chunk = self._write_chunk(fd, first, np.arange(n), np.zeros(n, np.uint32),
-                                      np.zeros(n, bool))
-            rows = chunk["samples"]
-            end, chunks = (chunk["end"], 1) if rows else (first, 0)
-            _pwrite_all(fd, _pack_super(1, end, chunks, config, rows), _super_off(1))
-            os.ftruncate(fd, end)
-            os.fsync(fd)
-            st = os.fstat(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            _close_fd(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.close(fd)
-        _fsync_dir(path)
-        self._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
-                                  rows, chunk["seq"], chunk["held"])
-        logger.info("stocaching: saved %d samples of cache %r to %s (%s)", rows, self._name,
-                    path, _fmt_bytes(end))
-        return {"samples": rows, "bytes": end}
-
-    def _save_changes(self, state: _SaveState, fd: int, path: str) -> dict[str, Any]:
-        """An incremental save: one chunk of what changed since ``state``, appended past the
-        committed end, synced, then committed by the superblock not in force."""
-        changed = np.flatnonzero(self._slot_versions_np[:self._layout.slots] != state.seq)
-        if not changed.size:
-            return {}
-        chunk = self._write_chunk(fd, state.end, changed, state.seq, state.held)
-        if not chunk["samples"] and not chunk["emptied"]:  # (written and emptied since)
-            state.seq, state.held = chunk["seq"], chunk["held"]
-            return {}
-        os.fdatasync(fd)
-        config_len = _read_super(fd, path)["config_len"]
-        config = os.pread(fd, config_len, _CONFIG_OFF)
-        gen, rows = state.gen + 1, state.rows + chunk["samples"]
-        written = chunk["end"] - state.end
-        written += _pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
-                                               rows), _super_off(gen))
-        os.fdatasync(fd)
-        self._saved_file = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
-                                  state.chunks + 1, rows, chunk["seq"], chunk["held"])
-        logger.info("stocaching: saved %d more samples of cache %r to %s (%d emptied, %s)",
-                    chunk["samples"], self._name, path, chunk["emptied"], _fmt_bytes(written))
-        return {"samples": chunk["samples"], "emptied": chunk["emptied"], "bytes": written}
-
-    def _write_chunk(self, fd: int, start: int, slots: np.ndarray, seq: np.ndarray,
-                     held: np.ndarray) -> dict[str, Any]:
-        """Write one chunk at ``start``: the complete samples of ``slots`` (each read with
-        the seqlock, as ``get_slot`` reads), and the indices of those the file holds
-        (``held``, per slot) that are not complete samples now. Returns its end, the counts,
-        and the per-slot sequence numbers (``seq`` as the file took them) and ``held`` for
-        the next save."""
-        indices = self._layout.indices(self._world.node_rank)
-        seq, held = seq.copy(), held.copy()
-        before = self._slot_versions_np[slots]  # (read before the states, as the seqlock reads)
-        filled = self._index_states_np[indices[slots]] == SET
-        seq[slots[~filled]] = before[~filled]  # empty at that number: changed if it moves
-        rows = self._slot_rows()
-        per = max(1, _SAVE_IO // max(1, rows.shape[1]))
-        todo = slots[filled]
-        buf = np.empty((min(per, len(todo)), rows.shape[1]), np.uint8)
-        off, crc, kept = start, 0, []
-        for k in range(0, len(todo), per):
-            sl = todo[k: k + per]
-            located = self._locate(indices[sl])  # (rows: the slots sl, as the file has them)
-            np.take(rows, located.rows, axis=0, out=buf[:len(sl)], mode="clip")
-            good, got = self._confirm(located, count=False), located.versions
-            data = buf[:len(sl)] if good.all() else buf[:len(sl)][good]
-            off += _pwrite_all(fd, data, off)
-            crc = zlib.crc32(data, crc)
-            kept.append(sl[good])
-            seq[sl] = got
-        kept_slots = np.concatenate(kept) if kept else np.zeros(0, np.int64)
-        gone = slots[held[slots]]
-        gone = gone[~np.isin(gone, kept_slots)]
-        held[gone] = False
-        held[kept_slots] = True
-        meta = np.concatenate([indices[kept_slots], indices[gone]]).astype(np.int64)
-        off += _pwrite_all(fd, meta, off)
-        end = _align(off + _TRAILER_BYTES)
-        _pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
-                                      zlib.crc32(meta)), end - _TRAILER_BYTES)
-        return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
-                "held": held}
-
-    def _load(self, path: str, data_off: int, *, reserved: bool) -> None:
-        """Fill this new segment (not yet public: nobody reads it) from the saved file at
-        ``path``: every sample of an index that has a slot here, the last record of each;
-        a sample's state is set only once every row of the file has passed its check.
-        ``data_off``: where the slots start in the segment; ``reserved``: whether its slots'
-        memory is reserved yet (if not, it is before the first write through the mapping).
-
-        Rows that go to consecutive slots are copied by the kernel straight from the file
-        into the segment (``_send_into``), the others read into a buffer and scattered; their
-        CRC is computed in a thread meanwhile (``_CrcChain``), and checked at the end."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            logger.info("stocaching: no saved file at %s: cache %r starts empty", path,
-                        self._name)
-            return
-        try:
-            t0 = time.perf_counter()
-            st = os.fstat(fd)
-            sup = _read_super(fd, path)
-            mismatch = self._file_mismatch(_read_config(fd, sup, path), path)
-            if mismatch is not None:
-                if self._on_mismatch != "replace":
-                    raise mismatch
-                logger.warning("stocaching: ignored the saved file %s: %s", path,
-                               mismatch.args[0])
-                return
-            rows = self._slot_rows()
-            row_bytes = rows.shape[1]
-            chunks = _read_chunks(fd, sup, path, self._dataset_len, row_bytes)
-            indices = self._layout.indices(self._world.node_rank)
-            slot_of = np.full(self._dataset_len, -1, np.int64)
-            slot_of[indices] = np.arange(len(indices))
-            last = np.full(self._dataset_len, -1, np.int64)  # the record in force of each index
-            first = 0
-            for c in chunks:
-                c["first"] = first
-                last[c["indices"]] = first + np.arange(c["rows"])
-                last[c["emptied"]] = -1
-                first += c["rows"]
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            loaded = np.zeros(len(indices), bool)
-            per = max(1, _SAVE_IO // max(1, row_bytes))
-            buf = np.empty((0, row_bytes), np.uint8)
-            with concurrent.futures.ThreadPoolExecutor(1, "stocaching-load-crc") as pool:
-                for c in chunks:
-                    idx, c["crc"] = c["indices"], _CrcChain(pool)
-                    target = slot_of[idx]
-                    live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
-                    for k in range(0, c["rows"], per):
-                        t, lv = target[k: k + per], live[k: k + per]
-                        off = c["start"] + k * row_bytes
-                        if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
-                            dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
-                            if _SENDFILE:
-                                self._send_rows(data_off + int(t[0]) * row_bytes, fd, off,
-                                                dst.nbytes, path)
-                            else:
-                                _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                            c["crc"].add(dst)
-                        else:
-                            if not reserved:  # (before the first write through the mapping)
-                                self._segment.reserve(self, self._segment.fd, self._segment.size)
-                                reserved = True
-                            if len(buf) < len(t):
-                                buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
-                            dst = buf[:len(t)]
-                            _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                            rows[t[lv]] = dst[lv]
-                            c["crc"].add(dst)
-                            c["crc"].value()  # (the buffer is read into next)
-                        loaded[t[lv]] = True
-                for c in chunks:
-                    if c["crc"].value() != c["rows_crc"]:
-                        raise _damaged_rows(path, c)
-            self._index_states_np[indices[loaded]] = SET
-        finally:
-            os.close(fd)
-        self._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
-                                  sup["end"], sup["chunks"], sup["rows"],
-                                  self._slot_versions_np[:self._layout.slots].copy(), loaded)
-        took = time.perf_counter() - t0
-        logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
-                    int(np.count_nonzero(loaded)), self._name, path, _fmt_bytes(sup["end"]),
-                    took)
-
-    def _send_rows(self, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
-                   ) -> None:
-        """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
-        try:
-            _send_into(self._segment.fd, dst_off, src_fd, src_off, nbytes, path)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            shm_dir = os.path.dirname(self._path)
-            raise self._capacity_error(shm_dir, self._segment.size, _free_bytes(shm_dir)) from None
-
-    def _file_mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
-        """The first difference between a saved file's configuration and this cache's that
-        makes its samples not this cache's, as the error that names it; None if none."""
-        mine = self._save_config()
-        for label, exp, got in (
-                ("key", mine["key"], theirs.get("key")),
-                ("dataset_len", mine["dataset_len"], theirs.get("dataset_len")),
-                ("data_dims", _config_dims(mine), _config_dims(theirs)),
-                ("dtype", _config_dtypes(mine), _config_dtypes(theirs)),
-                ("layout", (mine["fields"], mine["row_bytes"]),
-                 (theirs.get("fields"), theirs.get("row_bytes")))):
-            if exp != got:
-                return CacheConfigError(
-                    f"the saved file {path} holds {label}={got!r}, but this cache has "
-                    f"{label}={exp!r}: its samples are not this cache's. Pass another "
-                    "load_from=, or on_mismatch='replace' to start empty instead (the next "
-                    "save writes the file anew)", label, exp, got)
-        return None
 
     def _unmap(self) -> None:
         closed = _Closed(type(self))
@@ -4984,7 +4726,308 @@ _SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Planning a cache, and the command line
+# 15. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
+# ----------------------------------------------------------------------------------------------
+
+
+class _SavedFileWriter:
+    """Writes one cache's filled slots to a saved file (``SharedCache.save``): a new file the
+    first time in a process (or when the file holds mostly replaced records), else one chunk
+    of what changed since the save (or load) the cache's ``_saved_file`` describes. Made for
+    one call; the cache keeps only its ``_saved_file``."""
+
+    cache: SharedCache
+
+    def __init__(self, cache: SharedCache) -> None:
+        self.cache = cache
+
+    def save(self, path: str) -> dict[str, Any]:
+        """Save to ``path`` (under ``_SAVE_LOCK``): what ``SharedCache.save`` returns, but
+        ``path`` and ``saved``."""
+        found = self._state_of(path)
+        if found is None:
+            return {**self._write_anew(path), "rewritten": True}
+        state, fd = found
+        try:
+            return self._append_changes(state, fd, path)
+        finally:
+            os.close(fd)
+
+    def _state_of(self, path: str) -> tuple[_SaveState, int] | None:
+        """The state of the last save to (or load from) ``path`` in this process and the
+        file, open and locked, if the file is still the one it describes and not mostly
+        replaced records; else None (the save writes it anew)."""
+        c = self.cache
+        state = c._saved_file
+        if state is None or state.path != os.path.realpath(path):
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (another process that appends to it waits)
+            st = os.fstat(fd)
+            sup = _read_super(fd, path)
+            same = (st.st_dev, st.st_ino, sup["gen"], sup["end"]) == \
+                (state.dev, state.ino, state.gen, state.end)
+            compact = state.rows > 2 * int(np.count_nonzero(state.held)) + 1024
+        except (OSError, CacheFileError):
+            same = False
+        if not same or compact:
+            os.close(fd)
+            return None
+        return state, fd
+
+    def config(self) -> dict[str, Any]:
+        """What a saved file says of the samples it holds, checked by ``load_from``."""
+        c = self.cache
+        lay = c._layout
+        fields = c._fields or (_Field("", c._dims, c._dtype, 0, c._slot_bytes),)
+        return {"key": c._key, "dataset_len": lay.dataset_len,
+                "fields": [[f.name, list(f.dims), str(f.dtype).replace("torch.", ""),
+                            f.offset] for f in fields],
+                "row_bytes": c._slot_bytes, "segment_layout_version": _LAYOUT_VERSION,
+                "node_rank": c._world.node_rank, "num_nodes": lay.num_nodes,
+                "slots": lay.slots, "layout_seed": lay.seed,
+                "random_subset": lay.random_subset}
+
+    def _write_anew(self, path: str) -> dict[str, Any]:
+        """A first save (or a compaction): a new file under a temporary name, renamed over
+        ``path`` once complete and synced."""
+        c = self.cache
+        for old in _stale_temporaries(path):  # left by saves that were killed
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+        config = json.dumps(self.config()).encode()
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            _pwrite_all(fd, config, _CONFIG_OFF)
+            first = _CONFIG_OFF + _align(len(config))
+            n = c._layout.slots
+            chunk = self._write_chunk(fd, first, np.arange(n), np.zeros(n, np.uint32),
+                                      np.zeros(n, bool))
+            rows = chunk["samples"]
+            end, chunks = (chunk["end"], 1) if rows else (first, 0)
+            _pwrite_all(fd, _pack_super(1, end, chunks, config, rows), _super_off(1))
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            st = os.fstat(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _close_fd(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        _fsync_dir(path)
+        c._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
+                                   rows, chunk["seq"], chunk["held"])
+        logger.info("stocaching: saved %d samples of cache %r to %s (%s)", rows, c._name,
+                    path, _fmt_bytes(end))
+        return {"samples": rows, "bytes": end}
+
+    def _append_changes(self, state: _SaveState, fd: int, path: str) -> dict[str, Any]:
+        """An incremental save: one chunk of what changed since ``state``, appended past the
+        committed end, synced, then committed by the superblock not in force."""
+        c = self.cache
+        changed = np.flatnonzero(c._slot_versions_np[:c._layout.slots] != state.seq)
+        if not changed.size:
+            return {}
+        chunk = self._write_chunk(fd, state.end, changed, state.seq, state.held)
+        if not chunk["samples"] and not chunk["emptied"]:  # (written and emptied since)
+            state.seq, state.held = chunk["seq"], chunk["held"]
+            return {}
+        os.fdatasync(fd)
+        config_len = _read_super(fd, path)["config_len"]
+        config = os.pread(fd, config_len, _CONFIG_OFF)
+        gen, rows = state.gen + 1, state.rows + chunk["samples"]
+        written = chunk["end"] - state.end
+        written += _pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
+                                               rows), _super_off(gen))
+        os.fdatasync(fd)
+        c._saved_file = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
+                                   state.chunks + 1, rows, chunk["seq"], chunk["held"])
+        logger.info("stocaching: saved %d more samples of cache %r to %s (%d emptied, %s)",
+                    chunk["samples"], c._name, path, chunk["emptied"], _fmt_bytes(written))
+        return {"samples": chunk["samples"], "emptied": chunk["emptied"], "bytes": written}
+
+    def _write_chunk(self, fd: int, start: int, slots: np.ndarray, seq: np.ndarray,
+                     held: np.ndarray) -> dict[str, Any]:
+        """Write one chunk at ``start``: the complete samples of ``slots`` (each read with
+        the seqlock, as ``get_slot`` reads), and the indices of those the file holds
+        (``held``, per slot) that are not complete samples now. Returns its end, the counts,
+        and the per-slot sequence numbers (``seq`` as the file took them) and ``held`` for
+        the next save."""
+        c = self.cache
+        indices = c._layout.indices(c._world.node_rank)
+        seq, held = seq.copy(), held.copy()
+        before = c._slot_versions_np[slots]  # (read before the states, as the seqlock reads)
+        filled = c._index_states_np[indices[slots]] == SET
+        seq[slots[~filled]] = before[~filled]  # empty at that number: changed if it moves
+        rows = c._slot_rows()
+        per = max(1, _SAVE_IO // max(1, rows.shape[1]))
+        todo = slots[filled]
+        buf = np.empty((min(per, len(todo)), rows.shape[1]), np.uint8)
+        off, crc, kept = start, 0, []
+        for k in range(0, len(todo), per):
+            sl = todo[k: k + per]
+            located = c._locate(indices[sl])  # (rows: the slots sl, as the file has them)
+            np.take(rows, located.rows, axis=0, out=buf[:len(sl)], mode="clip")
+            good, got = c._confirm(located, count=False), located.versions
+            data = buf[:len(sl)] if good.all() else buf[:len(sl)][good]
+            off += _pwrite_all(fd, data, off)
+            crc = zlib.crc32(data, crc)
+            kept.append(sl[good])
+            seq[sl] = got
+        kept_slots = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        gone = slots[held[slots]]
+        gone = gone[~np.isin(gone, kept_slots)]
+        held[gone] = False
+        held[kept_slots] = True
+        meta = np.concatenate([indices[kept_slots], indices[gone]]).astype(np.int64)
+        off += _pwrite_all(fd, meta, off)
+        end = _align(off + _TRAILER_BYTES)
+        _pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
+                                      zlib.crc32(meta)), end - _TRAILER_BYTES)
+        return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
+                "held": held}
+
+
+class _SavedFileReader:
+    """Fills a new segment from a saved file (``load_from=``), checked first against the
+    cache's configuration (``mismatch``) and every row against its CRC. Made for one call."""
+
+    cache: SharedCache
+
+    def __init__(self, cache: SharedCache) -> None:
+        self.cache = cache
+
+    def load(self, path: str, data_off: int, *, reserved: bool) -> None:
+        """Fill this new segment (not yet public: nobody reads it) from the saved file at
+        ``path``: every sample of an index that has a slot here, the last record of each;
+        a sample's state is set only once every row of the file has passed its check.
+        ``data_off``: where the slots start in the segment; ``reserved``: whether its slots'
+        memory is reserved yet (if not, it is before the first write through the mapping).
+
+        Rows that go to consecutive slots are copied by the kernel straight from the file
+        into the segment (``_send_into``), the others read into a buffer and scattered; their
+        CRC is computed in a thread meanwhile (``_CrcChain``), and checked at the end."""
+        cache = self.cache
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            logger.info("stocaching: no saved file at %s: cache %r starts empty", path,
+                        cache._name)
+            return
+        try:
+            t0 = time.perf_counter()
+            st = os.fstat(fd)
+            sup = _read_super(fd, path)
+            mismatch = self.mismatch(_read_config(fd, sup, path), path)
+            if mismatch is not None:
+                if cache._on_mismatch != "replace":
+                    raise mismatch
+                logger.warning("stocaching: ignored the saved file %s: %s", path,
+                               mismatch.args[0])
+                return
+            rows = cache._slot_rows()
+            row_bytes = rows.shape[1]
+            chunks = _read_chunks(fd, sup, path, cache._dataset_len, row_bytes)
+            indices = cache._layout.indices(cache._world.node_rank)
+            slot_of = np.full(cache._dataset_len, -1, np.int64)
+            slot_of[indices] = np.arange(len(indices))
+            last = np.full(cache._dataset_len, -1, np.int64)  # the record in force of each index
+            first = 0
+            for c in chunks:
+                c["first"] = first
+                last[c["indices"]] = first + np.arange(c["rows"])
+                last[c["emptied"]] = -1
+                first += c["rows"]
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            loaded = np.zeros(len(indices), bool)
+            per = max(1, _SAVE_IO // max(1, row_bytes))
+            buf = np.empty((0, row_bytes), np.uint8)
+            with concurrent.futures.ThreadPoolExecutor(1, "stocaching-load-crc") as pool:
+                for c in chunks:
+                    idx, c["crc"] = c["indices"], _CrcChain(pool)
+                    target = slot_of[idx]
+                    live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
+                    for k in range(0, c["rows"], per):
+                        t, lv = target[k: k + per], live[k: k + per]
+                        off = c["start"] + k * row_bytes
+                        if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
+                            dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
+                            if _SENDFILE:
+                                self._send_rows(data_off + int(t[0]) * row_bytes, fd, off,
+                                                dst.nbytes, path)
+                            else:
+                                _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            c["crc"].add(dst)
+                        else:
+                            if not reserved:  # (before the first write through the mapping)
+                                cache._segment.reserve(self, cache._segment.fd, cache._segment.size)
+                                reserved = True
+                            if len(buf) < len(t):
+                                buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
+                            dst = buf[:len(t)]
+                            _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            rows[t[lv]] = dst[lv]
+                            c["crc"].add(dst)
+                            c["crc"].value()  # (the buffer is read into next)
+                        loaded[t[lv]] = True
+                for c in chunks:
+                    if c["crc"].value() != c["rows_crc"]:
+                        raise _damaged_rows(path, c)
+            cache._index_states_np[indices[loaded]] = SET
+        finally:
+            os.close(fd)
+        seq = cache._slot_versions_np[:cache._layout.slots].copy()
+        cache._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
+                                       sup["end"], sup["chunks"], sup["rows"], seq, loaded)
+        took = time.perf_counter() - t0
+        logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
+                    int(np.count_nonzero(loaded)), cache._name, path, _fmt_bytes(sup["end"]),
+                    took)
+
+    def _send_rows(self, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+                   ) -> None:
+        """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
+        cache = self.cache
+        try:
+            _send_into(cache._segment.fd, dst_off, src_fd, src_off, nbytes, path)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            shm_dir = os.path.dirname(cache._path)
+            raise cache._capacity_error(shm_dir, cache._segment.size,
+                                        _free_bytes(shm_dir)) from None
+
+    def mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
+        """The first difference between a saved file's configuration and this cache's that
+        makes its samples not this cache's, as the error that names it; None if none."""
+        mine = _SavedFileWriter(self.cache).config()
+        for label, exp, got in (
+                ("key", mine["key"], theirs.get("key")),
+                ("dataset_len", mine["dataset_len"], theirs.get("dataset_len")),
+                ("data_dims", _config_dims(mine), _config_dims(theirs)),
+                ("dtype", _config_dtypes(mine), _config_dtypes(theirs)),
+                ("layout", (mine["fields"], mine["row_bytes"]),
+                 (theirs.get("fields"), theirs.get("row_bytes")))):
+            if exp != got:
+                return CacheConfigError(
+                    f"the saved file {path} holds {label}={got!r}, but this cache has "
+                    f"{label}={exp!r}: its samples are not this cache's. Pass another "
+                    "load_from=, or on_mismatch='replace' to start empty instead (the next "
+                    "save writes the file anew)", label, exp, got)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# 16. Planning a cache, and the command line
 # ----------------------------------------------------------------------------------------------
 
 
