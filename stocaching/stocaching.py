@@ -392,6 +392,102 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+
+def _checked_value(value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
+                   where: str) -> torch.Tensor:
+    """``value`` (called ``what`` in messages) checked against ``dims`` (``where``) and
+    ``dst``, as a tensor; raise if it cannot be stored.
+
+    Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
+    without loss (uint8 into float32), is a float or complex rounded into a narrower one
+    (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
+    uint8). Tensors on other devices are accepted (and copied when stored)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.uint16 and dst is torch.bfloat16:
+            raise TypeError(f"{what} should be a torch.bfloat16 tensor or float values, but "
+                            "got a numpy uint16 array, which would be taken as numbers, not "
+                            "as bfloat16 bits (numpy has no bfloat16; pass "
+                            "torch.from_numpy(a).view(torch.bfloat16) for bits)")
+        try:  # negative strides (img[:, :, ::-1]) and foreign byte order need a copy
+            if any(st < 0 for st in value.strides) or not value.dtype.isnative:
+                value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
+            value = torch.from_numpy(value)
+        except TypeError:
+            raise TypeError(f"{what} should be a tensor of dtype {dst}, but got a "
+                            f"numpy array of dtype {value.dtype}") from None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what} should be a torch.Tensor of shape {dims} and dtype "
+                        f"{dst}, but got {what} of type {type(value).__name__}")
+    if tuple(value.shape) != dims:
+        extra = value.ndim - len(dims)
+        if extra <= 0 or tuple(value.shape[extra:]) != dims or \
+                any(d != 1 for d in value.shape[:extra]):
+            raise ValueError(f"{what} should have shape {dims} (the cache's {where}; "
+                             f"extra leading dimensions of size 1 are dropped, as 0.2.1 "
+                             f"did), but got {what}.shape={tuple(value.shape)}")
+        value = value.reshape(dims)  # (1, C, H, W) from a loader's unsqueeze(0)
+    src = value.dtype
+    if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
+        raise TypeError(f"{what} should be a dense tensor with data and a dtype the cache "
+                        f"can store ({dst} or one that casts to it), but got "
+                        f"{what}.dtype={src}, layout={value.layout}, device={value.device}")
+    if src == dst or dst in _LOSSLESS.get(src, ()):
+        return value
+    if (src.is_floating_point or src.is_complex) and \
+            (dst.is_floating_point or dst.is_complex) and (dst.is_complex or not src.is_complex):
+        return value  # rounding into a narrower float or complex, as torch does
+    # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float64
+    # arrays to a float32 cache (intended rounding) or int64 masks to a uint8 cache
+    # (values that fit). Both keep working; a cast that would change a value (0.7 into
+    # uint8, 300 into uint8, 1+2j into float32) is refused instead of stored wrong.
+    cpu = value.detach().to("cpu").resolve_conj().resolve_neg()
+    if src.is_complex and not dst.is_complex:
+        if cpu.imag.count_nonzero():
+            raise ValueError(
+                f"{what} should have dtype {dst}, or values that it holds exactly, but "
+                f"got {what}.dtype={src} with imaginary parts that are not 0")
+        if dst.is_floating_point:
+            return value
+        cpu = cpu.real
+    bad = _first_changed(cpu, dst)
+    if bad is not None:
+        raise ValueError(
+            f"{what} should have dtype {dst}, or values that it holds exactly, but "
+            f"got {what}.dtype={src} with values that change in {dst}, e.g. "
+            f"{what}[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
+    return value
+
+
+def _first_changed(value: torch.Tensor, dst: torch.dtype) -> tuple[int, ...] | None:
+    """Index of the first element of the CPU tensor ``value`` that ``dst`` does not hold
+    exactly, or None."""
+    if _is_integer_dtype(value.dtype) and _is_integer_dtype(dst):
+        # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
+        a, info = value.numpy(), np.iinfo(_DTYPES[dst][1])
+        if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
+            return None
+        have = np.iinfo(a.dtype)  # bounds within a's own range: safe for any numpy
+        changed = (a < max(info.min, have.min)) | (a > min(info.max, have.max))
+    else:  # through torch: numpy has no bfloat16
+        changed = (value.to(dst).to(value.dtype) != value).numpy()
+        if not changed.any():
+            return None
+    return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]),
+                                                  tuple(value.shape)))
+
+
+def _slot_array(value: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A value that passed ``_checked_value`` as the array to copy into a slot: on the CPU,
+    in ``dtype``, the cache's (the rounding or exact cast that the check allowed)."""
+    value = value.detach().to("cpu").resolve_conj().resolve_neg()
+    if value.is_complex() and not dtype.is_complex:
+        value = value.real  # its imaginary parts were checked to be 0
+    if value.dtype != dtype:
+        value = value.to(dtype)
+    if dtype is torch.bfloat16:
+        value = value.view(torch.uint16)
+    return value.numpy()
+
 # ----------------------------------------------------------------------------------------------
 # 3. What a trainer did to a sampler (public for the opt-in samplers, like check_int)
 # ----------------------------------------------------------------------------------------------
@@ -1013,7 +1109,7 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. _Segment files: names, opening, locks, liveness, listing and cleaning up
+# 8. Segment files: names, opening, locks, liveness, listing and cleaning up
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2548,102 +2644,6 @@ class BaseCache:
         misses) or write (they finish first)."""
         raise NotImplementedError
 
-    def _checked(self, value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
-                 where: str) -> torch.Tensor:
-        """``value`` (called ``what`` in messages) checked against ``dims`` (``where``) and
-        ``dst``, as a tensor; raise if it cannot be stored.
-
-        Accepted: a tensor or array of shape data_dims whose dtype is the cache's, casts to it
-        without loss (uint8 into float32), is a float or complex rounded into a narrower one
-        (as torch does), or has values that the cache's dtype holds exactly (int64 0..255 into
-        uint8). Tensors on other devices are accepted (and copied when stored)."""
-        if isinstance(value, np.ndarray):
-            if value.dtype == np.uint16 and dst is torch.bfloat16:
-                raise TypeError(f"{what} should be a torch.bfloat16 tensor or float values, but "
-                                "got a numpy uint16 array, which would be taken as numbers, not "
-                                "as bfloat16 bits (numpy has no bfloat16; pass "
-                                "torch.from_numpy(a).view(torch.bfloat16) for bits)")
-            try:  # negative strides (img[:, :, ::-1]) and foreign byte order need a copy
-                if any(st < 0 for st in value.strides) or not value.dtype.isnative:
-                    value = np.ascontiguousarray(value, value.dtype.newbyteorder("="))
-                value = torch.from_numpy(value)
-            except TypeError:
-                raise TypeError(f"{what} should be a tensor of dtype {dst}, but got a "
-                                f"numpy array of dtype {value.dtype}") from None
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{what} should be a torch.Tensor of shape {dims} and dtype "
-                            f"{dst}, but got {what} of type {type(value).__name__}")
-        if tuple(value.shape) != dims:
-            extra = value.ndim - len(dims)
-            if extra <= 0 or tuple(value.shape[extra:]) != dims or \
-                    any(d != 1 for d in value.shape[:extra]):
-                raise ValueError(f"{what} should have shape {dims} (the cache's {where}; "
-                                 f"extra leading dimensions of size 1 are dropped, as 0.2.1 "
-                                 f"did), but got {what}.shape={tuple(value.shape)}")
-            value = value.reshape(dims)  # (1, C, H, W) from a loader's unsqueeze(0)
-        src = value.dtype
-        if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
-            raise TypeError(f"{what} should be a dense tensor with data and a dtype the cache "
-                            f"can store ({dst} or one that casts to it), but got "
-                            f"{what}.dtype={src}, layout={value.layout}, device={value.device}")
-        if src == dst or dst in _LOSSLESS.get(src, ()):
-            return value
-        if (src.is_floating_point or src.is_complex) and \
-                (dst.is_floating_point or dst.is_complex) and (dst.is_complex or not src.is_complex):
-            return value  # rounding into a narrower float or complex, as torch does
-        # 0.2.1 stored any dtype with torch's casting rules, so 0.2.1 code may pass float64
-        # arrays to a float32 cache (intended rounding) or int64 masks to a uint8 cache
-        # (values that fit). Both keep working; a cast that would change a value (0.7 into
-        # uint8, 300 into uint8, 1+2j into float32) is refused instead of stored wrong.
-        cpu = value.detach().to("cpu").resolve_conj().resolve_neg()
-        if src.is_complex and not dst.is_complex:
-            if cpu.imag.count_nonzero():
-                raise ValueError(
-                    f"{what} should have dtype {dst}, or values that it holds exactly, but "
-                    f"got {what}.dtype={src} with imaginary parts that are not 0")
-            if dst.is_floating_point:
-                return value
-            cpu = cpu.real
-        bad = self._first_changed(cpu, dst)
-        if bad is not None:
-            raise ValueError(
-                f"{what} should have dtype {dst}, or values that it holds exactly, but "
-                f"got {what}.dtype={src} with values that change in {dst}, e.g. "
-                f"{what}[{', '.join(map(str, bad))}]={cpu[bad].item()!r}")
-        return value
-
-    @staticmethod
-    def _first_changed(value: torch.Tensor, dst: torch.dtype) -> tuple[int, ...] | None:
-        """Index of the first element of the CPU tensor ``value`` that ``dst`` does not hold
-        exactly, or None."""
-        if _is_integer_dtype(value.dtype) and _is_integer_dtype(dst):
-            # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
-            a, info = value.numpy(), np.iinfo(_DTYPES[dst][1])
-            if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
-                return None
-            have = np.iinfo(a.dtype)  # bounds within a's own range: safe for any numpy
-            changed = (a < max(info.min, have.min)) | (a > min(info.max, have.max))
-        else:  # through torch: numpy has no bfloat16
-            changed = (value.to(dst).to(value.dtype) != value).numpy()
-            if not changed.any():
-                return None
-        return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(changed)[0]),
-                                                      tuple(value.shape)))
-
-    def _slot_array(self, value: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
-        """A value that passed ``_check_value`` as the array to copy into a slot: on the CPU,
-        in the cache's dtype (or ``dtype``: the rounding or exact cast that the check
-        allowed)."""
-        dtype = self._dtype if dtype is None else dtype
-        value = value.detach().to("cpu").resolve_conj().resolve_neg()
-        if value.is_complex() and not dtype.is_complex:
-            value = value.real  # its imaginary parts were checked to be 0
-        if value.dtype != dtype:
-            value = value.to(dtype)
-        if dtype is torch.bfloat16:
-            value = value.view(torch.uint16)
-        return value.numpy()
-
     @property
     def read_tags(self) -> frozenset:
         return self._read_tags
@@ -3495,7 +3495,7 @@ class SharedCache(BaseCache):
     def _check_value(self, value: Any) -> torch.Tensor:
         """Raise unless ``value`` may be stored; return it as a tensor (a numpy array wrapped,
         not copied). Nothing is stored and nothing of the cache changes. See ``_checked``."""
-        return self._checked(value, self._dims, self._dtype, "value", "data_dims")
+        return _checked_value(value, self._dims, self._dtype, "value", "data_dims")
 
     def _write(self, slot: int, src: np.ndarray, idx: int | None) -> None:
         """Write one slot, and set the state of ``idx`` (None for a staging slot); the caller
@@ -3517,7 +3517,7 @@ class SharedCache(BaseCache):
                 value.shape == self._dims and value.layout is torch.strided and value.is_cpu \
                 and not value.requires_grad:
             return value.numpy()
-        return self._slot_array(self._check_value(value))
+        return _slot_array(self._check_value(value), self._dtype)
 
     def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
                  allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
@@ -3869,8 +3869,8 @@ class _FieldsCache(SharedCache):
             v = value[f.name]
             if not f.dims and isinstance(v, (int, float, complex, np.generic)):
                 v = torch.tensor(v)  # a label as a number (bool too)
-            out[f.name] = self._checked(v, f.dims, f.dtype, f"value[{f.name!r}]",
-                                        f"data_dims[{f.name!r}]")
+            out[f.name] = _checked_value(v, f.dims, f.dtype, f"value[{f.name!r}]",
+                                         f"data_dims[{f.name!r}]")
         return out
 
     def _source_array(self, value: Any) -> np.ndarray:
@@ -3878,7 +3878,7 @@ class _FieldsCache(SharedCache):
         checked = self._check_value(value)
         row = np.zeros(self._row_bytes, np.uint8)  # the padding is 0 too
         for f in self._fields:
-            a = np.ascontiguousarray(self._slot_array(checked[f.name], f.dtype))
+            a = np.ascontiguousarray(_slot_array(checked[f.name], f.dtype))
             row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
         return row
 
@@ -4225,9 +4225,8 @@ class OpenSizeCache(BaseCache):
                     any(d is not None and d != s for d, s in zip(f.dims, shape))):
                 raise ValueError(f"{what} should have shape {f.dims} (the cache's {where}; None "
                                  f"is any size), but got {what}.shape={tuple(v.shape)}")
-            checked[f.name] = self._checked(v, shape if isinstance(v, (torch.Tensor,
-                                                                       np.ndarray)) else f.dims,
-                                            f.dtype, what, where)
+            dims = shape if isinstance(v, (torch.Tensor, np.ndarray)) else f.dims
+            checked[f.name] = _checked_value(v, dims, f.dtype, what, where)
             sizes += [s for d, s in zip(f.dims, shape) if d is None]
         return checked, sizes
 
@@ -4235,13 +4234,13 @@ class OpenSizeCache(BaseCache):
         """The packed bytes of a sample and its open sizes, checked."""
         checked, sizes = self._check_value(value)
         if not self._fields:
-            a = self._slot_array(checked[""], self._sample_fields[0].dtype)
+            a = _slot_array(checked[""], self._sample_fields[0].dtype)
             return np.ascontiguousarray(a).reshape(-1).view(np.uint8), sizes
         fields, total = _pack({f.name: tuple(checked[f.name].shape) for f in self._sample_fields},
                               {f.name: f.dtype for f in self._sample_fields})
         row = np.zeros(total, np.uint8)
         for f in fields:
-            a = np.ascontiguousarray(self._slot_array(checked[f.name], f.dtype))
+            a = np.ascontiguousarray(_slot_array(checked[f.name], f.dtype))
             row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
         return row, sizes
 
