@@ -31,14 +31,15 @@ exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
 
 Contents (``grep -n "^# [0-9]*[.] " stocaching.py`` lists the sections with their lines):
 
- 1. Constants                            9. The segment, as a process holds it
- 2. Argument checks                    10. The cache contract: BaseCache
- 3. What a trainer did to a sampler    11. Fixed-size rows: SharedCache (the hit path)
- 4. Who am I: World                    12. Several fields a sample
- 5. Which indices each node caches     13. Open sizes: OpenSizeCache
- 6. Exceptions                         14. Saved files: the format
- 7. The segment's layout and sizing    15. Saving and loading a cache
- 8. Segment files, liveness, cleaning  16. Planning a cache, and the command line
+ 1. Constants                            10. The cache contract: BaseCache
+ 2. Argument checks                      11. Fixed-size rows: SharedCache (the hit path)
+ 3. What a trainer did to a sampler      12. Staging slots: _StagingTable
+ 4. Who am I: World                      13. Several fields a sample
+ 5. Which indices each node caches       14. Open sizes: OpenSizeCache
+ 6. Exceptions                           15. Saved files: the format
+ 7. The segment's layout and sizing      16. Saving and loading a cache
+ 8. Segment files, liveness, cleaning    17. Planning a cache, and the command line
+ 9. The segment, as a process holds it
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ import time
 import warnings
 import weakref
 import zlib
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import psutil
@@ -983,12 +984,6 @@ _STAGE_LOCK = _LOCK_BASE - 1  # the staging map
 _STAGE_TAG_SHIFT = 40  # a staging map entry: index | tag << 40
 _STAGE_INDEX_MASK = (1 << _STAGE_TAG_SHIFT) - 1
 MAX_STAGE_TAG = (1 << (63 - _STAGE_TAG_SHIFT)) - 1
-
-
-def _staged_entries(table: np.ndarray, idx: int) -> np.ndarray:
-    """Positions in a staging map (or a piece of one) whose entry holds ``idx``."""
-    found = np.flatnonzero(table & _STAGE_INDEX_MASK == idx)  # a free (-1) or filling
-    return found[table[found] >= 0]  # (-2 - pid) entry may match too: dropped here
 
 
 def _slot_lock_offset(slot: int) -> int:
@@ -2191,7 +2186,7 @@ class BaseCache:
     _index_states: memoryview  # one state byte per dataset index (aux_array)
     _index_states_np: np.ndarray  # the same bytes, for numpy
     _slot_map: memoryview | None  # slot of each dataset index (a random subset), else None
-    _staging_table: np.ndarray  # what each staging slot holds (tag and index), -1 if free
+    _staging: _StagingTable  # what each staging slot holds (the table is in the segment)
     _stats_rows: np.ndarray  # the counters of every process that used the cache
     # This process's own: made anew in a forked child (_after_fork).
     _own_counters: memoryview  # this process's row of _stats_rows
@@ -2201,7 +2196,6 @@ class BaseCache:
     # samples close() gives back. A forked child inherits them with its parent's pid, and a
     # process the cache is sent to gets none: neither gives back its parent's.
     _own_tags: tuple[int, frozenset] = (0, frozenset())
-    _closing = False  # set by close(), before it frees this process's staged samples
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("BaseCache is what every kind of cache offers, not a cache: construct "
@@ -2358,7 +2352,8 @@ class BaseCache:
         view = memoryview(mm)
         self._index_states_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
         self._index_states = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
-        self._staging_table = np.frombuffer(mm, np.int64, self._staging_slots, head["stage_off"])
+        self._staging = _StagingTable(np.frombuffer(mm, np.int64, self._staging_slots,
+                                                    head["stage_off"]), self._segment)
         self._stats_rows = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
                                        head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
         if head["map_off"]:
@@ -2390,7 +2385,7 @@ class BaseCache:
                                      lay.dataset_len, head["map_off"])
                 smap[:] = -1
                 smap[held] = np.arange(len(held))
-        self._staging_table[:] = -1
+        self._staging.entries[:] = -1
 
     # -- this process's stats row -------------------------------------------------------
 
@@ -2670,18 +2665,7 @@ class BaseCache:
         idx = self._index(idx)
         if tag is not None:
             tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        if not self._staging_slots:
-            return False
-        table = self._staging_table
-        self._segment.lock(_STAGE_LOCK)
-        try:
-            found = _staged_entries(table, idx)
-            if tag is not None:
-                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
-            table[found] = -1
-        finally:
-            self._segment.unlock(_STAGE_LOCK)
-        return bool(found.size)
+        return bool(self._staging_slots) and self._staging.drop(idx, tag)
 
     def slot_mask(self, indices: Any = None) -> np.ndarray:
         """True where the dataset index has a slot on this node (``set_slot`` can store its
@@ -2726,14 +2710,10 @@ class BaseCache:
             np.asarray(indices, dtype=np.int64)
         ready = aux[idx] == SET
         if self._staging_slots:
-            table = self._staging_table.copy()  # a snapshot: fillers change it meanwhile
-            table = table[table >= 0]
-            if tag is not None:
-                table = table[table >> _STAGE_TAG_SHIFT == tag]
-            if table.size:
+            staged = self._staging.staged_indices(() if tag is None else (tag,))
+            if staged.size:
                 # Binary search in the sorted staged indices (a few hundred): np.isin sorts
                 # both arrays on every call, 0.5 ms per prefetcher chunk in a profile.
-                staged = np.sort(table & _STAGE_INDEX_MASK)
                 pos = np.minimum(np.searchsorted(staged, idx), staged.size - 1)
                 ready |= staged[pos] == idx
         return ready
@@ -2778,8 +2758,7 @@ class BaseCache:
         reads = counts["hits"] + counts["misses"]
         return {**counts, "filled": int(np.count_nonzero(self._index_states_np == SET)),
                 "slots": len(self), "dataset_len": self._dataset_len, "bytes": self._segment.size,
-                "staging_slots": self._staging_slots, "staged": int(np.count_nonzero(
-                    self._staging_table >= 0)),
+                "staging_slots": self._staging_slots, "staged": self._staging.count(),
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
                 "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
                                  if p)}
@@ -2802,13 +2781,7 @@ class BaseCache:
         if pid != os.getpid() or not tags or not self._staging_slots:
             return
         with contextlib.suppress(OSError):  # (the descriptor closed at exit: nothing to do)
-            self._segment.lock(_STAGE_LOCK)
-            try:  # (holds _thread_lock: a stage of this process that publishes later sees _closing
-                self._closing = True  # and withdraws)
-                table = self._staging_table
-                table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
-            finally:
-                self._segment.unlock(_STAGE_LOCK)
+            self._staging.drop_tags_at_close(tags)
 
     def _unmap(self) -> None:
         """Drop every view of the segment and unmap it now rather than when the object is
@@ -2820,7 +2793,7 @@ class BaseCache:
         self._segment.stop_populating()  # (it reads the mapping's addresses: they stay mapped)
         self._index_states = self._index_states_np = closed  # type: ignore
         self._own_counters = self._stats_rows = closed  # type: ignore
-        self._slot_map = self._staging_table = closed  # type: ignore
+        self._slot_map = self._staging = closed  # type: ignore
         self._segment.unmap()
 
     def __enter__(self) -> "BaseCache":
@@ -3388,19 +3361,16 @@ class SharedCache(BaseCache):
                        found: np.ndarray, entries: np.ndarray) -> None:
         """Fill in the staging slots of the positions ``oob`` of ``idx`` (indices without a
         slot) that hold a staged sample: each staging slot once, the first occurrence."""
-        table = self._staging_table.copy()  # a snapshot: stagers change it meanwhile
-        live = np.flatnonzero(table >= 0)
-        if self._read_tags:
-            live = live[np.isin(table[live] >> _STAGE_TAG_SHIFT, list(self._read_tags))]
+        live, staged = self._staging.live(self._read_tags)
         if not live.size:
             return
-        where: dict[int, int] = {}
-        for k in live[::-1].tolist():  # the first staging slot of an index wins
-            where[int(table[k]) & _STAGE_INDEX_MASK] = k
+        where: dict[int, tuple[int, int]] = {}
+        for j, e in zip(live[::-1].tolist(), staged[::-1].tolist()):  # the first slot wins
+            where[e & _STAGE_INDEX_MASK] = (j, e)
         for k in oob.tolist():
-            j = where.pop(int(idx[k]), None)
-            if j is not None:
-                rows[k], found[k], entries[k] = self._layout.slots + j, True, table[j]
+            got = where.pop(int(idx[k]), None)
+            if got is not None:
+                rows[k], found[k], entries[k] = self._layout.slots + got[0], True, got[1]
 
     def confirm(self, located: BatchRows) -> torch.Tensor:
         """The second half of a read begun by ``locate``, once the copy of its rows is
@@ -3423,18 +3393,12 @@ class SharedCache(BaseCache):
         hit &= self._slot_versions_np[located.rows] == located.versions
         staged = np.flatnonzero(hit & (located.entries >= 0))
         if staged.size:
-            table = self._staging_table
             k = located.rows[staged] - self._layout.slots
-            hit[staged] &= table[k] == located.entries[staged]
+            hit[staged] &= self._staging.entries[k] == located.entries[staged]
             taken = staged[hit[staged]]
             if taken.size:
-                k = located.rows[taken] - self._layout.slots
-                self._segment.lock(_STAGE_LOCK)
-                try:
-                    k = k[table[k] == located.entries[taken]]  # (still there: freed once)
-                    table[k] = -1
-                finally:
-                    self._segment.unlock(_STAGE_LOCK)
+                self._staging.take(located.rows[taken] - self._layout.slots,
+                                   located.entries[taken])
                 self._own_counters[_STAGED_HITS] += int(taken.size)
         if count:
             self._own_counters[_HITS] += int(np.count_nonzero(hit))
@@ -3628,25 +3592,10 @@ class SharedCache(BaseCache):
                              "stage() holds samples of indices without one")
         tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
         src = self._source_array(value)
-        table = self._staging_table
-        entry = idx | tag << _STAGE_TAG_SHIFT
-        self._segment.lock(_STAGE_LOCK)
-        try:
-            # Staged already by the same stager (the same entry): kept; another stager's
-            # copy stays its own. One comparison of the whole map: a few microseconds.
-            if (table == entry).any():
-                return True
-            k = int(np.argmax(table == -1))  # the first free staging slot, if any
-            if table[k] != -1:  # fillers that died keep their slot: give it back
-                for j in np.flatnonzero(table < -1):
-                    if not _alive(-2 - int(table[j]), 0):
-                        table[j] = -1
-                k = int(np.argmax(table == -1))
-                if table[k] != -1:
-                    return False
-            table[k] = -2 - os.getpid()  # reserved by us while we fill it
-        finally:
-            self._segment.unlock(_STAGE_LOCK)
+        entry = self._staging.entry(idx, tag)
+        k = self._staging.reserve(entry)
+        if k is None or k < 0:
+            return k is not None  # every slot taken; or staged already, by the same stager
         slot = self._layout.slots + k
         lock = _slot_lock_offset(slot)
         try:
@@ -3656,12 +3605,9 @@ class SharedCache(BaseCache):
             finally:
                 self._segment.unlock(lock)
         except BaseException:
-            table[k] = -1
+            self._staging.abandon(k)
             raise
-        with self._segment.thread_lock:  # not while close() frees this process's entries: see there
-            closing = self._closing
-            table[k] = -1 if closing else entry  # published only once the bytes are in
-        if closing:
+        if not self._staging.publish(k, entry):
             raise _closed_error(type(self))
         self._own_counters[_STAGES] += 1
         return True
@@ -3669,29 +3615,14 @@ class SharedCache(BaseCache):
     def _take_staged(self, idx: int) -> torch.Tensor | None:
         """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
         staged with one of ``read_tags`` if there are any."""
-        table = self._staging_table
-        if self._read_tags:  # the entries of idx with one of these tags: exact values
-            found = []
-            for tag in self._read_tags:  # (one or two: one comparison of the map each)
-                found += np.flatnonzero(table == idx | tag << _STAGE_TAG_SHIFT).tolist()
-        else:
-            found = _staged_entries(table, idx).tolist()
-        if not found:
+        found = self._staging.find(idx, self._read_tags)
+        if found is None:
             return None
-        k = found[0]
-        entry = int(table[k])  # (the scan's entry unless another reader took it meanwhile)
-        if entry < 0 or entry & _STAGE_INDEX_MASK != idx or \
-                (self._read_tags and entry >> _STAGE_TAG_SHIFT not in self._read_tags):
-            return None
-        row = self._read_row(self._layout.slots + k, True, table, k, entry)
+        k, entry = found
+        row = self._read_row(self._layout.slots + k, True, self._staging.entries, k, entry)
         if row is None:
             return None
-        self._segment.lock(_STAGE_LOCK)
-        try:
-            if table[k] == entry:  # (still there: freed once)
-                table[k] = -1
-        finally:
-            self._segment.unlock(_STAGE_LOCK)
+        self._staging.take(k, entry)
         self._own_counters[_HITS] += 1
         self._own_counters[_STAGED_HITS] += 1
         return self._from_row(row)
@@ -3710,12 +3641,7 @@ class SharedCache(BaseCache):
             aux[aux != OOB] = EMPTY
             self._slot_samples[:len(self)].reshape(-1).view(np.uint8).fill(0)
         if self._staging_slots:
-            self._segment.lock(_STAGE_LOCK)  # staged samples are dropped (fillers finish)
-            try:
-                table = self._staging_table
-                table[table >= 0] = -1
-            finally:
-                self._segment.unlock(_STAGE_LOCK)
+            self._staging.drop_all()  # staged samples are dropped (fillers finish)
 
     # -- saving to a file, and loading one ---------------------------------------------------
 
@@ -3790,7 +3716,166 @@ class SharedCache(BaseCache):
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Several fields a sample: _FieldsCache
+# 12. Staging slots: what each one holds (_StagingTable)
+# ----------------------------------------------------------------------------------------------
+
+
+def _staged_entries(table: np.ndarray, idx: int) -> np.ndarray:
+    """Positions in a staging map (or a piece of one) whose entry holds ``idx``."""
+    found = np.flatnonzero(table & _STAGE_INDEX_MASK == idx)  # a free (-1) or filling
+    return found[table[found] >= 0]  # (-2 - pid) entry may match too: dropped here
+
+
+class _StagingTable:
+    """What each staging slot of a segment holds, and every change to it: the one place that
+    knows the entries' encoding and the staging lock.
+
+    One int64 entry per staging slot: -1 free; ``-2 - pid`` reserved by process ``pid``
+    while it writes the slot's row; else ``index | tag << 40``, the sample of ``index``
+    staged with ``tag``, set only once the row is whole. Entries change only under the
+    staging lock (``_STAGE_LOCK``, a record lock of the segment); readers take a snapshot
+    and look at an entry again under the lock before they free it, so a slot is freed once.
+    """
+
+    entries: np.ndarray  # the table, in the segment (int64, one per staging slot)
+    segment: _Segment  # whose record lock at _STAGE_LOCK guards changes to entries
+    # Set in this process once close() gave back its stagers' samples: a stage of this
+    # process that publishes afterwards withdraws its sample instead (see publish).
+    closing: bool = False
+
+    def __init__(self, entries: np.ndarray, segment: _Segment) -> None:
+        self.entries, self.segment = entries, segment
+
+    @staticmethod
+    def entry(idx: int, tag: int) -> int:
+        """The entry of ``idx``'s sample staged with ``tag``."""
+        return idx | tag << _STAGE_TAG_SHIFT
+
+    # -- a stager: reserve a slot, write its row, then publish it ---------------------------
+
+    def reserve(self, entry: int) -> int | None:
+        """Reserve a free staging slot for this process to write ``entry``'s sample in: its
+        position; -1 when ``entry`` is staged already (kept: a load gives the same sample);
+        None when every slot is taken. Slots reserved by processes that died are freed."""
+        table = self.entries
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            # Staged already by the same stager (the same entry): kept; another stager's
+            # copy stays its own. One comparison of the whole table: a few microseconds.
+            if (table == entry).any():
+                return -1
+            k = int(np.argmax(table == -1))  # the first free staging slot, if any
+            if table[k] != -1:  # fillers that died keep their slot: give it back
+                for j in np.flatnonzero(table < -1):
+                    if not _alive(-2 - int(table[j]), 0):
+                        table[j] = -1
+                k = int(np.argmax(table == -1))
+                if table[k] != -1:
+                    return None
+            table[k] = -2 - os.getpid()  # reserved by us while we fill it
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+        return k
+
+    def abandon(self, k: int) -> None:
+        """Free the slot ``k`` this process reserved and could not fill."""
+        self.entries[k] = -1
+
+    def publish(self, k: int, entry: int) -> bool:
+        """Make the sample written in the reserved slot ``k`` readable as ``entry``; False
+        (the slot freed instead) once this process's close() has begun."""
+        with self.segment.thread_lock:  # not while close() gives back this process's entries
+            closing = self.closing
+            self.entries[k] = -1 if closing else entry  # published only once the row is in
+        return not closing
+
+    # -- readers ------------------------------------------------------------------------------
+
+    def find(self, idx: int, tags: frozenset) -> tuple[int, int] | None:
+        """A staging slot holding ``idx``'s sample, staged with one of ``tags`` (any tag when
+        empty), and its entry; or None."""
+        table = self.entries
+        if tags:  # the entries of idx with one of these tags: exact values
+            found = []
+            for tag in tags:  # (one or two: one comparison of the table each)
+                found += np.flatnonzero(table == self.entry(idx, tag)).tolist()
+        else:
+            found = _staged_entries(table, idx).tolist()
+        if not found:
+            return None
+        k = found[0]
+        entry = int(table[k])  # (the scan's entry unless another reader took it meanwhile)
+        if entry < 0 or entry & _STAGE_INDEX_MASK != idx or \
+                (tags and entry >> _STAGE_TAG_SHIFT not in tags):
+            return None
+        return k, entry
+
+    def live(self, tags: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """A snapshot of the published entries, staged with one of ``tags`` (any tag when
+        empty): their slots and their entries (stagers change the table meanwhile)."""
+        table = self.entries.copy()
+        slots = np.flatnonzero(table >= 0)
+        tags = list(tags)
+        if tags:
+            slots = slots[np.isin(table[slots] >> _STAGE_TAG_SHIFT, tags)]
+        return slots, table[slots]
+
+    def staged_indices(self, tags: Iterable[int] = ()) -> np.ndarray:
+        """The indices staged now (with one of ``tags``, any when empty), sorted: a snapshot."""
+        return np.sort(self.live(tags)[1] & _STAGE_INDEX_MASK)
+
+    def count(self) -> int:
+        """Samples staged now."""
+        return int(np.count_nonzero(self.entries >= 0))
+
+    # -- freeing ------------------------------------------------------------------------------
+
+    def take(self, k: np.ndarray | int, entry: np.ndarray | int) -> None:
+        """Free the slots ``k`` whose entries are still ``entry`` (a reader took their
+        samples; freed once however many readers raced)."""
+        table = self.entries
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            k = np.atleast_1d(k)
+            table[k[table[k] == entry]] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+
+    def drop(self, idx: int, tag: int | None = None) -> bool:
+        """Free the slots of ``idx`` (staged with ``tag`` only, when given); whether any."""
+        table = self.entries
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            found = _staged_entries(table, idx)
+            if tag is not None:
+                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
+            table[found] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+        return bool(found.size)
+
+    def drop_all(self) -> None:
+        """Free every published slot (``clear()``; a stager writing one publishes after)."""
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            self.entries[self.entries >= 0] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+
+    def drop_tags_at_close(self, tags: Iterable[int]) -> None:
+        """Free what this process's stagers (``tags``) staged, and have any stage of this
+        process that publishes later withdraw: close() has begun."""
+        self.segment.lock(_STAGE_LOCK)
+        try:  # (it holds the thread lock: a publish of this process waits, then withdraws)
+            self.closing = True
+            table = self.entries
+            table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+
+
+# ----------------------------------------------------------------------------------------------
+# 13. Several fields a sample: _FieldsCache
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3929,7 +4014,7 @@ _REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
+# 14. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4407,7 +4492,7 @@ class OpenSizeCache(BaseCache):
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
+# 15. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4725,7 +4810,7 @@ _SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
+# 16. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5026,7 +5111,7 @@ class _SavedFileReader:
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. Planning a cache, and the command line
+# 17. Planning a cache, and the command line
 # ----------------------------------------------------------------------------------------------
 
 

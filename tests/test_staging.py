@@ -82,7 +82,7 @@ def test_a_reservation_of_a_dead_filler_is_taken_back(shm_dir):
         p.join()
         # Stands in for a process killed while it filled the only staging slot (the slot's
         # map entry then holds -2 - its pid); the fault tests kill real writers mid-copy.
-        c._staging_table[0] = -2 - p.pid
+        c._staging.entries[0] = -2 - p.pid
         assert c.stage(50, value_of(50, DIMS))
         assert torch.equal(c.get_slot(50), value_of(50, DIMS))
 
