@@ -112,7 +112,7 @@ def test_every_attribute_of_a_cache_is_declared_in_its_class(kind, shm_dir):
     """A cache's state is declared at the top of its class, grouped by role (what it is, the
     mapped segment, this process's own): every attribute an instance holds once used is
     among the annotations or class attributes of a class of its MRO, so that a reader finds
-    all of it there."""
+    all of it there; the same for the collaborators it holds."""
     from stocaching import OpenSizeCache
     make = {"one tensor": lambda: SharedCache(1e-3, 10, (3, 4), shm_dir=shm_dir),
             "fields": lambda: SharedCache(1e-3, 10, {"x": (3, 4), "y": ()}, shm_dir=shm_dir),
@@ -120,12 +120,17 @@ def test_every_attribute_of_a_cache_is_declared_in_its_class(kind, shm_dir):
     sample = {"one tensor": torch.ones(3, 4, dtype=torch.uint8),
               "fields": {"x": torch.ones(3, 4, dtype=torch.uint8), "y": torch.tensor(1)},
               "open sizes": torch.ones(2, 4, dtype=torch.uint8)}[kind]
+    def undeclared(obj) -> list:
+        declared = {name for cls in type(obj).__mro__
+                    for name in (*getattr(cls, "__annotations__", {}), *vars(cls))}
+        return sorted(set(vars(obj)) - declared)
+
     with make() as c:
         c.set_slot(1, sample)
         assert c.get_slot(1) is not None
-        declared = {name for cls in type(c).__mro__
-                    for name in (*getattr(cls, "__annotations__", {}), *vars(cls))}
-        assert set(vars(c)) <= declared, sorted(set(vars(c)) - declared)
+        assert undeclared(c) == []
+        # and so is the state of the collaborators it holds (the segment, the staging table)
+        assert undeclared(c._segment) == [] and undeclared(c._staging) == []
 
 
 def test_budget_below_the_aux_array_gives_no_slots_and_a_warning(shm_dir):
