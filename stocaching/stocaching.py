@@ -1441,7 +1441,8 @@ def _describe_persistent(path: str, name: str) -> dict:
 
 
 def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
-                   persistent: bool | Sequence[str] = ()) -> list[str]:
+                   persistent: bool | Sequence[str] = (),
+                   disk_tier: str | os.PathLike | None = None) -> list[str]:
     """Remove this user's segments in ``shm_dir`` that no live process holds (left by a job
     killed during start-up). Live segments are never touched, and persistent caches only when
     asked for.
@@ -1449,6 +1450,10 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
     Args:
         persistent: persistent caches to remove too, by name, or True for all of them (those
             that no process uses now). Default: none.
+        disk_tier: a directory of disk tiers (``SharedCache(disk_tier=...)``) to clean too,
+            by the same rules: the tier files there that no live process holds (a job killed
+            before its local ranks all opened its tier), and persistent ones by name.
+            Default: None, only ``shm_dir``.
 
     Returns:
         The paths removed (or that would be, with ``dry_run=True``).
@@ -1457,7 +1462,13 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
         raise TypeError(f"persistent should be a bool or a list of names, but got "
                         f"persistent={persistent!r}")
     names = () if persistent is False else persistent
-    removed = []
+    if disk_tier is not None and (not isinstance(disk_tier, (str, os.PathLike)) or
+                                  not os.path.isdir(disk_tier)):
+        raise (ValueError if isinstance(disk_tier, (str, os.PathLike)) else TypeError)(
+            f"disk_tier should be an existing directory (where caches keep their disk "
+            f"tiers), or None, but got disk_tier={disk_tier!r}")
+    removed = [] if disk_tier is None else \
+        _clean_tier_files(os.fspath(disk_tier), dry_run=dry_run, persistent=names)
     for fname in sorted(os.listdir(shm_dir)):
         info = _parse_segment_name(fname)
         if info is not None and info["job_key"] == _PERSISTENT_JOB_KEY and \
@@ -2892,6 +2903,27 @@ class SharedCache(BaseCache):
             another size); the next ``save`` to it appends. A missing file starts empty
             (logged); ``{node}`` in it becomes the node's rank. A persistent cache that
             exists already is attached as it is, without reading the file. Default: None.
+        disk_tier: a directory on local disk (an NVMe) for a second tier behind the segment:
+            the sample of an index without a slot on this node is written to a file there
+            when ``set_slot`` stores it, and ``get_slot`` reads it from there on later misses
+            (a new tensor, even with ``copy=False``), for every local rank and DataLoader
+            worker; ``stats()`` counts its ``disk_hits`` apart. The file
+            (``stocaching-tier_<uid>_<job>_n<node>_<name>``, owner-only) is sparse: only
+            stored rows take disk. It is freed with the cache's last process (its name is
+            dropped once every local rank has opened it), kept under the cache's name with
+            ``persistent`` (the next job reads what this one stored at once), and removed by
+            ``python -m stocaching clean --disk-tier DIR`` when no job uses it. With several
+            nodes each node's tier holds its own share of the indices that no node holds in
+            memory (see docs/sizing.md; ``CacheAwareSampler`` does not route them yet). A
+            full disk leaves a sample untiered (logged once), never an error. ``get_batch``
+            and ``locate`` see tier rows as misses: the Dataset's fallback reads them with
+            ``get_slot``. Reads go through the page cache, which yields to /dev/shm; it is
+            not counted by ``size_limit_gib="auto"``. Default: None, no disk tier.
+        disk_tier_gib: the disk tier's budget in GiB for its rows: the first of this node's
+            share of indices that it pays for get a row (the metadata, about 9 bytes per
+            dataset index, comes on top). A disk with less free space only warns: rows that
+            find it full are not stored. Default: None, a row for every index of the node's
+            share.
 
     Attributes:
         read_tags: when not empty (a frozenset of ints, as ``stage``'s ``tag``), ``get_slot``
@@ -2909,6 +2941,8 @@ class SharedCache(BaseCache):
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
         RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
+        OSError: ``disk_tier`` is a directory where no file can be made (read-only, not
+            this user's); nothing is left behind.
     """
 
     # -- state: BaseCache's, and its views of the slots (set in _map_samples / _map_slots) --
@@ -3235,7 +3269,8 @@ class SharedCache(BaseCache):
         A staged sample (see ``stage``) is taken as ``get_slot`` takes it: its staging slot
         is freed, so a second occurrence of that index in ``indices`` is a miss. Hits and
         misses are counted in ``stats()`` as ``get_slot`` counts them; an index without a slot
-        on this node is a miss, counted in ``oob_misses`` too.
+        on this node is a miss, counted in ``oob_misses`` too, even where the disk tier holds
+        its row: a Dataset's fallback (``get_slot``) then reads the row from there.
 
         Args:
             indices: dataset indices in ``[0, dataset_len)``: a sequence of ints (the list a
@@ -3689,8 +3724,9 @@ class SharedCache(BaseCache):
         return out if self._view_as is None else out.view(self._view_as)
 
     def clear(self) -> None:
-        """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
-        processes read (they see misses) or write (they finish first)."""
+        """Mark every slot empty and zero the slots (as 0.2.1 does), and empty the disk
+        tier. Safe while other processes read (they see misses) or write (they finish
+        first)."""
         self._check_open()
         with self._writing(0, len(self)):
             aux = self._index_states_np
@@ -4730,7 +4766,7 @@ def _tier_indices(layout: CacheLayout, node_rank: int, rows: int | None = None) 
 def _tier_rows(layout: CacheLayout, node_rank: int, row_bytes: int,
                disk_tier_gib: float | None) -> int:
     """How many rows a disk tier has: its share (``_tier_indices``), or the first of them
-    that ``disk_tier_gib`` pays for (rows only: the metadata, about 5 bytes per dataset
+    that ``disk_tier_gib`` pays for (rows only: the metadata, about 9 bytes per dataset
     index, comes on top)."""
     share = len(_tier_indices(layout, node_rank))
     if disk_tier_gib is None:
@@ -4877,6 +4913,13 @@ class _DiskTier:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, want["total_bytes"])
+            try:  # the mapped metadata: a store into a hole of a full disk would be a SIGBUS
+                os.posix_fallocate(fd, 0, want["data_off"])
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise OSError(e.errno, f"disk_tier={directory!r} cannot hold the disk "
+                                  f"tier's {_fmt_bytes(want['data_off'])} of metadata "
+                                  f"({e.strerror}); free some room there") from None
             data = want["rows"] * want["row_bytes"]
             free = _free_bytes(directory)
             if data > free:
@@ -5227,7 +5270,10 @@ class _DiskTier:
         """Close this process's descriptor and mapping (idempotent). The file goes with the
         last descriptor once its name is gone (a persistent tier keeps its name)."""
         _LIVE_TIERS.discard(self)
-        self._states = self._versions = self._positions = _Closed(SharedCache)  # type: ignore
+        closed = _Closed(SharedCache)  # every view goes, so that the mapping can close now
+        self._states = self._versions = self._positions = closed  # type: ignore
+        self._states_np = self._versions_np = self._stats_rows = closed  # type: ignore
+        self._own_counters = closed  # type: ignore
         mm = getattr(self, "_mapping", None)
         if mm is not None:
             with contextlib.suppress(BufferError):
@@ -5773,6 +5819,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(repeat for several)")
     c.add_argument("--all-persistent", action="store_true",
                    help="also remove every persistent cache that no process uses")
+    c.add_argument("--disk-tier", default=None, metavar="DIR",
+                   help="also clean the disk tiers in DIR (the disk_tier= of your caches): "
+                        "those no process uses, and persistent ones as above")
     f = sub.add_parser("inspect", help="what files written by SharedCache.save hold, without "
                                        "loading them")
     f.add_argument("paths", nargs="+", metavar="PATH",
@@ -5841,8 +5890,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "inspect":
         return _inspect_saved_files(args.paths, args.verify, out)
     elif args.cmd == "clean":
+        if args.disk_tier is not None and not os.path.isdir(args.disk_tier):
+            parser.error(f"--disk-tier should be an existing directory (the disk_tier= of your "
+                         f"caches), but got --disk-tier={args.disk_tier}")
         removed = clean_segments(args.shm_dir, dry_run=args.dry_run,
-                                 persistent=True if args.all_persistent else args.persistent)
+                                 persistent=True if args.all_persistent else args.persistent,
+                                 disk_tier=args.disk_tier)
         verb = "would remove" if args.dry_run else "removed"
         out("".join(f"{verb} {p}\n" for p in removed) or "nothing to clean\n")
     else:

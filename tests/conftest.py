@@ -114,6 +114,7 @@ SLOW = {
     "tests/test_processes.py::test_two_nodes_under_real_torchrun",  # 11 s
     "tests/test_processes.py::test_waiting_rank_names_the_leader_that_never_came",  # 3 s
     "tests/test_saved.py::test_two_local_ranks_under_torchrun_load_once",  # 5 s
+    "tests/test_disk_tier.py::test_two_torchrun_ranks_read_each_others_tier_rows",  # 4 s
     # a fresh interpreter: the command line, copied modules, new processes, the benchmark
     "tests/test_benchmark.py::"
     "test_persistent_command_prints_its_checks_and_leaves_nothing",  # 29 s
