@@ -124,6 +124,7 @@ SLOW = {
     "tests/test_benchmark.py::test_run_spawn_persistent_views_release_the_cache",  # 8 s
     "tests/test_benchmark.py::test_run_varied_sizes_end_to_end",  # 3 s
     "tests/test_benchmark.py::test_run_with_repeats",  # 2 s
+    "tests/test_benchmark.py::test_run_with_a_tiered_arm_checks_it_against_both_caches",  # 4 s
     "tests/test_benchmark.py::test_run_with_the_device_loader",  # 3 s
     "tests/test_docs.py::test_module_runs_as_a_copied_single_file",  # 3 s
     "tests/test_launchers.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
