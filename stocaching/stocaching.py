@@ -5016,10 +5016,14 @@ class _DiskTier:
         while True:
             try:
                 fd = _open_existing(self._path)
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                break
             except FileNotFoundError:
-                pass
+                fd = -1
+            if fd >= 0:
+                if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
+                    os.close(fd)
+                else:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    break
             if time.monotonic() > deadline:
                 raise CacheTimeoutError(
                     f"waited {timeout:.0f} s for local rank 0 to make the disk tier "

@@ -130,6 +130,28 @@ def test_each_nodes_tier_holds_its_own_indices_that_no_node_holds_in_memory(
     assert list(_tier_indices(lay, nodes - 1, 2)) == list(tiers[-1][:2])
 
 
+def test_two_nodes_tiers_hold_disjoint_shares_next_to_their_memory(shm_dir, tmp_path):
+    nodes = [tiered(shm_dir, tmp_path, slots=5, layout_seed=1,
+                    world=World(rank=k, world_size=2, node_rank=k, num_nodes=2))
+             for k in range(2)]
+    held = []
+    for cache in nodes:
+        for i in range(N):
+            cache.set_slot(i, value_of(i))
+        hits = {i for i in range(N) if cache.get_slot(i) is not None}
+        assert all(torch.equal(cache.get_slot(i), value_of(i)) for i in hits)
+        memory = set(cache.cached_indices().tolist())
+        tier = hits - memory
+        assert memory <= hits and len(tier) == cache.stats()["disk_rows"] == (N - 2 * 5) // 2
+        held.append((memory, tier))
+    (m0, t0), (m1, t1) = held
+    assert not (t0 & t1) and not ((t0 | t1) & (m0 | m1))  # disjoint, none held in memory
+    assert t0 | t1 | m0 | m1 == set(range(N))  # every index on some node
+    for cache in nodes:
+        cache.close()
+    assert tier_files(tmp_path) == []
+
+
 def _collate(batch):
     return batch
 
