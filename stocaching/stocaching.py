@@ -2394,6 +2394,15 @@ class BaseCache:
         """Dataset indices that have a slot on this node, in slot order."""
         return self._layout.indices(self._world.node_rank)
 
+    def owner_rows(self) -> Iterator[np.ndarray]:
+        """For each node in turn, which dataset indices it reads without loading them, as a
+        bool array of ``dataset_len``: those with a slot there (``layout.owner_rows()``) and,
+        with a disk tier, those with a row on that node's tier. ``CacheAwareSampler`` routes
+        each sample to a node whose row holds it."""
+        if self._disk_tier is not None:
+            return self._disk_tier.owner_rows(self._layout)
+        return self._layout.owner_rows()
+
     def __len__(self) -> int:
         return self._layout.slots
 
@@ -4723,7 +4732,7 @@ _TIER_PREFIX = SEGMENT_PREFIX + "-tier"
 _TIER_MAGIC = b"STOCTIER"
 _TIER_VERSION = 1
 _TIER_FIELDS = (
-    "version", "row_bytes", "dataset_len", "rows", "slots", "num_nodes", "node_rank",
+    "version", "row_bytes", "dataset_len", "rows", "rows_cap", "slots", "num_nodes", "node_rank",
     "layout_seed", "random_subset", "config_hash", "persistent", "key_hash", "uid", "boot",
     "local_world_size", "attached", "ready", "stats_off", "states_off", "versions_off",
     "map_off", "data_off", "total_bytes",
@@ -4731,7 +4740,7 @@ _TIER_FIELDS = (
 _TIER_HEADER = struct.Struct("<8s" + "q" * len(_TIER_FIELDS))
 _TIER_FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_TIER_FIELDS)}
 # What a job checks when it opens a tier another process made (the rest is where things are).
-_TIER_CONFIG = ("version", "row_bytes", "dataset_len", "rows", "slots", "num_nodes",
+_TIER_CONFIG = ("version", "row_bytes", "dataset_len", "rows", "rows_cap", "slots", "num_nodes",
                 "node_rank", "layout_seed", "random_subset", "config_hash", "persistent",
                 "key_hash", "uid")
 _TIER_STATS_ROWS = 1024
@@ -4763,15 +4772,18 @@ def _tier_indices(layout: CacheLayout, node_rank: int, rows: int | None = None) 
     return share if rows is None else share[:rows]
 
 
-def _tier_rows(layout: CacheLayout, node_rank: int, row_bytes: int,
-               disk_tier_gib: float | None) -> int:
-    """How many rows a disk tier has: its share (``_tier_indices``), or the first of them
-    that ``disk_tier_gib`` pays for (rows only: the metadata, about 9 bytes per dataset
-    index, comes on top)."""
-    share = len(_tier_indices(layout, node_rank))
+def _tier_cap(row_bytes: int, disk_tier_gib: float | None) -> int:
+    """The most rows a disk tier of any node has: those ``disk_tier_gib`` pays for (rows
+    only: the metadata, about 9 bytes per dataset index, comes on top), -1 for no limit."""
     if disk_tier_gib is None:
-        return share
-    return min(share, int(disk_tier_gib * BYTES_PER_GIB) // max(1, row_bytes))
+        return -1
+    return int(disk_tier_gib * BYTES_PER_GIB) // max(1, row_bytes)
+
+
+def _tier_share(layout: CacheLayout, node_rank: int, cap: int) -> np.ndarray:
+    """The indices with a row on node ``node_rank``'s disk tier of at most ``cap`` rows (-1:
+    no limit): the first of its share."""
+    return _tier_indices(layout, node_rank, None if cap < 0 else cap)
 
 
 def _tier_offsets(dataset_len: int, rows: int, row_bytes: int) -> dict:
@@ -4836,6 +4848,7 @@ class _DiskTier:
     # -- state, by role ------------------------------------------------------------------
     # What it is: the same in every process.
     _path: str  # the file's name (gone once every local rank holds it, unless persistent)
+    _cap: int  # the most rows of any node's tier (-1: no limit), for every node's share
     _row_dtype: np.dtype  # one row as the segment's rows: dtype and shape
     _row_shape: tuple
     _row_bytes: int
@@ -4870,9 +4883,10 @@ class _DiskTier:
         self._row_dtype, self._row_shape = samples.dtype, tuple(samples.shape[1:])
         self._row_bytes = samples.dtype.itemsize * math.prod(self._row_shape)
         lay, world = cache._layout, cache._world
-        rows = _tier_rows(lay, world.node_rank, self._row_bytes, disk_tier_gib)
+        cap = _tier_cap(self._row_bytes, disk_tier_gib)
+        rows = len(_tier_share(lay, world.node_rank, cap))
         want = {"version": _TIER_VERSION, "row_bytes": self._row_bytes,
-                "dataset_len": lay.dataset_len, "rows": rows, "slots": lay.slots,
+                "dataset_len": lay.dataset_len, "rows": rows, "rows_cap": cap, "slots": lay.slots,
                 "num_nodes": lay.num_nodes, "node_rank": world.node_rank,
                 "layout_seed": lay.seed, "random_subset": int(lay.random_subset),
                 "config_hash": _key_hash(cache._describe()),
@@ -4937,7 +4951,7 @@ class _DiskTier:
                 mm[_KEY_OFF: _KEY_OFF + len(key)] = key
             self._map(fd, mm, head)
             self._positions_np()[:] = -1
-            held = _tier_indices(lay, world.node_rank, want["rows"])
+            held = _tier_share(lay, world.node_rank, want["rows_cap"])
             self._positions_np()[held] = np.arange(len(held))
             self._set("ready", 1)
             if publish:
@@ -5077,7 +5091,7 @@ class _DiskTier:
         self._fd, self._mapping = fd, mm
         st = os.fstat(fd)
         self._file_id = (st.st_dev, st.st_ino)
-        self._rows, self._data_off = head["rows"], head["data_off"]
+        self._rows, self._data_off, self._cap = head["rows"], head["data_off"], head["rows_cap"]
         view = memoryview(mm)
         self._states_np = np.frombuffer(mm, np.uint8, n, head["states_off"])
         self._states = view[head["states_off"]: head["states_off"] + n]
@@ -5179,9 +5193,12 @@ class _DiskTier:
         self._own_counters[_TIER_HITS] += 1
         return out
 
-    def has_row(self, idx: int) -> bool:
-        """True when the tier has a row for ``idx`` (stored or not)."""
-        return self._positions[idx] >= 0
+    def owner_rows(self, layout: CacheLayout) -> Iterator[np.ndarray]:
+        """``layout.owner_rows()`` with each node's tier rows (those of its share that every
+        node's tier of at most ``_cap`` rows holds) added to its row."""
+        for k, row in enumerate(layout.owner_rows()):
+            row[_tier_share(layout, k, self._cap)] = True
+            yield row
 
     def store(self, idx: int, src: np.ndarray) -> np.ndarray | None:
         """Write ``src`` (a row's values) as the row of ``idx`` unless it is there already.

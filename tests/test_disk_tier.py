@@ -329,3 +329,28 @@ def test_two_torchrun_ranks_read_each_others_tier_rows(shm_dir, tmp_path):
     assert [o["stats"]["disk_hits"] for o in outs] == [2 * (N - SLOTS)] * 2  # node-wide
     assert os.listdir(tier) == []
     assert_no_leak(shm_dir)
+
+
+def test_the_cache_aware_sampler_routes_tier_rows_to_their_node(shm_dir, tmp_path):
+    from stocaching import CacheAwareSampler
+
+    n, slots = 64, 8  # 16 in memory over both nodes; 48 on the tiers, 24 each
+    nodes = [tiered(shm_dir, tmp_path, n=n, slots=slots, layout_seed=2,
+                    world=World(rank=k, world_size=2, node_rank=k, num_nodes=2))
+             for k in range(2)]
+    fast = [set(np.flatnonzero(c.slot_mask()).tolist()) |
+            set(_tier_indices(c.layout, k).tolist()) for k, c in enumerate(nodes)]
+    assert not fast[0] & fast[1] and len(fast[0] | fast[1]) == n
+    rows = list(nodes[0].owner_rows())
+    assert [set(np.flatnonzero(r).tolist()) for r in rows] == fast
+    for k, cache in enumerate(nodes):
+        # A global batch goes half to each node, so a batch with more than its half on one
+        # node's rows spills some: most, not all, of each rank's indices are its node's own.
+        got = list(CacheAwareSampler(cache, num_replicas=2, rank=k, batch_size=8, seed=0))
+        memory_only = list(CacheAwareSampler(cache.layout, num_replicas=2, rank=k,
+                                             batch_size=8, seed=0))
+        own = sum(i in fast[k] for i in got)
+        assert len(got) == n // 2 and own >= 0.8 * len(got)
+        assert own > sum(i in fast[k] for i in memory_only)
+    for cache in nodes:
+        cache.close()
