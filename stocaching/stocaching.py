@@ -2923,7 +2923,7 @@ class SharedCache(BaseCache):
             ``persistent`` (the next job reads what this one stored at once), and removed by
             ``python -m stocaching clean --disk-tier DIR`` when no job uses it. With several
             nodes each node's tier holds its own share of the indices that no node holds in
-            memory (see docs/sizing.md; ``CacheAwareSampler`` does not route them yet). A
+            memory, and ``CacheAwareSampler`` routes them there (``owner_rows``). A
             full disk leaves a sample untiered (logged once), never an error. ``get_batch``
             and ``locate`` see tier rows as misses: the Dataset's fallback reads them with
             ``get_slot``. Reads go through the page cache, which yields to /dev/shm; it is
