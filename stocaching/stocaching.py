@@ -2733,6 +2733,7 @@ class BaseCache:
         disk = self._disk_tier.stats() if self._disk_tier is not None else \
             dict.fromkeys(("disk_hits", "disk_writes", "disk_rows", "disk_tier_rows"), 0)
         counts.update(disk_hits=disk.pop("disk_hits"), disk_writes=disk.pop("disk_writes"))
+        counts["hits"] += counts["disk_hits"]  # (a tier hit is counted by the tier alone)
         if since is not None:
             counts = {k: v - int(since.get(k, 0)) for k, v in counts.items()}
         reads = counts["hits"] + counts["misses"]
@@ -3222,9 +3223,8 @@ class SharedCache(BaseCache):
         tensor, whatever ``copy`` asked: the row was read from the file), or None."""
         out = self._take_staged(idx) if self._staging_slots else None
         if out is None and self._disk_tier is not None:
-            row = self._disk_tier.read(idx)
+            row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
             if row is not None:
-                self._own_counters[_HITS] += 1
                 out = self._from_row(row)
         return out
 
