@@ -2469,6 +2469,26 @@ class BaseCache:
         with a disk tier looks there too."""
         return self._take_staged(idx) if self._staging_slots else None
 
+    def read_tier(self, idx: int) -> Any:
+        """The sample of ``idx`` from the disk tier (a new tensor; with fields, a dict of
+        them), counted in ``disk_reads`` (not a hit: the read that takes it once staged is);
+        or None: the cache has no disk tier, or no row there for
+        ``idx``, or its row is not stored (or is being written). For loaders that fill
+        staging slots (the ``Prefetcher``): unlike ``get_slot``, it never takes a staged
+        sample.
+
+        Args:
+            idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
+        """
+        self._check_open()
+        return self._read_for_stager(self._index(idx))
+
+    def _read_tier(self, idx: int) -> Any:
+        return None  # (a kind with a disk tier reads it here: get_slot's disk hits)
+
+    def _read_for_stager(self, idx: int) -> Any:
+        return None  # (the same read, counted as disk_reads)
+
     def _read_again(self, idx: int, copy: bool) -> Any:
         """A read that met a writer: yield the CPU and try twice more while the slot is set."""
         for _ in range(2):
@@ -2712,8 +2732,9 @@ class BaseCache:
             ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
             ``full`` (with open sizes: writes that found no room in the arena),
             ``disk_hits`` (of the hits, rows read from the disk tier), ``disk_writes`` (rows
-            written there), ``disk_rows`` (rows stored there now), ``disk_tier_rows`` (rows
-            it has room for; all four 0 without a disk tier),
+            written there), ``disk_reads`` (rows read there by ``read_tier``, for a stager:
+            not hits), ``disk_rows`` (rows stored there now), ``disk_tier_rows`` (rows it has
+            room for; all five 0 without a disk tier),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
             segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
             reads, nan without reads) and ``processes`` (live processes that have used it).
@@ -2730,9 +2751,9 @@ class BaseCache:
         finally:
             self._unlock(_LOCK_BASE)
         counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
-        disk = self._disk_tier.stats() if self._disk_tier is not None else \
-            dict.fromkeys(("disk_hits", "disk_writes", "disk_rows", "disk_tier_rows"), 0)
-        counts.update(disk_hits=disk.pop("disk_hits"), disk_writes=disk.pop("disk_writes"))
+        disk = self._disk_tier.stats() if self._disk_tier is not None else dict.fromkeys(
+            ("disk_hits", "disk_writes", "disk_reads", "disk_rows", "disk_tier_rows"), 0)
+        counts.update({k: disk.pop(k) for k in ("disk_hits", "disk_writes", "disk_reads")})
         counts["hits"] += counts["disk_hits"]  # (a tier hit is counted by the tier alone)
         if since is not None:
             counts = {k: v - int(since.get(k, 0)) for k, v in counts.items()}
@@ -3223,10 +3244,20 @@ class SharedCache(BaseCache):
         tensor, whatever ``copy`` asked: the row was read from the file), or None."""
         out = self._take_staged(idx) if self._staging_slots else None
         if out is None and self._disk_tier is not None:
-            row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
-            if row is not None:
-                out = self._from_row(row)
+            out = self._read_tier(idx)
         return out
+
+    def _read_tier(self, idx: int) -> Any:
+        if self._disk_tier is None:
+            return None
+        row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
+        return None if row is None else self._from_row(row)
+
+    def _read_for_stager(self, idx: int) -> Any:
+        if self._disk_tier is None:
+            return None
+        row = self._disk_tier.read(idx, _TIER_READS)  # (not a hit: it will be, once staged)
+        return None if row is None else self._from_row(row)
 
     def _read(self, idx: int, copy: bool) -> Any:
         """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
@@ -3610,8 +3641,9 @@ class SharedCache(BaseCache):
         there, written once (a row stored is kept: the tier never overwrites). With ``check``,
         a different value for a stored row raises, as for a slot."""
         src = self._source_array(value)
-        before = self._disk_tier.store(idx, src)
-        if before is not None and check and not np.array_equal(
+        stored = self._disk_tier.store(idx, src)
+        before = self._disk_tier.read(idx, count=-1) if stored and check else None
+        if before is not None and not np.array_equal(
                 before.reshape(-1).view(np.uint8),
                 np.ascontiguousarray(src).reshape(-1).view(np.uint8)):
             raise RuntimeError(
@@ -3641,6 +3673,9 @@ class SharedCache(BaseCache):
                 and each ``get_slot`` of the index takes one.
                 Default: 0.
 
+        With a disk tier, the sample is also stored there (if its row is not stored yet), so
+        that a later epoch reads it from the tier (``read_tier``) instead of loading it.
+
         Returns:
             True when the sample is staged; False when every staging slot
             is taken (nothing changed: try again once some were read).
@@ -3659,6 +3694,8 @@ class SharedCache(BaseCache):
                              "stage() holds samples of indices without one")
         tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
         src = self._source_array(value)
+        if self._disk_tier is not None:  # kept for later epochs too (a row stored is kept)
+            self._disk_tier.store(idx, src)
         table = self._staging_table
         entry = idx | tag << _STAGE_TAG_SHIFT
         self._lock(_STAGE_LOCK)
@@ -4744,8 +4781,8 @@ _TIER_CONFIG = ("version", "row_bytes", "dataset_len", "rows", "rows_cap", "slot
                 "node_rank", "layout_seed", "random_subset", "config_hash", "persistent",
                 "key_hash", "uid")
 _TIER_STATS_ROWS = 1024
-_TIER_STATS_COLS = 4  # pid, process start, disk hits, rows written
-_TIER_HITS, _TIER_WRITES = 2, 3
+_TIER_STATS_COLS = 5  # pid, process start, disk hits, rows written, rows read by read_tier
+_TIER_HITS, _TIER_WRITES, _TIER_READS = 2, 3, 4
 _TIER_READY = 1  # a state: EMPTY, WRITING as the segment's; READY where the segment has SET
 _TIER_LOCK_BASE = 1 << 50  # lockf offsets: the header's, then one byte per dataset index
 
@@ -5172,9 +5209,11 @@ class _DiskTier:
 
     # -- rows -------------------------------------------------------------------------------
 
-    def read(self, idx: int) -> np.ndarray | None:
+    def read(self, idx: int, count: int = _TIER_HITS) -> np.ndarray | None:
         """The row of ``idx`` (a new array, shaped as the segment's rows), or None: the tier
-        holds none, or it is being written or cleared. No lock: the states and versions."""
+        holds none, or it is being written or cleared. No lock: the states and versions.
+        Counted in the stats column ``count`` (a disk hit, or a read for a stager), or not
+        (-1)."""
         if self._states[idx] != _TIER_READY:
             return None
         seq = self._versions[idx]
@@ -5190,7 +5229,8 @@ class _DiskTier:
         if got != self._row_bytes or self._versions[idx] != seq or \
                 self._states[idx] != _TIER_READY:
             return None
-        self._own_counters[_TIER_HITS] += 1
+        if count >= 0:
+            self._own_counters[count] += 1
         return out
 
     def owner_rows(self, layout: CacheLayout) -> Iterator[np.ndarray]:
@@ -5200,22 +5240,21 @@ class _DiskTier:
             row[_tier_share(layout, k, self._cap)] = True
             yield row
 
-    def store(self, idx: int, src: np.ndarray) -> np.ndarray | None:
-        """Write ``src`` (a row's values) as the row of ``idx`` unless it is there already.
-        Returns None when written (or when the tier has no row for ``idx``, or the write
-        failed: logged once), else a copy of the row stored before, for the caller to
-        compare."""
+    def store(self, idx: int, src: np.ndarray) -> bool:
+        """Write ``src`` (a row's values) as the row of ``idx`` unless one is stored already
+        (then True: ``read(idx, count=-1)`` gives it, to compare). False when written, or
+        when the tier has no row for ``idx``, or the write failed (logged once)."""
         pos = self._positions[idx]
         if pos < 0:
-            return None
+            return False
         if self._states[idx] == _TIER_READY:
-            return self._stored(idx)
+            return True
         data = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
         lock = _TIER_LOCK_BASE + idx
         self._lock(lock)
         try:
             if self._states[idx] == _TIER_READY:
-                return self._stored(idx)
+                return True
             seq = self._versions[idx]
             seq += seq & 1  # odd: left by a writer that died
             self._versions[idx] = (seq + 1) & 0xFFFFFFFF
@@ -5226,13 +5265,13 @@ class _DiskTier:
                 self._states[idx] = EMPTY
                 self._versions[idx] = (seq + 2) & 0xFFFFFFFF
                 self._tell("write", e)
-                return None
+                return False
             self._states[idx] = _TIER_READY
             self._versions[idx] = (seq + 2) & 0xFFFFFFFF
         finally:
             self._unlock(lock)
         self._own_counters[_TIER_WRITES] += 1
-        return None
+        return False
 
     def _put(self, offset: int, data: np.ndarray) -> None:
         """Write ``data`` at ``offset`` (a short write goes on where it stopped)."""
@@ -5240,14 +5279,6 @@ class _DiskTier:
         while len(view):
             done = os.pwrite(self._fd, view, offset)
             view, offset = view[done:], offset + done
-
-    def _stored(self, idx: int) -> np.ndarray:
-        """The row stored for ``idx``, read under no lock (the state is READY: rows are not
-        rewritten while READY, only cleared)."""
-        out = self.read(idx)
-        if out is not None:
-            self._own_counters[_TIER_HITS] -= 1  # a look, not a hit
-        return out
 
     def _tell(self, what: str, e: OSError) -> None:
         """A failed read or write: the sample is not tiered (a miss); logged once here."""
@@ -5272,15 +5303,16 @@ class _DiskTier:
         return int(np.count_nonzero(self._states_np == _TIER_READY))
 
     def stats(self) -> dict[str, int]:
-        """``disk_hits``, ``disk_writes`` (summed over every process), ``disk_rows`` (stored
-        now) and ``disk_tier_rows``."""
+        """``disk_hits``, ``disk_writes``, ``disk_reads`` (summed over every process),
+        ``disk_rows`` (stored now) and ``disk_tier_rows``."""
         self._lock(_TIER_LOCK_BASE - 1)
         try:
             rows = self._stats_rows.copy()
         finally:
             self._unlock(_TIER_LOCK_BASE - 1)
         return {"disk_hits": int(rows[:, _TIER_HITS].sum()),
-                "disk_writes": int(rows[:, _TIER_WRITES].sum()), "disk_rows": self.filled(),
+                "disk_writes": int(rows[:, _TIER_WRITES].sum()),
+                "disk_reads": int(rows[:, _TIER_READS].sum()), "disk_rows": self.filled(),
                 "disk_tier_rows": self._rows}
 
     @property

@@ -354,3 +354,35 @@ def test_the_cache_aware_sampler_routes_tier_rows_to_their_node(shm_dir, tmp_pat
         assert own > sum(i in fast[k] for i in memory_only)
     for cache in nodes:
         cache.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_prefetcher_stages_tier_rows_instead_of_loading_them(shm_dir, tmp_path):
+    sys.path.insert(0, str(CHILDREN))  # prefetch_common, as tests/test_prefetch.py does
+    from prefetch_common import (BATCH, DIMS, STAGING, Loads, PrefetchedDataset, Shuffled,
+                                 load_counts, loads_since, read_epoch)
+    from stocaching import Prefetcher
+
+    n, slots = 64, 32
+    loads, tier = tmp_path / "loads", tmp_path / "tier"
+    loads.mkdir()
+    tier.mkdir()
+    cache = SharedCache(budget_for(slots, DIMS, staging=STAGING, dataset_len=n), n, DIMS,
+                        shm_dir=shm_dir, staging_slots=STAGING, disk_tier=tier)
+    pf = Prefetcher(Shuffled(n, seed=1), cache, Loads(loads, "prefetcher"), threads=2,
+                    lookahead=8, stand_aside=False)
+    loader = torch.utils.data.DataLoader(PrefetchedDataset(cache, n, Loads(loads, "worker")),
+                                         batch_size=BATCH, sampler=pf)
+    new = []
+    for epoch in range(2):
+        pf.set_epoch(epoch)
+        before, loaded = cache.stats(), load_counts(loads)
+        assert sorted(read_epoch(loader)) == list(range(n))
+        s = cache.stats(since=before)
+        new.append(loads_since(loads, loaded))
+    assert new[0] == {i: ["prefetcher"] for i in range(n)}  # epoch 1 loads every index
+    assert new[1] == {}  # epoch 2: /dev/shm, or the tier's rows read and staged: no load
+    assert (s["hits"], s["staged_hits"], s["disk_reads"], s["misses"]) == (n, n - slots,
+                                                                           n - slots, 0)
+    pf.close()
+    cache.close()
