@@ -58,7 +58,8 @@ def mounted(options: str):
             os.rmdir(d)
 
 
-def test_every_value_reads_back_from_the_tier_and_nothing_is_left(shm_dir, tmp_path):
+def test_every_value_reads_back_from_the_tier_and_nothing_is_left(private_shm_dir, tmp_path):
+    shm_dir = private_shm_dir  # a tmpfs of its own: the leak check counts its bytes
     cache = tiered(shm_dir, tmp_path)
     assert tier_files(tmp_path) == []  # one process: the file never has a name
     for i in range(N):
@@ -172,7 +173,8 @@ def _hits_per_epoch(cache, method: str) -> dict[int, int]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_dataloader_workers_share_the_tier(shm_dir, tmp_path, method):
+def test_dataloader_workers_share_the_tier(private_shm_dir, tmp_path, method):
+    shm_dir = private_shm_dir  # a tmpfs of its own: the leak check counts its bytes
     with tiered(shm_dir, tmp_path) as cache:
         # the second epoch: 8 from /dev/shm, 24 from the tier
         assert _hits_per_epoch(cache, method) == {0: 0, 1: N}
@@ -233,7 +235,8 @@ def test_a_full_disk_leaves_samples_untiered_with_one_message(shm_dir, caplog):
         assert tier_files(tier) == []
 
 
-def test_a_read_only_directory_is_refused_naming_disk_tier(shm_dir):
+def test_a_read_only_directory_is_refused_naming_disk_tier(private_shm_dir):
+    shm_dir = private_shm_dir  # a tmpfs of its own: the leak check counts its bytes
     with mounted("size=1m,ro") as tier:
         with pytest.raises(OSError, match=f"disk_tier should be a directory where this user "
                                           f"can write files, but got disk_tier='{tier}'"):
@@ -304,8 +307,9 @@ def test_an_open_size_cache_refuses_a_disk_tier(shm_dir, tmp_path):
     ({"disk_tier_gib": 1.0}, ValueError, "disk_tier_gib is the budget of a disk tier, so it "
                                          "needs disk_tier="),
 ])
-def test_bad_tier_arguments_are_refused_and_nothing_is_made(shm_dir, tmp_path, kwargs, error,
-                                                            match):
+def test_bad_tier_arguments_are_refused_and_nothing_is_made(private_shm_dir, tmp_path, kwargs,
+                                                            error, match):
+    shm_dir = private_shm_dir  # a tmpfs of its own: the leak check counts its bytes
     paths = {"HERE": str(tmp_path), "MISSING": str(tmp_path / "missing")}
     kwargs = {k: paths.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
     with pytest.raises(error, match=match):
@@ -315,7 +319,8 @@ def test_bad_tier_arguments_are_refused_and_nothing_is_made(shm_dir, tmp_path, k
 
 
 @pytest.mark.timeout(200)
-def test_two_torchrun_ranks_read_each_others_tier_rows(shm_dir, tmp_path):
+def test_two_torchrun_ranks_read_each_others_tier_rows(private_shm_dir, tmp_path):
+    shm_dir = private_shm_dir  # a tmpfs of its own: the leak check counts its bytes
     tier = tmp_path / "tier"
     tier.mkdir()
     r = run_bounded([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
