@@ -4,6 +4,7 @@ omitted).
     python -m benchmark                                   # the default run, a few minutes
     python -m benchmark --cache-fraction 0 0.25 0.5 0.75 1 --epochs 4
     python -m benchmark --read-latency-ms 5               # emulate network storage
+    python -m benchmark --cache-fraction 0.5 1 --tiered-fraction 0.5  # + a disk tier arm
     python -m benchmark sweep --workers 1 2 4 --read-latency-ms 0 5
     python -m benchmark analyze benchmark-results/<stamp>/results.csv
     torchrun --nproc_per_node=2 -m benchmark              # DDP, one cache per node
@@ -12,6 +13,7 @@ omitted).
     python -m benchmark mixture                           # weighted mixtures: shares, hits, build
     python -m benchmark persistent                        # a cache that outlives its job
     python -m benchmark device                            # batches straight to the device
+    python -m benchmark tier                              # the disk tier alone
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Sequence
 from . import arguments as A
 
 SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture", "persistent",
-               "device")
+               "device", "tier")
 
 
 def _default_start_method() -> str:
@@ -75,6 +77,13 @@ def _add_common(p: argparse.ArgumentParser, *, sweep: bool) -> None:
                       help="cache sizes in GiB (size_limit_gib), instead of fractions")
     c.add_argument("--no-in-ram", dest="in_ram", action="store_false",
                    help="skip the in-RAM upper bound")
+    c.add_argument("--tiered-fraction", type=A.fraction, nargs="+", default=[],
+                   help="tiered arms: this fraction of the dataset in /dev/shm and the rest on "
+                        "a disk tier (SharedCache(disk_tier=)), e.g. 0.5; checked against the "
+                        "cache of the same fraction and the 100%% one (default: none)")
+    c.add_argument("--disk-tier-dir", type=Path, default=None,
+                   help="where the tiered arms' disk tiers go, on local disk (default: the "
+                        "system's temp directory)")
 
     lo = p.add_argument_group("loader and training" + (" (lists: every combination runs)"
                                                         if sweep else ""))
@@ -133,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fraction of the dataset cached, with no-cache and in-RAM baselines.",
         epilog="Without a subcommand, 'run' is assumed.  Under torchrun every rank runs the same "
                "command; rank 0 prints and writes the results.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality,mixture,persistent,device}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality,mixture,persistent,device,"
+                                                  "tier}")
     run = sub.add_parser("run", help="one loader setup, a few cache fractions (the default)",
                          description="One loader setup: no cache, each cache fraction, in-RAM.")
     _add_common(run, sweep=False)
@@ -149,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("csv", type=Path)
     an.add_argument("--out", type=Path, default=None,
                     help="where the PNGs go (default: next to the CSV)")
-    from . import device, latency, mixture, persistent, quality
+    from . import device, latency, mixture, persistent, quality, tier
 
     lat = sub.add_parser("latency", help="EMULATED storage latency: plain DataLoader vs the "
                                          "Prefetcher (plain, fixed and adaptive window)",
@@ -170,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "training-process gather and the DeviceLoader",
                          description=device.__doc__.split("\n\n")[0])
     device.add_arguments(dev)
+    tie = sub.add_parser("tier", help="the disk tier alone: get_slot from the tier against a "
+                                      "bare os.preadv loop, cold and warm; a second job",
+                         description=tier.__doc__.split("\n\n")[0])
+    tier.add_arguments(tie)
     return parser
 
 
@@ -219,14 +233,16 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
               for w, b, sm, s, lat, ld in itertools.product(
                   as_list(args.workers), as_list(args.batch_size), as_list(args.start_method),
                   as_list(args.sampler), as_list(args.read_latency_ms), as_list(args.loader))]
-    specs = R.specs_from(args.cache_fraction, args.cache_gib, args.in_ram)
+    specs = R.specs_from(args.cache_fraction, args.cache_gib, args.in_ram,
+                         args.tiered_fraction)
     opts = R.Options(data_dir=args.data_dir, num_images=args.num_images,
                      image_size=args.image_size, decoded_size=args.decoded_size,
                      jpeg_quality=args.jpeg_quality, num_classes=args.num_classes,
                      epochs=args.epochs, threads=args.threads, lr=args.lr, seed=args.seed,
                      warm_page_cache=args.warm_page_cache, gen_processes=args.gen_processes,
                      repeats=args.repeats,
-                     sides=tuple(args.sides) if args.sizes == "varied" else None)
+                     sides=tuple(args.sides) if args.sizes == "varied" else None,
+                     disk_tier_dir=args.disk_tier_dir)
     is_main = World.from_env().rank == 0
     out = args.out or R.timestamp_dir()
     stem = "sweep" if sweep else "results"
@@ -315,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "persistent":
         from . import persistent
         return persistent.main(args, argv, _say)
+    if args.command == "tier":
+        from . import tier
+        return tier.main(args, argv, _say)
     return _run(args, argv)
 
 

@@ -44,6 +44,9 @@ _BOOL = {"persistent_workers"}
 LINEARITY_TOL = 0.10
 THROUGHPUT_MIN = 0.90
 FILL_OVERHEAD_MAX = 0.05
+TIER_VS_DECODED_MIN = 2.0  # issue 38: 50 % in /dev/shm + the rest on the disk tier, epochs >= 2,
+TIER_VS_SHM_MIN = 0.8  # against 50 % cached and the rest decoded, and against 100 % in /dev/shm
+TIER_SUFFIX = " + disk tier"  # the label of a tiered arm: "cache 50% + disk tier"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,12 +290,16 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
        bound's (same epochs).
     3. fill overhead: the 100% run's first epoch (which fills the cache) takes < 5% longer than
        the no-cache run's first epoch.
+    4-5. with a tiered arm (``--tiered-fraction``): its samples/s (median of epochs >= 2) is
+       >= 2 x the cache of the same fraction without a tier, and >= 0.8 x the 100% run's.
 
     Returns:
         One dict per check: ``name``, ``status`` (PASS, MISS or n/a), ``measured`` (a number or
         None), ``target`` and ``detail`` (text with the numbers).
     """
-    cfgs = configs(rows)
+    every = configs(rows)
+    tiered = [c for c in every if c[0]["config"].endswith(TIER_SUFFIX)]
+    cfgs = [c for c in every if c not in tiered]  # (checks 1-3 are of the memory tier alone)
     none = next((c for c in cfgs if c[0]["kind"] == "none"), None)
     full = next((c for c in cfgs if c[0]["kind"] == "cache" and c[0].get("cached_pct") is not None
                  and c[0]["cached_pct"] >= 100.0), None)
@@ -373,6 +380,39 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "cpu_overhead": ca / cb - 1.0 if ca and cb else None,
                     "detail": (f"epoch 1: 100% cached (filling) {a:.2f} s vs no cache "
                                f"{b:.2f} s: {ov:+.1%}{cpu}")})
+    out += _tier_checks(tiered, cfgs, full)
+    return out
+
+
+def _tier_checks(tiered: Sequence[list[dict[str, Any]]], cfgs: Sequence[list[dict[str, Any]]],
+                 full: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Issue 38's targets for each tiered arm (epochs >= 2, median samples/s): >= 2 x the cache
+    of the same fraction without a tier (the rest decoded), and >= 0.8 x 100 % in /dev/shm.
+    None without a tiered arm."""
+    def later(c: Sequence[dict[str, Any]]) -> float | None:
+        vals = [r["samples_per_s"] for r in c if r["epoch"] >= 2 and r.get("samples_per_s")]
+        return statistics.median(vals) if vals else None
+
+    out: list[dict[str, Any]] = []
+    for t in tiered:
+        label = t[0]["config"]
+        same = next((c for c in cfgs if c[0]["config"] == label[:-len(TIER_SUFFIX)]), None)
+        a = later(t)
+        for name, other, low, what in (
+                ("tier vs decoded", same, TIER_VS_DECODED_MIN,
+                 f"{label[:-len(TIER_SUFFIX)]} (the rest decoded)"),
+                ("tier vs in-shm", full, TIER_VS_SHM_MIN, "cache 100%")):
+            b = later(other) if other is not None else None
+            if a is None or b is None:
+                out.append({"name": name, "config": label, "status": "n/a", "measured": None,
+                            "target": f">= {low:g} x",
+                            "detail": f"needs {what} and at least 2 epochs"})
+                continue
+            out.append({"name": name, "config": label,
+                        "status": "PASS" if a / b >= low else "MISS", "measured": a / b,
+                        "target": f">= {low:g} x",
+                        "detail": (f"{label} {a:,.0f} samples/s vs {what} {b:,.0f} samples/s "
+                                   f"(median of epochs >= 2): {a / b:.2f} x")})
     return out
 
 
@@ -381,7 +421,9 @@ def format_checks(checks: Sequence[dict[str, Any]]) -> str:
     and its workers) are for reading results from a machine that other programs share."""
     names = {"linearity": "1. linear in % cached (epochs >= 2)",
              "throughput": "2. 100% cached vs in-RAM samples/s",
-             "fill overhead": "3. first-epoch cache-fill overhead"}
+             "fill overhead": "3. first-epoch cache-fill overhead",
+             "tier vs decoded": "4. disk tier vs decoding the rest (epochs >= 2)",
+             "tier vs in-shm": "5. disk tier vs 100% in /dev/shm (epochs >= 2)"}
     lines = []
     for c in checks:
         lines.append(f"  [{c['status']:>4}] {names.get(c['name'], c['name'])}, "

@@ -32,8 +32,10 @@ import os
 import platform
 import resource
 import secrets
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -83,12 +85,14 @@ class Spec:
     kind: str
     fraction: float | None = None
     gib: float | None = None
+    tier: bool = False  # the indices without a slot on a disk tier (SharedCache(disk_tier=))
 
     @property
     def requested(self) -> str:
         if self.kind != "cache":
             return self.kind
-        return f"{self.fraction:g}" if self.fraction is not None else f"{self.gib:g}GiB"
+        size = f"{self.fraction:g}" if self.fraction is not None else f"{self.gib:g}GiB"
+        return size + ("+tier" if self.tier else "")
 
     @property
     def label(self) -> str:
@@ -97,9 +101,10 @@ class Spec:
             return "no cache"
         if self.kind == "ram":
             return "in-RAM"
+        tier = report.TIER_SUFFIX if self.tier else ""
         if self.fraction is not None:
-            return f"cache {100 * self.fraction:g}%"
-        return f"cache {self.gib:g}GiB"
+            return f"cache {100 * self.fraction:g}%{tier}"
+        return f"cache {self.gib:g}GiB{tier}"
 
 
 @dataclasses.dataclass
@@ -120,6 +125,7 @@ class Options:
     gen_processes: int | None
     repeats: int = 1
     sides: tuple[int, int] | None = None  # varied sizes: each side drawn from this range
+    disk_tier_dir: Path | None = None  # where the tiered arms' disk tiers go (None: temp dir)
 
     @property
     def sizes(self) -> str:
@@ -133,14 +139,16 @@ class Options:
 
 
 def specs_from(fractions: Sequence[float] | None, gibs: Sequence[float] | None,
-               in_ram: bool) -> list[Spec]:
+               in_ram: bool, tiered: Sequence[float] = ()) -> list[Spec]:
     """The configurations of a run: ``no cache`` first (always: it is the baseline), then the
-    caches by increasing size, then ``in-RAM`` unless disabled."""
+    caches by increasing size, then the tiered caches (``tiered``: fractions in /dev/shm, the
+    rest on a disk tier), then ``in-RAM`` unless disabled."""
     out = [Spec("none")]
     if gibs:
         out += [Spec("cache", gib=g) for g in sorted(set(gibs)) if g > 0]
     else:
         out += [Spec("cache", fraction=f) for f in sorted(set(fractions or ())) if f > 0]
+    out += [Spec("cache", fraction=f, tier=True) for f in sorted(set(tiered)) if f < 1]
     if in_ram:
         out.append(Spec("ram"))
     return out
@@ -303,11 +311,22 @@ def _cache_data(opts: Options, setup: Setup, spec: Spec, name: str, root: Path, 
         # The misses its prefetcher loads ahead wait in staging slots (docs/device.md).
         staging = device_staging_slots(setup)
         gib += staging * 3 * d * d / GIB
+    tier_dir = None
+    if spec.tier:
+        if varied or setup.loader == "device":
+            raise SystemExit("a tiered arm (--tiered-fraction) needs samples of one size and "
+                             "the DataLoader (the disk tier holds rows of one size, and the "
+                             "DeviceLoader's loader does not read it)")
+        # The same directory on every rank of a node (the name comes from rank 0's token).
+        base = opts.disk_tier_dir or Path(tempfile.gettempdir())
+        tier_dir = base / f"stocaching-{name}-tier"
+        tier_dir.mkdir(parents=True, exist_ok=True)
+        info["disk_tier"] = str(tier_dir)
     if varied:
         cache = stocaching.OpenSizeCache(gib, n, (3, None, None), torch.uint8, name=name)
     else:
         cache = stocaching.SharedCache(gib, n, (3, d, d), torch.uint8, name=name,
-                                       staging_slots=staging)
+                                       staging_slots=staging, disk_tier=tier_dir)
     info["construct_s"] = time.perf_counter() - t0
     dw.barrier()
     after = shm_used_bytes()
@@ -569,10 +588,14 @@ def release(data: ConfigData, dw: Dist) -> None:
         st = data.cache.stats()
         if "arena_used" in st:
             info.update(filled=st["filled"], arena_used=st["arena_used"], full=st["full"])
+        if st.get("disk_tier_rows"):
+            info.update(disk_rows=st["disk_rows"], disk_hits=st["disk_hits"])
         data.cache.close()
         data.cache = None
         gc.collect()
         dw.barrier()
+        if info.get("disk_tier"):
+            shutil.rmtree(info["disk_tier"], ignore_errors=True)
         after_close = shm_used_bytes()
         if info.get("shm_before_bytes") is not None and after_close is not None:
             info["shm_not_released_bytes"] = after_close - info["shm_before_bytes"]

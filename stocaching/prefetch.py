@@ -900,7 +900,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         """Load one sample and store it; runs in a loader thread."""
         idx = job.idx
         t0 = meter.now() if job.timed else None
-        value = self.load(idx)
+        # An index without a slot may have its row on the cache's disk tier: read, not loaded
+        value = self.cache.read_tier(idx) if job.staged else None
+        if value is None:
+            value = self.load(idx)
         self._load_times.add(meter.since(t0))
         if not job.staged:
             self.cache.set_slot(idx, value, exist_ok=True)
@@ -1526,7 +1529,9 @@ def _load_jobs(cache: BaseCache, load: Callable[[int], Any], tag: int, jobs: Any
             started[flag] = 1
         try:
             t0 = meter.now() if timed else None
-            value = load(idx)
+            value = cache.read_tier(idx) if staged else None  # (see Prefetcher._fetch)
+            if value is None:
+                value = load(idx)
             times = meter.since(t0)
             if not staged:
                 cache.set_slot(idx, value, exist_ok=True)

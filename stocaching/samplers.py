@@ -119,7 +119,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         # group and it takes len(dataset) as the epoch; every attribute it sets is set here,
         # with the same meaning.
         self.dataset = dataset
-        self.layout, world, self._positions, length = self._resolve(dataset)
+        self.layout, world, self._positions, length, owners = self._resolve(dataset)
         if order is not None:
             if not (callable(getattr(order, "global_order", None))
                     and hasattr(order, "num_samples")):
@@ -191,7 +191,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         self.epoch = check_int("order.epoch", getattr(order, "epoch", 0), low=0)
         self._router = None
         if self.layout is not None:
-            rows = self.layout.owner_rows()
+            rows = owners.owner_rows()
             if self._positions is not None:
                 rows = (row[self._positions] for row in rows)
             self._router = _BatchRouter(rows)
@@ -201,13 +201,16 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         self._warned_dealt = False
 
     @staticmethod
-    def _resolve(source: Any) -> tuple[Any, World | None, np.ndarray | None, int]:
+    def _resolve(source: Any) -> tuple[Any, World | None, np.ndarray | None, int, Any]:
         """The layout, the cache's world, the dataset index of each sampler position (None:
-        the same) and the number of positions, for any source the constructor accepts."""
+        the same), the number of positions, and what says which indices each node reads
+        without a load (``owner_rows()``: the cache, whose disk tier counts, or the layout),
+        for any source the constructor accepts."""
         if isinstance(source, CacheLayout):
-            return source, None, None, source.dataset_len
+            return source, None, None, source.dataset_len, source
         if isinstance(getattr(source, "layout", None), CacheLayout):  # a cache, of any kind
-            return source.layout, getattr(source, "world", None), None, source.layout.dataset_len
+            return source.layout, getattr(source, "world", None), None, \
+                source.layout.dataset_len, _owners(source)
         if not hasattr(source, "__len__"):
             raise TypeError(f"dataset should be a Dataset with a .cache attribute (a cache or "
                             f"None), a Subset of one, a cache (SharedCache, OpenSizeCache) or a "
@@ -226,11 +229,11 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 raise ValueError(f"len(dataset) should be the sum of its sub-datasets' lengths="
                                  f"{joined.dataset_len}, but got len(dataset)={length}")
             world = next(getattr(c, "world", None) for c in caches if c is not None)
-            return joined, world, positions, length
+            return joined, world, positions, length, joined
         if cache is None:
             warnings.warn(f"{type(source).__name__} has no cache (no .cache, or None): "
                           "CacheAwareSampler yields what DistributedSampler would", stacklevel=3)
-            return None, None, None, length
+            return None, None, None, length, None
         if not isinstance(getattr(cache, "layout", None), CacheLayout):
             raise TypeError(f"dataset.cache should be a SharedCache, an OpenSizeCache or None, "
                             f"but got {type(cache).__name__}")
@@ -238,7 +241,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         if positions is None and length != layout.dataset_len:
             raise ValueError(f"len(dataset) should be its cache's dataset_len="
                              f"{layout.dataset_len}, but got len(dataset)={length}")
-        return layout, getattr(cache, "world", None), positions, length
+        return layout, getattr(cache, "world", None), positions, length, _owners(cache)
 
     def __len__(self) -> int:
         """Indices per rank per epoch (the whole epoch, also right after a resume)."""
@@ -496,6 +499,13 @@ class _AccelerateOrder(torch.utils.data.Sampler[int]):
         return iter(np.concatenate([turns, per_rank[:, full:].ravel()]).tolist())
 
 
+def _owners(cache: Any) -> Any:
+    """What says which indices each node of ``cache`` reads without a load: the cache
+    (``owner_rows()``, a disk tier's rows included), or its layout where it has no such
+    method (an object that only carries ``layout`` and ``world``)."""
+    return cache if callable(getattr(cache, "owner_rows", None)) else cache.layout
+
+
 class _JoinedLayout:
     """The node layouts of several caches side by side: one layout over the concatenation of
     their datasets (a ``MixtureDataset``'s ``caches``; a sub-dataset without a cache is cached
@@ -524,6 +534,7 @@ class _JoinedLayout:
             raise ValueError(f"dataset.caches should all have the same num_nodes, but got "
                              f"num_nodes {nodes}")
         self.layouts, self.lengths = layouts, [int(n) for n in lengths]
+        self._caches = list(caches)  # (their owner_rows count a disk tier's rows too)
         self.num_nodes = nodes[0]
         self.dataset_len = sum(self.lengths)
         self.slots = [0 if x is None else x.slots for x in layouts]
@@ -531,7 +542,7 @@ class _JoinedLayout:
         self.random_subset = [False if x is None else x.random_subset for x in layouts]
 
     def owner_rows(self) -> Iterator[np.ndarray]:
-        rows = [None if x is None else x.owner_rows() for x in self.layouts]
+        rows = [None if c is None else _owners(c).owner_rows() for c in self._caches]
         for _ in range(self.num_nodes):
             yield np.concatenate([np.zeros(n, dtype=bool) if r is None else next(r)
                                   for r, n in zip(rows, self.lengths)])

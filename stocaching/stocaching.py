@@ -36,10 +36,10 @@ Contents (``grep -n "^# [0-9]*[.] " stocaching.py`` lists the sections with thei
  3. What a trainer did to a sampler      12. Staging slots: _StagingTable
  4. Who am I: World                      13. Several fields a sample
  5. Which indices each node caches       14. Open sizes: OpenSizeCache
- 6. Exceptions                           15. Saved files: the format
- 7. The segment's layout and sizing      16. Saving and loading a cache
- 8. Segment files, liveness, cleaning    17. Planning a cache, and the command line
- 9. The segment, as a process holds it
+ 6. Exceptions                           15. A disk tier behind the cache
+ 7. The segment's layout and sizing      16. Saved files: the format
+ 8. Segment files, liveness, cleaning    17. Saving and loading a cache
+ 9. The segment, as a process holds it   18. Planning a cache, and the command line
 """
 
 from __future__ import annotations
@@ -1532,7 +1532,8 @@ def _describe_persistent(path: str, name: str) -> dict:
 
 
 def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
-                   persistent: bool | Sequence[str] = ()) -> list[str]:
+                   persistent: bool | Sequence[str] = (),
+                   disk_tier: str | os.PathLike | None = None) -> list[str]:
     """Remove this user's segments in ``shm_dir`` that no live process holds (left by a job
     killed during start-up). Live segments are never touched, and persistent caches only when
     asked for.
@@ -1540,6 +1541,10 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
     Args:
         persistent: persistent caches to remove too, by name, or True for all of them (those
             that no process uses now). Default: none.
+        disk_tier: a directory of disk tiers (``SharedCache(disk_tier=...)``) to clean too,
+            by the same rules: the tier files there that no live process holds (a job killed
+            before its local ranks all opened its tier), and persistent ones by name.
+            Default: None, only ``shm_dir``.
 
     Returns:
         The paths removed (or that would be, with ``dry_run=True``).
@@ -1548,7 +1553,13 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
         raise TypeError(f"persistent should be a bool or a list of names, but got "
                         f"persistent={persistent!r}")
     names = () if persistent is False else persistent
-    removed = []
+    if disk_tier is not None and (not isinstance(disk_tier, (str, os.PathLike)) or
+                                  not os.path.isdir(disk_tier)):
+        raise (ValueError if isinstance(disk_tier, (str, os.PathLike)) else TypeError)(
+            f"disk_tier should be an existing directory (where caches keep their disk "
+            f"tiers), or None, but got disk_tier={disk_tier!r}")
+    removed = [] if disk_tier is None else \
+        _clean_tier_files(os.fspath(disk_tier), dry_run=dry_run, persistent=names)
     for fname in sorted(os.listdir(shm_dir)):
         info = _parse_segment_name(fname)
         if info is not None and info["job_key"] == _PERSISTENT_JOB_KEY and \
@@ -2180,6 +2191,7 @@ class BaseCache:
     _key = ""  # the key of the data a persistent cache holds
     _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
+    _disk_tier: _DiskTier | None = None  # rows of the indices without a slot, on local disk
     # The segment this process holds (descriptor, mappings, record locks), and views of its
     # pages, the same in every process (the hot path reads them).
     _segment: _Segment
@@ -2426,6 +2438,8 @@ class BaseCache:
                 self._claim_stats_row()
             except Exception:  # never break the child over statistics
                 self._own_counters = memoryview(bytearray(_STATS_COLS * 8)).cast("q")
+            if self._disk_tier is not None:
+                self._disk_tier.after_fork()
 
     # -- sending to another process, and copying -------------------------------------------
     #
@@ -2457,6 +2471,8 @@ class BaseCache:
         state = {k: getattr(self, k) for k in self._STATE}
         if self._persistent or self._key:  # (on the instance only where not the class's)
             state.update(_persistent=self._persistent, _key=self._key)
+        if self._disk_tier is not None:  # (it sends a duplicate of its own descriptor)
+            state.update(_disk_tier=self._disk_tier)
         return _rebuild_cache, (DupFd(self._segment.fd), type(self), state)
 
     def __reduce__(self) -> tuple:
@@ -2545,6 +2561,15 @@ class BaseCache:
         """Dataset indices that have a slot on this node, in slot order."""
         return self._layout.indices(self._world.node_rank)
 
+    def owner_rows(self) -> Iterator[np.ndarray]:
+        """For each node in turn, which dataset indices it reads without loading them, as a
+        bool array of ``dataset_len``: those with a slot there (``layout.owner_rows()``) and,
+        with a disk tier, those with a row on that node's tier. ``CacheAwareSampler`` routes
+        each sample to a node whose row holds it."""
+        if self._disk_tier is not None:
+            return self._disk_tier.owner_rows(self._layout)
+        return self._layout.owner_rows()
+
     def __len__(self) -> int:
         return self._layout.slots
 
@@ -2600,11 +2625,36 @@ class BaseCache:
                 out = self._read_again(idx, copy)
             if out is not None:
                 return out
-        elif self._staging_slots and self._index_states[idx] == OOB:
-            out = self._take_staged(idx)
+        elif self._index_states[idx] == OOB and (self._staging_slots or self._disk_tier):
+            out = self._read_oob(idx)
             if out is not None:
                 return out
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read_oob(self, idx: int) -> Any:
+        """The sample of an index without a slot here, if one is staged (else None); a kind
+        with a disk tier looks there too."""
+        return self._take_staged(idx) if self._staging_slots else None
+
+    def read_tier(self, idx: int) -> Any:
+        """The sample of ``idx`` from the disk tier (a new tensor; with fields, a dict of
+        them), counted in ``disk_reads`` (not a hit: the read that takes it once staged is);
+        or None: the cache has no disk tier, or no row there for
+        ``idx``, or its row is not stored (or is being written). For loaders that fill
+        staging slots (the ``Prefetcher``): unlike ``get_slot``, it never takes a staged
+        sample.
+
+        Args:
+            idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
+        """
+        self._check_open()
+        return self._read_for_stager(self._index(idx))
+
+    def _read_tier(self, idx: int) -> Any:
+        return None  # (a kind with a disk tier reads it here: get_slot's disk hits)
+
+    def _read_for_stager(self, idx: int) -> Any:
+        return None  # (the same read, counted as disk_reads)
 
     def _read_again(self, idx: int, copy: bool) -> Any:
         """A read that met a writer: yield the CPU and try twice more while the slot is set."""
@@ -2737,6 +2787,10 @@ class BaseCache:
             found the same value there already),
             ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
             ``full`` (with open sizes: writes that found no room in the arena),
+            ``disk_hits`` (of the hits, rows read from the disk tier), ``disk_writes`` (rows
+            written there), ``disk_reads`` (rows read there by ``read_tier``, for a stager:
+            not hits), ``disk_rows`` (rows stored there now), ``disk_tier_rows`` (rows it has
+            room for; all five 0 without a disk tier),
             ``filled`` (slots set now), ``slots``, ``dataset_len``, ``bytes`` (size of the
             segment), ``staging_slots``, ``staged`` (samples staged now), ``hit_rate`` (hits /
             reads, nan without reads) and ``processes`` (live processes that have used it).
@@ -2753,10 +2807,14 @@ class BaseCache:
         finally:
             self._segment.unlock(_LOCK_BASE)
         counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
+        disk = self._disk_tier.stats() if self._disk_tier is not None else dict.fromkeys(
+            ("disk_hits", "disk_writes", "disk_reads", "disk_rows", "disk_tier_rows"), 0)
+        counts.update({k: disk.pop(k) for k in ("disk_hits", "disk_writes", "disk_reads")})
+        counts["hits"] += counts["disk_hits"]  # (a tier hit is counted by the tier alone)
         if since is not None:
-            counts = {k: v - int(since[k]) for k, v in counts.items()}
+            counts = {k: v - int(since.get(k, 0)) for k, v in counts.items()}
         reads = counts["hits"] + counts["misses"]
-        return {**counts, "filled": int(np.count_nonzero(self._index_states_np == SET)),
+        return {**counts, **disk, "filled": int(np.count_nonzero(self._index_states_np == SET)),
                 "slots": len(self), "dataset_len": self._dataset_len, "bytes": self._segment.size,
                 "staging_slots": self._staging_slots, "staged": self._staging.count(),
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
@@ -2773,6 +2831,8 @@ class BaseCache:
         if getattr(self, "_closed", True):
             return
         self._free_own_staging()
+        if self._disk_tier is not None:
+            self._disk_tier.close()
         self._unmap()
         self._segment.close()
 
@@ -2916,6 +2976,27 @@ class SharedCache(BaseCache):
             another size); the next ``save`` to it appends. A missing file starts empty
             (logged); ``{node}`` in it becomes the node's rank. A persistent cache that
             exists already is attached as it is, without reading the file. Default: None.
+        disk_tier: a directory on local disk (an NVMe) for a second tier behind the segment:
+            the sample of an index without a slot on this node is written to a file there
+            when ``set_slot`` stores it, and ``get_slot`` reads it from there on later misses
+            (a new tensor, even with ``copy=False``), for every local rank and DataLoader
+            worker; ``stats()`` counts its ``disk_hits`` apart. The file
+            (``stocaching-tier_<uid>_<job>_n<node>_<name>``, owner-only) is sparse: only
+            stored rows take disk. It is freed with the cache's last process (its name is
+            dropped once every local rank has opened it), kept under the cache's name with
+            ``persistent`` (the next job reads what this one stored at once), and removed by
+            ``python -m stocaching clean --disk-tier DIR`` when no job uses it. With several
+            nodes each node's tier holds its own share of the indices that no node holds in
+            memory, and ``CacheAwareSampler`` routes them there (``owner_rows``). A
+            full disk leaves a sample untiered (logged once), never an error. ``get_batch``
+            and ``locate`` see tier rows as misses: the Dataset's fallback reads them with
+            ``get_slot``. Reads go through the page cache, which yields to /dev/shm; it is
+            not counted by ``size_limit_gib="auto"``. Default: None, no disk tier.
+        disk_tier_gib: the disk tier's budget in GiB for its rows: the first of this node's
+            share of indices that it pays for get a row (the metadata, about 9 bytes per
+            dataset index, comes on top). A disk with less free space only warns: rows that
+            find it full are not stored. Default: None, a row for every index of the node's
+            share.
 
     Attributes:
         read_tags: when not empty (a frozenset of ints, as ``stage``'s ``tag``), ``get_slot``
@@ -2933,6 +3014,8 @@ class SharedCache(BaseCache):
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
         RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
+        OSError: ``disk_tier`` is a directory where no file can be made (read-only, not
+            this user's); nothing is left behind.
     """
 
     # -- state: BaseCache's, and its views of the slots (set in _map_samples / _map_slots) --
@@ -2964,7 +3047,10 @@ class SharedCache(BaseCache):
                  world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
                  random_subset: bool = False, timeout: float = 300.0, staging_slots: int = 0,
                  persistent: bool = False, key: str = "", on_mismatch: str = "raise",
-                 load_from: str | os.PathLike | None = None) -> None:
+                 load_from: str | os.PathLike | None = None,
+                 disk_tier: str | os.PathLike | None = None,
+                 disk_tier_gib: float | None = None) -> None:
+        disk_tier, disk_tier_gib = _check_disk_tier(disk_tier, disk_tier_gib)
         auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
         if not auto:
             size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
@@ -3024,6 +3110,12 @@ class SharedCache(BaseCache):
                           + (f" (after {staging} staging slots)" if staging else "") +
                           "; only staged samples can hit", RuntimeWarning, stacklevel=2)
         self._open(slots, dims, dtype, fields, staging, load_from)
+        if disk_tier is not None:
+            try:
+                self._disk_tier = _DiskTier.open(self, disk_tier, disk_tier_gib)
+            except BaseException:
+                self.close()
+                raise
 
     def _offsets(self) -> dict:
         return _segment_offsets(self._layout, self._slot_bytes, self._staging_slots)
@@ -3183,11 +3275,31 @@ class SharedCache(BaseCache):
             out = self._read_again(idx, copy)
             if out is not None:
                 return out
-        elif self._staging_slots and self._index_states[idx] == OOB:
-            out = self._take_staged(idx)
+        elif self._index_states[idx] == OOB and (self._staging_slots or self._disk_tier):
+            out = self._read_oob(idx)
             if out is not None:
                 return out
         return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read_oob(self, idx: int) -> Any:
+        """The sample of an index without a slot here: staged, or on the disk tier (a new
+        tensor, whatever ``copy`` asked: the row was read from the file), or None."""
+        out = self._take_staged(idx) if self._staging_slots else None
+        if out is None and self._disk_tier is not None:
+            out = self._read_tier(idx)
+        return out
+
+    def _read_tier(self, idx: int) -> Any:
+        if self._disk_tier is None:
+            return None
+        row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
+        return None if row is None else self._from_row(row)
+
+    def _read_for_stager(self, idx: int) -> Any:
+        if self._disk_tier is None:
+            return None
+        row = self._disk_tier.read(idx, _TIER_READS)  # (not a hit: it will be, once staged)
+        return None if row is None else self._from_row(row)
 
     def _read(self, idx: int, copy: bool) -> Any:
         """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
@@ -3239,7 +3351,8 @@ class SharedCache(BaseCache):
         A staged sample (see ``stage``) is taken as ``get_slot`` takes it: its staging slot
         is freed, so a second occurrence of that index in ``indices`` is a miss. Hits and
         misses are counted in ``stats()`` as ``get_slot`` counts them; an index without a slot
-        on this node is a miss, counted in ``oob_misses`` too.
+        on this node is a miss, counted in ``oob_misses`` too, even where the disk tier holds
+        its row: a Dataset's fallback (``get_slot``) then reads the row from there.
 
         Args:
             indices: dataset indices in ``[0, dataset_len)``: a sequence of ints (the list a
@@ -3524,6 +3637,9 @@ class SharedCache(BaseCache):
         if self._index_states[idx] == OOB:
             if not allow_oob_idx:
                 raise self._oob_error(idx)
+            if self._disk_tier is not None:
+                self._store_on_disk(idx, value, check=not (allow_overwrite or exist_ok))
+                return
             # Checked even where there is no slot, so that a bad value fails on every node and
             # for every index, not only where a slot happens to be (0.2.1 let it pass there).
             self._check_value(value)
@@ -3553,6 +3669,22 @@ class SharedCache(BaseCache):
             self._segment.unlock(lock)
         self._own_counters[_WRITES] += 1
 
+    def _store_on_disk(self, idx: int, value: Any, check: bool) -> None:
+        """``set_slot`` of an index without a slot, on a cache with a disk tier: its row
+        there, written once (a row stored is kept: the tier never overwrites). With ``check``,
+        a different value for a stored row raises, as for a slot."""
+        src = self._source_array(value)
+        stored = self._disk_tier.store(idx, src)
+        before = self._disk_tier.read(idx, count=-1) if stored and check else None
+        if before is not None and not np.array_equal(
+                before.reshape(-1).view(np.uint8),
+                np.ascontiguousarray(src).reshape(-1).view(np.uint8)):
+            raise RuntimeError(
+                f"the disk tier's row of idx={idx} is already set to a different value; pass "
+                "exist_ok=True to keep it (the disk tier never overwrites a row). (Two loads "
+                "of one index that give different values mean that the load is not "
+                "deterministic, most often random augmentation before the cache.)")
+
     def _holds(self, slot: int, src: np.ndarray) -> bool:
         """True when ``slot`` holds exactly the bytes of ``src`` (NaNs included)."""
         have = self._slot_samples[slot].reshape(-1).view(np.uint8)
@@ -3574,6 +3706,9 @@ class SharedCache(BaseCache):
                 and each ``get_slot`` of the index takes one.
                 Default: 0.
 
+        With a disk tier, the sample is also stored there (if its row is not stored yet), so
+        that a later epoch reads it from the tier (``read_tier``) instead of loading it.
+
         Returns:
             True when the sample is staged; False when every staging slot
             is taken (nothing changed: try again once some were read).
@@ -3592,6 +3727,8 @@ class SharedCache(BaseCache):
                              "stage() holds samples of indices without one")
         tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
         src = self._source_array(value)
+        if self._disk_tier is not None:  # kept for later epochs too (a row stored is kept)
+            self._disk_tier.store(idx, src)
         entry = self._staging.entry(idx, tag)
         k = self._staging.reserve(entry)
         if k is None or k < 0:
@@ -3633,13 +3770,16 @@ class SharedCache(BaseCache):
         return out if self._view_as is None else out.view(self._view_as)
 
     def clear(self) -> None:
-        """Mark every slot empty and zero the slots (as 0.2.1 does). Safe while other
-        processes read (they see misses) or write (they finish first)."""
+        """Mark every slot empty and zero the slots (as 0.2.1 does), and empty the disk
+        tier. Safe while other processes read (they see misses) or write (they finish
+        first)."""
         self._check_open()
         with self._writing(0, len(self)):
             aux = self._index_states_np
             aux[aux != OOB] = EMPTY
             self._slot_samples[:len(self)].reshape(-1).view(np.uint8).fill(0)
+        if self._disk_tier is not None:
+            self._disk_tier.clear()
         if self._staging_slots:
             self._staging.drop_all()  # staged samples are dropped (fillers finish)
 
@@ -4138,7 +4278,14 @@ class OpenSizeCache(BaseCache):
                  world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
                  random_subset: bool = False, timeout: float = 300.0,
                  mean_sample_bytes: int | None = None, persistent: bool = False,
-                 key: str = "", on_mismatch: str = "raise") -> None:
+                 key: str = "", on_mismatch: str = "raise", disk_tier: Any = None,
+                 disk_tier_gib: Any = None) -> None:
+        if disk_tier is not None or disk_tier_gib is not None:
+            raise ValueError(f"disk_tier is for samples of a fixed size (a SharedCache, whose "
+                             f"rows have one size and so one place in the tier's file); an "
+                             f"OpenSizeCache has none, so disk_tier and disk_tier_gib should be "
+                             f"None, but got disk_tier={disk_tier!r}, "
+                             f"disk_tier_gib={disk_tier_gib!r}")
         if isinstance(size_limit_gib, str) and size_limit_gib == "auto":
             raise ValueError(f"size_limit_gib='auto' needs samples of a fixed size; with open "
                              f"sizes (data_dims={data_dims}) pass a number (python -m stocaching "
@@ -4492,7 +4639,655 @@ class OpenSizeCache(BaseCache):
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
+# 15. A disk tier: rows of the indices without a slot, in a sparse file on local disk
+# ----------------------------------------------------------------------------------------------
+
+
+#
+# One file per cache and node, in the disk_tier directory, named like the segment with the
+# prefix "stocaching-tier_":
+#   [header, 4 KiB: magic, fields, a persistent cache's key at _KEY_OFF][stats table]
+#   [states: 1 byte per dataset index][versions: uint32 per dataset index]
+#   [position map: int32/int64 per dataset index, -1 where the tier holds none][pad to a page]
+#   [rows: row_bytes each, at data_off + position * row_bytes]
+# The file is ftruncated to its whole size and only written rows take disk (a sparse file).
+# Everything before data_off is mapped shared by every process; the rows are read with
+# os.preadv and written with os.pwrite, through the page cache. A row is written under a
+# POSIX record lock on its index's byte (offsets past the end of the file, as the segment's;
+# the kernel drops the lock of a writer that dies): the writer makes the index's version odd
+# and its state WRITING, writes the row, sets the state READY, and makes the version even.
+# A reader takes no lock: state READY and an even version, the row read, then the same
+# version and state again, or a miss. A writer killed mid-row leaves WRITING and an odd
+# version: never served, and the next writer (who holds the lock) writes it again. A shared
+# flock held by every process using the file tells a live file from a stale one for `clean`.
+
+_TIER_PREFIX = SEGMENT_PREFIX + "-tier"
+_TIER_MAGIC = b"STOCTIER"
+_TIER_VERSION = 1
+_TIER_FIELDS = (
+    "version", "row_bytes", "dataset_len", "rows", "rows_cap", "slots", "num_nodes", "node_rank",
+    "layout_seed", "random_subset", "config_hash", "persistent", "key_hash", "uid", "boot",
+    "local_world_size", "attached", "ready", "stats_off", "states_off", "versions_off",
+    "map_off", "data_off", "total_bytes",
+)
+_TIER_HEADER = struct.Struct("<8s" + "q" * len(_TIER_FIELDS))
+_TIER_FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_TIER_FIELDS)}
+# What a job checks when it opens a tier another process made (the rest is where things are).
+_TIER_CONFIG = ("version", "row_bytes", "dataset_len", "rows", "rows_cap", "slots", "num_nodes",
+                "node_rank", "layout_seed", "random_subset", "config_hash", "persistent",
+                "key_hash", "uid")
+_TIER_STATS_ROWS = 1024
+_TIER_STATS_COLS = 5  # pid, process start, disk hits, rows written, rows read by read_tier
+_TIER_HITS, _TIER_WRITES, _TIER_READS = 2, 3, 4
+_TIER_READY = 1  # a state: EMPTY, WRITING as the segment's; READY where the segment has SET
+_TIER_LOCK_BASE = 1 << 50  # lockf offsets: the header's, then one byte per dataset index
+
+
+def _tier_indices(layout: CacheLayout, node_rank: int, rows: int | None = None) -> np.ndarray:
+    """The dataset indices whose rows node ``node_rank``'s disk tier holds, in row order:
+    those of the node's share without a slot in memory. With one node, every index without
+    a slot (in index order, or in the layout's permutation with ``random_subset``); with
+    several, the layout's permutation goes on being dealt after the memory deal: the entries
+    past ``num_nodes * slots`` are cut into ``num_nodes`` contiguous runs, node k taking run k
+    (disjoint, none held in memory anywhere; nothing when the memory deal covers the
+    dataset). ``rows`` keeps the first ``rows`` of them (a tier budget), default all."""
+    n, s, k = layout.dataset_len, layout.slots, layout.num_nodes
+    if layout.is_prefix:
+        share = np.arange(s, n, dtype=np.int64)
+    elif k == 1:
+        share = layout._perm()[s:].astype(np.int64, copy=False)
+    elif k * s >= n:
+        share = np.empty(0, np.int64)
+    else:
+        per = -(-(n - k * s) // k)
+        lo = k * s + node_rank * per
+        share = layout._perm()[lo: min(n, lo + per)].astype(np.int64, copy=False)
+    return share if rows is None else share[:rows]
+
+
+def _tier_cap(row_bytes: int, disk_tier_gib: float | None) -> int:
+    """The most rows a disk tier of any node has: those ``disk_tier_gib`` pays for (rows
+    only: the metadata, about 9 bytes per dataset index, comes on top), -1 for no limit."""
+    if disk_tier_gib is None:
+        return -1
+    return int(disk_tier_gib * BYTES_PER_GIB) // max(1, row_bytes)
+
+
+def _tier_share(layout: CacheLayout, node_rank: int, cap: int) -> np.ndarray:
+    """The indices with a row on node ``node_rank``'s disk tier of at most ``cap`` rows (-1:
+    no limit): the first of its share."""
+    return _tier_indices(layout, node_rank, None if cap < 0 else cap)
+
+
+def _tier_offsets(dataset_len: int, rows: int, row_bytes: int) -> dict:
+    """Where each part of a tier file starts, and its total size (see the layout above)."""
+    stats_off = _HEADER_BYTES
+    states_off = stats_off + _TIER_STATS_ROWS * _TIER_STATS_COLS * 8
+    versions_off = states_off + (dataset_len + 7) // 8 * 8
+    map_off = versions_off + (dataset_len * 4 + 7) // 8 * 8
+    map_item = 4 if rows < 2**31 else 8
+    data_off = map_off + dataset_len * map_item
+    data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    return {"stats_off": stats_off, "states_off": states_off, "versions_off": versions_off,
+            "map_off": map_off, "data_off": data_off, "total_bytes": data_off + rows * row_bytes}
+
+
+def _boot_id() -> int:
+    """This boot of the machine, as 63 bits: a tier file kept across a reboot may hold a
+    READY state whose row never reached the disk, so its states are dropped then."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return _key_hash(f.read().strip().decode())
+    except OSError:
+        return 0
+
+
+def _tier_path(disk_tier: str, segment_path: str) -> str:
+    """The one place that names tier files: the segment's name with the tier's prefix."""
+    return os.path.join(disk_tier, _TIER_PREFIX + os.path.basename(segment_path)[
+        len(SEGMENT_PREFIX):])
+
+
+def _check_disk_tier(disk_tier: Any, disk_tier_gib: Any) -> tuple[str | None, float | None]:
+    """The constructor's ``disk_tier`` and ``disk_tier_gib``, checked before anything is
+    made."""
+    if disk_tier is None:
+        if disk_tier_gib is not None:
+            raise ValueError(f"disk_tier_gib is the budget of a disk tier, so it needs "
+                             f"disk_tier= (a directory), but got disk_tier_gib={disk_tier_gib!r} "
+                             "with disk_tier=None")
+        return None, None
+    if not isinstance(disk_tier, (str, os.PathLike)):
+        raise TypeError(f"disk_tier should be the path of a directory on local disk, or None, "
+                        f"but got disk_tier={disk_tier!r}")
+    path = os.fspath(disk_tier)
+    if not os.path.isdir(path):
+        raise ValueError(f"disk_tier should be an existing directory on local disk, but got "
+                         f"disk_tier={path!r}, which is not a directory")
+    if disk_tier_gib is not None:
+        disk_tier_gib = _check_positive("disk_tier_gib", disk_tier_gib, "GiB, or None for "
+                                        "room for every index without a slot")
+    return path, disk_tier_gib
+
+
+class _DiskTier:
+    """The disk tier of one cache on one node: the rows of dataset indices that have no slot
+    in the node's segment, in a sparse file on local disk shared by every local rank and
+    DataLoader worker (see the layout above). The cache holds it and calls ``read`` where an
+    index has no slot, ``store`` where ``set_slot`` gets the sample of such an index,
+    ``clear``, ``stats`` and ``close``; everything else (making, opening, sending to another
+    process) is its own."""
+
+    # -- state, by role ------------------------------------------------------------------
+    # What it is: the same in every process.
+    _path: str  # the file's name (gone once every local rank holds it, unless persistent)
+    _cap: int  # the most rows of any node's tier (-1: no limit), for every node's share
+    _row_dtype: np.dtype  # one row as the segment's rows: dtype and shape
+    _row_shape: tuple
+    _row_bytes: int
+    _rows: int  # rows in the file
+    _data_off: int
+    # The mapped metadata: views of the same pages in every process.
+    _fd: int
+    _mapping: mmap.mmap
+    _states: memoryview  # one state byte per dataset index
+    _states_np: np.ndarray
+    _versions: memoryview  # one version per dataset index: odd while its row is written
+    _versions_np: np.ndarray
+    _positions: memoryview  # the row of each dataset index, -1 for none
+    _stats_rows: np.ndarray
+    # This process's own.
+    _own_counters: memoryview
+    _thread_lock: threading.RLock
+    _told: bool  # a failed write was logged
+    _finalizer: weakref.finalize | None
+    _file_id: tuple[int, int]
+
+    @classmethod
+    def open(cls, cache: "SharedCache", directory: str, disk_tier_gib: float | None
+             ) -> "_DiskTier":
+        """The tier of ``cache`` (constructed up to its segment) in ``directory``: the local
+        leader makes it (or, persistent, attaches to the one of its name and key), the other
+        local ranks attach to the leader's."""
+        self = cls.__new__(cls)
+        self._finalizer = None
+        self._path = _tier_path(directory, cache._path)
+        samples = cache._slot_samples
+        self._row_dtype, self._row_shape = samples.dtype, tuple(samples.shape[1:])
+        self._row_bytes = samples.dtype.itemsize * math.prod(self._row_shape)
+        lay, world = cache._layout, cache._world
+        cap = _tier_cap(self._row_bytes, disk_tier_gib)
+        rows = len(_tier_share(lay, world.node_rank, cap))
+        want = {"version": _TIER_VERSION, "row_bytes": self._row_bytes,
+                "dataset_len": lay.dataset_len, "rows": rows, "rows_cap": cap, "slots": lay.slots,
+                "num_nodes": lay.num_nodes, "node_rank": world.node_rank,
+                "layout_seed": lay.seed, "random_subset": int(lay.random_subset),
+                "config_hash": _key_hash(cache._describe()),
+                "persistent": int(cache._persistent),
+                "key_hash": _key_hash(cache._key) if cache._persistent else 0,
+                "uid": os.getuid(), "boot": _boot_id(),
+                "local_world_size": world.local_world_size, "attached": 1, "ready": 0,
+                **_tier_offsets(lay.dataset_len, rows, self._row_bytes)}
+        if not world.is_local_leader:
+            self._attach(want, cache._timeout)
+        elif cache._persistent:
+            self._open_persistent(want, cache, directory)
+        else:
+            self._create(want, lay, world, directory, publish=world.local_world_size > 1)
+        logger.info("stocaching: the disk tier of cache %r holds up to %d rows of %s in %s "
+                    "(%d stored now)", cache._name, self._rows, _fmt_bytes(self._row_bytes),
+                    self._path, self.filled())
+        return self
+
+    # -- making, attaching ---------------------------------------------------------------
+
+    def _create(self, want: dict, lay: CacheLayout, world: World, directory: str, *,
+                publish: bool) -> bool:
+        """Make the file under a temporary name, write its metadata and map it; then give it
+        its name (``publish``: other local ranks or jobs look for it) or not (one process:
+        the kernel frees it with the last descriptor, even after a SIGKILL). False when
+        another process named one first (a persistent cache: attach to theirs)."""
+        _clean_tier_files(directory)  # files of dead jobs: their disk is free room
+        tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except OSError as e:
+            raise OSError(e.errno, f"disk_tier should be a directory where this user can write "
+                          f"files, but got disk_tier={directory!r}: making {tmp} failed "
+                          f"({e.strerror})") from None
+        st = os.fstat(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, want["total_bytes"])
+            try:  # the mapped metadata: a store into a hole of a full disk would be a SIGBUS
+                os.posix_fallocate(fd, 0, want["data_off"])
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise OSError(e.errno, f"disk_tier={directory!r} cannot hold the disk "
+                                  f"tier's {_fmt_bytes(want['data_off'])} of metadata "
+                                  f"({e.strerror}); free some room there") from None
+            data = want["rows"] * want["row_bytes"]
+            free = _free_bytes(directory)
+            if data > free:
+                warnings.warn(
+                    f"disk_tier={directory!r} has {_fmt_bytes(free)} free but the tier's "
+                    f"{want['rows']} rows take {_fmt_bytes(data)}: rows that find the disk "
+                    "full are not stored (logged once) and stay misses. Free some room or pass "
+                    "a smaller disk_tier_gib", RuntimeWarning, stacklevel=5)
+            mm = mmap.mmap(fd, want["data_off"], mmap.MAP_SHARED,
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+            head = dict(want)
+            _TIER_HEADER.pack_into(mm, 0, _TIER_MAGIC, *(head[f] for f in _TIER_FIELDS))
+            if head["persistent"]:
+                key = self._key.encode()
+                mm[_KEY_OFF: _KEY_OFF + len(key)] = key
+            self._map(fd, mm, head)
+            self._positions_np()[:] = -1
+            held = _tier_share(lay, world.node_rank, want["rows_cap"])
+            self._positions_np()[held] = np.arange(len(held))
+            self._set("ready", 1)
+            if publish:
+                try:
+                    os.link(tmp, self._path)
+                except FileExistsError:
+                    if want["persistent"]:
+                        self.close()
+                        return False
+                    other = self._path
+                    if not _tier_is_stale(other, remove=True, min_age=0.0):
+                        raise CacheConfigError(
+                            f"a live disk tier is already named {other}: another job or cache "
+                            "uses the same job_key and name. Pass a distinct name= or set "
+                            "STOCACHING_JOB_KEY per job", "name", other, other) from None
+                    os.link(tmp, self._path)
+        except BaseException:
+            self.close() if getattr(self, "_fd", -1) == fd else _close_fd(fd)
+            raise
+        finally:
+            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+        return True
+
+    _key = ""  # a persistent cache's key, written into a new file's header
+
+    def _open_persistent(self, want: dict, cache: "SharedCache", directory: str) -> None:
+        """The local leader of a persistent cache: attach to the tier of this name if it holds
+        this configuration and key (dropping its states after a reboot, or a mismatch: raise,
+        or with on_mismatch="replace" make a new one), else make it."""
+        self._key = cache._key
+        for _ in range(5):
+            try:
+                fd = _open_existing(self._path)
+            except FileNotFoundError:
+                if self._create(want, cache._layout, cache._world, directory, publish=True):
+                    return
+                continue
+            except OSError as e:
+                raise OSError(e.errno, f"disk_tier={directory!r}: cannot open the persistent "
+                              f"tier {self._path} ({e.strerror})") from None
+            alone = _try_stale(fd)
+            if not alone:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                head = self._check(fd, want)
+            except CacheConfigError as e:
+                if cache._on_mismatch != "replace" or not alone:
+                    os.close(fd)
+                    raise
+                st = os.fstat(fd)
+                _unlink_if_same(self._path, st.st_ino, st.st_dev)
+                os.close(fd)
+                logger.warning("stocaching: replaced the persistent disk tier %s: %s",
+                               self._path, e.args[0])
+                continue
+            self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
+                                    mmap.PROT_READ | mmap.PROT_WRITE), head)
+            if alone:
+                if head["boot"] != want["boot"]:  # rows may not have reached the disk
+                    self._states_np[:] = EMPTY
+                    self._set("boot", want["boot"])
+                self._states_np[self._states_np == WRITING] = EMPTY  # (killed writers)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # (flock drops the exclusive lock first)
+            st = os.fstat(fd)
+            if _names(self._path, st.st_ino, st.st_dev):
+                return
+            self.close()  # removed meanwhile by a clean: look again
+        raise CacheConfigError(f"could not open or make the persistent disk tier {self._path}: "
+                               "it keeps changing", "name", cache._name, self._path)
+
+    def _attach(self, want: dict, timeout: float) -> None:
+        """Another local rank: open the leader's file by its name (waiting for it up to
+        ``timeout``), check it, map it, and drop the name once every local rank holds it."""
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            try:
+                fd = _open_existing(self._path)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
+                    os.close(fd)
+                else:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    break
+            if time.monotonic() > deadline:
+                raise CacheTimeoutError(
+                    f"waited {timeout:.0f} s for local rank 0 to make the disk tier "
+                    f"{self._path}, but it never arrived: construct the cache with the same "
+                    "disk_tier on every local rank", self._path, timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        try:
+            head = self._check(fd, want)
+            self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
+                                    mmap.PROT_READ | mmap.PROT_WRITE), head)
+        except BaseException:
+            if getattr(self, "_fd", -1) == fd:
+                self.close()
+            else:
+                os.close(fd)
+            raise
+        self._lock(_TIER_LOCK_BASE - 1)
+        try:
+            attached = self._get("attached") + 1
+            self._set("attached", attached)
+        finally:
+            self._unlock(_TIER_LOCK_BASE - 1)
+        if attached >= head["local_world_size"] and not head["persistent"]:
+            _unlink_if_same(self._path, self._file_id[1], self._file_id[0])
+
+    def _check(self, fd: int, want: dict) -> dict:
+        """The header of a tier file someone else made, checked against ``want``."""
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, _TIER_HEADER.size, 0)
+        if len(raw) < _TIER_HEADER.size or _TIER_HEADER.unpack(raw)[0] != _TIER_MAGIC:
+            raise CacheConfigError(f"{self._path} is not a stocaching disk tier", "magic",
+                                   _TIER_MAGIC, raw[:8])
+        head = dict(zip(_TIER_FIELDS, _TIER_HEADER.unpack(raw)[1:]))
+        for field in _TIER_CONFIG:
+            if head[field] != want[field]:
+                raise CacheConfigError(
+                    f"the disk tier {self._path} was made with {field}={head[field]}, but this "
+                    f"cache asks for {field}={want[field]}: construct the cache with the same "
+                    "arguments (and disk_tier_gib) on every local rank and job, or pass "
+                    "another name=", field, want[field], head[field])
+        if not head["ready"] or size < head["total_bytes"] or \
+                any(head[k] != want[k] for k in ("states_off", "data_off", "total_bytes")):
+            raise CacheConfigError(f"{self._path} is damaged or from another stocaching "
+                                   "version", "layout", want["total_bytes"], head["total_bytes"])
+        return head
+
+    def _map(self, fd: int, mm: mmap.mmap, head: dict) -> None:
+        """Build the views of the metadata and claim this process's stats row."""
+        n = head["dataset_len"]
+        self._fd, self._mapping = fd, mm
+        st = os.fstat(fd)
+        self._file_id = (st.st_dev, st.st_ino)
+        self._rows, self._data_off, self._cap = head["rows"], head["data_off"], head["rows_cap"]
+        view = memoryview(mm)
+        self._states_np = np.frombuffer(mm, np.uint8, n, head["states_off"])
+        self._states = view[head["states_off"]: head["states_off"] + n]
+        self._versions_np = np.frombuffer(mm, np.uint32, n, head["versions_off"])
+        self._versions = view[head["versions_off"]: head["versions_off"] + 4 * n].cast("I")
+        item = "i" if head["rows"] < 2**31 else "q"
+        self._positions = view[head["map_off"]: head["map_off"] + n * (4 if item == "i" else 8)
+                               ].cast(item)
+        self._stats_rows = np.frombuffer(mm, np.int64, _TIER_STATS_ROWS * _TIER_STATS_COLS,
+                                         head["stats_off"]).reshape(_TIER_STATS_ROWS,
+                                                                    _TIER_STATS_COLS)
+        self._thread_lock = threading.RLock()
+        self._told = False
+        self._claim_stats_row()
+        _LIVE_TIERS.add(self)
+        self._finalizer = weakref.finalize(self, _close_fd, fd)
+
+    def _positions_np(self) -> np.ndarray:
+        return np.frombuffer(self._positions, self._positions.format)
+
+    def _get(self, field: str) -> int:
+        return struct.unpack_from("<q", self._mapping, _TIER_FIELD_OFFSET[field])[0]
+
+    def _set(self, field: str, value: int) -> None:
+        struct.pack_into("<q", self._mapping, _TIER_FIELD_OFFSET[field], value)
+
+    # -- locks, stats, processes -----------------------------------------------------------
+
+    def _lock(self, offset: int, length: int = 1) -> None:
+        self._thread_lock.acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def _unlock(self, offset: int, length: int = 1) -> None:
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
+        finally:
+            self._thread_lock.release()
+
+    def _claim_stats_row(self) -> None:
+        """This process's row of counters (rows of dead processes are folded into row 0), as
+        the segment's stats table does it."""
+        rows, pid = self._stats_rows, os.getpid()
+        self._lock(_TIER_LOCK_BASE - 1)
+        try:
+            for r in np.flatnonzero(rows[1:, _PID]) + 1:
+                if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
+                    rows[0, _TIER_HITS:] += rows[r, _TIER_HITS:]
+                    rows[r] = 0
+            mine = np.flatnonzero(rows[1:, _PID] == pid)
+            empty = np.flatnonzero(rows[1:, _PID] == 0)
+            free = int(mine[0]) + 1 if len(mine) else int(empty[0]) + 1 if len(empty) else 0
+            if free and not len(mine):
+                rows[free, _PID], rows[free, _START] = pid, _process_start(pid)
+        finally:
+            self._unlock(_TIER_LOCK_BASE - 1)
+        self._own_counters = memoryview(rows[free])
+
+    def after_fork(self) -> None:
+        """In a forked child: a fresh thread lock and a stats row of its own."""
+        self._thread_lock = threading.RLock()
+        if self._finalizer is not None and self._finalizer.alive:
+            try:
+                self._claim_stats_row()
+            except Exception:  # never break the child over statistics
+                self._own_counters = memoryview(np.zeros(_TIER_STATS_COLS, np.int64))
+
+    def __reduce__(self) -> tuple:
+        """Sent to another process by multiprocessing's pickler (with the cache): a duplicate
+        of the descriptor, which the receiver maps (the name may be gone already)."""
+        from multiprocessing.reduction import DupFd
+
+        return _rebuild_tier, (DupFd(self._fd), self._path, self._row_dtype.str,
+                               self._row_shape)
+
+    # -- rows -------------------------------------------------------------------------------
+
+    def read(self, idx: int, count: int = _TIER_HITS) -> np.ndarray | None:
+        """The row of ``idx`` (a new array, shaped as the segment's rows), or None: the tier
+        holds none, or it is being written or cleared. No lock: the states and versions.
+        Counted in the stats column ``count`` (a disk hit, or a read for a stager), or not
+        (-1)."""
+        if self._states[idx] != _TIER_READY:
+            return None
+        seq = self._versions[idx]
+        if seq & 1:
+            return None
+        out = np.empty(self._row_shape, self._row_dtype)
+        try:
+            got = os.preadv(self._fd, [out], self._data_off +
+                            self._positions[idx] * self._row_bytes)
+        except OSError as e:
+            self._tell("read", e)
+            return None
+        if got != self._row_bytes or self._versions[idx] != seq or \
+                self._states[idx] != _TIER_READY:
+            return None
+        if count >= 0:
+            self._own_counters[count] += 1
+        return out
+
+    def owner_rows(self, layout: CacheLayout) -> Iterator[np.ndarray]:
+        """``layout.owner_rows()`` with each node's tier rows (those of its share that every
+        node's tier of at most ``_cap`` rows holds) added to its row."""
+        for k, row in enumerate(layout.owner_rows()):
+            row[_tier_share(layout, k, self._cap)] = True
+            yield row
+
+    def store(self, idx: int, src: np.ndarray) -> bool:
+        """Write ``src`` (a row's values) as the row of ``idx`` unless one is stored already
+        (then True: ``read(idx, count=-1)`` gives it, to compare). False when written, or
+        when the tier has no row for ``idx``, or the write failed (logged once)."""
+        pos = self._positions[idx]
+        if pos < 0:
+            return False
+        if self._states[idx] == _TIER_READY:
+            return True
+        data = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+        lock = _TIER_LOCK_BASE + idx
+        self._lock(lock)
+        try:
+            if self._states[idx] == _TIER_READY:
+                return True
+            seq = self._versions[idx]
+            seq += seq & 1  # odd: left by a writer that died
+            self._versions[idx] = (seq + 1) & 0xFFFFFFFF
+            self._states[idx] = WRITING
+            try:
+                self._put(self._data_off + pos * self._row_bytes, data)
+            except OSError as e:
+                self._states[idx] = EMPTY
+                self._versions[idx] = (seq + 2) & 0xFFFFFFFF
+                self._tell("write", e)
+                return False
+            self._states[idx] = _TIER_READY
+            self._versions[idx] = (seq + 2) & 0xFFFFFFFF
+        finally:
+            self._unlock(lock)
+        self._own_counters[_TIER_WRITES] += 1
+        return False
+
+    def _put(self, offset: int, data: np.ndarray) -> None:
+        """Write ``data`` at ``offset`` (a short write goes on where it stopped)."""
+        view = memoryview(data)
+        while len(view):
+            done = os.pwrite(self._fd, view, offset)
+            view, offset = view[done:], offset + done
+
+    def _tell(self, what: str, e: OSError) -> None:
+        """A failed read or write: the sample is not tiered (a miss); logged once here."""
+        if not self._told:
+            self._told = True
+            logger.warning("stocaching: the disk tier %s failed a %s (%s): such samples are "
+                           "not stored there and load as misses; logged once per process",
+                           self._path, what, e.strerror or e)
+
+    def clear(self) -> None:
+        """Empty every row (safe while others read: they see misses; writers finish first)."""
+        n = len(self._states_np)
+        self._lock(_TIER_LOCK_BASE, max(1, n))
+        try:
+            self._versions_np[:] |= 1
+            self._states_np[:] = EMPTY
+            self._versions_np[:] += 1
+        finally:
+            self._unlock(_TIER_LOCK_BASE, max(1, n))
+
+    def filled(self) -> int:
+        return int(np.count_nonzero(self._states_np == _TIER_READY))
+
+    def stats(self) -> dict[str, int]:
+        """``disk_hits``, ``disk_writes``, ``disk_reads`` (summed over every process),
+        ``disk_rows`` (stored now) and ``disk_tier_rows``."""
+        self._lock(_TIER_LOCK_BASE - 1)
+        try:
+            rows = self._stats_rows.copy()
+        finally:
+            self._unlock(_TIER_LOCK_BASE - 1)
+        return {"disk_hits": int(rows[:, _TIER_HITS].sum()),
+                "disk_writes": int(rows[:, _TIER_WRITES].sum()),
+                "disk_reads": int(rows[:, _TIER_READS].sum()), "disk_rows": self.filled(),
+                "disk_tier_rows": self._rows}
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def close(self) -> None:
+        """Close this process's descriptor and mapping (idempotent). The file goes with the
+        last descriptor once its name is gone (a persistent tier keeps its name)."""
+        _LIVE_TIERS.discard(self)
+        closed = _Closed(SharedCache)  # every view goes, so that the mapping can close now
+        self._states = self._versions = self._positions = closed  # type: ignore
+        self._states_np = self._versions_np = self._stats_rows = closed  # type: ignore
+        self._own_counters = closed  # type: ignore
+        mm = getattr(self, "_mapping", None)
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+# Process-wide: the tiers open in this process, which `clean` must not open and close (closing
+# any descriptor of a file drops every record lock this process holds on it).
+_LIVE_TIERS: "weakref.WeakSet[_DiskTier]" = weakref.WeakSet()
+
+
+def _rebuild_tier(dupfd: Any, path: str, dtype: str, shape: tuple) -> _DiskTier:
+    """Unpickle a disk tier in a spawned worker: map the inherited descriptor."""
+    fd = dupfd.detach()
+    self = _DiskTier.__new__(_DiskTier)
+    self._finalizer = None
+    self._path, self._row_dtype, self._row_shape = path, np.dtype(dtype), tuple(shape)
+    self._row_bytes = self._row_dtype.itemsize * math.prod(self._row_shape)
+    try:
+        raw = os.pread(fd, _TIER_HEADER.size, 0)
+        head = dict(zip(_TIER_FIELDS, _TIER_HEADER.unpack(raw)[1:]))
+        self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
+                                mmap.PROT_READ | mmap.PROT_WRITE), head)
+    except BaseException:
+        os.close(fd)
+        raise
+    return self
+
+
+def _tier_is_stale(path: str, *, remove: bool, min_age: float) -> bool:
+    """``_is_stale_file`` for a tier file: never one that a tier of this process holds."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if any(t._file_id == (st.st_dev, st.st_ino) for t in list(_LIVE_TIERS)):
+        return False
+    return _is_stale_file(path, remove=remove, min_age=min_age)
+
+
+def _clean_tier_files(directory: str, *, dry_run: bool = False,
+                      persistent: bool | Sequence[str] = ()) -> list[str]:
+    """``clean_segments`` for the tier files in ``directory``: this user's that no live
+    process holds, and persistent ones only by name (or all, with ``persistent=True``)."""
+    removed = []
+    for fname in sorted(os.listdir(directory)):
+        if not fname.startswith(_TIER_PREFIX + "_"):
+            continue
+        info = _parse_segment_name(SEGMENT_PREFIX + fname[len(_TIER_PREFIX):])
+        if info is None or info["uid"] != os.getuid():
+            continue
+        kept = info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]
+        if kept and persistent is not True and info["name"] not in persistent:
+            continue
+        path = os.path.join(directory, fname)
+        if _tier_is_stale(path, remove=not dry_run, min_age=0.0 if kept else 2.0):
+            removed.append(path)
+            logger.info("stocaching: removed stale disk tier %s", path)
+    return removed
+
+
+# ----------------------------------------------------------------------------------------------
+# 16. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4810,7 +5605,7 @@ _SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
+# 17. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5111,7 +5906,7 @@ class _SavedFileReader:
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Planning a cache, and the command line
+# 18. Planning a cache, and the command line
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5274,6 +6069,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(repeat for several)")
     c.add_argument("--all-persistent", action="store_true",
                    help="also remove every persistent cache that no process uses")
+    c.add_argument("--disk-tier", default=None, metavar="DIR",
+                   help="also clean the disk tiers in DIR (the disk_tier= of your caches): "
+                        "those no process uses, and persistent ones as above")
     f = sub.add_parser("inspect", help="what files written by SharedCache.save hold, without "
                                        "loading them")
     f.add_argument("paths", nargs="+", metavar="PATH",
@@ -5342,8 +6140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "inspect":
         return _inspect_saved_files(args.paths, args.verify, out)
     elif args.cmd == "clean":
+        if args.disk_tier is not None and not os.path.isdir(args.disk_tier):
+            parser.error(f"--disk-tier should be an existing directory (the disk_tier= of your "
+                         f"caches), but got --disk-tier={args.disk_tier}")
         removed = clean_segments(args.shm_dir, dry_run=args.dry_run,
-                                 persistent=True if args.all_persistent else args.persistent)
+                                 persistent=True if args.all_persistent else args.persistent,
+                                 disk_tier=args.disk_tier)
         verb = "would remove" if args.dry_run else "removed"
         out("".join(f"{verb} {p}\n" for p in removed) or "nothing to clean\n")
     else:

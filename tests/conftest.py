@@ -114,6 +114,7 @@ SLOW = {
     "tests/test_processes.py::test_two_nodes_under_real_torchrun",  # 11 s
     "tests/test_processes.py::test_waiting_rank_names_the_leader_that_never_came",  # 3 s
     "tests/test_saved.py::test_two_local_ranks_under_torchrun_load_once",  # 5 s
+    "tests/test_disk_tier.py::test_two_torchrun_ranks_read_each_others_tier_rows",  # 4 s
     # a fresh interpreter: the command line, copied modules, new processes, the benchmark
     "tests/test_benchmark.py::"
     "test_persistent_command_prints_its_checks_and_leaves_nothing",  # 29 s
@@ -123,6 +124,7 @@ SLOW = {
     "tests/test_benchmark.py::test_run_spawn_persistent_views_release_the_cache",  # 8 s
     "tests/test_benchmark.py::test_run_varied_sizes_end_to_end",  # 3 s
     "tests/test_benchmark.py::test_run_with_repeats",  # 2 s
+    "tests/test_benchmark.py::test_run_with_a_tiered_arm_checks_it_against_both_caches",  # 4 s
     "tests/test_benchmark.py::test_run_with_the_device_loader",  # 3 s
     "tests/test_docs.py::test_module_runs_as_a_copied_single_file",  # 3 s
     "tests/test_launchers.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Sequence
 
 import pytest
@@ -426,8 +427,6 @@ def test_latency_defaults():
 
 @pytest.mark.timeout(60)
 def test_latency_command_prints_one_line_per_target(tmp_path, jpeg_dir, shm_dir, capsys):
-    import re
-
     out = tmp_path / "lat"
     rc = main(["latency", "--data-dir", str(jpeg_dir), "--num-images", str(N), "--image-size",
                str(SRC), "--decoded-size", str(DEC), "--batch-size", "8", "--workers", "0",
@@ -732,3 +731,40 @@ def test_batch_augment_crops_flips_and_normalises_each_sample():
         assert any(same) or any(flipped)
         flips += any(flipped) and not any(same)
     assert 0 < flips < 12  # both kinds drawn (seeded)
+
+
+@pytest.mark.timeout(120)
+def test_run_with_a_tiered_arm_checks_it_against_both_caches(tmp_path, jpeg_dir, shm_dir,
+                                                             capsys):
+    tiers = tmp_path / "tiers"
+    tiers.mkdir()
+    out = _run(tmp_path, jpeg_dir, "--cache-fraction", "0.5", "1", "--tiered-fraction", "0.5",
+               "--disk-tier-dir", str(tiers), "--epochs", "2", "--workers", "1", "--no-in-ram",
+               "--no-plot")
+    text = capsys.readouterr().out
+    rows = report.read_csv(out / "results.csv")
+    tiered = [r for r in rows if r["config"] == "cache 50% + disk tier"]
+    assert [r["hit_rate"] for r in tiered] == [0.0, 1.0]  # epoch 2: /dev/shm or the tier
+    assert tiered[0]["slots"] == N // 2
+    saved = json.loads((out / "results.json").read_text())
+    info = next(c for c in saved["configs"] if c["config"] == "cache 50% + disk tier")
+    assert (info["disk_rows"], info["disk_hits"]) == (N // 2, N // 2)
+    assert saved["stats_mismatches"] == []
+    checks = {c["name"]: c for c in saved["checks"]}
+    assert {checks[k]["status"] for k in ("tier vs decoded", "tier vs in-shm")} <= {"PASS",
+                                                                                    "MISS"}
+    assert "4. disk tier vs decoding the rest" in text and "5. disk tier vs 100%" in text
+    assert os.listdir(tiers) == []  # each arm's tier removed with its cache
+
+
+@pytest.mark.timeout(120)
+def test_tier_command_prints_its_checks_and_leaves_nothing(tmp_path, shm_dir, capsys):
+    rc = main(["tier", "--rows", "64", "--dims", "3", "16", "16", "--repeats", "1", "--dir",
+               str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    checks = [line for line in text.splitlines() if line.startswith("[")]
+    assert len(checks) == 3 and all(line[:6] in ("[PASS]", "[MISS]") for line in checks)
+    assert all(re.search(r": [\d,]+ vs [\d,]+ rows/s \([\d.]+ x\)", line) for line in checks)
+    assert "second job's stats: 192 hits, 96 from the tier, 0 misses" in text
+    assert os.listdir(tmp_path) == [] and os.listdir(shm_dir) == []

@@ -210,8 +210,8 @@ def test_it_honours_everything_the_base_offers(shm_dir):
     offered = {n for n in dir(BaseCache) if not n.startswith("_")}
     assert offered == {"aux_array", "cached_indices", "clear", "close", "data_dims",
                        "dataset_len", "dtype", "fields", "get_slot", "layout", "may_refuse",
-                       "name", "read_tags", "ready_mask", "set_slot", "slot_mask",
-                       "staging_slots", "stats", "stored_mask", "unstage", "world"}
+                       "name", "owner_rows", "read_tags", "read_tier", "ready_mask", "set_slot",
+                       "slot_mask", "staging_slots", "stats", "stored_mask", "unstage", "world"}
     with OpenSizeCache(0.001, N, {"points": (None, 3), "label": ()}, shm_dir=shm_dir) as c:
         sample = {"points": cloud(0).to(torch.uint8), "label": 7}
         c.set_slot(0, sample)
@@ -226,6 +226,8 @@ def test_it_honours_everything_the_base_offers(shm_dir):
         assert c.fields == ("points", "label") and c.data_dims["points"] == (None, 3)
         assert c.dtype["label"] == torch.uint8 and c.layout.slots == N and c.name
         assert c.world.num_nodes == 1 and c.stats()["filled"] == 1
+        assert c.read_tier(0) is None and c.stats()["disk_tier_rows"] == 0  # no disk tier
+        assert [row.all() for row in c.owner_rows()] == [True]
         c.clear()
         assert c.get_slot(0) is None
         for name in ("get_batch", "locate", "confirm", "rows", "unpack_rows", "array", "stage",
