@@ -177,7 +177,7 @@ def bench_idioms(rounds: int = 15, number: int = 20000) -> dict[str, list[float]
     """Two choices of the core, each timed against its alternative, interleaved round by round.
 
     The record lock of one slot taken and released by the core's pair of methods
-    (``_lock``/``_unlock`` with ``try``/``finally``), against the same pair inside a
+    (``lock``/``unlock`` of the segment, with ``try``/``finally``), against the same pair inside a
     ``__slots__`` context manager made for each ``with`` and against the lock taken by hand
     (``fcntl.lockf`` inside ``with`` the thread lock). And a ``get_slot`` hit of a cache with its
     own attributes (24 for a cache of one tensor, 35 for open sizes) against the same cache
@@ -228,7 +228,7 @@ def bench_idioms(rounds: int = 15, number: int = 20000) -> dict[str, list[float]
             finally:
                 fcntl.lockf(c._segment.fd, fcntl.LOCK_UN, 1, offset)
 
-    calls = {"lock: _lock/_unlock pair": pair, "lock: with a __slots__ object": with_object,
+    calls = {"lock: lock/unlock pair": pair, "lock: with a __slots__ object": with_object,
              "lock: by hand (the old set_slot)": by_hand}
     for name, cache in caches.items():
         calls[f"hit: {name}"] = (lambda cache: lambda: cache.get_slot(5))(cache)

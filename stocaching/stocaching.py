@@ -1705,12 +1705,78 @@ def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
     return cache
 
 
+class _RecordLocks:
+    """This process's record locks on one shared file (a segment, a disk tier): the lock idiom
+    every writer of shared state uses. ``lock(offset)`` takes this process's thread lock, then
+    the POSIX record lock on bytes at ``offset`` (record locks do not exclude the threads of
+    one process, and the kernel drops those of a process that dies); ``unlock(offset)``
+    releases both. The thread lock is reentrant: the arena's lock is taken inside an index's.
+
+    Every path calls the pair: ``x.lock(offset)``, then ``try: ... finally:
+    x.unlock(offset)``. A pair of methods rather than a context manager because set_slot takes
+    it: a ``with`` on an object made for each call cost more than the pair (docs/design.md,
+    "One lock idiom")."""
+
+    fd: int = -1  # the file's descriptor in this process
+    thread_lock: threading.RLock  # the threads of this process, around its record locks
+
+    def lock(self, offset: int, length: int = 1) -> None:
+        """Take the thread lock, then the record lock on ``length`` bytes at ``offset``."""
+        self.thread_lock.acquire()
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, length, offset)
+        except BaseException:
+            self.thread_lock.release()
+            raise
+
+    def unlock(self, offset: int, length: int = 1) -> None:
+        """Release what ``lock(offset, length)`` took."""
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, length, offset)
+        finally:
+            self.thread_lock.release()
+
+    def after_fork(self) -> None:
+        """In a forked child: a thread lock of its own (the parent's may be held)."""
+        self.thread_lock = threading.RLock()
+
+
+def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: int,
+                     what: str) -> int:
+    """This process's row of a table of per-process counters in a shared file (``rows``:
+    pid, process start, then counters from column ``first``), taken under the record lock at
+    ``offset``: its own row if it has one (every handle of a process counts in one row, so a
+    process that receives a cache in each of its Pool tasks does not use up the rows), else a
+    free one; the rows of dead processes are folded into row 0 first. Row 0 when none is
+    free (with a warning naming ``what``)."""
+    pid = os.getpid()
+    locks.lock(offset)
+    try:
+        for r in np.flatnonzero(rows[1:, _PID]) + 1:
+            if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
+                rows[0, first:] += rows[r, first:]
+                rows[r] = 0
+        mine = np.flatnonzero(rows[1:, _PID] == pid)  # alive, so ours (a reused pid folded)
+        if len(mine):
+            return int(mine[0]) + 1
+        empty = np.flatnonzero(rows[1:, _PID] == 0)
+        if not len(empty):
+            warnings.warn(f"more than {len(rows) - 1} processes use this {what}; their stats "
+                          "share one row and may undercount", RuntimeWarning)
+            return 0
+        free = int(empty[0]) + 1
+        rows[free, _PID], rows[free, _START] = pid, _process_start(pid)
+        return free
+    finally:
+        locks.unlock(offset)
+
+
 # ----------------------------------------------------------------------------------------------
 # 9. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
 # ----------------------------------------------------------------------------------------------
 
 
-class _Segment:
+class _Segment(_RecordLocks):
     """A cache's file of shared memory on this node, as this process holds it: the
     descriptor, the two mappings, the record locks and the header's counters.
 
@@ -1726,14 +1792,12 @@ class _Segment:
     # -- state: this process's handle (a forked child inherits it; a process the cache is
     # sent to makes its own in _rebuild_cache) ---------------------------------------------
     path: str  # the segment's name in the shm directory (gone once every local rank holds it)
-    fd: int = -1
     mapping: mmap.mmap | None = None  # read-write: every copying read and every write
     read_only_mapping: mmap.mmap | None = None  # backs copy=False views: writing one crashes
     size: int = 0
     file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file this handle maps
     finalizer: weakref.finalize | None = None  # closes fd (the leader: drops the name too)
     populating: tuple[threading.Thread, threading.Event] | None = None  # pages mapped in
-    thread_lock: threading.RLock  # the threads of this process, around its record locks
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -2067,30 +2131,7 @@ class _Segment:
         owner._map(head)
         return head
 
-    # -- locks and the header -------------------------------------------------------------
-
-    # Every path that takes a record lock calls this pair: ``segment.lock(offset)``, then
-    # ``try: ... finally: segment.unlock(offset)``. A pair of methods rather than a context
-    # manager because set_slot takes it: a ``with`` on an object made for each call cost more
-    # than the pair (docs/design.md, "One lock idiom").
-
-    def lock(self, offset: int, length: int = 1) -> None:
-        """Take this process's thread lock, then the POSIX record lock on ``length`` bytes at
-        ``offset`` (record locks do not exclude threads of one process). The thread lock is
-        reentrant: the arena's lock is taken inside an index's lock."""
-        self.thread_lock.acquire()
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX, length, offset)
-        except BaseException:
-            self.thread_lock.release()
-            raise
-
-    def unlock(self, offset: int, length: int = 1) -> None:
-        """Release what ``lock(offset, length)`` took."""
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN, length, offset)
-        finally:
-            self.thread_lock.release()
+    # -- the header ------------------------------------------------------------------------
 
     def header_get(self, field: str) -> int:
         return struct.unpack_from("<q", self.mapping, _FIELD_OFFSET[field])[0]
@@ -2106,10 +2147,6 @@ class _Segment:
         # A read-only mapping of the same pages backs the copy=False views: writing into one
         # is a crash (SIGSEGV), not a silent change of the cached sample.
         self.read_only_mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-
-    def after_fork(self) -> None:
-        """In a forked child: a thread lock of its own (the parent's may be held)."""
-        self.thread_lock = threading.RLock()
 
     # -- closing ----------------------------------------------------------------------------
 
@@ -2367,7 +2404,7 @@ class BaseCache:
         self._staging = _StagingTable(np.frombuffer(mm, np.int64, self._staging_slots,
                                                     head["stage_off"]), self._segment)
         self._stats_rows = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
-                                       head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
+                                         head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
         if head["map_off"]:
             dt = _slot_map_dtype(lay)
             self._slot_map = view[head["map_off"]: head["map_off"] + dt.itemsize *
@@ -2405,30 +2442,10 @@ class BaseCache:
         """Give this process its own row of counters; fold rows of dead processes into row 0.
         Every handle of this process on the segment counts in one row (a process that receives
         the cache in each of its Pool tasks must not use up the rows)."""
-        rows = self._stats_rows
-        pid = os.getpid()
-        self._segment.lock(_LOCK_BASE)
-        try:
-            free = 0
-            for r in np.flatnonzero(rows[1:, _PID]) + 1:
-                if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
-                    rows[0, _HITS:] += rows[r, _HITS:]
-                    rows[r] = 0
-            mine = np.flatnonzero(rows[1:, _PID] == pid)  # alive, so ours (a reused pid folded)
-            empty = np.flatnonzero(rows[1:, _PID] == 0)
-            if len(mine):
-                free = int(mine[0]) + 1
-            elif len(empty):
-                free = int(empty[0]) + 1
-                rows[free, _PID], rows[free, _START] = pid, _process_start(pid)
-            else:
-                warnings.warn(f"more than {_STATS_ROWS - 1} processes use this cache; their "
-                              "stats share one row and may undercount", RuntimeWarning)
-        finally:
-            self._segment.unlock(_LOCK_BASE)
+        free = _claim_stats_row(self._stats_rows, self._segment, _LOCK_BASE, _HITS, "cache")
         row_off = _HEADER_BYTES + free * _STATS_COLS * 8
-        self._own_counters = memoryview(self._segment.mapping)[row_off: row_off + _STATS_COLS * 8
-                                                       ].cast("q")
+        row = memoryview(self._segment.mapping)[row_off: row_off + _STATS_COLS * 8]
+        self._own_counters = row.cast("q")
 
     def _after_fork(self) -> None:
         """In a forked child (e.g. a DataLoader worker): fresh thread lock, own stats row."""
@@ -3117,6 +3134,97 @@ class SharedCache(BaseCache):
                 self.close()
                 raise
 
+    # -- the hit path (get_slot, and the one read of a row) --------------------------------
+
+    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
+                 copy: bool = True) -> torch.Tensor | None:
+        """The cached sample of dataset index ``idx`` (a copy, or with ``copy=False`` a
+        read-only view), or None if it is not cached: ``BaseCache.get_slot`` (its arguments,
+        warning and errors), with its first read inlined."""
+        if type(idx) is not int or idx < 0 or idx >= self._dataset_len:
+            idx = self._index(idx)
+        if self._index_states[idx] == SET:  # the hit path: no lock, no system call
+            # The first try is _read and _read_row inlined, the one copy of them (else this is
+            # BaseCache.get_slot): the two calls cost more than 5 % of a small hit (docs/design.md,
+            # "get_slot's inlined read"), and tests/test_concurrency.py checks that the two give the
+            # same answer whatever write or clear() lands before any of their reads.
+            slot = idx if self._slot_map is None else self._slot_map[idx]
+            seq = self._slot_versions[slot]
+            if not seq & 1:
+                out = torch.from_numpy(self._slot_samples[slot].copy()) if copy \
+                    else self._read_only_slots[slot]
+                if self._slot_versions[slot] == seq and self._index_states[idx] == SET:
+                    self._own_counters[_HITS] += 1
+                    return out if self._view_as is None or not copy else out.view(self._view_as)
+            out = self._read_again(idx, copy)
+            if out is not None:
+                return out
+        elif self._index_states[idx] == OOB and (self._staging_slots or self._disk_tier):
+            out = self._read_oob(idx)
+            if out is not None:
+                return out
+        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+
+    def _read_oob(self, idx: int) -> Any:
+        """The sample of an index without a slot here: staged, or on the disk tier (a new
+        tensor, whatever ``copy`` asked: the row was read from the file), or None."""
+        out = self._take_staged(idx) if self._staging_slots else None
+        if out is None and self._disk_tier is not None:
+            out = self._read_tier(idx)
+        return out
+
+    def _read_tier(self, idx: int) -> Any:
+        if self._disk_tier is None:
+            return None
+        row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
+        return None if row is None else self._from_row(row)
+
+    def _read_for_stager(self, idx: int) -> Any:
+        if self._disk_tier is None:
+            return None
+        row = self._disk_tier.read(idx, _TIER_READS)  # (not a hit: it will be, once staged)
+        return None if row is None else self._from_row(row)
+
+    def _read(self, idx: int, copy: bool) -> Any:
+        """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
+        read with ``_read_row`` and counted as a hit; or None."""
+        slot = idx if self._slot_map is None else self._slot_map[idx]
+        row = self._read_row(slot, copy, self._index_states, idx, SET)
+        if row is None:
+            return None
+        self._own_counters[_HITS] += 1
+        return self._from_row(row) if copy else row
+
+    def _read_row(self, row: int, copy: bool, marks: Any, at: int, mark: int) -> Any:
+        """The seqlock read of one row (a slot or a staging slot): every read of a row of a
+        fixed size is this one, or, for many rows at once, ``_locate`` and ``_confirm``.
+
+        The row's sequence number is odd while a writer is at work and changes with every
+        write and ``clear()``; writers change the slot states only while it is odd. So a row
+        copied between two reads of one even number is whole, and ``marks[at] == mark`` read
+        after the copy says that it still holds what was asked for: the index's state SET,
+        for a slot (a clear() or write that ended between the caller's check of the state and
+        the first read of the number leaves an even number and an emptied slot); the staging
+        map's entry, for a staging slot (readers free one without a write).
+
+        Returns:
+            a copy of the row as ``_slot_samples`` holds it (``copy=False``: its read-only view,
+            ``_view_row``), or None: a writer was at work, or the row holds something else.
+        """
+        seq = self._slot_versions[row]
+        if seq & 1:
+            return None
+        out = self._slot_samples[row].copy() if copy else self._view_row(row)
+        if self._slot_versions[row] != seq or marks[at] != mark:
+            return None
+        return out
+
+    def _view_row(self, row: int) -> Any:
+        """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
+        return self._read_only_slots[row]
+
+    # -- sizing and views of the segment ----------------------------------------------------
+
     def _offsets(self) -> dict:
         return _segment_offsets(self._layout, self._slot_bytes, self._staging_slots)
 
@@ -3251,93 +3359,6 @@ class SharedCache(BaseCache):
             slot = int(slot) % n
             return slot, slot, 1
         return slot, 0, n
-
-    def get_slot(self, idx: int, allow_oob_idx: bool = True, allow_empty_slot: bool = True, *,
-                 copy: bool = True) -> torch.Tensor | None:
-        """The cached sample of dataset index ``idx`` (a copy, or with ``copy=False`` a
-        read-only view), or None if it is not cached: ``BaseCache.get_slot`` (its arguments,
-        warning and errors), with its first read inlined."""
-        if type(idx) is not int or idx < 0 or idx >= self._dataset_len:
-            idx = self._index(idx)
-        if self._index_states[idx] == SET:  # the hit path: no lock, no system call
-            # The first try is _read and _read_row inlined, the one copy of them (else this is
-            # BaseCache.get_slot): the two calls cost more than 5 % of a small hit (docs/design.md,
-            # "get_slot's inlined read"), and tests/test_concurrency.py checks that the two give the
-            # same answer whatever write or clear() lands before any of their reads.
-            slot = idx if self._slot_map is None else self._slot_map[idx]
-            seq = self._slot_versions[slot]
-            if not seq & 1:
-                out = torch.from_numpy(self._slot_samples[slot].copy()) if copy \
-                    else self._read_only_slots[slot]
-                if self._slot_versions[slot] == seq and self._index_states[idx] == SET:
-                    self._own_counters[_HITS] += 1
-                    return out if self._view_as is None or not copy else out.view(self._view_as)
-            out = self._read_again(idx, copy)
-            if out is not None:
-                return out
-        elif self._index_states[idx] == OOB and (self._staging_slots or self._disk_tier):
-            out = self._read_oob(idx)
-            if out is not None:
-                return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
-
-    def _read_oob(self, idx: int) -> Any:
-        """The sample of an index without a slot here: staged, or on the disk tier (a new
-        tensor, whatever ``copy`` asked: the row was read from the file), or None."""
-        out = self._take_staged(idx) if self._staging_slots else None
-        if out is None and self._disk_tier is not None:
-            out = self._read_tier(idx)
-        return out
-
-    def _read_tier(self, idx: int) -> Any:
-        if self._disk_tier is None:
-            return None
-        row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
-        return None if row is None else self._from_row(row)
-
-    def _read_for_stager(self, idx: int) -> Any:
-        if self._disk_tier is None:
-            return None
-        row = self._disk_tier.read(idx, _TIER_READS)  # (not a hit: it will be, once staged)
-        return None if row is None else self._from_row(row)
-
-    def _read(self, idx: int, copy: bool) -> Any:
-        """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
-        read with ``_read_row`` and counted as a hit; or None."""
-        slot = idx if self._slot_map is None else self._slot_map[idx]
-        row = self._read_row(slot, copy, self._index_states, idx, SET)
-        if row is None:
-            return None
-        self._own_counters[_HITS] += 1
-        return self._from_row(row) if copy else row
-
-    def _read_row(self, row: int, copy: bool, marks: Any, at: int, mark: int) -> Any:
-        """The seqlock read of one row (a slot or a staging slot): every read of a row of a
-        fixed size is this one, or, for many rows at once, ``_locate`` and ``_confirm``.
-
-        The row's sequence number is odd while a writer is at work and changes with every
-        write and ``clear()``; writers change the slot states only while it is odd. So a row
-        copied between two reads of one even number is whole, and ``marks[at] == mark`` read
-        after the copy says that it still holds what was asked for: the index's state SET,
-        for a slot (a clear() or write that ended between the caller's check of the state and
-        the first read of the number leaves an even number and an emptied slot); the staging
-        map's entry, for a staging slot (readers free one without a write).
-
-        Returns:
-            a copy of the row as ``_slot_samples`` holds it (``copy=False``: its read-only view,
-            ``_view_row``), or None: a writer was at work, or the row holds something else.
-        """
-        seq = self._slot_versions[row]
-        if seq & 1:
-            return None
-        out = self._slot_samples[row].copy() if copy else self._view_row(row)
-        if self._slot_versions[row] != seq or marks[at] != mark:
-            return None
-        return out
-
-    def _view_row(self, row: int) -> Any:
-        """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
-        return self._read_only_slots[row]
 
     def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
         """The cached samples of several dataset indices, gathered into one batch tensor, and
@@ -4770,7 +4791,7 @@ def _check_disk_tier(disk_tier: Any, disk_tier_gib: Any) -> tuple[str | None, fl
     return path, disk_tier_gib
 
 
-class _DiskTier:
+class _DiskTier(_RecordLocks):
     """The disk tier of one cache on one node: the rows of dataset indices that have no slot
     in the node's segment, in a sparse file on local disk shared by every local rank and
     DataLoader worker (see the layout above). The cache holds it and calls ``read`` where an
@@ -4788,7 +4809,6 @@ class _DiskTier:
     _rows: int  # rows in the file
     _data_off: int
     # The mapped metadata: views of the same pages in every process.
-    _fd: int
     _mapping: mmap.mmap
     _states: memoryview  # one state byte per dataset index
     _states_np: np.ndarray
@@ -4798,7 +4818,6 @@ class _DiskTier:
     _stats_rows: np.ndarray
     # This process's own.
     _own_counters: memoryview
-    _thread_lock: threading.RLock
     _told: bool  # a failed write was logged
     _finalizer: weakref.finalize | None
     _file_id: tuple[int, int]
@@ -4902,7 +4921,7 @@ class _DiskTier:
                             "STOCACHING_JOB_KEY per job", "name", other, other) from None
                     os.link(tmp, self._path)
         except BaseException:
-            self.close() if getattr(self, "_fd", -1) == fd else _close_fd(fd)
+            self.close() if self.fd == fd else _close_fd(fd)
             raise
         finally:
             _unlink_if_same(tmp, st.st_ino, st.st_dev)
@@ -4983,17 +5002,17 @@ class _DiskTier:
             self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
                                     mmap.PROT_READ | mmap.PROT_WRITE), head)
         except BaseException:
-            if getattr(self, "_fd", -1) == fd:
+            if self.fd == fd:
                 self.close()
             else:
                 os.close(fd)
             raise
-        self._lock(_TIER_LOCK_BASE - 1)
+        self.lock(_TIER_LOCK_BASE - 1)
         try:
             attached = self._get("attached") + 1
             self._set("attached", attached)
         finally:
-            self._unlock(_TIER_LOCK_BASE - 1)
+            self.unlock(_TIER_LOCK_BASE - 1)
         if attached >= head["local_world_size"] and not head["persistent"]:
             _unlink_if_same(self._path, self._file_id[1], self._file_id[0])
 
@@ -5021,7 +5040,7 @@ class _DiskTier:
     def _map(self, fd: int, mm: mmap.mmap, head: dict) -> None:
         """Build the views of the metadata and claim this process's stats row."""
         n = head["dataset_len"]
-        self._fd, self._mapping = fd, mm
+        self.fd, self._mapping = fd, mm
         st = os.fstat(fd)
         self._file_id = (st.st_dev, st.st_ino)
         self._rows, self._data_off, self._cap = head["rows"], head["data_off"], head["rows_cap"]
@@ -5036,7 +5055,7 @@ class _DiskTier:
         self._stats_rows = np.frombuffer(mm, np.int64, _TIER_STATS_ROWS * _TIER_STATS_COLS,
                                          head["stats_off"]).reshape(_TIER_STATS_ROWS,
                                                                     _TIER_STATS_COLS)
-        self._thread_lock = threading.RLock()
+        self.thread_lock = threading.RLock()
         self._told = False
         self._claim_stats_row()
         _LIVE_TIERS.add(self)
@@ -5053,42 +5072,15 @@ class _DiskTier:
 
     # -- locks, stats, processes -----------------------------------------------------------
 
-    def _lock(self, offset: int, length: int = 1) -> None:
-        self._thread_lock.acquire()
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, length, offset)
-        except BaseException:
-            self._thread_lock.release()
-            raise
-
-    def _unlock(self, offset: int, length: int = 1) -> None:
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, length, offset)
-        finally:
-            self._thread_lock.release()
-
     def _claim_stats_row(self) -> None:
-        """This process's row of counters (rows of dead processes are folded into row 0), as
-        the segment's stats table does it."""
-        rows, pid = self._stats_rows, os.getpid()
-        self._lock(_TIER_LOCK_BASE - 1)
-        try:
-            for r in np.flatnonzero(rows[1:, _PID]) + 1:
-                if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
-                    rows[0, _TIER_HITS:] += rows[r, _TIER_HITS:]
-                    rows[r] = 0
-            mine = np.flatnonzero(rows[1:, _PID] == pid)
-            empty = np.flatnonzero(rows[1:, _PID] == 0)
-            free = int(mine[0]) + 1 if len(mine) else int(empty[0]) + 1 if len(empty) else 0
-            if free and not len(mine):
-                rows[free, _PID], rows[free, _START] = pid, _process_start(pid)
-        finally:
-            self._unlock(_TIER_LOCK_BASE - 1)
-        self._own_counters = memoryview(rows[free])
+        """This process's row of counters, as the segment's stats table has it."""
+        free = _claim_stats_row(self._stats_rows, self, _TIER_LOCK_BASE - 1, _TIER_HITS,
+                                "disk tier")
+        self._own_counters = memoryview(self._stats_rows[free])
 
     def after_fork(self) -> None:
         """In a forked child: a fresh thread lock and a stats row of its own."""
-        self._thread_lock = threading.RLock()
+        super().after_fork()
         if self._finalizer is not None and self._finalizer.alive:
             try:
                 self._claim_stats_row()
@@ -5100,7 +5092,7 @@ class _DiskTier:
         of the descriptor, which the receiver maps (the name may be gone already)."""
         from multiprocessing.reduction import DupFd
 
-        return _rebuild_tier, (DupFd(self._fd), self._path, self._row_dtype.str,
+        return _rebuild_tier, (DupFd(self.fd), self._path, self._row_dtype.str,
                                self._row_shape)
 
     # -- rows -------------------------------------------------------------------------------
@@ -5117,7 +5109,7 @@ class _DiskTier:
             return None
         out = np.empty(self._row_shape, self._row_dtype)
         try:
-            got = os.preadv(self._fd, [out], self._data_off +
+            got = os.preadv(self.fd, [out], self._data_off +
                             self._positions[idx] * self._row_bytes)
         except OSError as e:
             self._tell("read", e)
@@ -5147,7 +5139,7 @@ class _DiskTier:
             return True
         data = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
         lock = _TIER_LOCK_BASE + idx
-        self._lock(lock)
+        self.lock(lock)
         try:
             if self._states[idx] == _TIER_READY:
                 return True
@@ -5165,7 +5157,7 @@ class _DiskTier:
             self._states[idx] = _TIER_READY
             self._versions[idx] = (seq + 2) & 0xFFFFFFFF
         finally:
-            self._unlock(lock)
+            self.unlock(lock)
         self._own_counters[_TIER_WRITES] += 1
         return False
 
@@ -5173,7 +5165,7 @@ class _DiskTier:
         """Write ``data`` at ``offset`` (a short write goes on where it stopped)."""
         view = memoryview(data)
         while len(view):
-            done = os.pwrite(self._fd, view, offset)
+            done = os.pwrite(self.fd, view, offset)
             view, offset = view[done:], offset + done
 
     def _tell(self, what: str, e: OSError) -> None:
@@ -5187,13 +5179,13 @@ class _DiskTier:
     def clear(self) -> None:
         """Empty every row (safe while others read: they see misses; writers finish first)."""
         n = len(self._states_np)
-        self._lock(_TIER_LOCK_BASE, max(1, n))
+        self.lock(_TIER_LOCK_BASE, max(1, n))
         try:
             self._versions_np[:] |= 1
             self._states_np[:] = EMPTY
             self._versions_np[:] += 1
         finally:
-            self._unlock(_TIER_LOCK_BASE, max(1, n))
+            self.unlock(_TIER_LOCK_BASE, max(1, n))
 
     def filled(self) -> int:
         return int(np.count_nonzero(self._states_np == _TIER_READY))
@@ -5201,11 +5193,11 @@ class _DiskTier:
     def stats(self) -> dict[str, int]:
         """``disk_hits``, ``disk_writes``, ``disk_reads`` (summed over every process),
         ``disk_rows`` (stored now) and ``disk_tier_rows``."""
-        self._lock(_TIER_LOCK_BASE - 1)
+        self.lock(_TIER_LOCK_BASE - 1)
         try:
             rows = self._stats_rows.copy()
         finally:
-            self._unlock(_TIER_LOCK_BASE - 1)
+            self.unlock(_TIER_LOCK_BASE - 1)
         return {"disk_hits": int(rows[:, _TIER_HITS].sum()),
                 "disk_writes": int(rows[:, _TIER_WRITES].sum()),
                 "disk_reads": int(rows[:, _TIER_READS].sum()), "disk_rows": self.filled(),

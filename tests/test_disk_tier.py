@@ -188,7 +188,7 @@ def _write_half_then_wait(cache, idx, half_written):
     tier = cache._disk_tier
 
     def put(offset, data):  # the hook: half of the row, then wait to be killed
-        os.pwrite(tier._fd, data[: len(data) // 2], offset)
+        os.pwrite(tier.fd, data[: len(data) // 2], offset)
         half_written.set()
         signal.pause()
 
@@ -209,7 +209,7 @@ def test_a_writer_killed_mid_row_never_serves_it(shm_dir, tmp_path):
         tier = cache._disk_tier
         start = tier._data_off + tier._positions[20] * tier._row_bytes
         half = value_of(20).reshape(-1).numpy()[: 3 * 8 * 8 // 2].tobytes()
-        assert os.pread(tier._fd, len(half), start) == half  # the kill came mid-row
+        assert os.pread(tier.fd, len(half), start) == half  # the kill came mid-row
         assert cache.get_slot(20) is None
         assert cache.stats()["disk_rows"] == 0
         cache.set_slot(20, value_of(20))  # written again by the next writer (lock released)
