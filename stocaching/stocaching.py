@@ -31,15 +31,16 @@ exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
 
 Contents (``grep -n "^# [0-9]*[.] " stocaching.py`` lists the sections with their lines):
 
- 1. Constants                            10. The cache contract: BaseCache
- 2. Argument checks                      11. Fixed-size rows: SharedCache (the hit path)
- 3. What a trainer did to a sampler      12. Staging slots: _StagingTable
- 4. Who am I: World                      13. Several fields a sample
- 5. Which indices each node caches       14. Open sizes: OpenSizeCache
- 6. Exceptions                           15. A disk tier behind the cache
- 7. The segment's layout and sizing      16. Saved files: the format
- 8. Segment files, liveness, cleaning    17. Saving and loading a cache
- 9. The segment, as a process holds it   18. Planning a cache, and the command line
+ 1. Constants                            11. The cache contract: BaseCache
+ 2. Argument checks                      12. Fixed-size rows: SharedCache (the hit path)
+ 3. What a trainer did to a sampler      13. Staging slots: _StagingTable
+ 4. Who am I: World                      14. Several fields a sample
+ 5. Which indices each node caches       15. Open sizes: OpenSizeCache
+ 6. Exceptions                           16. A disk tier behind the cache
+ 7. The segment's layout and sizing      17. Saved files: the format
+ 8. Segment files: names, listing        18. Saving and loading a cache
+ 9. Processes: liveness, locks           19. Planning a cache, and the command line
+10. The segment, as a process holds it
 """
 
 from __future__ import annotations
@@ -1104,7 +1105,7 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Segment files: names, opening, locks, liveness, listing and cleaning up
+# 8. Segment files: names, the header, opening, listing and cleaning up
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1267,149 +1268,6 @@ def _unlink_if_same(path: str, ino: int, dev: int) -> None:
 def _close_fd(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
-
-
-def _try_stale(fd: int) -> bool:
-    """True when no live process holds the segment (we then hold an exclusive flock on it)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-
-
-def _process_start(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a pid from its reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _alive(pid: int, start: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return start == 0 or _process_start(pid) in (0, start)
-
-
-def _public_name(kind: type) -> str:
-    """A cache class's name as the user knows it: ``SharedCache``, ``OpenSizeCache``, or the
-    user's subclass; never a private class of ours."""
-    return next(c.__name__ for c in kind.__mro__ if not c.__name__.startswith("_"))
-
-
-def _closed_error(kind: type) -> ValueError:
-    """The error of any use of a closed cache of class ``kind``."""
-    return ValueError(f"this {_public_name(kind)} is closed (close() was called, or its with "
-                      "block ended); keep the cache open while its Dataset is used, or "
-                      "construct it again")
-
-
-class _Closed:
-    """Stands in for the shared buffers of a closed cache: any access says so."""
-
-    __slots__ = ("_kind",)
-
-    def __init__(self, kind: type) -> None:
-        self._kind = kind
-
-    def __getitem__(self, key: Any) -> Any:
-        raise _closed_error(self._kind)
-
-    __setitem__ = __getitem__
-
-
-# Process-wide by nature: the caches open in this process, which a forked child must give
-# fresh thread locks and stats rows (one fork hook for all of them, registered once), and
-# which a segment being cleaned up is checked against.
-_LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
-_FORK_HOOK_REGISTERED = False
-# Process-wide: numbers the caches made without a name in this process (their default names).
-_NAME_COUNTER = itertools.count()
-_COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
-
-
-_MADV_POPULATE_READ = 22  # Linux >= 5.14; an older kernel refuses it and nothing is done
-_POPULATE_NOW = 64 * BYTES_PER_MIB  # mapped during the attach (~10 ms): a job that reads at
-                                    # once would race the thread for the first pages
-_POPULATE_PIECE = 256 * BYTES_PER_MIB  # a close waits for one (~30 ms); between two the
-                                       # thread waits for the GIL, up to 5 ms
-
-
-def _madvise_populate(addr: int, nbytes: int) -> bool:
-    """Map ``nbytes`` of this process's mapping at ``addr`` into its page table now (one
-    ``madvise`` call, without the GIL); False where the kernel or the platform cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = addr - addr % mmap.PAGESIZE
-    return madvise(start, addr + nbytes - start, _MADV_POPULATE_READ) == 0
-
-
-def _populate_in_background(addr: int, nbytes: int) -> tuple[threading.Thread, threading.Event]:
-    """Map the ``nbytes`` of this process's mapping at ``addr`` (a segment's slots) into its
-    page table, so that the first epoch after attaching to a filled cache does not fault in
-    each page on its first read: the first ``_POPULATE_NOW`` bytes now, the rest in a daemon
-    thread, piece by piece. Returns the thread and the event that stops it after the piece
-    at hand; whoever unmaps sets it and joins first."""
-    stop = threading.Event()
-    first = min(nbytes, _POPULATE_NOW)
-
-    def populate() -> None:
-        for off in range(first, nbytes, _POPULATE_PIECE):
-            if stop.is_set() or \
-                    not _madvise_populate(addr + off, min(_POPULATE_PIECE, nbytes - off)):
-                return
-
-    thread = threading.Thread(target=populate, name="stocaching-populate", daemon=True)
-    if nbytes and _madvise_populate(addr, first) and first < nbytes:
-        thread.start()  # (an older kernel refuses the first: the reads fault, as before)
-    return thread, stop
-
-
-def _held_here(path: str) -> bool:
-    """True when a live cache of this process maps the file at ``path``. Such a file must not
-    be opened and closed again here: closing any descriptor of a file drops every POSIX record
-    lock this process holds on it, slot locks of other threads included."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return any(c._segment.file_id == (st.st_dev, st.st_ino) for c in list(_LIVE_CACHES))
-
-
-def _after_fork_in_child() -> None:
-    for cache in list(_LIVE_CACHES):
-        cache._after_fork()
-
-
-# Process-wide: the cache classes registered with multiprocessing's pickler (once each).
-_SENDABLE_CLASSES: set = set()
-
-
-def _sendable_by_multiprocessing(cls: type) -> None:
-    """Register ``cls``'s reducer with multiprocessing's pickler, once per class, at the first
-    cache of the class rather than at import. The pickler looks reducers up by exact class,
-    so every subclass is registered on its own."""
-    if cls not in _SENDABLE_CLASSES:
-        from multiprocessing.reduction import ForkingPickler
-
-        ForkingPickler.register(cls, cls._reduce_for_process)
-        _SENDABLE_CLASSES.add(cls)
 
 
 def _is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> bool:
@@ -1608,6 +1466,154 @@ def _more_room(shm_dir: str, total: int) -> str:
             f"remount,size={need_gib}G {shm_dir})")
 
 
+# ----------------------------------------------------------------------------------------------
+# 9. Processes: liveness, the caches this process holds, sending, record locks
+# ----------------------------------------------------------------------------------------------
+
+
+def _try_stale(fd: int) -> bool:
+    """True when no live process holds the segment (we then hold an exclusive flock on it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _process_start(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a pid from its reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return start == 0 or _process_start(pid) in (0, start)
+
+
+def _public_name(kind: type) -> str:
+    """A cache class's name as the user knows it: ``SharedCache``, ``OpenSizeCache``, or the
+    user's subclass; never a private class of ours."""
+    return next(c.__name__ for c in kind.__mro__ if not c.__name__.startswith("_"))
+
+
+def _closed_error(kind: type) -> ValueError:
+    """The error of any use of a closed cache of class ``kind``."""
+    return ValueError(f"this {_public_name(kind)} is closed (close() was called, or its with "
+                      "block ended); keep the cache open while its Dataset is used, or "
+                      "construct it again")
+
+
+class _Closed:
+    """Stands in for the shared buffers of a closed cache: any access says so."""
+
+    __slots__ = ("_kind",)
+
+    def __init__(self, kind: type) -> None:
+        self._kind = kind
+
+    def __getitem__(self, key: Any) -> Any:
+        raise _closed_error(self._kind)
+
+    __setitem__ = __getitem__
+
+
+# Process-wide by nature: the caches open in this process, which a forked child must give
+# fresh thread locks and stats rows (one fork hook for all of them, registered once), and
+# which a segment being cleaned up is checked against.
+_LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
+_FORK_HOOK_REGISTERED = False
+# Process-wide: numbers the caches made without a name in this process (their default names).
+_NAME_COUNTER = itertools.count()
+_COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
+
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; an older kernel refuses it and nothing is done
+_POPULATE_NOW = 64 * BYTES_PER_MIB  # mapped during the attach (~10 ms): a job that reads at
+                                    # once would race the thread for the first pages
+_POPULATE_PIECE = 256 * BYTES_PER_MIB  # a close waits for one (~30 ms); between two the
+                                       # thread waits for the GIL, up to 5 ms
+
+
+def _madvise_populate(addr: int, nbytes: int) -> bool:
+    """Map ``nbytes`` of this process's mapping at ``addr`` into its page table now (one
+    ``madvise`` call, without the GIL); False where the kernel or the platform cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = addr - addr % mmap.PAGESIZE
+    return madvise(start, addr + nbytes - start, _MADV_POPULATE_READ) == 0
+
+
+def _populate_in_background(addr: int, nbytes: int) -> tuple[threading.Thread, threading.Event]:
+    """Map the ``nbytes`` of this process's mapping at ``addr`` (a segment's slots) into its
+    page table, so that the first epoch after attaching to a filled cache does not fault in
+    each page on its first read: the first ``_POPULATE_NOW`` bytes now, the rest in a daemon
+    thread, piece by piece. Returns the thread and the event that stops it after the piece
+    at hand; whoever unmaps sets it and joins first."""
+    stop = threading.Event()
+    first = min(nbytes, _POPULATE_NOW)
+
+    def populate() -> None:
+        for off in range(first, nbytes, _POPULATE_PIECE):
+            if stop.is_set() or \
+                    not _madvise_populate(addr + off, min(_POPULATE_PIECE, nbytes - off)):
+                return
+
+    thread = threading.Thread(target=populate, name="stocaching-populate", daemon=True)
+    if nbytes and _madvise_populate(addr, first) and first < nbytes:
+        thread.start()  # (an older kernel refuses the first: the reads fault, as before)
+    return thread, stop
+
+
+def _held_here(path: str) -> bool:
+    """True when a live cache of this process maps the file at ``path``. Such a file must not
+    be opened and closed again here: closing any descriptor of a file drops every POSIX record
+    lock this process holds on it, slot locks of other threads included."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return any(c._segment.file_id == (st.st_dev, st.st_ino) for c in list(_LIVE_CACHES))
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_LIVE_CACHES):
+        cache._after_fork()
+
+
+# Process-wide: the cache classes registered with multiprocessing's pickler (once each).
+_SENDABLE_CLASSES: set = set()
+
+
+def _sendable_by_multiprocessing(cls: type) -> None:
+    """Register ``cls``'s reducer with multiprocessing's pickler, once per class, at the first
+    cache of the class rather than at import. The pickler looks reducers up by exact class,
+    so every subclass is registered on its own."""
+    if cls not in _SENDABLE_CLASSES:
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler.register(cls, cls._reduce_for_process)
+        _SENDABLE_CLASSES.add(cls)
+
+
 def _a_local_rank_may_come() -> bool:
     """True while another local rank may still attach: a sibling process is alive (same
     parent, even init; not one of multiprocessing's helper processes), or a child of ours that
@@ -1772,7 +1778,7 @@ def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: 
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
+# 10. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2173,7 +2179,7 @@ class _Segment(_RecordLocks):
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. The cache contract: BaseCache (construction, views, sending, the public API)
+# 11. The cache contract: BaseCache (construction, views, sending, the public API)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2888,7 +2894,7 @@ class BaseCache:
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
+# 12. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3877,7 +3883,7 @@ class SharedCache(BaseCache):
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Staging slots: what each one holds (_StagingTable)
+# 13. Staging slots: what each one holds (_StagingTable)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4036,7 +4042,7 @@ class _StagingTable:
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. Several fields a sample: _FieldsCache
+# 14. Several fields a sample: _FieldsCache
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4175,7 +4181,7 @@ _REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the
 
 
 # ----------------------------------------------------------------------------------------------
-# 14. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
+# 15. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -4660,7 +4666,7 @@ class OpenSizeCache(BaseCache):
 
 
 # ----------------------------------------------------------------------------------------------
-# 15. A disk tier: rows of the indices without a slot, in a sparse file on local disk
+# 16. A disk tier: rows of the indices without a slot, in a sparse file on local disk
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5279,7 +5285,7 @@ def _clean_tier_files(directory: str, *, dry_run: bool = False,
 
 
 # ----------------------------------------------------------------------------------------------
-# 16. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
+# 17. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5597,7 +5603,7 @@ _SAVE_LOCK = threading.Lock()  # one save at a time in a process
 
 
 # ----------------------------------------------------------------------------------------------
-# 17. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
+# 18. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -5898,7 +5904,7 @@ class _SavedFileReader:
 
 
 # ----------------------------------------------------------------------------------------------
-# 18. Planning a cache, and the command line
+# 19. Planning a cache, and the command line
 # ----------------------------------------------------------------------------------------------
 
 
