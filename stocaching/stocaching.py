@@ -3003,12 +3003,13 @@ class SharedCache(BaseCache):
             the sample of an index without a slot on this node is written to a file there
             when ``set_slot`` stores it, and ``get_slot`` reads it from there on later misses
             (a new tensor, even with ``copy=False``), for every local rank and DataLoader
-            worker; ``stats()`` counts its ``disk_hits`` apart. The file
+            worker; ``stats()`` counts its hits in ``hits`` and also apart, ``disk_hits``. The file
             (``stocaching-tier_<uid>_<job>_n<node>_<name>``, owner-only) is sparse: only
             stored rows take disk. It is freed with the cache's last process (its name is
             dropped once every local rank has opened it), kept under the cache's name with
-            ``persistent`` (the next job reads what this one stored at once), and removed by
-            ``python -m stocaching clean --disk-tier DIR`` when no job uses it. With several
+            ``persistent`` (the next job reads what this one stored at once: remove it with
+            ``python -m stocaching clean --persistent NAME --disk-tier DIR``), and a file left
+            by a job killed early is removed by ``clean --disk-tier DIR``. With several
             nodes each node's tier holds its own share of the indices that no node holds in
             memory, and ``CacheAwareSampler`` routes them there (``owner_rows``). A
             full disk leaves a sample untiered (logged once), never an error. ``get_batch``
@@ -3039,6 +3040,8 @@ class SharedCache(BaseCache):
         PermissionError: a file under the segment's name is not ours or not private.
         OSError: ``disk_tier`` is a directory where no file can be made (read-only, not
             this user's); nothing is left behind.
+        ValueError: ``disk_tier`` is not an existing directory, or ``disk_tier_gib`` is not
+            a positive number (or comes without ``disk_tier``); nothing is made.
     """
 
     # -- state: BaseCache's, and its views of the slots (set in _map_samples / _map_slots) --
@@ -3665,7 +3668,7 @@ class SharedCache(BaseCache):
             if not allow_oob_idx:
                 raise self._oob_error(idx)
             if self._disk_tier is not None:
-                self._store_on_disk(idx, value, check=not (allow_overwrite or exist_ok))
+                self._store_on_disk(idx, value, allow_overwrite, exist_ok)
                 return
             # Checked even where there is no slot, so that a bad value fails on every node and
             # for every index, not only where a slot happens to be (0.2.1 let it pass there).
@@ -3696,19 +3699,20 @@ class SharedCache(BaseCache):
             self._segment.unlock(lock)
         self._own_counters[_WRITES] += 1
 
-    def _store_on_disk(self, idx: int, value: Any, check: bool) -> None:
+    def _store_on_disk(self, idx: int, value: Any, allow_overwrite: bool, exist_ok: bool
+                       ) -> None:
         """``set_slot`` of an index without a slot, on a cache with a disk tier: its row
-        there, written once (a row stored is kept: the tier never overwrites). With ``check``,
-        a different value for a stored row raises, as for a slot."""
+        there, as for a slot: rewritten with ``allow_overwrite``; else a stored row is kept
+        when the value is the same (or with ``exist_ok``), and a different value raises."""
         src = self._source_array(value)
-        stored = self._disk_tier.store(idx, src)
-        before = self._disk_tier.read(idx, count=-1) if stored and check else None
+        stored = self._disk_tier.store(idx, src, overwrite=allow_overwrite)
+        before = self._disk_tier.read(idx, count=-1) if stored and not exist_ok else None
         if before is not None and not np.array_equal(
                 before.reshape(-1).view(np.uint8),
                 np.ascontiguousarray(src).reshape(-1).view(np.uint8)):
             raise RuntimeError(
                 f"the disk tier's row of idx={idx} is already set to a different value; pass "
-                "exist_ok=True to keep it (the disk tier never overwrites a row). (Two loads "
+                "allow_overwrite=True to replace it, or exist_ok=True to keep it. (Two loads "
                 "of one index that give different values mean that the load is not "
                 "deterministic, most often random augmentation before the cache.)")
 
@@ -4794,6 +4798,12 @@ def _check_disk_tier(disk_tier: Any, disk_tier_gib: Any) -> tuple[str | None, fl
     if disk_tier_gib is not None:
         disk_tier_gib = _check_positive("disk_tier_gib", disk_tier_gib, "GiB, or None for "
                                         "room for every index without a slot")
+    fstype = _fs_type(path)
+    if fstype in _MEMORY_FILESYSTEMS:
+        warnings.warn(f"disk_tier={path!r} is on a {fstype} filesystem, in memory: the tier's "
+                      "rows then take the RAM that the cache's segment could hold faster. Put "
+                      "the disk tier on local disk (an NVMe), or give the segment more "
+                      "size_limit_gib instead.", RuntimeWarning, stacklevel=3)
     return path, disk_tier_gib
 
 
@@ -5134,20 +5144,21 @@ class _DiskTier(_RecordLocks):
             row[_tier_share(layout, k, self._cap)] = True
             yield row
 
-    def store(self, idx: int, src: np.ndarray) -> bool:
+    def store(self, idx: int, src: np.ndarray, *, overwrite: bool = False) -> bool:
         """Write ``src`` (a row's values) as the row of ``idx`` unless one is stored already
-        (then True: ``read(idx, count=-1)`` gives it, to compare). False when written, or
+        (then True: ``read(idx, count=-1)`` gives it, to compare), or, with ``overwrite``,
+        in its place (readers of the old row meanwhile get a miss). False when written, or
         when the tier has no row for ``idx``, or the write failed (logged once)."""
         pos = self._positions[idx]
         if pos < 0:
             return False
-        if self._states[idx] == _TIER_READY:
+        if self._states[idx] == _TIER_READY and not overwrite:
             return True
         data = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
         lock = _TIER_LOCK_BASE + idx
         self.lock(lock)
         try:
-            if self._states[idx] == _TIER_READY:
+            if self._states[idx] == _TIER_READY and not overwrite:
                 return True
             seq = self._versions[idx]
             seq += seq & 1  # odd: left by a writer that died

@@ -91,6 +91,9 @@ def test_a_cache_of_fields_and_a_random_subset_read_back_from_the_tier(shm_dir, 
 
 def test_a_different_value_for_a_stored_row_raises_and_clear_empties_the_tier(
         shm_dir, tmp_path):
+    """set_slot's flags mean on a tier row what they mean on a slot: the same value again is
+    done already, another raises, exist_ok keeps the first, allow_overwrite replaces it (a
+    newcomer found it silently kept)."""
     with tiered(shm_dir, tmp_path) as cache:
         cache.set_slot(20, value_of(20))
         cache.set_slot(20, value_of(20))  # the same value: a second load, done already
@@ -98,6 +101,11 @@ def test_a_different_value_for_a_stored_row_raises_and_clear_empties_the_tier(
             cache.set_slot(20, value_of(21))
         cache.set_slot(20, value_of(21), exist_ok=True)  # kept as it was
         assert torch.equal(cache.get_slot(20), value_of(20))
+        cache.set_slot(20, value_of(22), allow_overwrite=True)  # replaced, as a slot would be
+        assert torch.equal(cache.get_slot(20), value_of(22))
+        cache.set_slot(3, value_of(3))
+        cache.set_slot(3, value_of(22), allow_overwrite=True)
+        assert torch.equal(cache.get_slot(3), value_of(22))  # (a slot: the same behaviour)
         cache.clear()
         assert cache.get_slot(20) is None and cache.stats()["disk_rows"] == 0
         cache.set_slot(20, value_of(21))
@@ -391,3 +399,15 @@ def test_a_prefetcher_stages_tier_rows_instead_of_loading_them(shm_dir, tmp_path
                                                                            n - slots, 0)
     pf.close()
     cache.close()
+
+
+def test_a_disk_tier_in_memory_warns_and_still_works(shm_dir):
+    """A tier on a tmpfs (here the segment's own /dev/shm directory) takes RAM the segment
+    could use faster: a warning says so, at the caller's line; the tier still works."""
+    with pytest.warns(RuntimeWarning, match="in memory") as caught:
+        cache = tiered(shm_dir, shm_dir)
+    assert caught[0].filename == __file__
+    with cache:
+        cache.set_slot(20, value_of(20))
+        assert torch.equal(cache.get_slot(20), value_of(20))
+        assert cache.stats()["disk_hits"] == 1
