@@ -490,6 +490,48 @@ def _slot_array(value: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
         value = value.view(torch.uint16)
     return value.numpy()
 
+
+def _checked_indices(indices: Any, dataset_len: int) -> np.ndarray:
+    """``indices`` of ``get_batch`` (and ``locate``) as a 1-D int64 array in
+    ``[0, dataset_len)``, or raise naming them."""
+    expect = ("a sequence or 1-D array of dataset indices "
+              f"(ints in [0, {dataset_len - 1}])")
+    if isinstance(indices, torch.Tensor):
+        if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
+            raise TypeError(f"indices should be {expect}, but got a tensor of shape "
+                            f"{tuple(indices.shape)} and dtype {indices.dtype}")
+        idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
+    elif isinstance(indices, np.ndarray):
+        if indices.ndim != 1 or indices.dtype.kind not in "iu":
+            raise TypeError(f"indices should be {expect}, but got an array of shape "
+                            f"{indices.shape} and dtype {indices.dtype}")
+        idx = indices.astype(np.int64, copy=False)
+    elif isinstance(indices, (list, tuple, range)):
+        if not all(type(i) is int for i in indices):
+            for k, i in enumerate(indices):
+                if not _is_int(i):
+                    raise TypeError(f"indices should be {expect}, but got "
+                                    f"indices[{k}]={i!r} (type {type(i).__name__})")
+            indices = [int(i) for i in indices]
+        try:
+            idx = np.array(indices, dtype=np.int64)
+        except OverflowError:  # an int past int64: out of range whatever the dataset
+            k = next(k for k, i in enumerate(indices) if not -2**63 <= i < 2**63)
+            raise IndexError(f"indices should be dataset indices in "
+                             f"[0, {dataset_len - 1}], but got "
+                             f"indices[{k}]={indices[k]}") from None
+        if idx.ndim != 1:  # an empty nested sequence
+            raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
+    else:
+        raise TypeError(f"indices should be {expect}, but got indices={indices!r} "
+                        f"(type {type(indices).__name__})")
+    bad = np.flatnonzero((idx < 0) | (idx >= dataset_len))
+    if bad.size:
+        k = int(bad[0])
+        raise IndexError(f"indices should be dataset indices in "
+                         f"[0, {dataset_len - 1}], but got indices[{k}]={int(idx[k])}")
+    return idx
+
 # ----------------------------------------------------------------------------------------------
 # 3. What a trainer did to a sampler (public for the opt-in samplers, like check_int)
 # ----------------------------------------------------------------------------------------------
@@ -1711,6 +1753,33 @@ def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
     return cache
 
 
+def _open_leaders_file(path: str, timeout: float) -> int | None:
+    """A local rank other than the leader: the leader's file at ``path`` (a segment, a disk
+    tier) open, with a shared flock (what tells `clean` it is in use), once it exists and is
+    not left by a dead job (that one is for the leader to replace); None after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        try:
+            fd = _open_existing(path)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
+            if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
+                os.close(fd)
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)  # a cleaner holds it for a moment
+                else:
+                    return fd
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
 class _RecordLocks:
     """This process's record locks on one shared file (a segment, a disk tier): the lock idiom
     every writer of shared state uses. ``lock(offset)`` takes this process's thread lock, then
@@ -2076,32 +2145,14 @@ class _Segment(_RecordLocks):
     def attach(self, owner: BaseCache, timeout: float) -> None:
         """A local rank other than the leader: wait up to ``timeout`` s for the leader's
         segment, map it and count this rank in; the last rank to attach drops the name."""
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            try:
-                fd = _open_existing(self.path)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
-                    os.close(fd)
-                else:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    except OSError:
-                        os.close(fd)  # a cleaner holds it for a moment
-                    else:
-                        break
-            if time.monotonic() > deadline:
-                raise CacheTimeoutError(
-                    f"local rank {owner._world.local_rank} waited {timeout:.0f} s for local rank "
-                    f"0 (the local leader) to create {self.path}, but it never arrived. Check "
-                    "that every local rank constructs its caches with the same arguments and in "
-                    "the same order, that rank 0 is alive, and that all ranks see the same "
-                    "STOCACHING_JOB_KEY", self.path, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+        fd = _open_leaders_file(self.path, timeout)
+        if fd is None:
+            raise CacheTimeoutError(
+                f"local rank {owner._world.local_rank} waited {timeout:.0f} s for local rank "
+                f"0 (the local leader) to create {self.path}, but it never arrived. Check "
+                "that every local rank constructs its caches with the same arguments and in "
+                "the same order, that rank 0 is alive, and that all ranks see the same "
+                "STOCACHING_JOB_KEY", self.path, timeout)
         try:
             head = self.map_existing(owner, fd)
             self.lock(_LOCK_BASE)
@@ -3406,7 +3457,7 @@ class SharedCache(BaseCache):
             Nothing is read or counted when one of these is raised.
         """
         self._check_open()
-        idx = self._batch_indices(indices)
+        idx = _checked_indices(indices, self._dataset_len)
         batch, pairs = self._batch_buffers(len(idx), out)
         located = self._locate(idx)
         if located.found.any():  # (a cache without slots has no row 0)
@@ -3478,7 +3529,7 @@ class SharedCache(BaseCache):
             As ``get_batch`` for bad ``indices``.
         """
         self._check_open()
-        return self._locate(self._batch_indices(indices))
+        return self._locate(_checked_indices(indices, self._dataset_len))
 
     def _locate(self, idx: np.ndarray) -> BatchRows:
         # The seqlock of _read_row for every row at once: the states, the sequence numbers (even),
@@ -3546,46 +3597,6 @@ class SharedCache(BaseCache):
         if count:
             self._own_counters[_HITS] += int(np.count_nonzero(hit))
         return hit
-
-    def _batch_indices(self, indices: Any) -> np.ndarray:
-        """``indices`` of ``get_batch`` as a 1-D int64 array in range, or raise naming them."""
-        expect = ("a sequence or 1-D array of dataset indices "
-                  f"(ints in [0, {self._dataset_len - 1}])")
-        if isinstance(indices, torch.Tensor):
-            if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
-                raise TypeError(f"indices should be {expect}, but got a tensor of shape "
-                                f"{tuple(indices.shape)} and dtype {indices.dtype}")
-            idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
-        elif isinstance(indices, np.ndarray):
-            if indices.ndim != 1 or indices.dtype.kind not in "iu":
-                raise TypeError(f"indices should be {expect}, but got an array of shape "
-                                f"{indices.shape} and dtype {indices.dtype}")
-            idx = indices.astype(np.int64, copy=False)
-        elif isinstance(indices, (list, tuple, range)):
-            if not all(type(i) is int for i in indices):
-                for k, i in enumerate(indices):
-                    if not _is_int(i):
-                        raise TypeError(f"indices should be {expect}, but got "
-                                        f"indices[{k}]={i!r} (type {type(i).__name__})")
-                indices = [int(i) for i in indices]
-            try:
-                idx = np.array(indices, dtype=np.int64)
-            except OverflowError:  # an int past int64: out of range whatever the dataset
-                k = next(k for k, i in enumerate(indices) if not -2**63 <= i < 2**63)
-                raise IndexError(f"indices should be dataset indices in "
-                                 f"[0, {self._dataset_len - 1}], but got "
-                                 f"indices[{k}]={indices[k]}") from None
-            if idx.ndim != 1:  # an empty nested sequence
-                raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
-        else:
-            raise TypeError(f"indices should be {expect}, but got indices={indices!r} "
-                            f"(type {type(indices).__name__})")
-        bad = np.flatnonzero((idx < 0) | (idx >= self._dataset_len))
-        if bad.size:
-            k = int(bad[0])
-            raise IndexError(f"indices should be dataset indices in "
-                             f"[0, {self._dataset_len - 1}], but got indices[{k}]={int(idx[k])}")
-        return idx
 
     def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
         """The batch that ``get_batch`` returns (``out``, checked, or new) and the pairs
@@ -4993,26 +5004,12 @@ class _DiskTier(_RecordLocks):
     def _attach(self, want: dict, timeout: float) -> None:
         """Another local rank: open the leader's file by its name (waiting for it up to
         ``timeout``), check it, map it, and drop the name once every local rank holds it."""
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            try:
-                fd = _open_existing(self._path)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
-                    os.close(fd)
-                else:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-                    break
-            if time.monotonic() > deadline:
-                raise CacheTimeoutError(
-                    f"waited {timeout:.0f} s for local rank 0 to make the disk tier "
-                    f"{self._path}, but it never arrived: construct the cache with the same "
-                    "disk_tier on every local rank", self._path, timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+        fd = _open_leaders_file(self._path, timeout)
+        if fd is None:
+            raise CacheTimeoutError(
+                f"waited {timeout:.0f} s for local rank 0 to make the disk tier "
+                f"{self._path}, but it never arrived: construct the cache with the same "
+                "disk_tier on every local rank", self._path, timeout)
         try:
             head = self._check(fd, want)
             self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
