@@ -127,7 +127,10 @@ def train(config: dict) -> None:
 
 
 class Segments(threading.Thread):
-    """Every stocaching segment of STOCACHING_SHM_DIR that any process maps, polled."""
+    """Every stocaching segment of STOCACHING_SHM_DIR that any process maps, polled. A
+    segment being made (state "starting": the leader's temporary name, an instant before it
+    is published under its own) is not one more segment: it is skipped, or a poll that lands
+    in that instant would count the cache twice."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
@@ -138,7 +141,8 @@ class Segments(threading.Thread):
     def run(self) -> None:
         while not self.stopping.wait(0.02):
             for s in list_segments(self.shm):
-                self.seen.setdefault(s["path"], set()).update(s["pids"])
+                if s["state"] != "starting":
+                    self.seen.setdefault(s["path"], set()).update(s["pids"])
 
 
 def main() -> None:
