@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 import stocaching.stocaching as core
-from _helpers import (CHILDREN, assert_no_leak, free_port, named, rank_env, run_bounded,
-                      value_of)
+from _helpers import (CHILDREN, assert_ended_well, assert_no_leak, free_port, named, rank_env,
+                      run_bounded, value_of)
 from stocaching import CacheAwareSampler, SharedCache, World, list_segments
 
 DIMS = (3, 8, 8)
@@ -251,7 +251,7 @@ def train_with_ray(mode: str, shm_dir: str, out, timeout: float = 240) -> tuple[
     pytest.importorskip("ray.train.torch", reason="ray[train] is not installed")
     r = run_bounded([sys.executable, str(CHILDREN / "ray_train.py"), str(out), mode],
                     env=rank_env(shm_dir, RAY_USAGE_STATS_ENABLED="0"), timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert_ended_well(r)
     with open(out / "driver.json") as f:
         driver = json.load(f)
     ranks = []

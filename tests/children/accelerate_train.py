@@ -22,6 +22,11 @@ from _helpers import (TRAIN_BATCH, TRAIN_EPOCHS, TrainRecord, free_port, loaded_
                       training_data)
 
 
+# The models each process trained, kept to the interpreter's end (see hf_train.py's end: the
+# last reference to a DDP model dropped on train()'s return can deadlock torch's teardown).
+KEPT: list = []
+
+
 def train(out: str, kinds: str, use: str) -> None:
     record = TrainRecord()
     accelerator = Accelerator(cpu=True)
@@ -39,6 +44,7 @@ def train(out: str, kinds: str, use: str) -> None:
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+        KEPT.append(model)
         batches[kind], samplers[kind] = len(loader), sampler
         planned[kind] = None if plan is None else \
             [plan.epoch_indices(e).tolist() for e in range(TRAIN_EPOCHS)]

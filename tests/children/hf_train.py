@@ -102,7 +102,7 @@ class Watch(TrainerCallback):
             control.should_training_stop = True
 
 
-def main(out: str, phase: str, workers: int, prefetch: bool) -> None:
+def main(out: str, phase: str, workers: int, prefetch: bool) -> CachedTrainer:
     CachedTrainer.prefetch = prefetch
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
@@ -137,7 +137,13 @@ def main(out: str, phase: str, workers: int, prefetch: bool) -> None:
     with open(os.path.join(out, f"{phase}-rank{rank}.json"), "w") as f:
         json.dump(record, f)
     torch.distributed.destroy_process_group()
+    return trainer
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["prefetch"])
+    # Kept to the interpreter's end: dropping the last reference to the DDP model on main()'s
+    # return runs the process group's destructor with the GIL held, while a gloo thread that
+    # is still freeing the last all-gather waits for the GIL, and neither returns (a torch
+    # deadlock, 1 run in 12 on this machine; see _helpers.TORCH_GLOO_EXIT_ABORT). At the
+    # interpreter's end that thread is stopped instead, which is that abort.
+    trainer = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["prefetch"])
