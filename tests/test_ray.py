@@ -178,7 +178,9 @@ def test_a_forked_dataloader_worker_is_refused_the_process_groups_collective(
 ], ids=["2+1, node 0", "2+1, node 1", "3+1, node 0"])
 def test_cache_aware_sampler_refuses_a_cache_of_an_uneven_placement_and_says_how_to_even_it(
         world, shm_dir):
-    cache = SharedCache(1e-4, 100, DIMS, shm_dir=shm_dir, world=world)
+    # (timeout: no other local rank ever attaches, and the leader's close() waits for one while
+    # a sibling process may be it, such as the tee of "pytest | tee log")
+    cache = SharedCache(1e-4, 100, DIMS, shm_dir=shm_dir, world=world, timeout=3)
     try:
         with pytest.raises(ValueError, match=rf"world has world_size={world.world_size} ranks on "
                                              rf"num_nodes=2 nodes with local_world_size="
