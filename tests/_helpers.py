@@ -56,6 +56,7 @@ import time
 import warnings
 from pathlib import Path
 
+import psutil
 import torch
 
 from stocaching import SharedCache, World
@@ -611,18 +612,16 @@ def assert_ended_well(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
 
 
-def _process_tree(pid: int) -> list:
+def _process_tree(pid: int) -> list[psutil.Process]:
     """The process ``pid`` and all its descendants, whatever their session (psutil
     processes, which check their start time before a signal: no pid reused by then is hit)."""
-    import psutil
     with contextlib.suppress(psutil.NoSuchProcess):
         top = psutil.Process(pid)
         return [top, *top.children(recursive=True)]
     return []
 
 
-def _signal_all(processes: list, signum: int) -> None:
-    import psutil
+def _signal_all(processes: list[psutil.Process], signum: int) -> None:
     for q in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             q.send_signal(signum)

@@ -144,6 +144,6 @@ if __name__ == "__main__":
     # Kept to the interpreter's end: dropping the last reference to the DDP model on main()'s
     # return runs the process group's destructor with the GIL held, while a gloo thread that
     # is still freeing the last all-gather waits for the GIL, and neither returns (a torch
-    # deadlock, 1 run in 12 on this machine; see _helpers.TORCH_GLOO_EXIT_ABORT). At the
+    # deadlock, 1 run in 13 on this machine; see _helpers.TORCH_GLOO_EXIT_ABORT). At the
     # interpreter's end that thread is stopped instead, which is that abort.
     trainer = main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["prefetch"])
