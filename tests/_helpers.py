@@ -585,20 +585,27 @@ TORCH_GLOO_EXIT_ABORT = ("terminate called without an active exception",
 
 def is_torch_gloo_exit_abort(r: subprocess.CompletedProcess) -> bool:
     """Whether ``r`` ended by the abort above and nothing else: libstdc++'s and faulthandler's
-    messages, no Python frame in any thread of the dump (the program had run its last line),
-    no traceback but torchrun's own, and no rank that exited but by SIGABRT or torchrun's
-    SIGTERM (or, without torchrun, the process itself by SIGABRT)."""
+    messages (the second needs PYTHONFAULTHANDLER, which ``rank_env`` sets), no Python frame
+    in any thread of the dump (the rank had run its last line), no traceback but the
+    launcher's own (torchrun's ChildFailedError, or torch.multiprocessing's report of a
+    process killed by SIGABRT, which Lightning's ddp_spawn raises from ``fit()``), and no rank
+    that exited but by SIGABRT or torchrun's SIGTERM (without torchrun, the process itself
+    by SIGABRT or, under a spawning launcher, with that report)."""
     err = r.stderr
     if not all(mark in err for mark in TORCH_GLOO_EXIT_ABORT):
         return False
     dumps = [d.split("Extension modules", 1)[0] for d in err.split(TORCH_GLOO_EXIT_ABORT[1])[1:]]
     if any("<no Python frame>" not in d or 'File "' in d for d in dumps):
         return False
-    launcher_errors = re.findall(r"^\S*ChildFailedError: *$", err, re.M)
+    spawned = re.findall(r"^\S*ProcessExitedException: process \d+ terminated with signal "
+                         r"SIGABRT *$", err, re.M)
+    launcher_errors = re.findall(r"^\S*ChildFailedError: *$", err, re.M) + spawned
     if err.count("Traceback (most recent call last)") != len(launcher_errors):
         return False
     exits = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
-    return set(exits) <= {"-6", "-15"} and "-6" in exits if exits else r.returncode == -6
+    if exits:
+        return set(exits) <= {"-6", "-15"} and "-6" in exits
+    return r.returncode == (1 if spawned else -6)
 
 
 def assert_ended_well(r: subprocess.CompletedProcess) -> None:

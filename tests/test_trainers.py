@@ -477,7 +477,40 @@ def test_only_torchs_abort_after_the_last_line_passes_for_an_ending(change, acce
     """assert_ended_well lets through torch's gloo abort after a DDP program's last line
     (pytorch/pytorch#190489, see _helpers) and no other failure that looks like it."""
     err = GLOO_EXIT_ABORT if change is None else GLOO_EXIT_ABORT.replace(*change)
-    r = subprocess.CompletedProcess([], 1, "", err)
+    expect_to_end(subprocess.CompletedProcess([], 1, "", err), accepted)
+
+
+# The same abort of a rank of Lightning's ddp_spawn, as the launching process reports it (a
+# newcomer's run, trimmed): fit() raises, after the ranks had trained and written everything
+SPAWNED_EXIT_ABORT = """terminate called without an active exception
+Fatal Python error: Aborted
+
+Current thread 0x00007f2b1c2d4b80 (most recent call first):
+  <no Python frame>
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+W1127 15:50:53.038000 17459 torch/multiprocessing/spawn.py:165] Terminating process 17463 via \
+signal SIGTERM
+Traceback (most recent call last):
+  File "lightning_train.py", line 67, in <module>
+    trainer.fit(Recorded())
+  File "torch/multiprocessing/spawn.py", line 192, in join
+    raise ProcessExitedException(
+torch.multiprocessing.spawn.ProcessExitedException: process 1 terminated with signal SIGABRT
+"""
+
+
+@pytest.mark.parametrize("change, accepted", [
+    (None, True),
+    (("signal SIGABRT", "signal SIGSEGV"), False),  # another death
+    (("<no Python frame>", '  File "lightning_train.py", line 60 in on_train_end'), False),
+])
+def test_a_spawned_ranks_abort_after_its_last_line_passes_for_an_ending(change, accepted):
+    err = SPAWNED_EXIT_ABORT if change is None else SPAWNED_EXIT_ABORT.replace(*change)
+    expect_to_end(subprocess.CompletedProcess([], 1, "", err), accepted)
+
+
+def expect_to_end(r: subprocess.CompletedProcess, accepted: bool) -> None:
     if accepted:
         with pytest.warns(UserWarning, match="190489"):
             assert_ended_well(r)
