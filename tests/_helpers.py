@@ -578,7 +578,7 @@ def run_bounded(cmd: list[str], *, env: dict[str, str], timeout: float,
 # SafePyObject decref -> take_gil -> pthread_exit, the main thread in Py_FinalizeEx's gc), and in
 # the same loop with a plain Dataset and DistributedSampler. Nothing a Python program can do
 # waits for that thread (destroy_process_group leaves gloo's threads running), so the checks of
-# a DDP program's exit accept this one abort, recognised by its three marks, and nothing else.
+# a DDP program's exit accept this one abort, recognised as is_torch_gloo_exit_abort says.
 TORCH_GLOO_EXIT_ABORT = ("terminate called without an active exception",
                          "Fatal Python error: Aborted")
 
