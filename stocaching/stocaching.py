@@ -135,9 +135,18 @@ _MAX_DIMS = 8
 _MAX_FIELDS = 16  # fields of one sample (a dict data_dims)
 _FIELD_NAME_BYTES = 32
 
-#: Free RAM (available, per psutil) that a new cache should leave, below which we warn.
+#: Free memory that a new cache should leave, below which we warn, and which
+#: ``size_limit_gib="auto"`` keeps free: the larger of RAM_MARGIN_FRACTION of the memory and
+#: RAM_MARGIN_BYTES, the latter at most a quarter of it. The memory is the RAM (available, per
+#: psutil), or a memory cgroup's limit where it is lower; under a limit the margin is at least
+#: half of what is free (``_MemoryRoom.margin``).
 RAM_MARGIN_BYTES = 2 * BYTES_PER_GIB
 RAM_MARGIN_FRACTION = 0.05
+#: What ``size_limit_gib="auto"`` leaves free in /dev/shm for its other users (DataLoader
+#: workers' batches and semaphores, NCCL's buffers, another cache): the larger of these two
+#: (see docs/sizing.md, "Containers and clusters").
+SHM_HEADROOM_BYTES = 32 * BYTES_PER_MIB
+SHM_HEADROOM_FRACTION = 1 / 16
 # Filesystems whose files live in memory; a cache elsewhere gets a warning.
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
@@ -1092,27 +1101,192 @@ def _slots_fitting(free: int, like: CacheLayout, slot_bytes: int, staging: int =
 
 
 def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
-                 like: CacheLayout) -> float:
+                 like: CacheLayout, tiered: bool) -> float:
     """``size_limit_gib="auto"``: the budget of the whole dataset, or of the most slots whose
-    segment fits both in what ``shm_dir`` has free and in the available RAM less the margin the
-    RAM warning keeps; the choice is logged with its numbers."""
+    segment fits both in what ``shm_dir`` has free less the headroom left for its other users
+    (``_shm_headroom``) and in the memory this process may use less the margin the RAM
+    warning keeps (``_memory_room``); the choice is logged with its numbers. ``tiered``: a
+    disk tier takes the indices without a slot. A directory that cannot hold even the
+    metadata of a cache without slots raises ``CacheCapacityError``."""
     clean_segments(shm_dir)  # what dead jobs left is free room
-    shm_free = _free_bytes(shm_dir)
-    vm = psutil.virtual_memory()
-    margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
-    ram_room = max(0, vm.available - margin)
-    fits = min(_slots_fitting(shm_free, like, slot_bytes, staging),
-               _slots_fitting(ram_room, like, slot_bytes, staging))
-    slots = min(dataset_len, fits)
+    shm_free, headroom = _free_bytes(shm_dir), _shm_headroom(shm_dir)
+    memory = _memory_room()
+    slots = min(dataset_len, _slots_fitting(_auto_room(shm_free, headroom, memory), like,
+                                            slot_bytes, staging))
+    metadata = _segment_offsets(dataclasses.replace(like, slots=0), slot_bytes,
+                                staging)["total_bytes"]
+    if slots == 0 and metadata > shm_free:
+        raise CacheCapacityError(
+            f"size_limit_gib='auto' finds {_fmt_bytes(shm_free)} free in {shm_dir}, but even a "
+            f"cache without slots needs {_fmt_bytes(metadata)} there for the metadata of its "
+            f"{dataset_len} samples" + (" (the disk tier holds the samples, not this)"
+                                        if tiered else "") + f". {_more_room(shm_dir, metadata)}"
+            + ("" if tiered else ", and pass disk_tier=DIR to keep the samples that do not "
+               "fit decoded on local disk"), shm_dir, metadata, shm_free)
     budget = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
     whole = _budget_for_slots(dataset_len, dataset_len, slot_bytes, staging)
+    rest = dataset_len - slots
     logger.info(
-        "stocaching: size_limit_gib='auto' takes %s (%.6g GiB) for %d of %d samples: the whole "
-        "dataset needs %s; %s has %s free, and the RAM %s available, of which %s is kept free",
+        "stocaching: size_limit_gib='auto' takes %s (%.6g GiB) for %d of %d samples%s: the "
+        "whole dataset needs %s; %s has %s free, of which %s is left for its other users, and "
+        "%s is available (%s), of which %s is kept free",
         _fmt_bytes(budget * BYTES_PER_GIB), budget, slots, dataset_len,
-        _fmt_bytes(whole * BYTES_PER_GIB), shm_dir, _fmt_bytes(shm_free),
-        _fmt_bytes(vm.available), _fmt_bytes(margin))
+        f" (the disk tier takes the other {rest})" if tiered and rest else "",
+        _fmt_bytes(whole * BYTES_PER_GIB), shm_dir, _fmt_bytes(shm_free), _fmt_bytes(headroom),
+        _fmt_bytes(memory.available), memory.describe(), _fmt_bytes(memory.margin))
+    if slots == 0 and not tiered:
+        warnings.warn(
+            f"size_limit_gib='auto' finds room for no slot: {shm_dir} has {_fmt_bytes(shm_free)}"
+            f" free (of which {_fmt_bytes(headroom)} is left for its other users) and "
+            f"{_fmt_bytes(memory.available)} of memory is available ({memory.describe()}, of "
+            f"which {_fmt_bytes(memory.margin)} is kept free); every read will miss. "
+            f"{_more_room(shm_dir, whole * BYTES_PER_GIB)}, or pass disk_tier=DIR to keep the "
+            "samples decoded on local disk", RuntimeWarning, stacklevel=3)
     return budget
+
+
+def _auto_room(shm_free: int, headroom: int, memory: _MemoryRoom) -> int:
+    """The bytes a segment sized by ``size_limit_gib="auto"`` (or by ``plan`` without a
+    budget) may take: what /dev/shm has free less its headroom, and the memory available
+    less its margin."""
+    return max(0, min(shm_free - headroom, memory.available - memory.margin))
+
+
+def _shm_headroom(shm_dir: str) -> int:
+    """What ``size_limit_gib="auto"`` leaves free in ``shm_dir`` for its other users, and what
+    a cache should leave there without a warning: the larger of ``SHM_HEADROOM_BYTES`` and
+    ``SHM_HEADROOM_FRACTION`` of the filesystem where it is /dev/shm's (DataLoader workers
+    hand their batches over through /dev/shm, and keep their semaphores there; NCCL's
+    shared-memory transport has its buffers there); 0 on a filesystem of the caches' own."""
+    try:
+        if os.stat(shm_dir).st_dev != os.stat(DEFAULT_SHM_DIR).st_dev:
+            return 0
+    except OSError:
+        return 0
+    st = os.statvfs(shm_dir)
+    return max(SHM_HEADROOM_BYTES, int(SHM_HEADROOM_FRACTION * st.f_blocks * st.f_frsize))
+
+
+@dataclasses.dataclass(frozen=True)
+class _MemoryRoom:
+    """The memory this process may still take: the machine's RAM, or less where a memory
+    cgroup limits it (docker run --memory, a Kubernetes pod's limit, a SLURM job's --mem).
+    A cache's pages in /dev/shm are charged to the cgroup of the process that reserves them
+    (the local leader), and cannot be reclaimed: past the limit, the OOM killer ends the job."""
+
+    total: int  # bytes: the RAM, or the limit of the cgroup with the least room
+    available: int  # bytes that may still be taken: RAM available, or the limit less the use
+    source: str  # "RAM", or the file that holds the limit
+
+    @property
+    def limited(self) -> bool:
+        return self.source != "RAM"
+
+    @property
+    def margin(self) -> int:
+        """What a cache should leave free (see ``RAM_MARGIN_BYTES``); under a memory limit
+        at least half of what is free now. What a job allocates after its cache is made
+        counts against the limit too, and is not small: each DataLoader worker is a fork
+        whose private pages grow to about half the main process's resident memory
+        (design note "The memory a cache leaves under a limit")."""
+        margin = max(int(RAM_MARGIN_FRACTION * self.total), min(RAM_MARGIN_BYTES,
+                                                                 self.total // 4))
+        return max(margin, self.available // 2) if self.limited else margin
+
+    def describe(self) -> str:
+        if not self.limited:
+            return f"RAM, of {_fmt_bytes(self.total)}"
+        return f"a memory limit of {_fmt_bytes(self.total)}, in {self.source}"
+
+
+# A memory cgroup's files, by version: its limit, its use, and (in memory.stat) the use that
+# the kernel reclaims before it kills anything (file pages not used lately).
+_CGROUP_MEMORY_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
+                        1: ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                            "total_inactive_file")}
+
+
+def _memory_room() -> _MemoryRoom:
+    """The RAM available, or a memory cgroup's room where it is less: of the cgroups from
+    this process's own up to the root of the hierarchy (a limit on any of them applies), the
+    one with the least room, its limit less what it uses, file pages the kernel would reclaim
+    aside (as Kubernetes counts a pod's working set). Unreadable cgroup files count as no
+    limit."""
+    vm = psutil.virtual_memory()
+    room = _MemoryRoom(vm.total, vm.available, "RAM")
+    try:
+        levels = _memory_cgroup_levels()
+    except (OSError, ValueError, IndexError):
+        return room
+    for path, limit, used in levels:
+        if limit - used < room.available:
+            room = _MemoryRoom(min(limit, vm.total), max(0, limit - used), path)
+    return room
+
+
+def _memory_cgroup_levels() -> list[tuple[str, int, int]]:
+    """(limit file, limit, use) of each memory cgroup above this process that has a limit,
+    its own first: found through /proc/self/cgroup (its path in each hierarchy) and
+    /proc/self/mountinfo (where the hierarchy is mounted, and which part of it: a container
+    sees its own cgroup as the root). The v1 memory hierarchy if mounted (systems with both
+    mount v2 without the memory controller), else v2."""
+    with open("/proc/self/cgroup") as f:
+        paths = {}
+        for line in f.read().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                paths[2] = path
+            elif "memory" in controllers.split(","):
+                paths[1] = path
+    with open("/proc/self/mountinfo") as f:
+        mounts = {}
+        for line in f.read().splitlines():
+            fields = line.split()
+            fstype, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3]
+            if fstype == "cgroup2" or (fstype == "cgroup" and "memory" in options.split(",")):
+                mounts.setdefault(2 if fstype == "cgroup2" else 1, (fields[3], fields[4]))
+    version = 1 if 1 in mounts and 1 in paths else 2
+    if version not in mounts or version not in paths:
+        return []
+    (root, point), path = mounts[version], paths[version]
+    inside = root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
+    here = os.path.normpath(point + "/" + path[len(root.rstrip("/")):]) if inside else point
+    if not os.path.isdir(here) or not (here + "/").startswith(point.rstrip("/") + "/"):
+        here = point  # (a path with "..": this process sits outside its cgroup namespace)
+    limit_file, use_file, reclaimable = _CGROUP_MEMORY_FILES[version]
+    levels = []
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            with open(os.path.join(here, limit_file)) as f:
+                text = f.read().strip()
+            limit = None if text == "max" else int(text)
+            if limit is not None and limit < 1 << 62:  # (v1 writes "no limit" as about 2**63)
+                with open(os.path.join(here, use_file)) as f:
+                    used = int(f.read())
+                with open(os.path.join(here, "memory.stat")) as f:
+                    stat_of = dict(line.split() for line in f.read().splitlines() if line)
+                used -= min(used, int(stat_of.get(reclaimable, 0)))
+                levels.append((os.path.join(here, limit_file), limit, used))
+        if os.path.normpath(here) == os.path.normpath(point):
+            return levels
+        here = os.path.dirname(here)
+
+
+def _memory_limit_error(memory: _MemoryRoom, needed: int, fit_gib: float
+                        ) -> CacheCapacityError:
+    """The error of a cache that would take more than a memory cgroup has room for."""
+    # the limit under which the cache would leave its margin: at least half of what is free
+    more_gib = math.ceil((memory.total - memory.available + max(2 * needed, needed +
+                                                                 memory.margin)) / BYTES_PER_GIB)
+    return CacheCapacityError(
+        f"this process may use {_fmt_bytes(memory.total)} of memory (the limit in "
+        f"{memory.source}), of which {_fmt_bytes(memory.available)} is free, but the cache "
+        f"needs {_fmt_bytes(needed)} of shared memory, which counts against that limit: the "
+        f"kernel would kill the job (OOM) while it is made. Raise the limit to about "
+        f"{more_gib} GiB (docker run --memory={more_gib}g, Kubernetes "
+        f"resources.limits.memory: {more_gib}Gi, SLURM --mem={more_gib}G) or pass a smaller "
+        f"size_limit_gib (about {fit_gib:.3f} fits, leaving {_fmt_bytes(memory.margin)} for "
+        "the rest of the job)", memory.source, needed, memory.available)
 
 
 def _free_bytes(path: str) -> int:
@@ -2041,8 +2215,9 @@ class _Segment(_RecordLocks):
         self.populating = _populate_in_background(rows.ctypes.data, rows.nbytes)
 
     def _preflight(self, owner: BaseCache, shm_dir: str, total: int) -> None:
-        """Before anything is made: drop stale segments, refuse what cannot fit, warn about
-        a directory on disk or a machine left short of RAM."""
+        """Before anything is made: drop stale segments, refuse what cannot fit (in the
+        directory, or under a memory cgroup's limit), warn about a directory on disk, a
+        machine left short of memory, or a /dev/shm left short for its other users."""
         clean_segments(shm_dir)  # segments of this user whose processes are all gone
         free = _free_bytes(shm_dir)
         if total > free:
@@ -2053,15 +2228,32 @@ class _Segment(_RecordLocks):
             warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
                           "the cache is a file there, and may be as slow as the data it "
                           "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=5)
-        vm = psutil.virtual_memory()
-        margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * vm.total))
-        if not on_disk and vm.available - total < margin:
+            return
+        memory = _memory_room()
+        if memory.limited and total > memory.available:
+            raise _memory_limit_error(memory, total, owner._budget_fitting(
+                max(0, memory.available - memory.margin), total))
+        if memory.available - total < memory.margin:
             warnings.warn(
                 f"the cache needs {_fmt_bytes(total)} of shared memory but only "
-                f"{_fmt_bytes(vm.available)} of RAM is available; less than "
-                f"{_fmt_bytes(margin)} would be left for everything else. Pass a smaller "
-                "size_limit_gib if the machine starts swapping or the OOM killer strikes.",
-                ResourceWarning, stacklevel=5)
+                f"{_fmt_bytes(memory.available)} of "
+                + ("RAM is available" if not memory.limited else
+                   f"memory is free under the limit in {memory.source}") +
+                f"; less than {_fmt_bytes(memory.margin)} would be left for everything else. "
+                "Pass a smaller size_limit_gib if the machine starts swapping or the OOM killer "
+                "strikes.", RuntimeWarning, stacklevel=5)
+        headroom = _shm_headroom(shm_dir)
+        if free - total < headroom:
+            warnings.warn(
+                f"the cache takes {_fmt_bytes(total)} of the {_fmt_bytes(free)} free in "
+                f"{shm_dir} and leaves {_fmt_bytes(free - total)}, less than the "
+                f"{_fmt_bytes(headroom)} that size_limit_gib='auto' leaves for its other users: "
+                "DataLoader workers hand over each batch there (about batch bytes x "
+                "num_workers x prefetch_factor at once, per rank) and keep their semaphores "
+                "there, and NCCL's shared-memory transport its buffers. If they run out, a "
+                "worker dies with 'unable to allocate shared memory' or 'No space left on "
+                f"device'. {_more_room(shm_dir, total + headroom)}, or pass a smaller "
+                "size_limit_gib.", RuntimeWarning, stacklevel=5)
 
     def reserve(self, owner: BaseCache, fd: int, nbytes: int) -> str | None:
         """Allocate the first ``nbytes`` of the new segment now (pages already written stay
@@ -2989,9 +3181,14 @@ class SharedCache(BaseCache):
 
     Args:
         size_limit_gib: budget in GiB (int or float) for the slots and the aux array; or
-            ``"auto"``: what the whole dataset needs, or less if /dev/shm or the RAM cannot
-            hold it (the RAM warning's margin is kept free), decided once by the local leader
-            and logged with its numbers; the other local ranks take the leader's slot count.
+            ``"auto"``: what the whole dataset needs, or less if /dev/shm or the memory cannot
+            hold it: it leaves /dev/shm a headroom for its other users (``SHM_HEADROOM_BYTES``)
+            and the memory a margin (``RAM_MARGIN_BYTES``); the memory is the RAM, or a memory
+            cgroup's limit where one applies (a container's, a SLURM job's), decided once by
+            the local leader and logged with its numbers; the other local ranks take the
+            leader's slot count. With ``disk_tier``, the tier takes the rest. A budget more
+            than a memory limit leaves free raises ``CacheCapacityError`` before anything is
+            made; one that leaves less than the margin or the headroom warns.
             ``"auto"`` is for one node, samples of fixed size and a cache that is not
             persistent.
         dataset_len: number of samples in the full dataset.
@@ -3167,7 +3364,7 @@ class SharedCache(BaseCache):
                                  "got size_limit_gib='auto'")
             if world.is_local_leader:
                 size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
-                                              self._layout)
+                                              self._layout, tiered=disk_tier is not None)
             else:  # the leader decides; this rank takes the slot count of its segment
                 self._slots_from_leader = True
                 size_limit_gib = _budget_for_slots(0, dataset_len, slot_bytes, staging) + \
@@ -3181,7 +3378,7 @@ class SharedCache(BaseCache):
                              f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
                              f"staging_slots={staging}")
         slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
-        if slots == 0 and not self._slots_from_leader:
+        if slots == 0 and not auto:  # ("auto" says why itself)
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
                           f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
                           + (f" (after {staging} staging slots)" if staging else "") +
@@ -3294,10 +3491,16 @@ class SharedCache(BaseCache):
             return _check_fields(self._dims, self._dtype)[1]
         return _slot_bytes(self._dims, self._dtype)
 
+    def _budget_fitting(self, room: int, total: int) -> float:
+        """The size_limit_gib of the largest cache like this one whose segment (of ``total``
+        bytes now) takes at most ``room`` bytes."""
+        lay, per_slot = self._layout, self._slot_bytes
+        fits = _slots_fitting(room, lay, per_slot, self._staging_slots)
+        return _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging_slots)
+
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay, per_slot = self._layout, self._slot_bytes
-        fits = _slots_fitting(free, lay, per_slot, self._staging_slots)
-        fit_gib = _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging_slots)
+        fit_gib = self._budget_fitting(free, total)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
             f"({lay.slots} slots of {_fmt_bytes(per_slot)}). {_more_room(shm_dir, total)} or "
@@ -4384,8 +4587,13 @@ class OpenSizeCache(BaseCache):
                        mean_bytes=self._mean_sample_bytes)
         return offsets
 
+    def _budget_fitting(self, room: int, total: int) -> float:
+        """The size_limit_gib of the largest arena whose segment (of ``total`` bytes now)
+        takes at most ``room`` bytes."""
+        return max(0, room - (total - self._arena_size)) / BYTES_PER_GIB
+
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
-        fit_gib = max(0, free - (total - self._arena_size)) / BYTES_PER_GIB
+        fit_gib = self._budget_fitting(free, total)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
             f"(an arena of {_fmt_bytes(self._arena_size)}). {_more_room(shm_dir, total)} or pass "
@@ -5920,7 +6128,8 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
          dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8,
          size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
          staging_slots: int = 0, mean_sample_bytes: int | None = None) -> dict:
-    """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free.
+    """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free
+    and the memory can hold, as ``size_limit_gib="auto"`` sizes a cache.
     ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample), or
     for ``OpenSizeCache`` (a None for an open size).
 
@@ -5933,8 +6142,13 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
     Returns:
         A dict with ``slots``, ``fraction`` (of the dataset), ``size_limit_gib`` used,
         ``dataset_gib`` (what the whole dataset would need), ``segment_gib`` (the whole
-        segment of this plan, metadata and staging included), ``shm_free_gib`` and
-        ``ram_available_gib``.
+        segment of this plan, metadata and staging included), ``shm_free_gib``,
+        ``shm_headroom_gib`` (what "auto" leaves free in ``shm_dir`` for its other users),
+        ``ram_available_gib`` (the memory this process may still take: the RAM available, or
+        less under a memory cgroup's limit), ``memory_gib`` (the RAM, or that limit),
+        ``memory_margin_gib`` (what "auto" keeps free of it) and ``memory_limit`` (the file
+        of the limit, or None where the RAM is the limit). Without ``size_limit_gib``, the
+        plan is what ``size_limit_gib="auto"`` would take now.
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
     if isinstance(data_dims, Mapping):
@@ -5952,19 +6166,31 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
     if mean_sample_bytes is not None:
         raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
                          f"data_dims), but got mean_sample_bytes={mean_sample_bytes!r}")
-    free = _free_bytes(shm_dir)
+    room = _plan_room(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         slots = _slots_for_budget(limit, dataset_len, slot_bytes, staging)
-    else:  # the largest cache whose whole segment (metadata included) fits in what is free
-        slots = _slots_fitting(free, CacheLayout(dataset_len, 0), slot_bytes, staging)
+    else:  # the largest cache whose whole segment (metadata included) fits, as with "auto"
+        slots = _slots_fitting(room.pop("auto_bytes"), CacheLayout(dataset_len, 0), slot_bytes,
+                               staging)
         limit = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
+    room.pop("auto_bytes", None)
     segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes,
                                staging)["total_bytes"]
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
-            "segment_gib": segment / BYTES_PER_GIB, "shm_free_gib": free / BYTES_PER_GIB,
-            "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
+            "segment_gib": segment / BYTES_PER_GIB, **room}
+
+
+def _plan_room(shm_dir: str) -> dict:
+    """What ``plan`` reports of the machine (in GiB, the limit's file as a str or None), and
+    ``auto_bytes``: what a segment sized as by ``size_limit_gib="auto"`` may take."""
+    free, headroom, memory = _free_bytes(shm_dir), _shm_headroom(shm_dir), _memory_room()
+    return {"shm_free_gib": free / BYTES_PER_GIB, "shm_headroom_gib": headroom / BYTES_PER_GIB,
+            "ram_available_gib": memory.available / BYTES_PER_GIB,
+            "memory_gib": memory.total / BYTES_PER_GIB, "memory_margin_gib":
+            memory.margin / BYTES_PER_GIB, "memory_limit": memory.source if memory.limited
+            else None, "auto_bytes": _auto_room(free, headroom, memory)}
 
 
 def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
@@ -5980,10 +6206,11 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
                          f"staging_slots={staging}")
     words = 4 + opened
     meta = dataset_len * (1 + 8 * words)
-    free = _free_bytes(shm_dir)
+    room = _plan_room(shm_dir)
+    free = room.pop("auto_bytes")
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
-    else:  # the whole segment in what is free: header, stats and page rounding come on top
+    else:  # the whole segment in its room: header, stats and page rounding come on top
         limit = max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 - 2 * mmap.PAGESIZE
                     ) / BYTES_PER_GIB
     arena = _arena_bytes(limit, dataset_len, words)
@@ -5993,9 +6220,7 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
             "dataset_gib": (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN * dataset_len + meta) /
             BYTES_PER_GIB,
             "segment_gib": (arena + meta + _HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 +
-                            mmap.PAGESIZE) / BYTES_PER_GIB,
-            "shm_free_gib": free / BYTES_PER_GIB,
-            "ram_available_gib": psutil.virtual_memory().available / BYTES_PER_GIB}
+                            mmap.PAGESIZE) / BYTES_PER_GIB, **room}
 
 
 def _saved_files_in(path: str) -> list[str]:
@@ -6135,14 +6360,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
             f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
             f"the whole dataset needs {r['dataset_gib']:.2f} GiB; {args.shm_dir} has "
-            f"{r['shm_free_gib']:.2f} GiB free, RAM {r['ram_available_gib']:.2f} GiB "
-            f"available\n")
+            f"{r['shm_free_gib']:.2f} GiB free, of which 'auto' leaves "
+            f"{r['shm_headroom_gib']:.2f} GiB to its other users (DataLoader batches, NCCL)\n"
+            + (f"RAM {r['ram_available_gib']:.2f} GiB available" if r["memory_limit"] is None
+               else f"memory limit {r['memory_gib']:.2f} GiB ({r['memory_limit']}), "
+               f"{r['ram_available_gib']:.2f} GiB of it free") +
+            f", of which 'auto' keeps {r['memory_margin_gib']:.2f} GiB free\n")
         if r["segment_gib"] > r["shm_free_gib"]:
             out(f"warning: the segment ({r['segment_gib']:.2f} GiB) does not fit in what "
                 f"{args.shm_dir} has free: enlarge it or pass a smaller --size-gib\n")
+        elif r["segment_gib"] > r["ram_available_gib"] and r["memory_limit"] is not None:
+            out(f"error: the segment ({r['segment_gib']:.2f} GiB) is more than the memory "
+                f"limit leaves free: the cache would refuse to start; raise the limit or pass "
+                f"a smaller --size-gib\n")
         elif r["segment_gib"] > r["ram_available_gib"]:
             out(f"warning: the segment ({r['segment_gib']:.2f} GiB) is more than the RAM "
                 f"available now: the machine would swap\n")
+        elif r["shm_free_gib"] - r["segment_gib"] < r["shm_headroom_gib"]:
+            out(f"warning: the segment ({r['segment_gib']:.2f} GiB) leaves less than "
+                f"{r['shm_headroom_gib']:.2f} GiB of {args.shm_dir} to the DataLoader's batches "
+                "and NCCL: enlarge it or pass a smaller --size-gib\n")
     elif args.cmd == "inspect":
         return _inspect_saved_files(args.paths, args.verify, out)
     elif args.cmd == "clean":
@@ -6156,10 +6393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         out("".join(f"{verb} {p}\n" for p in removed) or "nothing to clean\n")
     else:
         st = os.statvfs(args.shm_dir)
-        vm = psutil.virtual_memory()
+        vm, memory = psutil.virtual_memory(), _memory_room()
         out(f"{args.shm_dir}: {_fmt_bytes(st.f_blocks * st.f_frsize)} total, "
             f"{_fmt_bytes(_free_bytes(args.shm_dir))} free\n"
             f"RAM: {_fmt_bytes(vm.total)} total, {_fmt_bytes(vm.available)} available\n")
+        if memory.limited:
+            out(f"memory limit: {_fmt_bytes(memory.total)} ({memory.source}), "
+                f"{_fmt_bytes(memory.available)} of it free\n")
         segs = list_segments(args.shm_dir)
         out(f"stocaching segments: {len(segs)}\n")
         for s in segs:

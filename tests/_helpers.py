@@ -751,3 +751,97 @@ def wait_exit(pid: int, bound: float) -> bool:
         return bool(select.select([fd], [], [], bound)[0])
     finally:
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where users run: a memory cgroup (a container's --memory), a small /dev/shm (docker's 64 MiB)
+# ----------------------------------------------------------------------------------------------
+
+
+def _writable_memory_hierarchy() -> tuple[int, str] | None:
+    """(version, directory) of a memory cgroup hierarchy where a new cgroup can be made here
+    (as root): v1's memory mount, or a v2 mount whose root hands the memory controller down."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3]
+            point = fields[4]
+            if fstype == "cgroup" and "memory" in options.split(","):
+                found = (1, point)
+            elif fstype == "cgroup2":
+                with contextlib.suppress(OSError):
+                    with open(os.path.join(point, "cgroup.subtree_control")) as s:
+                        if "memory" not in s.read().split():
+                            continue
+                found = (2, point)
+            else:
+                continue
+            if os.access(found[1], os.W_OK):
+                return found
+    return None
+
+
+class MemoryCgroup:
+    """A fresh memory cgroup limited to ``limit`` bytes, for child processes started with
+    ``preexec_fn=cgroup.enter`` (they and their children are charged to it); removed by
+    ``remove``. ``oom_kills`` reads the kernel's count of kills in it."""
+
+    def __init__(self, limit: int) -> None:
+        found = _writable_memory_hierarchy()
+        if found is None:
+            raise OSError("no writable memory cgroup hierarchy (cgroup v1 memory, or v2 with "
+                          "the memory controller) here")
+        self.version, root = found
+        self.path = os.path.join(root, f"stocaching-test-{os.getpid()}-{time.monotonic_ns()}")
+        os.mkdir(self.path)
+        limit_file = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+        with open(os.path.join(self.path, limit_file), "w") as f:
+            f.write(str(limit))
+        if self.version == 2:  # no swap: tmpfs pages stay in memory, as in most containers
+            with contextlib.suppress(OSError), \
+                    open(os.path.join(self.path, "memory.swap.max"), "w") as f:
+                f.write("0")
+
+    def enter(self) -> None:
+        """preexec_fn of a child: move the calling process into the cgroup."""
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        with open(os.path.join(self.path, name)) as f:
+            counts = dict(line.split() for line in f if line.strip())
+        return int(counts.get("oom_kill", 0))
+
+    def remove(self) -> None:
+        for _ in range(50):  # a child's last exit may still be accounted for
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def small_shm_command(size_mib: int, argv: list[str]) -> list[str]:
+    """``argv`` run in a mount namespace of its own where /dev/shm is a fresh tmpfs of
+    ``size_mib`` MiB (docker's default is 64), as a container sees it; the machine's /dev/shm
+    is untouched. Needs root (or CAP_SYS_ADMIN) and util-linux's unshare."""
+    script = f'mount -t tmpfs -o size={size_mib}m,mode=1777 tmpfs /dev/shm && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+
+
+def run_container_child(spec: dict, *, cgroup: MemoryCgroup | None = None,
+                        shm_mib: int | None = None, env: dict[str, str] | None = None,
+                        timeout: float = 120) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Run ``tests/children/container.py`` with ``spec`` inside ``cgroup`` and/or with a
+    /dev/shm of ``shm_mib`` MiB; returns the process and the JSON lines it printed."""
+    argv = _command("container.py", [json.dumps(spec)])
+    if shm_mib is not None:
+        argv = small_shm_command(shm_mib, argv)
+    r = subprocess.run(argv, env=rank_env() if env is None else env, capture_output=True,
+                       text=True, timeout=timeout,
+                       preexec_fn=None if cgroup is None else cgroup.enter)
+    said = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return r, said

@@ -27,7 +27,7 @@ import torch
 from _helpers import age, assert_no_leak, budget_for, named, rank_env, run_child, used_bytes
 from stocaching import (CacheCapacityError, CacheConfigError, OpenSizeCache, SharedCache,
                         World, clean_segments, list_segments)
-from stocaching.stocaching import RAM_MARGIN_BYTES, RAM_MARGIN_FRACTION, _segment_name
+from stocaching.stocaching import _MemoryRoom, _segment_name
 
 NOBODY = 65534
 W0 = World(rank=0, world_size=2, local_rank=0, local_world_size=2)
@@ -351,7 +351,7 @@ def test_auto_size_keeps_the_ram_margin(tmpfs, monkeypatch):
     # The machine's RAM cannot be made small for a test: psutil's reading is replaced (a mock)
     # with one that leaves 1 MiB above the margin the RAM warning keeps.
     real = psutil.virtual_memory()
-    margin = max(RAM_MARGIN_BYTES, int(RAM_MARGIN_FRACTION * real.total))
+    margin = _MemoryRoom(real.total, real.available, "RAM").margin
     fake = real._replace(available=margin + 2**20)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
     with warnings.catch_warnings():

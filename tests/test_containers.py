@@ -1,0 +1,174 @@
+"""Where users run: inside a memory cgroup (docker run --memory, a Kubernetes pod's limit,
+SLURM's --mem) and with a small /dev/shm (docker's default 64 MiB), each in a child process
+with the real thing: a cgroup made for the test, a tmpfs mounted on /dev/shm in a mount
+namespace of the child's own. Skipped, with the reason, where neither can be made (not root)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from _helpers import MemoryCgroup, named, rank_env, run_container_child, small_shm_command
+
+MIB = 1024**2
+N, DIMS = 20_000, [3, 128, 128]  # 937.5 MiB of samples, as in issue 41
+SAMPLE = 3 * 128 * 128
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A factory of memory cgroups of a given limit, removed after the test."""
+    made = []
+
+    def make(limit: int) -> MemoryCgroup:
+        try:
+            made.append(MemoryCgroup(limit))
+        except OSError as e:
+            pytest.skip(f"cannot make a memory cgroup here ({e}); these tests need root and "
+                        "a cgroup hierarchy with the memory controller")
+        return made[-1]
+
+    yield make
+    for cg in made:
+        cg.remove()
+
+
+@pytest.fixture
+def small_shm():
+    """Skip unless a child can get a /dev/shm of its own (a mount namespace: root)."""
+    r = subprocess.run(small_shm_command(8, ["true"]), capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot give a child a /dev/shm of its own here ({r.stderr.strip()}); "
+                    "these tests need root and unshare")
+
+
+def child_env() -> dict[str, str]:
+    env = rank_env()
+    env.pop("STOCACHING_SHM_DIR", None)  # the child's own /dev/shm
+    return env
+
+
+def one(said: list[dict], key: str) -> dict:
+    found = [d for d in said if key in d]
+    assert len(found) == 1, said
+    return found[0]
+
+
+def warnings_of(said: list[dict]) -> list[str]:
+    return [d["message"] for d in said if "warning" in d]
+
+
+# -- a memory cgroup -------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_auto_sizes_within_the_memory_limit_and_a_loader_runs(memory_cgroup, shm_dir):
+    cg = memory_cgroup(700 * MIB)
+    spec = dict(caches=[dict(budget="auto", n=N, dims=DIMS, name="auto")], fill=True,
+                workers=2, batch=64, epochs=2)
+    r, said = run_container_child(spec, cgroup=cg, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]  # (-9: the OOM killer's)
+    assert cg.oom_kills() == 0
+    made = one(said, "cache")
+    # Torch takes 150-250 MiB of the limit, and each of the 2 workers about half of that:
+    # "auto" took at most half of the rest (all of the dataset, 937.5 MiB, is what psutil's
+    # RAM would have allowed: the kill).
+    assert 0 < made["slots"] < N and made["bytes"] < (700 - 150) / 2 * MIB
+    assert [d["hits"] for d in said if "epoch" in d] == [made["slots"], made["slots"]]
+    assert not warnings_of(said)
+    assert one(said, "left")["left"] == [] and named(shm_dir) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("budget", [0.5, 5.0])
+def test_a_budget_over_the_memory_limit_is_refused_with_the_limit_and_the_fix(
+        memory_cgroup, shm_dir, budget):
+    cg = memory_cgroup(300 * MIB)
+    spec = dict(caches=[dict(budget=budget, n=N, dims=DIMS, name="big")])
+    r, said = run_container_child(spec, cgroup=cg)
+    assert r.returncode == 0, r.stderr[-3000:]  # (-9 would be the OOM killer's)
+    assert cg.oom_kills() == 0
+    err = one(said, "capacity_error")
+    limit_file = "memory.limit_in_bytes" if cg.version == 1 else "memory.max"
+    assert err["path"] == os.path.join(cg.path, limit_file)
+    assert err["needed"] > err["free"] > 0
+    msg = err["capacity_error"]
+    for part in ("this process may use 300.0 MiB of memory", cg.path, "docker run --memory=",
+                 "resources.limits.memory", "--mem=", "pass a smaller size_limit_gib"):
+        assert part in msg, msg
+    assert one(said, "left")["left"] == [] and named(shm_dir) == []  # nothing made
+
+
+@pytest.mark.timeout(120)
+def test_a_budget_that_leaves_less_than_the_margin_under_a_limit_warns(memory_cgroup, shm_dir):
+    cg = memory_cgroup(300 * MIB)
+    # Torch takes 150-250 MiB of it: 80 % of the rest fits, but leaves less than the margin
+    # (75 MiB: a quarter of the limit).
+    spec = dict(caches=[dict(budget={"of_room": 0.8}, n=N, dims=DIMS, name="tight")])
+    r, said = run_container_child(spec, cgroup=cg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert one(said, "cache")["slots"] > 0
+    said_warnings = warnings_of(said)
+    assert len(said_warnings) == 1 and "memory is free under the limit in " + cg.path in \
+        said_warnings[0], said_warnings
+
+
+# -- a 64 MiB /dev/shm ----------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_auto_leaves_room_for_the_dataloader_in_a_64_mib_dev_shm(small_shm):
+    spec = dict(caches=[dict(budget="auto", n=N, dims=DIMS, name="auto")], workers=2,
+                batch=64, epochs=2)
+    r, said = run_container_child(spec, shm_mib=64, env=child_env(), timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    made = one(said, "cache")
+    # 32 MiB (the headroom's floor) left to the workers' batches: 64 x 48 KiB = 3 MiB each.
+    assert 0 < made["slots"] and made["bytes"] <= 32 * MIB
+    assert [(d["seen"], d["hits"]) for d in said if "epoch" in d] == \
+        [(N, 0), (N, made["slots"])]
+    assert not warnings_of(said)
+    assert one(said, "left")["left"] == []
+
+
+@pytest.mark.timeout(180)
+def test_auto_with_a_disk_tier_in_a_64_mib_dev_shm_serves_every_index(small_shm, tmp_path):
+    # A first cache takes what "auto" gives it; the second, with a disk tier, finds only the
+    # headroom left: its metadata goes to /dev/shm and every sample to the tier.
+    spec = dict(caches=[dict(budget="auto", n=N, dims=DIMS, name="train"),
+                        dict(budget="auto", n=2000, dims=DIMS, name="val",
+                             disk_tier=str(tmp_path))], fill=True, check=True)
+    r, said = run_container_child(spec, shm_mib=64, env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    caches = [d for d in said if "cache" in d]
+    assert [c["cache"] for c in caches] == ["train", "val"] and caches[1]["slots"] == 0
+    assert one(said, "checked") == {"checked": 2000, "wrong": 0}
+    # Its metadata (a few KiB) is within the headroom: said once, with the numbers.
+    said_warnings = warnings_of(said)
+    assert len(said_warnings) == 1 and "that size_limit_gib='auto' leaves for its other " \
+        "users" in said_warnings[0], said_warnings
+    assert one(said, "left")["left"] == []
+
+
+@pytest.mark.timeout(120)
+def test_auto_says_when_not_even_the_metadata_fits(small_shm, tmp_path):
+    spec = dict(caches=[dict(budget="auto", n=50_000_000, dims=[4], name="huge",
+                             disk_tier=str(tmp_path))])
+    r, said = run_container_child(spec, shm_mib=8, env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    msg = one(said, "capacity_error")["capacity_error"]
+    assert "even a cache without slots needs" in msg and "docker run --shm-size=" in msg and \
+        "the disk tier holds the samples, not this" in msg, msg
+    assert one(said, "left")["left"] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_budget_that_leaves_too_little_dev_shm_warns_once(small_shm):
+    spec = dict(caches=[dict(budget=0.05, n=N, dims=DIMS, name="greedy")])
+    r, said = run_container_child(spec, shm_mib=64, env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    said_warnings = warnings_of(said)
+    assert len(said_warnings) == 1, said_warnings
+    for part in ("leaves 12.8 MiB, less than the 32.0 MiB", "batch bytes x num_workers x "
+                 "prefetch_factor", "NCCL", "docker run --shm-size="):
+        assert part in said_warnings[0], said_warnings[0]
