@@ -42,7 +42,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "Modules beside the core that import only its public names, so that each also works "
      "copied next to `stocaching.py`: {modules}.",
      ("CacheAwareSampler", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
-      "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader")),
+      "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader",
+      "CachedDataset")),
     ("For module authors",
      "For code that extends the opt-in modules or writes another: the base class of every "
      "kind of cache (its members are under [{every}](#{every_anchor})), where a batch's rows "

@@ -53,6 +53,7 @@ SLOW_VARIANTS = {"spawn", "forkserver", "torchrun"}
 # "file::test" covers every parametrization of the test; "file::test[id]" that one. Seconds as
 # measured (all parametrizations together).
 SLOW = {
+    "tests/test_wrapper.py::test_two_processes_storing_different_values_are_told_the_split_point",  # 11 s
     # a DataLoader run in a container's limits (a memory cgroup, a 64 MiB /dev/shm)
     "tests/test_containers.py::test_auto_sizes_within_the_memory_limit_and_a_loader_runs",  # 12 s
     "tests/test_containers.py::test_auto_leaves_room_for_the_dataloader_in_a_64_mib_dev_shm",  # 8 s

@@ -115,3 +115,26 @@ def test_the_code_map_names_only_what_exists():
             if not re.search(defined, module, re.M):
                 missing.append((path.group(1) if path else "?", name))
     assert not missing, f"docs/how-it-works.md's map names what its module does not define: {missing}"
+
+
+@pytest.mark.timeout(240)
+def test_the_hugging_face_recipe_runs_as_written(tmp_path, shm_dir):
+    """docs/sources.md's recipe, run as a program over a folder of generated PNGs (its one
+    change: data_dir)."""
+    pytest.importorskip("datasets")
+    from test_wrapper import make_pngs
+    text = read("docs", "sources.md")
+    section = text[text.index("## A Hugging Face dataset"):]
+    code = section[section.index("```python\n") + 10: section.index("```\n", section.index(
+        "```python\n") + 10)]
+    assert 'data_dir = "images"' in code
+    make_pngs(str(tmp_path / "images"), n=40)
+    program = tmp_path / "recipe.py"
+    program.write_text(code.replace('data_dir = "images"', f'data_dir = "{tmp_path / "images"}"'))
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_DATASETS_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"))
+    r = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                       timeout=200, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.findall(r"epoch (\d): hit rate ([\d.]+)", r.stdout) == [("0", "0.00"),
+                                                                      ("1", "1.00")], r.stdout
