@@ -14,6 +14,7 @@ omitted).
     python -m benchmark persistent                        # a cache that outlives its job
     python -m benchmark device                            # batches straight to the device
     python -m benchmark tier                              # the disk tier alone
+    python -m benchmark stream                            # WebDataset shards, cached or not
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 from . import arguments as A
 
 SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture", "persistent",
-               "device", "tier")
+               "device", "tier", "stream")
 
 
 def _default_start_method() -> str:
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("csv", type=Path)
     an.add_argument("--out", type=Path, default=None,
                     help="where the PNGs go (default: next to the CSV)")
-    from . import device, latency, mixture, persistent, quality, tier
+    from . import device, latency, mixture, persistent, quality, stream, tier
 
     lat = sub.add_parser("latency", help="EMULATED storage latency: plain DataLoader vs the "
                                          "Prefetcher (plain, fixed and adaptive window)",
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "bare os.preadv loop, cold and warm; a second job",
                          description=tier.__doc__.split("\n\n")[0])
     tier.add_arguments(tie)
+    stre = sub.add_parser("stream", help="WebDataset shards: the source alone against "
+                                         "CachedStream at 50 and 100 %%",
+                          description=stream.__doc__.split("\n\n")[0])
+    stream.add_arguments(stre)
     return parser
 
 
@@ -334,6 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "tier":
         from . import tier
         return tier.main(args, argv, _say)
+    if args.command == "stream":
+        from . import stream
+        return stream.main(args, _say)
     return _run(args, argv)
 
 

@@ -43,7 +43,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "copied next to `stocaching.py`: {modules}.",
      ("CacheAwareSampler", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
       "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader",
-      "CachedDataset")),
+      "CachedDataset", "CachedStream")),
     ("For module authors",
      "For code that extends the opt-in modules or writes another: the base class of every "
      "kind of cache (its members are under [{every}](#{every_anchor})), where a batch's rows "

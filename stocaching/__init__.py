@@ -18,8 +18,10 @@ from .prefetch import *  # noqa: F401,F403
 from .prefetch import __all__ as _prefetch_all
 from .samplers import *  # noqa: F401,F403
 from .samplers import __all__ as _samplers_all
+from .streams import *  # noqa: F401,F403
+from .streams import __all__ as _streams_all
 from .wrapper import *  # noqa: F401,F403
 from .wrapper import __all__ as _wrapper_all
 
 __all__ = [*_core_all, *_samplers_all, *_order_all, *_prefetch_all, *_mixtures_all,
-           *_device_all, *_wrapper_all]
+           *_device_all, *_wrapper_all, *_streams_all]

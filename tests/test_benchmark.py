@@ -768,3 +768,21 @@ def test_tier_command_prints_its_checks_and_leaves_nothing(tmp_path, shm_dir, ca
     assert all(re.search(r": [\d,]+ vs [\d,]+ rows/s \([\d.]+ x\)", line) for line in checks)
     assert "second job's stats: 192 hits, 96 from the tier, 0 misses" in text
     assert os.listdir(tmp_path) == [] and os.listdir(shm_dir) == []
+
+
+@pytest.mark.timeout(180)
+def test_the_stream_scenario_runs_and_judges_its_targets(tmp_path, shm_dir, capsys):
+    pytest.importorskip("webdataset")
+    assert main(["stream", "--num-images", "32", "--shard-size", "8", "--decoded-size", "16",
+                 "--epochs", "2", "--repeats", "1", "--workers", "1",
+                 "--data-dir", str(tmp_path / "data")]) == 0
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^(source|cached 50 %|cached 100 %) +[\d,]+ +[\d,]+ +([\d.]+)$", out,
+                           re.M))
+    # 4 shards of 8: the source reads them all every epoch, the 100 % cache none after epoch 1,
+    # the 50 % cache the 2 shards it does not hold
+    assert float(rows["cached 100 %"]) == 0.0 and float(rows["source"]) > 0
+    assert abs(float(rows["cached 50 %"]) / float(rows["source"]) - 0.5) < 0.1  # (JPEG sizes)
+    assert len(re.findall(r"^\[(PASS|MISS)\] ", out, re.M)) == 2, out
+    assert "[PASS] bytes a warm epoch reads at 50 % cached" in out
+    assert os.listdir(shm_dir) == []

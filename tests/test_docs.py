@@ -75,12 +75,13 @@ def test_module_runs_as_a_copied_single_file(tmp_path):
 
 
 def test_opt_in_modules_import_only_the_cores_public_names():
-    """samplers.py, order.py, prefetch.py, mixtures.py and device.py import from the core only
-    names in its ``__all__``, so that copying the core plus them keeps working."""
+    """samplers.py, order.py, prefetch.py, mixtures.py, device.py, wrapper.py and streams.py
+    import from the core only names in its ``__all__``, so that copying the core plus them
+    keeps working."""
     import ast
 
     import stocaching.stocaching as core
-    for module in ("samplers", "order", "prefetch", "mixtures", "device"):
+    for module in ("samplers", "order", "prefetch", "mixtures", "device", "wrapper", "streams"):
         tree = ast.parse(read("stocaching", f"{module}.py"))
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                     and node.module in ("stocaching", "stocaching.stocaching")
@@ -138,3 +139,34 @@ def test_the_hugging_face_recipe_runs_as_written(tmp_path, shm_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.findall(r"epoch (\d): hit rate ([\d.]+)", r.stdout) == [("0", "0.00"),
                                                                       ("1", "1.00")], r.stdout
+
+
+@pytest.mark.timeout(240)
+def test_the_webdataset_recipe_runs_as_written(tmp_path, shm_dir):
+    """docs/sources.md's CachedStream recipe, run as a program, unchanged, beside the shards
+    it names (16 tar shards of 100 small JPEGs, written here with webdataset's TarWriter)."""
+    wds = pytest.importorskip("webdataset")
+    import io
+
+    import numpy as np
+    from PIL import Image
+    text = read("docs", "sources.md")
+    section = text[text.index("## Sharded streams"):]
+    start = section.index("```python\n") + 10
+    code = section[start: section.index("```\n", start)]
+    (tmp_path / "shards").mkdir()
+    for k in range(16):
+        with wds.TarWriter(str(tmp_path / "shards" / f"train-{k:04d}.tar")) as sink:
+            for j in range(100):
+                buf = io.BytesIO()
+                Image.fromarray(np.full((40, 48, 3), (k * 100 + j) % 256, np.uint8)).save(
+                    buf, format="JPEG")
+                sink.write({"__key__": f"{k * 100 + j:06d}", "jpg": buf.getvalue(),
+                            "cls": str(j % 10).encode()})
+    program = tmp_path / "recipe.py"
+    program.write_text(code + "\n    print(ds.cache.stats()['hit_rate'], len(ds.cache))\n")
+    r = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                       timeout=200, env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hit_rate, slots = r.stdout.split()
+    assert slots == "1600" and abs(float(hit_rate) - 2 / 3) < 1e-9, r.stdout  # epochs 2, 3

@@ -1,0 +1,288 @@
+"""Sharded streams as sources of the cache: ``CachedStream``.
+
+Formats read as streams (WebDataset tar shards, Hugging Face ``load_dataset(...,
+streaming=True)``, any list of files read in order) have no index to key a cache by. This
+module gives each sample one: its position in the unshuffled order of the shards (shard k's
+j-th sample is ``offset[k] + j``). The first epoch streams every shard, decodes each sample and
+stores it; from the second on, a shard whose samples are all cached is not opened at all
+(served from the cache), and a shard with some cached samples is read, but only its uncached
+samples are decoded::
+
+    import webdataset as wds
+    from stocaching import CachedStream
+
+    urls = [f"shards/train-{k:04d}.tar" for k in range(64)]
+
+    def open_shard(url):        # the raw samples of one shard, in its order
+        return wds.WebDataset(url, shardshuffle=False, nodesplitter=None, workersplitter=None)
+
+    def decode(raw):            # deterministic: before the cache
+        return {"image": decode_jpeg_and_resize(raw["jpg"]), "label": int(raw["cls"])}
+
+    ds = CachedStream(urls, open_shard, decode=decode, transform=augment,
+                      shard_lengths=[1000] * 64)
+    loader = torch.utils.data.DataLoader(ds, batch_size=64, num_workers=8)
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        for batch in loader: ...
+
+Each epoch, the shards are dealt out in an order drawn from ``(seed, epoch)`` to the
+(rank, DataLoader worker) pairs of the job, round-robin, so every sample is read once an epoch;
+each pair streams its shards through a shuffle buffer of ``shuffle_buffer`` samples. The order
+depends on ``(seed, epoch)`` only, never on what is cached, so ``state_dict`` (the epoch and
+the count of samples yielded, per worker, as torchdata's ``StatefulDataLoader`` keeps them)
+resumes an epoch exactly: the samples already yielded are skipped without being decoded.
+
+The default layout caches the first ``len(cache)`` indices: whole shards, in the shards' own
+order, which is what lets later epochs skip them. One node only (each node would cache a part
+of its own); with a cache of a random subset (``random_subset=True``) most shards hold some
+uncached sample and are still read.
+
+An opt-in part of stocaching: it imports only public names of the core module
+(``stocaching.py``) and the wrapper's rules for values (``wrapper.py``), so copying the three
+files side by side into a project also works. See docs/sources.md.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CachedStream"]
+
+import itertools
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+try:  # inside the package
+    from .stocaching import BaseCache, SharedCache, check_int
+except ImportError:  # copied beside stocaching.py
+    from stocaching import BaseCache, SharedCache, check_int  # type: ignore[no-redef]
+
+try:  # the values a cache can hold: the wrapper's rules, shared
+    from .wrapper import _PART, _as_tensors, _dims_and_dtypes, _same
+except ImportError:  # copied beside stocaching.py and wrapper.py
+    from wrapper import _PART, _as_tensors, _dims_and_dtypes, _same  # type: ignore[no-redef]
+
+
+class CachedStream(torch.utils.data.IterableDataset):
+    """The samples of a list of shards, read in order by ``open_shard``, with
+    ``decode(raw)`` of each kept in a shared cache keyed by its position.
+
+    Args:
+        shards: what ``open_shard`` opens, one entry per shard (URLs, paths, shard numbers),
+            in a fixed order: the order that numbers the samples.
+        open_shard: ``open_shard(shard)``, an iterable of the shard's raw samples in a fixed
+            order (for WebDataset: ``wds.WebDataset(url, shardshuffle=False,
+            nodesplitter=None, workersplitter=None)``, so that it does not split the one
+            shard among workers itself).
+        cache: the cache (``dataset_len`` the number of samples), or None to make a
+            ``SharedCache`` from the first sample's decoded shapes and dtypes. Default: None.
+        shard_lengths: the number of samples of each shard, or None to count them by
+            reading every shard once at construction (in every process that constructs it).
+            Default: None.
+        decode: ``decode(raw)``, deterministic: the value to cache (tensors, arrays, numbers,
+            or a tuple or dict of them). Default: None, the raw sample as it is.
+        transform: ``transform(value)``, the random part, after the cache. Default: None.
+        size_limit_gib: without ``cache``: the new cache's budget. Default: ``"auto"``.
+        shuffle_buffer: samples held to shuffle each worker's stream (1: none). Default: 1000.
+        seed: the seed of the shard order and the shuffle. Default: 0.
+        verify_decodes: how many more times the first sample is decoded at construction and
+            compared, to catch a ``decode`` that is not deterministic (a random flip escapes
+            three comparisons 1 time in 8). Default: 3 (0: none).
+        **cache_options: without ``cache``: other keyword arguments of ``SharedCache``.
+
+    Attributes:
+        shards_opened: shards this process opened (its iterators and the construction's
+            count), a measure of the source's reads.
+    """
+
+    shards: list
+    open_shard: Callable[[Any], Iterable[Any]]
+    cache: BaseCache
+    decode: Callable[[Any], Any] | None
+    transform: Callable[[Any], Any] | None
+    shuffle_buffer: int
+    seed: int
+    shards_opened: int
+    _offsets: np.ndarray  # the index of each shard's first sample; the last entry is the total
+    _as_tuple: bool
+    _epoch: int  # the epoch the next iterator runs
+    _resume: dict | None  # a state to resume from (load_state_dict), used by the next iterator
+    _position: dict  # the running iterator's epoch and yielded count, for state_dict
+
+    def __init__(self, shards: Sequence[Any], open_shard: Callable[[Any], Iterable[Any]],
+                 cache: BaseCache | None = None, *,
+                 shard_lengths: Sequence[int] | None = None,
+                 decode: Callable[[Any], Any] | None = None,
+                 transform: Callable[[Any], Any] | None = None,
+                 size_limit_gib: float | str = "auto", shuffle_buffer: int = 1000,
+                 seed: int = 0, verify_decodes: int = 3, **cache_options: Any) -> None:
+        if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence) or not shards:
+            raise TypeError(f"shards should be a non-empty list of what open_shard opens (URLs, "
+                            f"paths), but got shards={shards!r}")
+        for name, fn in (("open_shard", open_shard), ("decode", decode),
+                         ("transform", transform)):
+            if fn is not None and not callable(fn) or (name == "open_shard" and fn is None):
+                raise TypeError(f"{name} should be a function, but got {name}={fn!r}")
+        if cache is not None and not isinstance(cache, BaseCache):
+            raise TypeError(f"cache should be a SharedCache or OpenSizeCache, or None to make "
+                            f"one, but got cache={type(cache).__name__}")
+        if cache is not None and cache_options:
+            raise TypeError(f"cache options ({', '.join(sorted(cache_options))}) are for the "
+                            f"cache that CachedStream makes, but got cache= as well")
+        self.shards, self.open_shard = list(shards), open_shard
+        self.decode, self.transform = decode, transform
+        self.shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, low=1)
+        self.seed = check_int("seed", seed, low=0)
+        self.shards_opened = 0
+        if shard_lengths is None:
+            shard_lengths = [self._count(shard) for shard in self.shards]
+        elif len(shard_lengths) != len(self.shards):
+            raise ValueError(f"shard_lengths should give one length per shard ({len(shards)}), "
+                             f"but got {len(shard_lengths)} lengths")
+        lengths = [check_int("shard_lengths[k]", n, low=0) for n in shard_lengths]
+        self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        total = int(self._offsets[-1])
+        if total < 1:
+            raise ValueError("shards should hold at least one sample, but every shard is empty")
+        raw = next(iter(self._open(self.shards[_first_nonempty(lengths)])))
+        first = self._decoded(raw)
+        for _ in range(check_int("verify_decodes", verify_decodes, low=0)):
+            if not _same(first, self._decoded(raw)):
+                raise RuntimeError(
+                    f"CachedStream: decode={getattr(decode, '__name__', decode)!r} gave two "
+                    "different values for the first sample, so the part before the cache is not "
+                    "deterministic: a random transform in decode would be frozen into the cache "
+                    "(the same crop every epoch). Move the random part after the cache: pass it "
+                    "as transform=")
+        self._as_tuple = isinstance(first, tuple)
+        if cache is None:
+            cache = SharedCache(size_limit_gib, total, *_dims_and_dtypes(first), **cache_options)
+        elif cache.dataset_len != total:
+            raise ValueError(f"cache should have dataset_len={total} (the shards' samples), but "
+                             f"got a cache with dataset_len={cache.dataset_len}")
+        if cache.layout.num_nodes > 1:
+            raise ValueError(f"CachedStream is for one node: each node would stream the shards "
+                             f"its own cache holds, which it does not do yet; but got a cache "
+                             f"of {cache.layout.num_nodes} nodes")
+        self.cache = cache
+        self._epoch, self._resume, self._position = 0, None, {"epoch": 0, "yielded": 0}
+
+    def __len__(self) -> int:
+        """The samples of one epoch, over every rank and worker."""
+        return int(self._offsets[-1])
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration runs (its shard order and shuffle); call it in the main
+        process before each epoch, as for a ``DistributedSampler``. Persistent workers, which
+        do not see it, count their epochs themselves."""
+        self._epoch = check_int("epoch", epoch, low=0)
+
+    # -- the epoch --------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, skip = self._epoch, 0
+        if self._resume is not None:
+            epoch, skip = self._resume["epoch"], self._resume["yielded"]
+            self._resume = None
+        self._epoch = epoch + 1  # (a persistent worker's next epoch)
+        consumer, consumers = _consumer(self.cache)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+        mine = order[consumer::consumers]
+        rng = np.random.default_rng([self.seed, epoch, consumer])
+        self._position = {"epoch": epoch, "yielded": skip}
+        for n, (index, raw) in enumerate(_shuffled(self._entries(mine), self.shuffle_buffer,
+                                                   rng)):
+            if n < skip:
+                continue  # (resumed: already yielded before the state was saved)
+            value = self._value(index, raw)
+            self._position = {"epoch": epoch, "yielded": n + 1}
+            yield value
+
+    def _entries(self, shards: Iterable[int]) -> Iterator[tuple[int, Any]]:
+        """(index, raw sample or None) of each sample of ``shards`` in order: a shard whose
+        samples are all stored is not opened (None: read it from the cache)."""
+        for k in shards:
+            first, end = int(self._offsets[k]), int(self._offsets[k + 1])
+            if end > first and self.cache.stored_mask(np.arange(first, end)).all():
+                yield from ((i, None) for i in range(first, end))
+                continue
+            count = 0
+            for index, raw in zip(range(first, end), self._open(self.shards[k])):
+                yield index, raw
+                count += 1
+            if count != end - first:
+                raise ValueError(f"shard {self.shards[k]!r} held {count} samples, but "
+                                 f"shard_lengths says {end - first}: the lengths must be right "
+                                 f"for every index to be one sample")
+
+    def _value(self, index: int, raw: Any) -> Any:
+        """The sample of ``index``: from the cache, else decoded from ``raw`` (reading the
+        shard again if the cache lost it meanwhile) and stored; then transformed."""
+        value = self.cache.get_slot(index)
+        if value is None:
+            if raw is None:  # cleared since the shard was skipped: read that one sample
+                k = int(np.searchsorted(self._offsets, index, side="right")) - 1
+                raw = next(itertools.islice(self._open(self.shards[k]),
+                                            index - int(self._offsets[k]), None))
+            value = self._decoded(raw)
+            if self._as_tuple:
+                value = {_PART.format(k): v for k, v in enumerate(value)}
+            self.cache.set_slot(index, value)
+        if self._as_tuple:
+            value = tuple(value[_PART.format(k)] for k in range(len(value)))
+        return value if self.transform is None else self.transform(value)
+
+    def _decoded(self, raw: Any) -> Any:
+        value = raw if self.decode is None else self.decode(raw)
+        return _as_tensors(value, "decode(raw)" if self.decode else "the raw sample")
+
+    def _open(self, shard: Any) -> Iterable[Any]:
+        self.shards_opened += 1
+        return self.open_shard(shard)
+
+    def _count(self, shard: Any) -> int:
+        return sum(1 for _ in self._open(shard))
+
+    # -- resuming (torchdata's StatefulDataLoader calls these in each worker) ----------------
+
+    def state_dict(self) -> dict:
+        """Where this process's iteration is: its epoch and how many samples it yielded."""
+        return dict(self._position)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next iterator runs that epoch and skips what was
+        yielded (without decoding it)."""
+        if not isinstance(state, Mapping) or set(state) != {"epoch", "yielded"}:
+            raise ValueError(f"state should be a dict from CachedStream.state_dict() with "
+                             f"'epoch' and 'yielded', but got state={state!r}")
+        self._resume = {"epoch": check_int("state['epoch']", state["epoch"], low=0),
+                        "yielded": check_int("state['yielded']", state["yielded"], low=0)}
+
+
+def _consumer(cache: BaseCache) -> tuple[int, int]:
+    """This process's place among the (rank, DataLoader worker) pairs of the job, and how
+    many there are."""
+    info = torch.utils.data.get_worker_info()
+    worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+    world = cache.world
+    return world.rank * workers + worker, world.world_size * workers
+
+
+def _first_nonempty(lengths: Sequence[int]) -> int:
+    return next(k for k, n in enumerate(lengths) if n)
+
+
+def _shuffled(items: Iterable[Any], size: int, rng: np.random.Generator) -> Iterator[Any]:
+    """``items`` through a shuffle buffer of ``size``: each item leaves at a random place of
+    the buffer once it is full (the buffer then drains in random order)."""
+    buffer: list = []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        k = int(rng.integers(size))
+        buffer[k], item = item, buffer[k]
+        yield item
+    rng.shuffle(buffer)
+    yield from buffer

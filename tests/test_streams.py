@@ -1,0 +1,201 @@
+"""CachedStream over real WebDataset tar shards (webdataset's own reader and writer): every
+index once an epoch over ranks and DataLoader workers, later epochs read only the shards with
+uncached samples (counted), values equal to the source's, an exact resume mid-epoch with
+torchdata's StatefulDataLoader, a random decode caught, nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from _helpers import named, value_of
+from stocaching import CachedStream, SharedCache, World
+
+wds = pytest.importorskip("webdataset")
+
+SHARDS, PER = 6, 10
+DIMS = (3, 8, 8)
+
+
+def make_shards(root, shards=SHARDS, per=PER) -> list[str]:
+    """Tar shards of samples {"x.bin": value_of(index) bytes, "cls": label}, in index order."""
+    urls = []
+    for k in range(shards):
+        url = os.path.join(str(root), f"train-{k:04d}.tar")
+        with wds.TarWriter(url) as sink:
+            for j in range(per):
+                i = k * per + j
+                sink.write({"__key__": f"{i:06d}", "x.bin": value_of(i, DIMS).numpy().tobytes(),
+                            "cls": str(i % 3).encode()})
+        urls.append(url)
+    return urls
+
+
+class OpenShard:
+    """WebDataset's reader for one shard, logging each open to a file (DataLoader workers are
+    other processes: the log is how the test counts the source's reads)."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, url):
+        with open(self.log, "a") as f:
+            f.write(os.path.basename(url) + "\n")
+        return wds.WebDataset(url, shardshuffle=False, nodesplitter=None, workersplitter=None,
+                              empty_check=False)
+
+    def opened(self) -> list[str]:
+        with open(self.log) as f:
+            names = f.read().split()
+        open(self.log, "w").close()
+        return names
+
+
+def decode(raw):
+    x = torch.from_numpy(np.frombuffer(raw["x.bin"], np.uint8).copy()).reshape(DIMS)
+    return x, int(raw["cls"])
+
+
+def index_of(x: torch.Tensor) -> int:
+    """value_of(i) starts with (i * 7 + 1) % 251: the index of a sample, for i < 251."""
+    return next(i for i in range(SHARDS * PER) if int(value_of(i, DIMS)[0, 0, 0]) == int(x[0, 0, 0]))
+
+
+def epoch_of(ds, loader) -> list[int]:
+    seen = []
+    for x, label in loader:
+        for xi, li in zip(x, label):
+            i = index_of(xi)
+            assert torch.equal(xi, value_of(i, DIMS)) and int(li) == i % 3
+            seen.append(i)
+    return seen
+
+
+@pytest.fixture
+def shards(tmp_path):
+    return make_shards(tmp_path), OpenShard(str(tmp_path / "opened.log"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cached_shards", [SHARDS, SHARDS // 2])
+def test_later_epochs_read_only_the_shards_with_uncached_samples(shm_dir, shards, cached_shards):
+    urls, open_shard = shards
+    # slots of 200 bytes (the image and the int64 label) and an aux byte per sample
+    budget = (cached_shards * PER * 200 + SHARDS * PER + 0.5) / 2**30
+    ds = CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
+                      size_limit_gib=budget, shuffle_buffer=16)
+    assert len(ds.cache) == cached_shards * PER
+    open_shard.opened()  # (the construction's decode of the first sample)
+    loader = torch.utils.data.DataLoader(ds, batch_size=7, num_workers=2)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        seen = epoch_of(ds, loader)
+        assert sorted(seen) == list(range(SHARDS * PER)), epoch
+        opened = open_shard.opened()
+        if epoch == 0:
+            assert sorted(opened) == sorted(os.path.basename(u) for u in urls)
+        else:  # the cached shards are the first ones (the default layout): never opened
+            assert sorted(opened) == [os.path.basename(u) for u in urls[cached_shards:]]
+    # Shuffled: the order differs between epochs.
+    ds.set_epoch(0)
+    first = epoch_of(ds, loader)
+    ds.set_epoch(1)
+    assert epoch_of(ds, loader) != first
+    ds.cache.close()
+    assert named(shm_dir) == []
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_of_two_workers_read_every_index_once(shm_dir, shards):
+    urls, open_shard = shards
+    worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
+    args = dict(decode=decode, shard_lengths=[PER] * SHARDS, size_limit_gib=1, name="s",
+                job_key=f"streams{os.getpid()}", timeout=60)
+    ranks = [CachedStream(urls, open_shard, world=worlds[0], **args)]
+    ranks.append(CachedStream(urls, open_shard, world=worlds[1], **args))  # attaches
+    open_shard.opened()
+    for epoch in range(2):
+        seen = []
+        for ds in ranks:
+            ds.set_epoch(epoch)
+            seen += epoch_of(ds, torch.utils.data.DataLoader(ds, batch_size=5, num_workers=2))
+        assert sorted(seen) == list(range(SHARDS * PER)), epoch
+        assert len(open_shard.opened()) == (SHARDS if epoch == 0 else 0)
+    assert ranks[0].cache.stats()["filled"] == SHARDS * PER
+    for ds in reversed(ranks):
+        ds.cache.close()
+    assert named(shm_dir) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_mid_epoch_is_exact(shm_dir, shards):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    urls, open_shard = shards
+    ds = CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
+                      size_limit_gib=1, shuffle_buffer=8, seed=3)
+
+    def loader():
+        return stateful.StatefulDataLoader(ds, batch_size=4, num_workers=2)
+
+    ds.set_epoch(1)
+    whole = [index_of(x) for xs, _ in loader() for x in xs]
+    ds.set_epoch(1)
+    first = loader()
+    it, before = iter(first), []
+    for _ in range(5):
+        before += [index_of(x) for x in next(it)[0]]
+    state = first.state_dict()
+    del it, first
+    again = loader()
+    again.load_state_dict(state)
+    after = [index_of(x) for xs, _ in again for x in xs]
+    assert before + after == whole
+    assert sorted(whole) == list(range(SHARDS * PER))
+    ds.cache.close()
+
+
+def test_a_random_decode_is_caught_at_construction(shm_dir, shards):
+    urls, open_shard = shards
+
+    def random_decode(raw):
+        x, label = decode(raw)
+        return x ^ torch.randint(1, 256, DIMS, dtype=torch.uint8), label
+
+    with pytest.raises(RuntimeError, match=r"CachedStream: decode='random_decode' gave two "
+                                           r"different values for the first sample.*pass it as "
+                                           r"transform="):
+        CachedStream(urls, open_shard, decode=random_decode, shard_lengths=[PER] * SHARDS,
+                     size_limit_gib=1)
+    assert named(shm_dir) == []
+
+
+def test_lengths_are_counted_and_checked(shm_dir, shards):
+    urls, open_shard = shards
+    ds = CachedStream(urls, open_shard, decode=decode, size_limit_gib=1)
+    assert len(ds) == SHARDS * PER and ds.cache.dataset_len == SHARDS * PER
+    ds.cache.close()
+    wrong = CachedStream(urls, open_shard, decode=decode, size_limit_gib=1,
+                         shard_lengths=[PER] * (SHARDS - 1) + [PER + 1], name="wrong")
+    with pytest.raises(ValueError, match=r"held 10 samples, but shard_lengths says 11"):
+        list(wrong)
+    wrong.cache.close()
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(shards="a.tar"), TypeError, r"shards should be a non-empty list"),
+    (dict(shards=[]), TypeError, r"shards should be a non-empty list"),
+    (dict(open_shard=None), TypeError, r"open_shard should be a function"),
+    (dict(shard_lengths=[PER]), ValueError, r"one length per shard \(6\), but got 1"),
+    (dict(shuffle_buffer=0), ValueError, r"shuffle_buffer"),
+    (dict(cache=SharedCache), TypeError, r"cache should be a SharedCache or OpenSizeCache"),
+])
+def test_bad_arguments_are_refused(shm_dir, shards, kw, error, match):
+    urls, open_shard = shards
+    args = dict(shards=urls, open_shard=open_shard, decode=decode, size_limit_gib=1)
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        CachedStream(**args)
+    assert named(shm_dir) == []
