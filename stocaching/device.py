@@ -353,9 +353,10 @@ def _halt(stop: threading.Event, out: queue.Queue, thread: threading.Thread,
     stop.set()
     if thread is not threading.current_thread():  # (a transform that closes its loader)
         thread.join(within)
-    with contextlib.suppress(queue.Empty):
-        while True:
-            out.get_nowait()
+    # Not get_nowait until queue.Empty: a generator finalised at the interpreter's exit may run
+    # this after the queue module's globals are cleared, when raising Empty is a TypeError.
+    while not out.empty():
+        out.get_nowait()  # (this is the queue's one reader, and its producer has stopped)
 
 
 class _Run:

@@ -87,6 +87,7 @@ import json
 import logging
 import math
 import mmap
+import multiprocessing
 import operator
 import os
 import re
@@ -139,7 +140,8 @@ _FIELD_NAME_BYTES = 32
 #: ``size_limit_gib="auto"`` keeps free: the larger of RAM_MARGIN_FRACTION of the memory and
 #: RAM_MARGIN_BYTES, the latter at most a quarter of it. The memory is the RAM (available, per
 #: psutil), or a memory cgroup's limit where it is lower; under a limit the margin is at least
-#: half of what is free (``_MemoryRoom.margin``).
+#: half of what is free, and the memory of the DataLoader workers to come
+#: (``_MemoryRoom.margin``).
 RAM_MARGIN_BYTES = 2 * BYTES_PER_GIB
 RAM_MARGIN_FRACTION = 0.05
 #: What ``size_limit_gib="auto"`` leaves free in /dev/shm for its other users (DataLoader
@@ -147,6 +149,9 @@ RAM_MARGIN_FRACTION = 0.05
 #: (see docs/sizing.md, "Containers and clusters").
 SHM_HEADROOM_BYTES = 32 * BYTES_PER_MIB
 SHM_HEADROOM_FRACTION = 1 / 16
+#: DataLoader workers per local rank that ``size_limit_gib="auto"`` leaves memory for under a
+#: memory limit (``_MemoryRoom.margin``); more workers need a smaller, explicit budget.
+AUTO_WORKERS_PER_RANK = 2
 # Filesystems whose files live in memory; a cache elsewhere gets a warning.
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
@@ -401,6 +406,22 @@ def _fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+# The files of stocaching: this one and the opt-in modules beside it (copied or installed).
+_OWN_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+                       for name in ("stocaching", "samplers", "order", "prefetch", "mixtures",
+                                    "device", "wrapper", "streams"))
+
+
+def _stacklevel_of_caller() -> int:
+    """The ``stacklevel`` of ``warnings.warn``, called by the caller of this function, that
+    names the user's line: the first frame outside stocaching's files (the construction
+    reaches a warning through a different number of frames on each path)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) in _OWN_FILES:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 
@@ -1101,7 +1122,7 @@ def _slots_fitting(free: int, like: CacheLayout, slot_bytes: int, staging: int =
 
 
 def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
-                 like: CacheLayout, tiered: bool) -> float:
+                 like: CacheLayout, tiered: bool, local_world_size: int) -> float:
     """``size_limit_gib="auto"``: the budget of the whole dataset, or of the most slots whose
     segment fits both in what ``shm_dir`` has free less the headroom left for its other users
     (``_shm_headroom``) and in the memory this process may use less the margin the RAM
@@ -1110,7 +1131,7 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
     metadata of a cache without slots raises ``CacheCapacityError``."""
     clean_segments(shm_dir)  # what dead jobs left is free room
     shm_free, headroom = _free_bytes(shm_dir), _shm_headroom(shm_dir)
-    memory = _memory_room()
+    memory = _memory_room(local_world_size)
     slots = min(dataset_len, _slots_fitting(_auto_room(shm_free, headroom, memory), like,
                                             slot_bytes, staging))
     metadata = _segment_offsets(dataclasses.replace(like, slots=0), slot_bytes,
@@ -1125,23 +1146,31 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
                "fit decoded on local disk"), shm_dir, metadata, shm_free)
     budget = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
     whole = _budget_for_slots(dataset_len, dataset_len, slot_bytes, staging)
+    segment = _segment_offsets(dataclasses.replace(like, slots=slots), slot_bytes,
+                               staging)["total_bytes"]
     rest = dataset_len - slots
     logger.info(
-        "stocaching: size_limit_gib='auto' takes %s (%.6g GiB) for %d of %d samples%s: the "
-        "whole dataset needs %s; %s has %s free, of which %s is left for its other users, and "
-        "%s is available (%s), of which %s is kept free",
-        _fmt_bytes(budget * BYTES_PER_GIB), budget, slots, dataset_len,
+        "stocaching: size_limit_gib='auto' takes %s of shared memory for %d of %d samples%s: "
+        "the whole dataset needs %s; %s has %s free, of which %s is left for its other users, "
+        "and %s is available (%s), of which %s is kept free",
+        _fmt_bytes(segment), slots, dataset_len,
         f" (the disk tier takes the other {rest})" if tiered and rest else "",
         _fmt_bytes(whole * BYTES_PER_GIB), shm_dir, _fmt_bytes(shm_free), _fmt_bytes(headroom),
         _fmt_bytes(memory.available), memory.describe(), _fmt_bytes(memory.margin))
     if slots == 0 and not tiered:
+        short_of_memory = memory.available - memory.margin < shm_free - headroom
+        fix = (f"Raise the memory limit (docker run --memory, Kubernetes "
+               f"resources.limits.memory, SLURM --mem) by about "
+               f"{_fmt_bytes(2 * whole * BYTES_PER_GIB)}" if short_of_memory and memory.limited
+               else "Free some memory" if short_of_memory else
+               _more_room(shm_dir, whole * BYTES_PER_GIB))
         warnings.warn(
             f"size_limit_gib='auto' finds room for no slot: {shm_dir} has {_fmt_bytes(shm_free)}"
             f" free (of which {_fmt_bytes(headroom)} is left for its other users) and "
             f"{_fmt_bytes(memory.available)} of memory is available ({memory.describe()}, of "
-            f"which {_fmt_bytes(memory.margin)} is kept free); every read will miss. "
-            f"{_more_room(shm_dir, whole * BYTES_PER_GIB)}, or pass disk_tier=DIR to keep the "
-            "samples decoded on local disk", RuntimeWarning, stacklevel=3)
+            f"which {_fmt_bytes(memory.margin)} is kept free); every read will miss. {fix}, or "
+            "pass disk_tier=DIR to keep the samples decoded on local disk", RuntimeWarning,
+            stacklevel=_stacklevel_of_caller())
     return budget
 
 
@@ -1177,6 +1206,7 @@ class _MemoryRoom:
     total: int  # bytes: the RAM, or the limit of the cgroup with the least room
     available: int  # bytes that may still be taken: RAM available, or the limit less the use
     source: str  # "RAM", or the file that holds the limit
+    workers: int = 0  # bytes the DataLoader workers to come will take (_workers_to_come)
 
     @property
     def limited(self) -> bool:
@@ -1185,13 +1215,12 @@ class _MemoryRoom:
     @property
     def margin(self) -> int:
         """What a cache should leave free (see ``RAM_MARGIN_BYTES``); under a memory limit
-        at least half of what is free now. What a job allocates after its cache is made
-        counts against the limit too, and is not small: each DataLoader worker is a fork
-        whose private pages grow to about half the main process's resident memory
-        (design note "The memory a cache leaves under a limit")."""
+        at least half of what is free now, and what the DataLoader workers to come will take.
+        What a job allocates after its cache is made counts against the limit too, and is not
+        small (design note "The memory a cache leaves under a limit")."""
         margin = max(int(RAM_MARGIN_FRACTION * self.total), min(RAM_MARGIN_BYTES,
                                                                  self.total // 4))
-        return max(margin, self.available // 2) if self.limited else margin
+        return max(margin, self.available // 2, self.workers) if self.limited else margin
 
     def describe(self) -> str:
         if not self.limited:
@@ -1206,11 +1235,12 @@ _CGROUP_MEMORY_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
                             "total_inactive_file")}
 
 
-def _memory_room() -> _MemoryRoom:
+def _memory_room(local_world_size: int = 1) -> _MemoryRoom:
     """The RAM available, or a memory cgroup's room where it is less: of the cgroups from
     this process's own up to the root of the hierarchy (a limit on any of them applies), the
     one with the least room, its limit less what it uses, file pages the kernel would reclaim
-    aside (as Kubernetes counts a pod's working set). Unreadable cgroup files count as no
+    aside (as Kubernetes counts a pod's working set); with, under a limit, what the DataLoader
+    workers of ``local_world_size`` ranks will take. Unreadable cgroup files count as no
     limit."""
     vm = psutil.virtual_memory()
     room = _MemoryRoom(vm.total, vm.available, "RAM")
@@ -1220,8 +1250,25 @@ def _memory_room() -> _MemoryRoom:
         return room
     for path, limit, used in levels:
         if limit - used < room.available:
-            room = _MemoryRoom(min(limit, vm.total), max(0, limit - used), path)
+            room = _MemoryRoom(min(limit, vm.total), max(0, limit - used), path,
+                               _workers_to_come(local_world_size))
     return room
+
+
+def _workers_to_come(local_world_size: int) -> int:
+    """What ``AUTO_WORKERS_PER_RANK`` DataLoader workers per local rank will take: each about
+    half of this process's own resident memory (its anonymous pages: resident less the shared
+    files' pages) where workers fork (the pages they write are copied), 1.5 times it where
+    each starts a new interpreter that imports torch again (spawn, forkserver: the start
+    method of ``multiprocessing``, which the DataLoader uses unless given another, and which
+    ``torch.multiprocessing.spawn`` sets to spawn in its ranks). Measured: design note "The
+    memory a cache leaves under a limit"."""
+    method = multiprocessing.get_start_method(allow_none=True) or \
+        multiprocessing.get_all_start_methods()[0]
+    info = psutil.Process().memory_info()
+    own = max(0, info.rss - getattr(info, "shared", 0))
+    per_worker = own // 2 if method == "fork" else own * 3 // 2
+    return local_world_size * AUTO_WORKERS_PER_RANK * per_worker
 
 
 def _memory_cgroup_levels() -> list[tuple[str, int, int]]:
@@ -1284,9 +1331,12 @@ def _memory_limit_error(memory: _MemoryRoom, needed: int, fit_gib: float
         f"needs {_fmt_bytes(needed)} of shared memory, which counts against that limit: the "
         f"kernel would kill the job (OOM) while it is made. Raise the limit to about "
         f"{more_gib} GiB (docker run --memory={more_gib}g, Kubernetes "
-        f"resources.limits.memory: {more_gib}Gi, SLURM --mem={more_gib}G) or pass a smaller "
-        f"size_limit_gib (about {fit_gib:.3f} fits, leaving {_fmt_bytes(memory.margin)} for "
-        "the rest of the job)", memory.source, needed, memory.available)
+        f"resources.limits.memory: {more_gib}Gi, SLURM --mem={more_gib}G)" +
+        (f" or pass a smaller size_limit_gib (about {fit_gib:.3f} fits, leaving "
+         f"{_fmt_bytes(memory.margin)} for the rest of the job)"
+         if memory.available > memory.margin else
+         f"; no cache fits beside the {_fmt_bytes(memory.margin)} that the rest of the job "
+         "(its DataLoader workers) needs"), memory.source, needed, memory.available)
 
 
 def _free_bytes(path: str) -> int:
@@ -1671,6 +1721,15 @@ def _check_key(key: Any, on_mismatch: Any) -> None:
     if on_mismatch not in ("raise", "replace"):
         raise ValueError(f"on_mismatch should be 'raise' or 'replace', but got "
                          f"on_mismatch={on_mismatch!r}")
+
+
+def _what_fits(cache: BaseCache, shm_dir: str, total: int, free: int) -> str:
+    """The capacity error's second fix: the budget that fits in what ``shm_dir`` has free,
+    less the headroom its other users need (``_shm_headroom``)."""
+    headroom = _shm_headroom(shm_dir)
+    fit_gib = cache._budget_fitting(max(0, free - headroom), total)
+    return f"about {fit_gib:.3f} fits now" + (f", leaving {_fmt_bytes(headroom)} for the "
+                                             "DataLoader's workers" if headroom else "")
 
 
 def _more_room(shm_dir: str, total: int) -> str:
@@ -2227,21 +2286,28 @@ class _Segment(_RecordLocks):
         if on_disk:
             warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
                           "the cache is a file there, and may be as slow as the data it "
-                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning, stacklevel=5)
+                          "caches. Use /dev/shm or another tmpfs.", RuntimeWarning,
+                          stacklevel=_stacklevel_of_caller())
             return
-        memory = _memory_room()
+        memory = _memory_room(owner._world.local_world_size)
         if memory.limited and total > memory.available:
             raise _memory_limit_error(memory, total, owner._budget_fitting(
                 max(0, memory.available - memory.margin), total))
+        if owner._auto_sized:
+            return  # (it kept the margin and the headroom, as it logged, its metadata aside)
         if memory.available - total < memory.margin:
             warnings.warn(
                 f"the cache needs {_fmt_bytes(total)} of shared memory but only "
                 f"{_fmt_bytes(memory.available)} of "
                 + ("RAM is available" if not memory.limited else
                    f"memory is free under the limit in {memory.source}") +
-                f"; less than {_fmt_bytes(memory.margin)} would be left for everything else. "
-                "Pass a smaller size_limit_gib if the machine starts swapping or the OOM killer "
-                "strikes.", RuntimeWarning, stacklevel=5)
+                f"; less than {_fmt_bytes(memory.margin)} would be left for everything else"
+                + (". Pass a smaller size_limit_gib if the machine starts swapping or the OOM "
+                   "killer strikes." if not memory.limited else
+                   f" (DataLoader workers: {AUTO_WORKERS_PER_RANK} per local rank take about "
+                   f"{_fmt_bytes(memory.workers)}). Pass a smaller size_limit_gib if the OOM "
+                   "killer ends the job (exit 137)."), RuntimeWarning,
+                stacklevel=_stacklevel_of_caller())
         headroom = _shm_headroom(shm_dir)
         if free - total < headroom:
             warnings.warn(
@@ -2253,7 +2319,7 @@ class _Segment(_RecordLocks):
                 "there, and NCCL's shared-memory transport its buffers. If they run out, a "
                 "worker dies with 'unable to allocate shared memory' or 'No space left on "
                 f"device'. {_more_room(shm_dir, total + headroom)}, or pass a smaller "
-                "size_limit_gib.", RuntimeWarning, stacklevel=5)
+                "size_limit_gib.", RuntimeWarning, stacklevel=_stacklevel_of_caller())
 
     def reserve(self, owner: BaseCache, fd: int, nbytes: int) -> str | None:
         """Allocate the first ``nbytes`` of the new segment now (pages already written stay
@@ -2477,6 +2543,7 @@ class BaseCache:
     _key = ""  # the key of the data a persistent cache holds
     _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
+    _auto_sized = False  # size_limit_gib="auto" on the local leader: it said why, and what
     _disk_tier: _DiskTier | None = None  # rows of the indices without a slot, on local disk
     # The segment this process holds (descriptor, mappings, record locks), and views of its
     # pages, the same in every process (the hot path reads them).
@@ -3363,8 +3430,10 @@ class SharedCache(BaseCache):
                                  "agree; pass a number (python -m stocaching plan sizes it), but "
                                  "got size_limit_gib='auto'")
             if world.is_local_leader:
+                self._auto_sized = True
                 size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
-                                              self._layout, tiered=disk_tier is not None)
+                                              self._layout, disk_tier is not None,
+                                              world.local_world_size)
             else:  # the leader decides; this rank takes the slot count of its segment
                 self._slots_from_leader = True
                 size_limit_gib = _budget_for_slots(0, dataset_len, slot_bytes, staging) + \
@@ -3500,11 +3569,11 @@ class SharedCache(BaseCache):
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay, per_slot = self._layout, self._slot_bytes
-        fit_gib = self._budget_fitting(free, total)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
             f"({lay.slots} slots of {_fmt_bytes(per_slot)}). {_more_room(shm_dir, total)} or "
-            f"pass a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+            f"pass a smaller size_limit_gib ({_what_fits(self, shm_dir, total, free)})",
+            shm_dir, total, free)
 
     def _map_samples(self, head: dict) -> None:
         """The views of the slots' sequence numbers and of the slots (``_map_slots``), the
@@ -4593,11 +4662,11 @@ class OpenSizeCache(BaseCache):
         return max(0, room - (total - self._arena_size)) / BYTES_PER_GIB
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
-        fit_gib = self._budget_fitting(free, total)
         return CacheCapacityError(
             f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
             f"(an arena of {_fmt_bytes(self._arena_size)}). {_more_room(shm_dir, total)} or pass "
-            f"a smaller size_limit_gib (about {fit_gib:.3f} fits now)", shm_dir, total, free)
+            f"a smaller size_limit_gib ({_what_fits(self, shm_dir, total, free)})", shm_dir,
+            total, free)
 
     def _map_samples(self, head: dict) -> None:
         """The views of the records and of the arena. A hit of one tensor is one read of its
@@ -6290,7 +6359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="instead of --dims, one field of a sample, e.g. --field image=3x256x256 "
                         "--field label=:int64 (empty dims: a scalar; DTYPE default: --dtype)")
     p.add_argument("--size-gib", type=float, default=None,
-                   help="budget in GiB, as size_limit_gib (default: what --shm-dir has free)")
+                   help="budget in GiB, as size_limit_gib (default: what size_limit_gib='auto' "
+                        "would take now)")
     p.add_argument("--staging-slots", type=int, default=0,
                    help="staging slots for a prefetcher, paid from the budget (default: 0)")
     c = sub.add_parser("clean", help="remove your segments whose processes are all gone")
@@ -6357,29 +6427,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                 msg = re.sub(rf"\b{param}\b", flag, msg)
             parser.error(msg)
         what = f"{dims} {args.dtype}" if not args.field else " + ".join(args.field)
+        gib = {k: _fmt_bytes(v * BYTES_PER_GIB) for k, v in r.items()
+               if k.endswith("_gib") and k != "size_limit_gib"}
         out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
             f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
-            f"the whole dataset needs {r['dataset_gib']:.2f} GiB; {args.shm_dir} has "
-            f"{r['shm_free_gib']:.2f} GiB free, of which 'auto' leaves "
-            f"{r['shm_headroom_gib']:.2f} GiB to its other users (DataLoader batches, NCCL)\n"
-            + (f"RAM {r['ram_available_gib']:.2f} GiB available" if r["memory_limit"] is None
-               else f"memory limit {r['memory_gib']:.2f} GiB ({r['memory_limit']}), "
-               f"{r['ram_available_gib']:.2f} GiB of it free") +
-            f", of which 'auto' keeps {r['memory_margin_gib']:.2f} GiB free\n")
-        if r["segment_gib"] > r["shm_free_gib"]:
-            out(f"warning: the segment ({r['segment_gib']:.2f} GiB) does not fit in what "
-                f"{args.shm_dir} has free: enlarge it or pass a smaller --size-gib\n")
-        elif r["segment_gib"] > r["ram_available_gib"] and r["memory_limit"] is not None:
-            out(f"error: the segment ({r['segment_gib']:.2f} GiB) is more than the memory "
-                f"limit leaves free: the cache would refuse to start; raise the limit or pass "
-                f"a smaller --size-gib\n")
-        elif r["segment_gib"] > r["ram_available_gib"]:
-            out(f"warning: the segment ({r['segment_gib']:.2f} GiB) is more than the RAM "
-                f"available now: the machine would swap\n")
-        elif r["shm_free_gib"] - r["segment_gib"] < r["shm_headroom_gib"]:
-            out(f"warning: the segment ({r['segment_gib']:.2f} GiB) leaves less than "
-                f"{r['shm_headroom_gib']:.2f} GiB of {args.shm_dir} to the DataLoader's batches "
-                "and NCCL: enlarge it or pass a smaller --size-gib\n")
+            f"the whole dataset needs {gib['dataset_gib']}; {args.shm_dir} has "
+            f"{gib['shm_free_gib']} free, of which 'auto' leaves {gib['shm_headroom_gib']} to "
+            f"its other users (DataLoader batches, NCCL)\n"
+            + (f"RAM {gib['ram_available_gib']} available" if r["memory_limit"] is None
+               else f"memory limit {gib['memory_gib']} ({r['memory_limit']}), "
+               f"{gib['ram_available_gib']} of it free") +
+            f", of which 'auto' keeps {gib['memory_margin_gib']} free\n")
+        segment, limited = r["segment_gib"], r["memory_limit"] is not None
+        if segment > r["shm_free_gib"]:
+            out(f"error: the segment ({gib['segment_gib']}) does not fit in what {args.shm_dir} "
+                "has free: the cache would refuse to start; enlarge it or pass a smaller "
+                "--size-gib\n")
+            return 1
+        if limited and segment > r["ram_available_gib"]:
+            out(f"error: the segment ({gib['segment_gib']}) is more than the memory limit "
+                "leaves free: the cache would refuse to start; raise the limit or pass a "
+                "smaller --size-gib\n")
+            return 1
+        if r["ram_available_gib"] - segment < r["memory_margin_gib"]:
+            out(f"warning: the segment ({gib['segment_gib']}) leaves less than "
+                f"{gib['memory_margin_gib']} of the memory free: "
+                + ("the machine would swap\n" if not limited else
+                   "the DataLoader's workers may get the job killed (OOM)\n"))
+        if r["shm_free_gib"] - segment < r["shm_headroom_gib"]:
+            out(f"warning: the segment ({gib['segment_gib']}) leaves less than "
+                f"{gib['shm_headroom_gib']} of {args.shm_dir} to the DataLoader's batches and "
+                "NCCL: enlarge it or pass a smaller --size-gib\n")
     elif args.cmd == "inspect":
         return _inspect_saved_files(args.paths, args.verify, out)
     elif args.cmd == "clean":

@@ -57,6 +57,7 @@ SLOW = {
     # a DataLoader run in a container's limits (a memory cgroup, a 64 MiB /dev/shm)
     "tests/test_containers.py::test_auto_sizes_within_the_memory_limit_and_a_loader_runs",  # 12 s
     "tests/test_containers.py::test_auto_leaves_room_for_the_dataloader_in_a_64_mib_dev_shm",  # 8 s
+    "tests/test_containers.py::test_auto_under_mp_spawn_leaves_room_for_spawned_workers",
     # torture, fuzz, endurance, kills and fault-injection matrices
     "tests/test_batch.py::test_a_writer_killed_mid_copy_leaves_a_miss_in_a_batch",  # 3 s
     "tests/test_concurrency.py::test_torture_reads_are_never_corrupt",  # 31 s
