@@ -26,9 +26,11 @@ samples are decoded::
         ds.set_epoch(epoch)
         for batch in loader: ...
 
-Each epoch, the shards are dealt out in an order drawn from ``(seed, epoch)`` to the
-(rank, DataLoader worker) pairs of the job, round-robin, so every sample is read once an epoch;
-each pair streams its shards through a shuffle buffer of ``shuffle_buffer`` samples. The order
+Each epoch, the shards are dealt out in an order drawn from ``(seed, epoch)`` to the ranks,
+round-robin, and each rank's to its DataLoader workers, so every sample is read once an epoch;
+each worker streams its shards through a shuffle buffer of ``shuffle_buffer`` samples. With
+``even`` (the default) every worker of every rank yields as many samples as the fullest one
+(repeating its first), so that the ranks of a DDP job take the same number of steps. The order
 depends on ``(seed, epoch)`` only, never on what is cached, so ``state_dict`` (the epoch and
 the count of samples yielded, per worker, as torchdata's ``StatefulDataLoader`` keeps them)
 resumes an epoch exactly: the samples already yielded are skipped without being decoded.
@@ -59,9 +61,11 @@ except ImportError:  # copied beside stocaching.py
     from stocaching import BaseCache, SharedCache, check_int  # type: ignore[no-redef]
 
 try:  # the values a cache can hold: the wrapper's rules, shared
-    from .wrapper import _PART, _as_tensors, _dims_and_dtypes, _same
+    from .wrapper import (_PART, _as_tensors, _check_options, _dims_and_dtypes, _same,
+                          _unfit_value)
 except ImportError:  # copied beside stocaching.py and wrapper.py
-    from wrapper import _PART, _as_tensors, _dims_and_dtypes, _same  # type: ignore[no-redef]
+    from wrapper import (_PART, _as_tensors, _check_options,  # type: ignore[no-redef]
+                         _dims_and_dtypes, _same, _unfit_value)
 
 
 class CachedStream(torch.utils.data.IterableDataset):
@@ -86,6 +90,11 @@ class CachedStream(torch.utils.data.IterableDataset):
         size_limit_gib: without ``cache``: the new cache's budget. Default: ``"auto"``.
         shuffle_buffer: samples held to shuffle each worker's stream (1: none). Default: 1000.
         seed: the seed of the shard order and the shuffle. Default: 0.
+        even: every (rank, DataLoader worker) pair yields as many samples as the fullest one,
+            repeating the first of its own (as ``DistributedSampler`` pads), so that every
+            rank takes the same number of steps: a DDP job whose ranks take different numbers
+            of steps hangs in its last all-reduce. False: each sample exactly once, and the
+            ranks differ by up to a shard where the shards do not deal evenly. Default: True.
         verify_decodes: how many more times the first sample is decoded at construction and
             compared, to catch a ``decode`` that is not deterministic (a random flip escapes
             three comparisons 1 time in 8). Default: 3 (0: none).
@@ -116,7 +125,9 @@ class CachedStream(torch.utils.data.IterableDataset):
                  decode: Callable[[Any], Any] | None = None,
                  transform: Callable[[Any], Any] | None = None,
                  size_limit_gib: float | str = "auto", shuffle_buffer: int = 1000,
-                 seed: int = 0, verify_decodes: int = 3, **cache_options: Any) -> None:
+                 seed: int = 0, even: bool = True, verify_decodes: int = 3,
+                 **cache_options: Any) -> None:
+        _check_options(cache_options, "CachedStream")
         if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence) or not shards:
             raise TypeError(f"shards should be a non-empty list of what open_shard opens (URLs, "
                             f"paths), but got shards={shards!r}")
@@ -134,18 +145,29 @@ class CachedStream(torch.utils.data.IterableDataset):
         self.decode, self.transform = decode, transform
         self.shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, low=1)
         self.seed = check_int("seed", seed, low=0)
+        if not isinstance(even, bool):
+            raise TypeError(f"even should be True or False, but got even={even!r}")
+        self.even = even
         self.shards_opened = 0
         if shard_lengths is None:
             shard_lengths = [self._count(shard) for shard in self.shards]
+        elif not isinstance(shard_lengths, Sequence) or isinstance(shard_lengths, (str, bytes)):
+            raise TypeError(f"shard_lengths should be a list of ints, one per shard, or None, "
+                            f"but got shard_lengths={shard_lengths!r}")
         elif len(shard_lengths) != len(self.shards):
             raise ValueError(f"shard_lengths should give one length per shard ({len(shards)}), "
                              f"but got {len(shard_lengths)} lengths")
-        lengths = [check_int("shard_lengths[k]", n, low=0) for n in shard_lengths]
+        lengths = [check_int(f"shard_lengths[{k}]", n, low=0)
+                   for k, n in enumerate(shard_lengths)]
         self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         total = int(self._offsets[-1])
         if total < 1:
             raise ValueError("shards should hold at least one sample, but every shard is empty")
-        raw = next(iter(self._open(self.shards[_first_nonempty(lengths)])))
+        k = _first_nonempty(lengths)
+        raw = next(iter(self._open(self.shards[k])), _NOTHING)
+        if raw is _NOTHING:
+            raise ValueError(f"open_shard({self.shards[k]!r}) gave no sample, but shard_lengths "
+                             f"says {lengths[k]}")
         first = self._decoded(raw)
         for _ in range(check_int("verify_decodes", verify_decodes, low=0)):
             if not _same(first, self._decoded(raw)):
@@ -169,14 +191,35 @@ class CachedStream(torch.utils.data.IterableDataset):
         self._epoch, self._resume, self._position = 0, None, {"epoch": 0, "yielded": 0}
 
     def __len__(self) -> int:
-        """The samples of one epoch, over every rank and worker."""
-        return int(self._offsets[-1])
+        """The samples this rank yields in the epoch ``set_epoch`` set, read in the training
+        process (``num_workers=0``): its share of the shards, and with ``even`` as many as the
+        fullest rank's. With DataLoader workers, ``even`` may add up to a shard per worker
+        (each is padded to the fullest worker's count), which torch then reports as more
+        samples than ``len``."""
+        order = self._order(self._epoch)
+        world = self.cache.world
+        counts = [self._samples_in(_share(order, r, world.world_size, 0, 1))
+                  for r in range(world.world_size)]
+        return max(counts) if self.even else counts[world.rank]
+
+    def close(self) -> None:
+        """Close the cache (in this process)."""
+        self.cache.close()
+
+    def __enter__(self) -> "CachedStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration runs (its shard order and shuffle); call it in the main
         process before each epoch, as for a ``DistributedSampler``. Persistent workers, which
-        do not see it, count their epochs themselves."""
+        do not see it, count their epochs themselves. Another epoch than a loaded state's
+        (``load_state_dict``) starts that epoch afresh."""
         self._epoch = check_int("epoch", epoch, low=0)
+        if self._resume is not None and self._resume["epoch"] != self._epoch:
+            self._resume = None
 
     # -- the epoch --------------------------------------------------------------------------
 
@@ -186,13 +229,23 @@ class CachedStream(torch.utils.data.IterableDataset):
             epoch, skip = self._resume["epoch"], self._resume["yielded"]
             self._resume = None
         self._epoch = epoch + 1  # (a persistent worker's next epoch)
-        consumer, consumers = _consumer(self.cache)
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-        mine = order[consumer::consumers]
-        rng = np.random.default_rng([self.seed, epoch, consumer])
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        world = self.cache.world
+        order = self._order(epoch)
+        mine = _share(order, world.rank, world.world_size, worker, workers)
+        entries: Iterable[tuple[int, Any]] = self._entries(mine)
+        if self.even:  # padded with its own first samples (any shard's, if it has none)
+            fullest = max(self._samples_in(_share(order, r, world.world_size, w, workers))
+                          for r in range(world.world_size) for w in range(workers))
+            extra = fullest - self._samples_in(mine)
+            if extra:
+                again = itertools.cycle(mine if len(mine) else order)
+                entries = itertools.chain(entries, itertools.islice(self._entries(again),
+                                                                    extra))
+        rng = np.random.default_rng([self.seed, epoch, world.rank, worker])
         self._position = {"epoch": epoch, "yielded": skip}
-        for n, (index, raw) in enumerate(_shuffled(self._entries(mine), self.shuffle_buffer,
-                                                   rng)):
+        for n, (index, raw) in enumerate(_shuffled(entries, self.shuffle_buffer, rng)):
             if n < skip:
                 continue  # (resumed: already yielded before the state was saved)
             value = self._value(index, raw)
@@ -208,13 +261,17 @@ class CachedStream(torch.utils.data.IterableDataset):
                 yield from ((i, None) for i in range(first, end))
                 continue
             count = 0
-            for index, raw in zip(range(first, end), self._open(self.shards[k])):
-                yield index, raw
+            for raw in self._open(self.shards[k]):
+                if count == end - first:
+                    count += 1  # (one more than its length: enough to say so)
+                    break
+                yield first + count, raw
                 count += 1
             if count != end - first:
-                raise ValueError(f"shard {self.shards[k]!r} held {count} samples, but "
-                                 f"shard_lengths says {end - first}: the lengths must be right "
-                                 f"for every index to be one sample")
+                raise ValueError(f"shard {self.shards[k]!r} held {'more than ' if count > end - first else ''}"
+                                 f"{min(count, end - first)} samples, but shard_lengths says "
+                                 f"{end - first}: the lengths must be right for every index to "
+                                 "be one sample")
 
     def _value(self, index: int, raw: Any) -> Any:
         """The sample of ``index``: from the cache, else decoded from ``raw`` (reading the
@@ -228,7 +285,11 @@ class CachedStream(torch.utils.data.IterableDataset):
             value = self._decoded(raw)
             if self._as_tuple:
                 value = {_PART.format(k): v for k, v in enumerate(value)}
-            self.cache.set_slot(index, value)
+            try:
+                self.cache.set_slot(index, value)
+            except (ValueError, TypeError) as e:  # not what the cache was made for
+                raise _unfit_value(e, f"sample {index}", "decode(raw)" if self.decode else
+                                   "the raw sample", "the first sample") from e
         if self._as_tuple:
             value = tuple(value[_PART.format(k)] for k in range(len(value)))
         return value if self.transform is None else self.transform(value)
@@ -239,7 +300,18 @@ class CachedStream(torch.utils.data.IterableDataset):
 
     def _open(self, shard: Any) -> Iterable[Any]:
         self.shards_opened += 1
-        return self.open_shard(shard)
+        samples = self.open_shard(shard)
+        if not isinstance(samples, Iterable):
+            raise TypeError(f"open_shard should return the shard's samples (an iterable), but "
+                            f"open_shard({shard!r}) returned {type(samples).__name__}")
+        return samples
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The shards in the order of ``epoch`` (drawn from the seed and the epoch)."""
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+
+    def _samples_in(self, shards: np.ndarray) -> int:
+        return int(sum(self._offsets[k + 1] - self._offsets[k] for k in shards))
 
     def _count(self, shard: Any) -> int:
         return sum(1 for _ in self._open(shard))
@@ -260,13 +332,14 @@ class CachedStream(torch.utils.data.IterableDataset):
                         "yielded": check_int("state['yielded']", state["yielded"], low=0)}
 
 
-def _consumer(cache: BaseCache) -> tuple[int, int]:
-    """This process's place among the (rank, DataLoader worker) pairs of the job, and how
-    many there are."""
-    info = torch.utils.data.get_worker_info()
-    worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-    world = cache.world
-    return world.rank * workers + worker, world.world_size * workers
+_NOTHING = object()
+
+
+def _share(order: np.ndarray, rank: int, ranks: int, worker: int, workers: int) -> np.ndarray:
+    """The shards of one DataLoader worker of one rank: the rank's share of the epoch's order
+    dealt round-robin (the same whatever the number of workers), then the worker's of it."""
+    return order[rank::ranks][worker::workers]
+
 
 
 def _first_nonempty(lengths: Sequence[int]) -> int:

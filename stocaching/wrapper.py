@@ -33,6 +33,7 @@ from __future__ import annotations
 
 __all__ = ["CachedDataset"]
 
+import inspect
 import os
 from typing import Any, Callable, Mapping
 
@@ -98,6 +99,11 @@ class CachedDataset(torch.utils.data.Dataset):
                  decode: Callable[[Any], Any] | None = None,
                  transform: Callable[[Any], Any] | None = None, verify_loads: int = 3,
                  **cache_options: Any) -> None:
+        _check_options(cache_options, "CachedDataset")
+        if isinstance(base, torch.utils.data.IterableDataset):
+            raise TypeError(f"base should be a map-style dataset (with __len__ and "
+                            f"__getitem__), but got an IterableDataset "
+                            f"({type(base).__name__}): for a stream of shards, see CachedStream")
         if not (hasattr(base, "__len__") and hasattr(base, "__getitem__")):
             raise TypeError(f"base should be a map-style dataset (with __len__ and "
                             f"__getitem__), but got base={type(base).__name__}")
@@ -131,6 +137,8 @@ class CachedDataset(torch.utils.data.Dataset):
         return len(self.base)
 
     def __getitem__(self, i: int) -> Any:
+        if type(i) is int and -len(self.base) <= i < 0:
+            i += len(self.base)  # (as a list, and most datasets, read base[-1])
         value = self.cache.get_slot(i)
         if value is None:
             value = self.load(i)
@@ -173,6 +181,9 @@ class CachedDataset(torch.utils.data.Dataset):
     def _store(self, i: int, value: Any) -> None:
         try:
             self.cache.set_slot(i, value)
+        except (ValueError, TypeError) as e:  # not what the cache was made for
+            raise _unfit_value(e, f"index {i}", "decode(base[i])" if self.decode else
+                               "base[i]", "index 0") from e
         except RuntimeError as e:  # another process stored a different value first?
             held = self.cache.get_slot(i)
             if held is None or _same(held, value):
@@ -194,22 +205,46 @@ class CachedDataset(torch.utils.data.Dataset):
                 "the base dataset no random transform, and pass it as transform=")
 
 
-def _as_tensors(value: Any, what: str) -> Any:
-    """``value`` with numpy arrays and Python numbers made tensors, a list made a tuple; a
-    TypeError for what a cache cannot hold."""
+def _as_tensors(value: Any, what: str, nested: bool = False) -> Any:
+    """``value`` with numpy arrays and Python numbers made tensors (a Python float a float32
+    one, as torch makes it), a list made a tuple; a TypeError for what a cache cannot hold:
+    other types, tuples or dicts inside tuples or dicts, dict keys that are not identifiers,
+    a bare number."""
     if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (np.ndarray, np.generic)):
-        return torch.from_numpy(np.array(value, order="C"))  # (a copy: 0-d stays 0-d)
-    if isinstance(value, (bool, int, float)):
-        return torch.as_tensor(value)
-    if isinstance(value, Mapping):
-        return {k: _as_tensors(v, f"{what}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return tuple(_as_tensors(v, f"{what}[{k}]") for k, v in enumerate(value))
-    raise TypeError(f"{what} should be made of tensors, numpy arrays or numbers (a tuple or "
-                    f"dict of them), which the cache can hold, but got {type(value).__name__}: "
-                    "pass decode= turning each item into that (for an image, its uint8 pixels)")
+        tensor = value
+    elif isinstance(value, (np.ndarray, np.generic)):
+        tensor = torch.from_numpy(np.array(value, order="C"))  # (a copy: 0-d stays 0-d)
+    elif isinstance(value, (bool, int, float)):
+        tensor = torch.as_tensor(value)
+    elif isinstance(value, (Mapping, tuple, list)) and not nested:
+        if isinstance(value, Mapping):
+            for k in value:
+                if not (isinstance(k, str) and k.isascii() and k.isidentifier()):
+                    raise TypeError(f"{what} should have keys that are Python identifiers (the "
+                                    f"cache's field names), but got the key {k!r}: rename it in "
+                                    "decode")
+            return {k: _as_tensors(v, f"{what}[{k!r}]", True) for k, v in value.items()}
+        return tuple(_as_tensors(v, f"{what}[{k}]", True) for k, v in enumerate(value))
+    else:
+        raise TypeError(f"{what} should be made of tensors, numpy arrays or numbers (a tuple or "
+                        f"dict of them, not nested), which the cache can hold, but got "
+                        f"{type(value).__name__}: pass decode= turning each item into that "
+                        "(for an image, its uint8 pixels)")
+    if tensor.dim() == 0 and not nested:
+        raise TypeError(f"{what} should be a tensor with at least one dimension, or a tuple or "
+                        f"dict, but got a single number ({value!r}): return it as a tensor of "
+                        "shape (1,), or in a tuple with the rest of the item")
+    return tensor
+
+
+def _unfit_value(error: Exception, where: str, what: str, first: str) -> Exception:
+    """The cache's refusal of a value (another shape or dtype than the first item's), with
+    what it means here."""
+    return type(error)(
+        f"{where}: {what} gave a value the cache cannot hold ({error}). The cache was made "
+        f"for the shapes and dtypes of {first}: items of other sizes need a decode that makes "
+        "them one size (resize, crop), or a cache made for them passed as cache= (an "
+        "OpenSizeCache for sizes that vary)")
 
 
 def _as_fields(value: tuple) -> dict:
@@ -235,3 +270,14 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
+
+
+def _check_options(options: Mapping[str, Any], who: str) -> None:
+    """A keyword that is neither the caller's nor ``SharedCache``'s is named as the caller's
+    mistake (not as one of SharedCache's, which the user did not call)."""
+    known = set(inspect.signature(SharedCache.__init__).parameters) - {
+        "self", "size_limit_gib", "dataset_len", "data_dims", "dtype"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{who} got an unexpected keyword argument {unknown[0]!r} (neither "
+                        f"one of its own nor one of SharedCache's: {', '.join(sorted(known))})")

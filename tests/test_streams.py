@@ -109,21 +109,36 @@ def test_later_epochs_read_only_the_shards_with_uncached_samples(shm_dir, shards
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_of_two_workers_read_every_index_once(shm_dir, shards):
+@pytest.mark.parametrize("even", [False, True])
+def test_two_ranks_of_two_workers_read_every_index_once(shm_dir, shards, even):
+    # 6 shards over 2 ranks x 2 workers: 2 and 1 shards a worker. even=False: every sample
+    # once, the workers uneven; even=True: every worker yields 2 shards' worth (its own first
+    # samples again), so every rank takes as many steps (DDP needs it).
     urls, open_shard = shards
     worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
     args = dict(decode=decode, shard_lengths=[PER] * SHARDS, size_limit_gib=1, name="s",
-                job_key=f"streams{os.getpid()}", timeout=60)
+                job_key=f"streams{os.getpid()}", timeout=60, even=even)
     ranks = [CachedStream(urls, open_shard, world=worlds[0], **args)]
     ranks.append(CachedStream(urls, open_shard, world=worlds[1], **args))  # attaches
     open_shard.opened()
     for epoch in range(2):
-        seen = []
+        seen, per_rank = [], []
         for ds in ranks:
             ds.set_epoch(epoch)
-            seen += epoch_of(ds, torch.utils.data.DataLoader(ds, batch_size=5, num_workers=2))
-        assert sorted(seen) == list(range(SHARDS * PER)), epoch
-        assert len(open_shard.opened()) == (SHARDS if epoch == 0 else 0)
+            got = epoch_of(ds, torch.utils.data.DataLoader(ds, batch_size=5, num_workers=2))
+            seen += got
+            per_rank.append(len(got))
+        if even:
+            assert sorted(set(seen)) == list(range(SHARDS * PER)), epoch
+            assert per_rank == [2 * 2 * PER, 2 * 2 * PER]
+        else:
+            assert sorted(seen) == list(range(SHARDS * PER)), epoch
+            assert per_rank == [3 * PER, 3 * PER]
+        # epoch 1 reads every shard (and, padding, 2 of them again before they are stored);
+        # epoch 2 none
+        assert len(open_shard.opened()) == ((SHARDS + 2 * even) if epoch == 0 else 0)
+    # len(): this rank's samples when read without workers (3 shards each: even already)
+    assert [len(ds) for ds in ranks] == [3 * PER, 3 * PER]
     assert ranks[0].cache.stats()["filled"] == SHARDS * PER
     for ds in reversed(ranks):
         ds.cache.close()
@@ -172,16 +187,33 @@ def test_a_random_decode_is_caught_at_construction(shm_dir, shards):
     assert named(shm_dir) == []
 
 
-def test_lengths_are_counted_and_checked(shm_dir, shards):
+@pytest.mark.parametrize("last,match", [(PER + 1, r"held 10 samples, but shard_lengths says 11"),
+                                        (PER - 1, r"held more than 9 samples, but shard_lengths "
+                                                  r"says 9")])
+def test_lengths_are_counted_and_checked(shm_dir, shards, last, match):
     urls, open_shard = shards
-    ds = CachedStream(urls, open_shard, decode=decode, size_limit_gib=1)
-    assert len(ds) == SHARDS * PER and ds.cache.dataset_len == SHARDS * PER
-    ds.cache.close()
-    wrong = CachedStream(urls, open_shard, decode=decode, size_limit_gib=1,
-                         shard_lengths=[PER] * (SHARDS - 1) + [PER + 1], name="wrong")
-    with pytest.raises(ValueError, match=r"held 10 samples, but shard_lengths says 11"):
-        list(wrong)
-    wrong.cache.close()
+    with CachedStream(urls, open_shard, decode=decode, size_limit_gib=1) as ds:
+        assert len(ds) == SHARDS * PER and ds.cache.dataset_len == SHARDS * PER
+    with CachedStream(urls, open_shard, decode=decode, size_limit_gib=1, even=False,
+                      shard_lengths=[PER] * (SHARDS - 1) + [last], name="wrong") as wrong:
+        with pytest.raises(ValueError, match=match):
+            list(wrong)
+    assert named(shm_dir) == []
+
+
+def test_a_loaded_state_gives_way_to_another_epoch(shm_dir, shards):
+    urls, open_shard = shards
+    with CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
+                      size_limit_gib=1) as ds:
+        ds.set_epoch(1)
+        assert len(list(ds)) == SHARDS * PER
+        state = ds.state_dict()
+        assert state == {"epoch": 1, "yielded": SHARDS * PER}
+        ds.load_state_dict(state)
+        assert list(ds) == []  # the saved epoch was over
+        ds.load_state_dict(state)
+        ds.set_epoch(2)  # a new epoch: the state of epoch 1 no longer applies
+        assert len(list(ds)) == SHARDS * PER
 
 
 @pytest.mark.parametrize("kw,error,match", [
@@ -191,10 +223,20 @@ def test_lengths_are_counted_and_checked(shm_dir, shards):
     (dict(shard_lengths=[PER]), ValueError, r"one length per shard \(6\), but got 1"),
     (dict(shuffle_buffer=0), ValueError, r"shuffle_buffer"),
     (dict(cache=SharedCache), TypeError, r"cache should be a SharedCache or OpenSizeCache"),
+    (dict(shard_lengths=PER), TypeError, r"shard_lengths should be a list of ints"),
+    (dict(shard_lengths=[PER] * 5 + [-1]), ValueError, r"shard_lengths\[5\]"),
+    (dict(open_shard=lambda url: []), ValueError, r"open_shard\('.*train-0000.tar'\) gave no "
+                                                  r"sample, but shard_lengths says 10"),
+    (dict(open_shard=lambda url: None), TypeError, r"open_shard should return the shard's "
+                                                   r"samples \(an iterable\)"),
+    (dict(shuffle=True), TypeError, r"CachedStream got an unexpected keyword argument "
+                                    r"'shuffle'"),
+    (dict(even=1), TypeError, r"even should be True or False"),
 ])
 def test_bad_arguments_are_refused(shm_dir, shards, kw, error, match):
     urls, open_shard = shards
-    args = dict(shards=urls, open_shard=open_shard, decode=decode, size_limit_gib=1)
+    args = dict(shards=urls, open_shard=open_shard, decode=decode, size_limit_gib=1,
+                shard_lengths=[PER] * SHARDS)
     args.update(kw)
     with pytest.raises(error, match=match):
         CachedStream(**args)

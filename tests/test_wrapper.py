@@ -182,6 +182,60 @@ def test_bad_arguments_are_refused_before_a_cache_is_made(shm_dir, kw, error, ma
     assert named(shm_dir) == []
 
 
+class Items(torch.utils.data.Dataset):
+    """Items given as a list: whatever a dataset may return."""
+
+    def __init__(self, items) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+@pytest.mark.parametrize("items,error,match", [
+    ([(torch.zeros(2), (1, 2))], TypeError, r"base\[i\]\[1\] should be made of tensors.*not "
+                                            r"nested.*but got tuple"),
+    ([{"a": {"b": torch.zeros(2)}}], TypeError, r"not nested"),
+    ([{"pixel-values": torch.zeros(2)}], TypeError, r"keys that are Python identifiers.*"
+                                                    r"'pixel-values'"),
+    ([1.0, 2.0], TypeError, r"a single number \(1.0\): return it as a tensor of shape "
+                            r"\(1,\)"),
+])
+def test_values_the_cache_cannot_hold_are_named_as_the_items(shm_dir, items, error, match):
+    with pytest.raises(error, match=match):
+        CachedDataset(Items(items), size_limit_gib=1)
+    assert named(shm_dir) == []
+
+
+def test_an_item_of_another_size_says_the_first_item_sized_the_cache(shm_dir):
+    ds = CachedDataset(Items([torch.zeros(3, 4, 4, dtype=torch.uint8),
+                              torch.zeros(3, 5, 4, dtype=torch.uint8)]), size_limit_gib=1)
+    with pytest.raises(ValueError, match=r"index 1: base\[i\] gave a value the cache cannot "
+                                         r"hold \(.*\)\. The cache was made for the shapes "
+                                         r"and dtypes of index 0.*OpenSizeCache"):
+        ds[1]
+    assert torch.equal(ds[-2], torch.zeros(3, 4, 4, dtype=torch.uint8))  # (as base[-2])
+    ds.close()
+
+
+def test_other_arguments_and_streams_are_named_as_the_wrappers(shm_dir):
+    with pytest.raises(TypeError, match=r"CachedDataset got an unexpected keyword argument "
+                                        r"'shuffle'"):
+        CachedDataset(LibraryDataset(), shuffle=True)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(2)
+
+    with pytest.raises(TypeError, match=r"got an IterableDataset \(Stream\): for a stream of "
+                                        r"shards, see CachedStream"):
+        CachedDataset(Stream())
+    assert named(shm_dir) == []
+
+
 def test_a_cache_of_another_length_or_with_options_is_refused(shm_dir):
     with SharedCache(1, N + 1, (3, 8, 8)) as cache:
         with pytest.raises(ValueError, match=rf"dataset_len=len\(base\)={N}, but got a cache "
