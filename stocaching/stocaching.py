@@ -1271,13 +1271,13 @@ def _workers_to_come(local_world_size: int) -> int:
     return local_world_size * AUTO_WORKERS_PER_RANK * per_worker
 
 
-def _memory_cgroup_levels() -> list[tuple[str, int, int]]:
+def _memory_cgroup_levels(proc: str = "/proc/self") -> list[tuple[str, int, int]]:
     """(limit file, limit, use) of each memory cgroup above this process that has a limit,
-    its own first: found through /proc/self/cgroup (its path in each hierarchy) and
-    /proc/self/mountinfo (where the hierarchy is mounted, and which part of it: a container
+    its own first: found through ``proc``/cgroup (its path in each hierarchy) and
+    ``proc``/mountinfo (where the hierarchy is mounted, and which part of it: a container
     sees its own cgroup as the root). The v1 memory hierarchy if mounted (systems with both
     mount v2 without the memory controller), else v2."""
-    with open("/proc/self/cgroup") as f:
+    with open(os.path.join(proc, "cgroup")) as f:
         paths = {}
         for line in f.read().splitlines():
             _, controllers, path = line.split(":", 2)
@@ -1285,7 +1285,7 @@ def _memory_cgroup_levels() -> list[tuple[str, int, int]]:
                 paths[2] = path
             elif "memory" in controllers.split(","):
                 paths[1] = path
-    with open("/proc/self/mountinfo") as f:
+    with open(os.path.join(proc, "mountinfo")) as f:
         mounts = {}
         for line in f.read().splitlines():
             fields = line.split()

@@ -194,3 +194,42 @@ def test_a_budget_that_leaves_too_little_dev_shm_warns_once(small_shm):
     for part in ("leaves 12.8 MiB, less than the 32.0 MiB", "batch bytes x num_workers x "
                  "prefetch_factor", "NCCL", "docker run --shm-size="):
         assert part in said_warnings[0], said_warnings[0]
+
+
+# -- cgroup v2, where this machine has v1 ---------------------------------------------------
+
+@pytest.mark.parametrize("cgroup_path,mount_root,limited_at", [
+    ("/kubepods/pod1/ctr", "/", "kubepods/pod1"),  # a limit on the pod, none on the container
+    ("/", "/", ""),  # a container's own namespace: its cgroup is the mount's root
+    ("/job7/task0", "/job7", "."),  # the mount shows the job's part: its limit is the root's
+])
+def test_the_limit_is_found_along_a_cgroup_v2_path(tmp_path, cgroup_path, mount_root,
+                                                     limited_at):
+    """The kernel files are written here (a fake /proc/self and cgroup2 tree): this machine
+    mounts cgroup v1 only, and a v2 hierarchy with the memory controller cannot be made
+    beside it. What is checked is how the path is followed and the files read."""
+    from stocaching.stocaching import _memory_cgroup_levels
+    point = tmp_path / "cg2"
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(f"0::{cgroup_path}\n")
+    (proc / "mountinfo").write_text(
+        f"22 1 0:21 / /proc rw,nosuid - proc proc rw\n"
+        f"30 22 0:26 {mount_root} {point} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n")
+    inside = cgroup_path[len(mount_root.rstrip("/")):].strip("/")
+    leaf = point / inside if inside else point
+    leaf.mkdir(parents=True)
+    for d in [leaf, *leaf.relative_to(point).parents]:
+        d = point / d if d != leaf else d
+        (d / "memory.max").write_text("max\n")
+        (d / "memory.current").write_text("1000\n")
+        (d / "memory.stat").write_text("anon 700\ninactive_file 200\n")
+    if limited_at:
+        (point / limited_at / "memory.max").write_text(f"{300 * MIB}\n")
+        (point / limited_at / "memory.current").write_text(f"{100 * MIB}\n")
+        (point / limited_at / "memory.stat").write_text(f"inactive_file {10 * MIB}\n")
+    levels = _memory_cgroup_levels(str(proc))
+    if limited_at:
+        assert levels == [(str(point / limited_at / "memory.max"), 300 * MIB, 90 * MIB)]
+    else:
+        assert levels == []
