@@ -348,3 +348,33 @@ def test_a_hugging_face_dataset_under_torchrun(tmpfs, tmp_path):
     # stats() counts the node's processes: epoch 1 filled the cache, epoch 2 hit every index
     assert [[rk["epochs"][e]["hits"] for e in range(2)] for rk in ranks] == [[0, 24], [0, 24]]
     assert_no_leak(tmpfs)
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_mid_epoch_is_exact(shm_dir):
+    """The wrapper keeps no position of its own: torchdata's StatefulDataLoader resumes it
+    through its sampler's state, as any map-style dataset."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    ds = CachedDataset(LibraryDataset(), size_limit_gib=1)
+
+    def loader():
+        return stateful.StatefulDataLoader(
+            ds, batch_size=4, num_workers=2,
+            sampler=torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(5)))
+
+    def labels_and_firsts(batch):
+        images, labels = batch
+        return [(int(x[0, 0, 0]), int(y)) for x, y in zip(images, labels)]
+
+    whole = [s for b in loader() for s in labels_and_firsts(b)]
+    first, before = loader(), []
+    it = iter(first)
+    for _ in range(3):
+        before += labels_and_firsts(next(it))
+    state = first.state_dict()
+    del it, first
+    again = loader()
+    again.load_state_dict(state)
+    after = [s for b in again for s in labels_and_firsts(b)]
+    assert before + after == whole and len(whole) == N
+    ds.close()
