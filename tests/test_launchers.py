@@ -329,14 +329,16 @@ def test_cli_errors_name_its_own_flags_in_one_line():
     assert "--dims should be ints" in r.stderr
 
 
-def test_cli_plan_takes_torch_dtypes_and_warns_when_it_does_not_fit(shm_dir):
+def test_cli_plan_takes_torch_dtypes_and_says_when_it_does_not_fit(shm_dir):
     r = _cli("--shm-dir", shm_dir, "plan", "--dataset-len", "100", "--dims", "4",
              "--dtype", "torch.float16")
     assert r.returncode == 0 and "100 of 100 samples" in r.stdout and "warning" not in r.stdout
     free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize / BYTES_PER_GIB
     r = _cli("--shm-dir", shm_dir, "plan", "--dataset-len", str(int(2 * free * 1024) + 1024),
              "--dims", "1024,1024", "--size-gib", str(2 * free + 1))  # 1 MiB samples
-    assert r.returncode == 0 and "warning: the segment" in r.stdout
+    # the cache would refuse to start: an error, and a status a script can test
+    assert r.returncode == 1 and "error: the segment" in r.stdout and \
+        "the cache would refuse to start" in r.stdout
 
 
 def test_cli_output_into_a_closed_pipe_ends_quietly(shm_dir):
