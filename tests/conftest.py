@@ -135,7 +135,7 @@ SLOW = {
     "tests/test_launchers.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
     "tests/test_launchers.py::test_cli_output_into_a_closed_pipe_ends_quietly",  # 3 s
     "tests/test_launchers.py::"
-    "test_cli_plan_takes_torch_dtypes_and_warns_when_it_does_not_fit",  # 10 s
+    "test_cli_plan_takes_torch_dtypes_and_says_when_it_does_not_fit",  # 10 s
     "tests/test_launchers.py::test_the_help_of_every_option_is_written",  # 8 s
     "tests/test_lifecycle.py::test_cli_info_lists_live_segments",  # 2 s
     "tests/test_lifecycle.py::test_cli_plan",  # 5 s
