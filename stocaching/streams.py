@@ -112,6 +112,7 @@ class CachedStream(torch.utils.data.IterableDataset):
     transform: Callable[[Any], Any] | None
     shuffle_buffer: int
     seed: int
+    even: bool
     shards_opened: int
     _offsets: np.ndarray  # the index of each shard's first sample; the last entry is the total
     _as_tuple: bool
@@ -178,12 +179,15 @@ class CachedStream(torch.utils.data.IterableDataset):
                     "(the same crop every epoch). Move the random part after the cache: pass it "
                     "as transform=")
         self._as_tuple = isinstance(first, tuple)
+        made = cache is None
         if cache is None:
             cache = SharedCache(size_limit_gib, total, *_dims_and_dtypes(first), **cache_options)
         elif cache.dataset_len != total:
             raise ValueError(f"cache should have dataset_len={total} (the shards' samples), but "
                              f"got a cache with dataset_len={cache.dataset_len}")
         if cache.layout.num_nodes > 1:
+            if made:
+                cache.close()  # (refused: nothing of it is left)
             raise ValueError(f"CachedStream is for one node: each node would stream the shards "
                              f"its own cache holds, which it does not do yet; but got a cache "
                              f"of {cache.layout.num_nodes} nodes")

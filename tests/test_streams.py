@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _helpers import named, value_of
-from stocaching import CachedStream, SharedCache, World
+from stocaching import CachedStream, SharedCache, World, list_segments
 
 wds = pytest.importorskip("webdataset")
 
@@ -241,3 +241,27 @@ def test_bad_arguments_are_refused(shm_dir, shards, kw, error, match):
     with pytest.raises(error, match=match):
         CachedStream(**args)
     assert named(shm_dir) == []
+
+
+def test_a_cache_of_several_nodes_is_refused_and_not_left(shm_dir, shards):
+    urls, open_shard = shards
+    world = World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
+                  num_nodes=2)
+    with pytest.raises(ValueError, match=r"CachedStream is for one node.*a cache of 2 nodes") \
+            as refused:
+        CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
+                     size_limit_gib=1, world=world)
+    # The cache it made is closed, not left to the garbage collector (the traceback, which a
+    # caller may keep, holds it).
+    made = next(tb.tb_frame.f_locals["cache"] for tb in _frames(refused.tb)
+                if tb.tb_frame.f_code.co_name == "__init__" and "made" in tb.tb_frame.f_locals)
+    with pytest.raises(ValueError, match=r"closed"):
+        made.get_slot(0)
+    del made, refused
+    assert list_segments(shm_dir) == []
+
+
+def _frames(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
