@@ -6235,15 +6235,13 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
     if mean_sample_bytes is not None:
         raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
                          f"data_dims), but got mean_sample_bytes={mean_sample_bytes!r}")
-    room = _plan_room(shm_dir)
+    room, auto_bytes = _plan_room(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
         slots = _slots_for_budget(limit, dataset_len, slot_bytes, staging)
     else:  # the largest cache whose whole segment (metadata included) fits, as with "auto"
-        slots = _slots_fitting(room.pop("auto_bytes"), CacheLayout(dataset_len, 0), slot_bytes,
-                               staging)
+        slots = _slots_fitting(auto_bytes, CacheLayout(dataset_len, 0), slot_bytes, staging)
         limit = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
-    room.pop("auto_bytes", None)
     segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes,
                                staging)["total_bytes"]
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
@@ -6251,15 +6249,15 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
             "segment_gib": segment / BYTES_PER_GIB, **room}
 
 
-def _plan_room(shm_dir: str) -> dict:
+def _plan_room(shm_dir: str) -> tuple[dict, int]:
     """What ``plan`` reports of the machine (in GiB, the limit's file as a str or None), and
-    ``auto_bytes``: what a segment sized as by ``size_limit_gib="auto"`` may take."""
+    the bytes a segment sized as by ``size_limit_gib="auto"`` may take."""
     free, headroom, memory = _free_bytes(shm_dir), _shm_headroom(shm_dir), _memory_room()
     return {"shm_free_gib": free / BYTES_PER_GIB, "shm_headroom_gib": headroom / BYTES_PER_GIB,
             "ram_available_gib": memory.available / BYTES_PER_GIB,
             "memory_gib": memory.total / BYTES_PER_GIB, "memory_margin_gib":
             memory.margin / BYTES_PER_GIB, "memory_limit": memory.source if memory.limited
-            else None, "auto_bytes": _auto_room(free, headroom, memory)}
+            else None}, _auto_room(free, headroom, memory)
 
 
 def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
@@ -6275,8 +6273,7 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
                          f"staging_slots={staging}")
     words = 4 + opened
     meta = dataset_len * (1 + 8 * words)
-    room = _plan_room(shm_dir)
-    free = room.pop("auto_bytes")
+    room, free = _plan_room(shm_dir)
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
     else:  # the whole segment in its room: header, stats and page rounding come on top

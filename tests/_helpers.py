@@ -18,8 +18,9 @@ It provides
 * sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots (and
   staging slots);
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
-  ``run_child``/``start_child`` for a program of ``tests/children/``, and ``Child``, a job driven
-  one command per line (``tests/children/job.py``); ``ranks_with_a_killed_writer`` (two ranks,
+  ``run_child``/``start_child`` for a program of ``tests/children/``,
+  ``spawn_without_launcher`` (ranks of ``torch.multiprocessing.spawn`` as its tutorial runs
+  them), and ``Child``, a job driven one command per line (``tests/children/job.py``); ``ranks_with_a_killed_writer`` (two ranks,
   one killed inside a write) and ``assert_the_killed_write_is_a_miss`` (what rank 0 then sees);
   ``racing_writers``, writer processes that overwrite a cache while a test reads it;
 * trainers (``tests/children/lightning_train.py``, ``accelerate_train.py``):
@@ -301,6 +302,20 @@ def age(paths, seconds: float = 10.0) -> None:
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                    "GROUP_WORLD_SIZE", "SLURM_PROCID", "MASTER_PORT", "MASTER_ADDR",
                    "STOCACHING_JOB_KEY")
+
+
+# What torchrun, srun and friends set, which a rank reads to find its place.
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                       "GROUP_WORLD_SIZE", "NODE_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def spawn_without_launcher(fn, args: tuple, nprocs: int = 2) -> None:
+    """``torch.multiprocessing.spawn`` of ``fn`` as PyTorch's DDP tutorial runs it: no
+    launcher's variables in the environment (the test's own are dropped first)."""
+    import torch.multiprocessing
+    for var in _LAUNCHER_VARIABLES:
+        os.environ.pop(var, None)
+    torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs)
 
 
 def free_port() -> int:

@@ -8,14 +8,12 @@ Args: PORT N. Rank 0 prints one JSON line: {"slots", "bytes", "hits": [epoch 1, 
 """
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _helpers import CachedDataset
+from _helpers import CachedDataset, spawn_without_launcher
 from stocaching import SharedCache
 
 DIMS = (3, 128, 128)
@@ -48,7 +46,4 @@ def rank_main(rank: int, port: int, n: int) -> None:
 
 
 if __name__ == "__main__":
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "NODE_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
-        os.environ.pop(var, None)
-    mp.spawn(rank_main, args=(int(sys.argv[1]), int(sys.argv[2])), nprocs=2)
+    spawn_without_launcher(rank_main, (int(sys.argv[1]), int(sys.argv[2])))

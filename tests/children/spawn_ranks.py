@@ -5,15 +5,13 @@ Args: SHM_DIR PORT. Rank 0 prints one JSON line with what both ranks saw.
 """
 
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DistributedSampler
 
-from _helpers import CachedDataset, value_of
+from _helpers import CachedDataset, spawn_without_launcher, value_of
 from stocaching import CacheAwareSampler, SharedCache, list_segments
 
 N = 100
@@ -47,7 +45,4 @@ def rank_main(rank: int, shm_dir: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "NODE_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
-        os.environ.pop(var, None)
-    mp.spawn(rank_main, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)
+    spawn_without_launcher(rank_main, (sys.argv[1], int(sys.argv[2])))
