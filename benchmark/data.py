@@ -279,30 +279,58 @@ class Augment:
 
 
 class BatchAugment:
-    """Phase two of a whole uint8 batch ``(B, 3, H, W)`` where it is (the GPU, for the
-    DeviceLoader): for each sample, what :class:`Augment` does with a fixed size (zero-pad by
+    """Phase two of a whole uint8 batch ``(B, 3, H, W)`` where it is (the batch loader's
+    ``transform``): for each sample, what :class:`Augment` does with a fixed size (zero-pad by
     ``pad``, a random ``H`` x ``W`` crop, a horizontal flip with probability 1/2), then float,
-    [0, 1] and :data:`MEAN` / :data:`STD`. One gather of the padded batch per batch."""
+    [0, 1] and :data:`MEAN` / :data:`STD`.
+
+    On a CPU each sample's window of the padded batch is copied on its own into the float
+    batch, then the batch is normalised in place: 1.5 ms for 64 x (3, 128, 128) on
+    this project's 2-core machine, where one gather of a ``(B, H, W)`` index over the batch
+    took 5 to 16 ms. On a GPU that one gather is one kernel instead of 2 B, and is kept there."""
 
     def __init__(self, pad: int = 4, flip: bool = True) -> None:
         self.pad, self.flip = pad, flip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._windows(x) if x.device.type == "cpu" else self._gathered(x)
+        # (x / 255 - mean) / std as a multiply then an add in place: two passes over the float
+        # batch instead of three (it differs from Augment's by float rounding only).
+        std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
+        shift = -torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1) / std
+        return out.mul_(1.0 / (255.0 * std)).add_(shift)
+
+    def _draws(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Each sample's crop (top, left, in the padded sample) and flip."""
+        top = torch.randint(0, 2 * self.pad + 1, (b,), device=device)
+        left = torch.randint(0, 2 * self.pad + 1, (b,), device=device)
+        flip = torch.rand(b, device=device) < 0.5 if self.flip else \
+            torch.zeros(b, dtype=torch.bool, device=device)
+        return top, left, flip
+
+    def _windows(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        p = self.pad
+        padded = F.pad(x, (p, p, p, p)) if p else x
+        top, left, flip = (t.tolist() for t in self._draws(b, x.device))
+        out = torch.empty((b, c, h, w), dtype=torch.float32)
+        for k in range(b):
+            window = padded[k, :, top[k]:top[k] + h, left[k]:left[k] + w]
+            out[k].copy_(window.flip(-1) if flip[k] else window)
+        return out
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         p, dev = self.pad, x.device
         padded = F.pad(x, (p, p, p, p))
-        top = torch.randint(0, 2 * p + 1, (b, 1), device=dev)
-        left = torch.randint(0, 2 * p + 1, (b, 1), device=dev)
-        rows = top + torch.arange(h, device=dev)  # (B, H)
+        top, left, flip = self._draws(b, dev)
+        rows = top[:, None] + torch.arange(h, device=dev)  # (B, H)
         cols = torch.arange(w, device=dev).expand(b, w)
-        if self.flip:
-            cols = torch.where(torch.rand(b, 1, device=dev) < 0.5, cols.flip(-1), cols)
-        cols = left + cols  # (B, W)
+        cols = torch.where(flip[:, None], cols.flip(-1), cols)
+        cols = left[:, None] + cols  # (B, W)
         out = padded[torch.arange(b, device=dev)[:, None, None], :, rows[:, :, None],
                      cols[:, None, :]]  # (B, H, W, C)
-        mean = torch.tensor(MEAN, device=dev).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=dev).view(1, 3, 1, 1)
-        return out.permute(0, 3, 1, 2).float().div_(255.0).sub_(mean).div_(std)
+        return out.permute(0, 3, 1, 2).float()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ to the device), and on a GPU machine that CPU path, not the cache, sets the pace
 is cached. :class:`DeviceLoader` replaces it for the samples of a :class:`SharedCache`: the
 training process gathers each batch from the segment itself. On CUDA the segment is registered
 with the driver (page-locked in place) and the GPU reads the batch's rows from it directly, on a
-side stream; elsewhere (a CPU, or where registering is refused) ``get_batch`` gathers the batch
-in a background thread (into pinned buffers copied to the device, for a GPU). Misses are loaded
-ahead by a :class:`Prefetcher` into the cache or its staging slots, so that every row of a batch
+side stream; where registering is refused, ``get_batch`` gathers the batch into pinned buffers
+in a background thread, copied to the device from there; on a CPU ``get_batch`` gathers
+several batches at a time in the caller's thread, into memory reused once no batch holds it
+(the batch path at memory speed of docs/device.md). Misses are loaded ahead by a :class:`Prefetcher` into the cache or its staging slots, so that every row of a batch
 is read from the segment.
 
 Example::
@@ -35,6 +36,7 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -74,46 +76,91 @@ def _rows_of(batch: Any, n: int) -> Any:
     return batch[:n]
 
 class _HostGather:
-    """``get_batch`` into new tensors (a CPU device): each batch is the caller's to keep.
+    """The CPU path: ``get_batch`` in the caller's thread, ``block`` batches at a time, into
+    host memory that is reused once no batch made of it is held (``_HostMemory``).
 
-    The tensors are made by the caller's thread (``replenish``), which is also where they are
-    freed: made in the loader's thread and freed in another, each batch's memory came back
-    from the kernel page by page (the thread's malloc arena gives freed memory back), 160 us
-    for a 192 KiB batch, more than gathering it."""
+    No thread of the loader's: on a CPU device a gather is a copy at memory speed, and
+    handing each batch over from another thread cost more than the copy of a small batch
+    (see "The batch path's costs" in docs/design.md). The prefetcher still loads the misses
+    ahead, in its own threads or processes."""
 
     rereads = True  # get_batch reads a raced row again alone: what it misses is a miss
-    ahead = 0
 
     def __init__(self, cache: SharedCache, batch_size: int, most: int) -> None:
-        self.cache, self.batch_size, self.most = cache, batch_size, most
-        self.blanks: queue.SimpleQueue = queue.SimpleQueue()
+        self.cache, self.batch_size = cache, batch_size
+        row_bytes = int(cache.rows.shape[1])
+        self.most_batches = max(1, min(_MOST_BATCHES_A_GATHER,
+                                       _GATHER_BYTES // max(1, batch_size * row_bytes)))
+        self.memory = _HostMemory(cache, batch_size * self.most_batches, most)
 
-    def context(self) -> Any:
-        return contextlib.nullcontext()
+    def batches_a_gather(self, loaded_ahead: int) -> int:
+        """Batches to gather at once this epoch: as many as fit ``_GATHER_BYTES`` where every
+        sample is in the cache; else at most ``loaded_ahead`` positions, so that the loads of
+        the next block run while this one is read."""
+        if self.cache.ready_mask().all():
+            return self.most_batches
+        return max(1, min(self.most_batches, loaded_ahead // self.batch_size))
 
-    def replenish(self) -> None:
-        """Make the tensors of a batch to come, unless ``most`` wait already (an epoch that
-        ends leaves its unused ones for the next)."""
-        if self.blanks.qsize() < self.most:
-            self.blanks.put(_empty_batch(self.cache, self.batch_size))
-
-    def start(self, idx: np.ndarray) -> Any:
-        try:
-            blank = self.blanks.get_nowait()
-        except queue.Empty:
-            blank = _empty_batch(self.cache, self.batch_size)
-        batch, hit = self.cache.get_batch(idx, out=_rows_of(blank, len(idx)))
-        return batch, hit.numpy(), torch.from_numpy(idx)
-
-    def finish(self, ticket: Any) -> tuple[Any, np.ndarray, torch.Tensor]:
-        return ticket
-
-    def ready(self) -> None:
-        return None
+    def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray, torch.Tensor]:
+        """The rows of ``idx`` (a block of batches), which were found, and the indices as a
+        tensor of their own."""
+        block, hit = self.cache.get_batch(idx, out=_rows_of(self.memory.take(), len(idx)))
+        return block, hit.numpy(), torch.from_numpy(idx.copy())
 
     def close(self) -> None:
-        pass
+        self.memory.blocks.clear()
 
+
+# A CPU gather takes this many bytes of batches at once, in at most this many batches: one
+# get_batch call and one step of the prefetcher for several small batches (design note).
+_GATHER_BYTES = 8 << 20
+_MOST_BATCHES_A_GATHER = 8
+
+
+class _HostMemory:
+    """Blocks of host memory for batches, each reused once nothing holds a batch made of it.
+
+    A block is one numpy array per field; the batches handed out are tensors made of it with
+    ``torch.from_numpy``, whose storage holds a reference to the array until the last tensor,
+    view or numpy array made of the batch is freed. A block whose arrays are back to the
+    references they had when it was made is no one's, and is written again: batches stay
+    the caller's to keep, as a DataLoader's are. At most ``most`` blocks are kept: past that,
+    one still held is forgotten (its memory is freed with its last batch)."""
+
+    def __init__(self, cache: SharedCache, rows: int, most: int) -> None:
+        self.rows, self.most = rows, most
+        empty = cache.get_batch([])[0]  # an empty batch: the fields' dims and dtypes
+        self.fields = isinstance(empty, Mapping)
+        self.kinds = {name: (t.shape[1:], t.dtype)
+                      for name, t in (empty.items() if self.fields else [(None, empty)])}
+        self.blocks: list[tuple[tuple[np.ndarray, ...], tuple[int, ...]]] = []
+
+    @staticmethod
+    def _references(arrays: tuple[np.ndarray, ...]) -> tuple[int, ...]:
+        return tuple(sys.getrefcount(a) for a in arrays)
+
+    def take(self) -> Any:
+        """A block's tensors of ``rows`` rows, in memory that no batch holds."""
+        for arrays, free in self.blocks:
+            if self._references(arrays) == free:
+                return self._tensors(arrays)
+        if len(self.blocks) >= self.most:
+            del self.blocks[0]
+        arrays = tuple(np.empty(self.rows * dtype.itemsize * int(np.prod(dims, dtype=np.int64)),
+                                dtype=np.uint8) for dims, dtype in self.kinds.values())
+        self.blocks.append((arrays, self._references(arrays)))
+        return self._tensors(arrays)
+
+    def _tensors(self, arrays: tuple[np.ndarray, ...]) -> Any:
+        made = {name: torch.from_numpy(a).view(dtype).view(self.rows, *dims)
+                for a, (name, (dims, dtype)) in zip(arrays, self.kinds.items())}
+        return made if self.fields else made[None]
+
+
+def _rows_between(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, Mapping):
+        return {name: t[start:stop] for name, t in batch.items()}
+    return batch[start:stop]
 
 
 # -- the CUDA part: register the segment, view it from the device, gather on a side stream --
@@ -237,9 +284,6 @@ class _DeviceGather:
                       for _ in range(self.ahead + 2)]
         self.turn = 0
 
-    def replenish(self) -> None:
-        pass  # (batches are made on the device)
-
     def context(self) -> Any:
         return torch.cuda.stream(self.stream)
 
@@ -290,9 +334,6 @@ class _PinnedGather:
         self.buffers = [_empty_batch(cache, batch_size, pin=True) for _ in range(buffers)]
         self.copied: list[torch.cuda.Event | None] = [None] * buffers
         self.turn = 0
-
-    def replenish(self) -> None:
-        pass  # (batches are made on the device)
 
     def context(self) -> Any:
         return torch.cuda.stream(self.stream)
@@ -397,6 +438,41 @@ class _Run:
         _halt(self.stop, self.out, self.thread)
 
 
+class _Here:
+    """One iterator's epoch on a CPU, gathered in the caller's thread, with ``_Run``'s
+    interface (``ended``, ``end``, ``halt``). ``lock`` is held while a batch is gathered or
+    transformed, so that a ``halt`` from another thread (``close()``) waits for that batch;
+    whoever halts closes the prefetcher's iterator (which gives back what it staged ahead),
+    or the interpreter's exit does (a finalizer, as ``_Run``'s)."""
+
+    def __init__(self, order: Iterator[np.ndarray]) -> None:
+        self.order = order
+        self.ended: BaseException | None = None
+        self.lock = threading.RLock()  # (a transform may close its own loader)
+        self._at_exit = weakref.finalize(self, order.close)
+
+    def next(self) -> np.ndarray | None:
+        """The next block of indices, None at the epoch's end; with ``lock`` held. Raises
+        the error of an end from outside, also where it stopped the prefetcher's wait."""
+        if self.ended is not None:
+            raise self.ended
+        try:
+            return next(self.order, None)
+        except BaseException:
+            if self.ended is not None:
+                raise self.ended from None
+            raise
+
+    def end(self, error: BaseException) -> None:
+        if self.ended is None:
+            self.ended = error
+
+    def halt(self) -> None:
+        self._at_exit.detach()
+        with self.lock:
+            self.order.close()
+
+
 class DeviceLoader:
     """Batches of a :class:`SharedCache`'s samples, gathered by the training process and
     delivered on ``device``, with the dataset indices of each batch.
@@ -410,9 +486,14 @@ class DeviceLoader:
     - on CUDA, the segment is registered with the driver once per process
       (``cudaHostRegister``) and the GPU reads the batch's rows from it directly, on a side
       stream, while the model runs; only the batch's bytes cross PCIe, once;
-    - on a CPU, or where registering is refused (a locked-memory limit, no unified
-      addressing; one warning says why and how to fix it), ``get_batch`` gathers the batch in
-      a background thread (for a GPU, into pinned buffers that are then copied to it).
+    - where registering is refused (a locked-memory limit, no unified addressing; one
+      warning says why and how to fix it), ``get_batch`` gathers the batch in a background
+      thread into pinned buffers, which are then copied to the GPU;
+    - on a CPU, ``get_batch`` gathers in the caller's thread when a batch is asked for,
+      several batches at once where every sample is cached (up to 8 MiB), into memory that
+      is reused once nothing holds a batch made of it (batches stay yours to keep): a thread
+      handing batches over cost more than copying them (docs/design.md, "The batch path's
+      costs"). ``depth`` does not apply there.
 
     Every row keeps ``get_batch``'s guarantee: a row whose slot was written, cleared or
     unstaged while it was copied (on the GPU too: the check follows the completed gather) is
@@ -441,7 +522,8 @@ class DeviceLoader:
         transform: ``transform(batch) -> batch`` on the device, or None. Default: None.
         drop_last: drop the last batch of an epoch if it is smaller than ``batch_size``.
             Default: False.
-        depth: batches gathered ahead of the one the caller holds, an int >= 1. Default: 2.
+        depth: on CUDA, batches gathered ahead of the one the caller holds; on a CPU,
+            blocks of batches kept for reuse past the one in use; an int >= 1. Default: 2.
         register: on CUDA, gather from the registered segment (True) or always through
             pinned buffers (False). Default: True.
         **prefetch: passed to :class:`Prefetcher` (``window``, ``mode``, ``threads``,
@@ -508,6 +590,16 @@ class DeviceLoader:
                           RuntimeWarning, stacklevel=3)
         return _PinnedGather(self.cache, self.device, self.batch_size, self.depth + 2), "pinned"
 
+    def _loaded_ahead(self) -> int:
+        """Half of the positions the prefetcher loads ahead (of those it stages, where
+        indices have no slot): a block of a CPU gather is at most that, so that the next
+        block's loads run while this one is read."""
+        p = self.prefetcher
+        ahead = (p.window or 0) + p.lookahead
+        if not self.cache.slot_mask().all():
+            ahead = min(ahead, p.stage_ahead)
+        return ahead // 2
+
     def __len__(self) -> int:
         n = len(self.prefetcher)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
@@ -530,39 +622,71 @@ class DeviceLoader:
                 "this iterator of the DeviceLoader was replaced by a newer one (iter(loader) "
                 "was advanced while it was alive); iterate the newest"))
             self._run.halt()
-        order = self.prefetcher.batches(self.batch_size)
-        start = self.prefetcher.position
-        self._position = start
-        for _ in range(self.depth + 1):  # the first batches' tensors, made here
-            self._gather.replenish()
-        run = self._run = _Run(self._produce, order, self.depth)
+        block = self._gather.batches_a_gather(self._loaded_ahead()) if self.path == "cpu" else 1
+        order = self.prefetcher.batches(self.batch_size * block)
+        self._position = self.prefetcher.position
+        if self.path == "cpu":
+            run: _Here | _Run = _Here(order)
+            batches = self._gathered_here(run)
+        else:
+            run = _Run(self._produce, order, self.depth)
+            batches = self._handed_over(run)
+        self._run = run
         try:
-            while True:
-                try:  # (returns at once when a batch is there)
-                    item = run.out.get(timeout=_POLL_S)
-                except queue.Empty:
-                    item = None
-                if run.ended is not None:  # closed or replaced meanwhile, from any thread
-                    raise run.ended
-                if item is None:
-                    continue
-                if item is _END:
-                    return
-                if isinstance(item, _Failure):
-                    raise item.error
-                batch, indices, ready = item
-                self._gather.replenish()  # the tensors of a later batch, made in this thread
-                if ready is not None:  # on CUDA: the caller's stream waits for the gather
-                    stream = torch.cuda.current_stream(self.device)
-                    stream.wait_event(ready)
-                    for t in _tensors(batch, indices):
-                        t.record_stream(stream)
-                self._position += len(indices)
-                yield batch, indices
+            yield from batches
         finally:
             run.halt()
             if self._run is run:
                 self._run = None
+
+    def _gathered_here(self, run: "_Here") -> Iterator[tuple[Any, torch.Tensor]]:
+        """The CPU path's epoch: each block of batches gathered in this thread when the
+        first of them is asked for, then each batch handed out (``transform`` applied)."""
+        size = self.batch_size
+        while True:
+            with run.lock:
+                ids = run.next()
+                if ids is None:
+                    return
+                block, hit, indices = self._gather.gather(ids)
+                if not hit.all():
+                    self._fill_misses(block, indices, hit)
+            for start in range(0, len(indices), size):
+                n = min(size, len(indices) - start)
+                if n < size and self.drop_last:
+                    return
+                with run.lock:
+                    if run.ended is not None:
+                        raise run.ended
+                    batch = _rows_between(block, start, start + n)
+                    if self.transform is not None:
+                        batch = self.transform(batch)
+                self._position += n
+                yield batch, indices[start:start + n]
+
+    def _handed_over(self, run: "_Run") -> Iterator[tuple[Any, torch.Tensor]]:
+        """A CUDA path's epoch: the batches the loader's thread gathers (``_produce``), taken
+        from its queue."""
+        while True:
+            try:  # (returns at once when a batch is there)
+                item = run.out.get(timeout=_POLL_S)
+            except queue.Empty:
+                item = None
+            if run.ended is not None:  # closed or replaced meanwhile, from any thread
+                raise run.ended
+            if item is None:
+                continue
+            if item is _END:
+                return
+            if isinstance(item, _Failure):
+                raise item.error
+            batch, indices, ready = item
+            stream = torch.cuda.current_stream(self.device)  # it waits for the gather
+            stream.wait_event(ready)
+            for t in _tensors(batch, indices):
+                t.record_stream(stream)
+            self._position += len(indices)
+            yield batch, indices
 
     def _produce(self, order: Iterator[list[int]], out: queue.Queue, stop: threading.Event
                  ) -> None:
@@ -575,7 +699,7 @@ class DeviceLoader:
             try:
                 with self._gather.context():
                     for ids in order:
-                        started.append(self._gather.start(np.array(ids, dtype=np.int64)))
+                        started.append(self._gather.start(ids))
                         if len(started) > self._gather.ahead:
                             self._deliver(started.popleft(), out, stop)
                         if stop.is_set():

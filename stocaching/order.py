@@ -397,10 +397,15 @@ class _Tap:
         self._digest, self._taken = None, True
 
     def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch().tolist())
+
+    def epoch(self) -> np.ndarray:
+        """The order that ``__iter__`` passes on, as an array (listed now, unless ``take``
+        did it already)."""
         if not self._taken:
             self.take()
         self._taken = False
-        return iter(self.order.tolist())
+        return self.order
 
     def state_now(self) -> Any:
         """The base's own state now (None if it has none, or records a position)."""

@@ -505,6 +505,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._epoch = epoch
 
     @property
+    def stage_ahead(self) -> int:
+        """The most samples this prefetcher keeps staged ahead of what it has yielded: half
+        of the cache's staging slots, shared among its local ranks."""
+        return self._stage_ahead
+
+    @property
     def position(self) -> int:
         """Indices of the current epoch used so far: the position the latest iterator of the
         epoch started from (a resume's) plus what it has yielded; 0 before one started."""
@@ -646,14 +652,16 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         finally:
             loaded.close()
 
-    def batches(self, batch_size: int) -> Iterator[list[int]]:
-        """The epoch's indices, as iterating the prefetcher gives them, in lists of
+    def batches(self, batch_size: int) -> Iterator[np.ndarray]:
+        """The epoch's indices, as iterating the prefetcher gives them, in int64 arrays of
         ``batch_size`` (the last may be shorter), each yielded once every sample of it is
-        loaded: the iterator of a loader that gathers whole batches (``DeviceLoader``), which
-        costs a fraction of a call per index. Not under accelerate's ``prepare()``."""
+        loaded: the iterator of a loader that gathers whole batches (``DeviceLoader``).
+        Without a window the arrays are slices of the epoch's order, with no Python int made
+        per index (see "The batch path's costs" in docs/design.md). Not under accelerate's
+        ``prepare()``."""
         batch_size = check_int("batch_size", batch_size, low=1)
         self._tap.keep = None
-        return self._iter_loaded(batch_size)
+        return self._iter_loaded(batch_size, arrays=True)
 
     def _dealt_positions(self) -> np.ndarray | None:
         """Under accelerate's ``prepare()``, the positions of the epoch this process reads
@@ -676,10 +684,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 f"every rank's batches in the turn prepare() deals them", stacklevel=3)
         return _positions_dealt(shard, self, len(self))
 
-    def _iter_loaded(self, block: int) -> Iterator[list[int]]:
+    def _iter_loaded(self, block: int, arrays: bool = False) -> Iterator[Any]:
         """The epoch's indices of this process (all of them, but under ``prepare()``), in
-        lists of ``block`` positions, each yielded once its samples are loaded: refill the
-        window ahead, wait for the loads now due, yield."""
+        lists of ``block`` positions (int64 arrays if ``arrays``), each yielded once its
+        samples are loaded: refill the window ahead, wait for the loads now due, yield."""
         self._give_back_unread()
         # A miss whose sample the cache refused (open sizes, the arena full) is left to the
         # workers from the next epoch on: loaded ahead, it would be refused again and the
@@ -688,7 +696,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # most seen at an epoch's start or end: a clear() whose arena filled up again past
         # that before the next epoch's start goes unseen, and those stay with the workers.)
         self._note_arena(clear_refused=True)
-        order_it = iter(self._order)  # the base order is taken now (by the tap)
+        # Without a window, iterating yields the base order from ``pos`` on: it is sliced.
+        sliced = arrays and self.window is None
+        if sliced:
+            self._tap.epoch()  # the base order is taken now
+            order_it: Iterator[int] = iter(())
+        else:
+            order_it = iter(self._order)  # (by the tap)
         order_it, start, pos, skip = self._resume(order_it)
         progress = self._progress = [start, 0]
         run = _EpochLoads(self._tap.order, pos, skip, (self.window or 0) + self.lookahead,
@@ -698,8 +712,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         half, pool = run.span // 2, run.pool
         try:
             while True:
-                ids = list(itertools.islice(order_it, block))
-                if not ids:
+                if sliced:
+                    ids = run.base[run.pos:run.pos + block]
+                else:
+                    ids = list(itertools.islice(order_it, block))
+                if not len(ids):
                     break
                 due = run.pos + len(ids)  # the positions [pos, due) are yielded now
                 # Refill half a span at a time: one ready_mask call per chunk.
@@ -707,10 +724,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     self._refill(run, due)
                 pool.flush()  # the jobs of this refill go out together
                 if run.pending:
-                    self._wait_due(run, ids)
+                    self._wait_due(run, ids.tolist() if sliced else ids)
                 run.pos = due
                 progress[1] += len(ids)  # counted as yielded once the caller has them
-                yield ids
+                yield ids if sliced or not arrays else np.array(ids, dtype=np.int64)
         finally:
             self._end_epoch(run)
 

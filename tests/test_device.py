@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import RandomSampler, SequentialSampler
@@ -472,22 +473,25 @@ def test_cuda_batches_equal_get_slot(cache, register):
             assert cache.stats()["staged"] == 0
 
 
-def test_the_prefetchers_batches_are_its_order_in_lists(cache, shm_dir):
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_prefetchers_batches_are_its_order_in_arrays(cache, shm_dir, window):
     """Prefetcher.batches(n), the DeviceLoader's iterator: the same indices in the same order
-    as iterating the prefetcher, n at a time, each list loaded whole by the time it comes."""
+    as iterating the prefetcher, n at a time as int64 arrays, each loaded whole by the time it
+    comes; without a window as slices of the order, with one as arrays made of its lists."""
     from stocaching import Prefetcher
 
-    one = Prefetcher(seeded(seed=2), cache, load, threads=2)
+    one = Prefetcher(seeded(seed=2), cache, load, threads=2, window=window)
     by_index = list(one)
     other = SharedCache(budget_for(N // 2 + 40, DIMS, dataset_len=N), N, DIMS,
                         staging_slots=40, shm_dir=shm_dir)
-    two = Prefetcher(seeded(seed=2), other, load, threads=2, stand_aside=False)
-    lists = []
+    two = Prefetcher(seeded(seed=2), other, load, threads=2, stand_aside=False, window=window)
+    arrays = []
     for ids in two.batches(7):
-        assert all(other.get_slot(i) is not None for i in ids)  # loaded: a hit, or staged
-        lists.append(ids)
-    assert [len(b) for b in lists] == [7] * 7 + [1]
-    assert sum(lists, []) == by_index
+        assert isinstance(ids, np.ndarray) and ids.dtype == np.int64
+        assert all(other.get_slot(i) is not None for i in ids.tolist())  # a hit, or staged
+        arrays.append(ids.copy())
+    assert [len(b) for b in arrays] == [7] * 7 + [1]
+    assert np.concatenate(arrays).tolist() == by_index
     with pytest.raises(ValueError, match="batch_size"):
         two.batches(0)
     two.close()
@@ -507,16 +511,28 @@ def test_loader_processes_load_the_misses(cache):
     assert cache.stats()["staged"] == 0
 
 
-def test_the_batch_tensors_made_ahead_stay_few_over_epochs(cache):
-    """White-box: on a CPU the caller's thread makes each batch's tensors ahead of the gather;
-    those an epoch did not use wait for the next, so they never pile up (a loader that made
-    depth + 1 more every epoch held 37 MB more per epoch of 64 x 3x256x256)."""
-    with DeviceLoader(cache, seeded(), load, batch_size=8, depth=2, drop_last=True,
-                      device="cpu") as loader:
-        for epoch in range(6):
+def test_the_cpu_paths_memory_is_reused_only_once_no_batch_holds_it(cache):
+    """White-box: on a CPU the batches are made of blocks of memory that are written again
+    only once nothing holds a batch made of them (a tensor, a view, a numpy array of it): a
+    caller who keeps every batch gets each whole, and the blocks kept stay few over epochs."""
+    with DeviceLoader(cache, seeded(), load, batch_size=8, depth=2, device="cpu") as loader:
+        kept = []
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            for batch, idx in loader:
+                kept.append((batch[1:], idx.numpy(), batch.numpy()[:1]))  # views only
+        for rest, idx, first in kept:  # what the loader gathered since did not overwrite it
+            assert torch.equal(torch.from_numpy(first[0]), load(int(idx[0])))
+            for row, i in zip(rest, idx[1:].tolist()):
+                assert torch.equal(row, load(i))
+        del kept, rest, first
+        for epoch in range(3, 9):
             loader.set_epoch(epoch)
             read_epoch(loader)
-            assert loader._gather.blanks.qsize() <= loader.depth + 2
+            assert len(loader._gather.memory.blocks) <= loader.depth + 2
+        before = [arrays[0].ctypes.data for arrays, _ in loader._gather.memory.blocks]
+        read_epoch(loader)  # batches dropped at once: the same memory again
+        assert [arrays[0].ctypes.data for arrays, _ in loader._gather.memory.blocks] == before
 
 
 @cuda
