@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality|mixture|persistent|device] ...`` (``run`` when
+"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality|mixture|persistent|device|tier|stream|peers] ...``
 omitted).
 
     python -m benchmark                                   # the default run, a few minutes
@@ -15,6 +15,7 @@ omitted).
     python -m benchmark device                            # batches straight to the device
     python -m benchmark tier                              # the disk tier alone
     python -m benchmark stream                            # WebDataset shards, cached or not
+    python -m benchmark peers                             # LitData, MosaicML, WebDataset, FFCV
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Sequence
 from . import arguments as A
 
 SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture", "persistent",
-               "device", "tier", "stream")
+               "device", "tier", "stream", "peers")
 
 
 def _default_start_method() -> str:
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("csv", type=Path)
     an.add_argument("--out", type=Path, default=None,
                     help="where the PNGs go (default: next to the CSV)")
-    from . import device, latency, mixture, persistent, quality, stream, tier
+    from . import device, latency, mixture, peers, persistent, quality, stream, tier
 
     lat = sub.add_parser("latency", help="EMULATED storage latency: plain DataLoader vs the "
                                          "Prefetcher (plain, fixed and adaptive window)",
@@ -189,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "CachedStream at 50 and 100 %%",
                           description=stream.__doc__.split("\n\n")[0])
     stream.add_arguments(stre)
+    pee = sub.add_parser("peers", help="the same decoded samples through stocaching, LitData, "
+                                       "MosaicML streaming, WebDataset and FFCV",
+                         description=peers.__doc__.split("\n\n")[0])
+    peers.add_arguments(pee)
     return parser
 
 
@@ -342,6 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "stream":
         from . import stream
         return stream.main(args, _say)
+    if args.command == "peers":
+        from . import peers
+        return peers.main(args, _say)
     return _run(args, argv)
 
 

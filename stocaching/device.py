@@ -41,6 +41,7 @@ import threading
 import time
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -76,22 +77,33 @@ def _rows_of(batch: Any, n: int) -> Any:
     return batch[:n]
 
 class _HostGather:
-    """The CPU path: ``get_batch`` in the caller's thread, ``block`` batches at a time, into
-    host memory that is reused once no batch made of it is held (``_HostMemory``).
+    """The CPU path: the rows of ``block`` batches at a time, read in the caller's thread
+    into host memory that is reused once no batch made of it is held (``_HostMemory``).
 
-    No thread of the loader's: on a CPU device a gather is a copy at memory speed, and
-    handing each batch over from another thread cost more than the copy of a small batch
-    (see "The batch path's costs" in docs/design.md). The prefetcher still loads the misses
-    ahead, in its own threads or processes."""
+    No thread of the loader's hands batches over: on a CPU device a gather is a copy at
+    memory speed, and handing each batch over from another thread cost more than the copy of
+    a small batch. A cache of one tensor is read as the GPU reads it (``locate``, copy the
+    rows, ``confirm``), the copy of a large block split with a second thread; a cache of
+    fields with ``get_batch``, whose batches are contiguous tensors per field (see "The batch
+    path's costs" in docs/design.md). The prefetcher still loads the misses ahead, in its own
+    threads or processes."""
 
-    rereads = True  # get_batch reads a raced row again alone: what it misses is a miss
+    rereads: bool  # get_batch reads a raced row again alone; a located row is not reread
 
     def __init__(self, cache: SharedCache, batch_size: int, most: int) -> None:
         self.cache, self.batch_size = cache, batch_size
-        row_bytes = int(cache.rows.shape[1])
+        rows = cache.rows
+        row_bytes = int(rows.shape[1])
         self.most_batches = max(1, min(_MOST_BATCHES_A_GATHER,
                                        _GATHER_BYTES // max(1, batch_size * row_bytes)))
-        self.memory = _HostMemory(cache, batch_size * self.most_batches, most)
+        self.fields = isinstance(cache.get_batch([])[0], Mapping)
+        self.rereads = self.fields
+        # A cache of one tensor: its rows, copied as bytes into blocks of rows.
+        self.rows = None if self.fields else rows.numpy()
+        self.memory = _HostMemory(cache, batch_size * self.most_batches, most,
+                                  raw_rows=None if self.fields else row_bytes)
+        self.helper: ThreadPoolExecutor | None = None  # the second thread of a split copy
+        self.helper_pid = 0
 
     def batches_a_gather(self, loaded_ahead: int) -> int:
         """Batches to gather at once this epoch: as many as fit ``_GATHER_BYTES`` where every
@@ -104,17 +116,47 @@ class _HostGather:
     def gather(self, idx: np.ndarray) -> tuple[Any, np.ndarray, torch.Tensor]:
         """The rows of ``idx`` (a block of batches), which were found, and the indices as a
         tensor of their own."""
-        block, hit = self.cache.get_batch(idx, out=_rows_of(self.memory.take(), len(idx)))
-        return block, hit.numpy(), torch.from_numpy(idx.copy())
+        indices = torch.from_numpy(idx.copy())
+        out = _rows_of(self.memory.take(), len(idx))
+        if self.fields:
+            block, hit = self.cache.get_batch(idx, out=out)
+            return block, hit.numpy(), indices
+        located = self.cache.locate(idx)
+        self._copy(located.rows, out.numpy())
+        return self.cache.unpack_rows(out), self.cache.confirm(located).numpy(), indices
+
+    def _copy(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """``out[k] = self.rows[rows[k]]``; a block of ``_SPLIT_BYTES`` or more in two halves,
+        one copied by a second thread (numpy's copy runs without the GIL)."""
+        if out.nbytes < _SPLIT_BYTES or _cores() < 2:
+            np.take(self.rows, rows, axis=0, out=out, mode="clip")
+            return
+        if self.helper is None or self.helper_pid != os.getpid():  # (none survives a fork)
+            self.helper = ThreadPoolExecutor(1, thread_name_prefix="stocaching-copy")
+            self.helper_pid = os.getpid()
+        half = len(rows) // 2
+        later = self.helper.submit(np.take, self.rows, rows[half:], 0, out[half:], "clip")
+        np.take(self.rows, rows[:half], axis=0, out=out[:half], mode="clip")
+        later.result()
 
     def close(self) -> None:
         self.memory.blocks.clear()
+        if self.helper is not None and self.helper_pid == os.getpid():
+            self.helper.shutdown(wait=False)
+        self.helper = None
 
 
 # A CPU gather takes this many bytes of batches at once, in at most this many batches: one
-# get_batch call and one step of the prefetcher for several small batches (design note).
+# call and one step of the prefetcher for several small batches; a block of _SPLIT_BYTES or
+# more is copied by two threads (design note).
 _GATHER_BYTES = 8 << 20
 _MOST_BATCHES_A_GATHER = 8
+_SPLIT_BYTES = 4 << 20
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
 
 
 class _HostMemory:
@@ -127,12 +169,17 @@ class _HostMemory:
     the caller's to keep, as a DataLoader's are. At most ``most`` blocks are kept: past that,
     one still held is forgotten (its memory is freed with its last batch)."""
 
-    def __init__(self, cache: SharedCache, rows: int, most: int) -> None:
+    def __init__(self, cache: SharedCache, rows: int, most: int,
+                 raw_rows: int | None = None) -> None:
+        """Blocks of ``rows`` batch rows: of the cache's dims and dtype(s), or of
+        ``raw_rows`` bytes each."""
         self.rows, self.most = rows, most
         empty = cache.get_batch([])[0]  # an empty batch: the fields' dims and dtypes
         self.fields = isinstance(empty, Mapping)
         self.kinds = {name: (t.shape[1:], t.dtype)
                       for name, t in (empty.items() if self.fields else [(None, empty)])}
+        if raw_rows is not None:
+            self.kinds = {None: (torch.Size([raw_rows]), torch.uint8)}
         self.blocks: list[tuple[tuple[np.ndarray, ...], tuple[int, ...]]] = []
 
     @staticmethod

@@ -96,6 +96,32 @@ def test_a_cache_of_fields(shm_dir):
     c.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_a_large_block_is_copied_by_two_threads_and_equals_get_slot(shm_dir, dtype):
+    """On a CPU, a block of 4 MiB or more (here 2 batches of 16 x (3, 128, 128)) is copied
+    in two halves, one by a second thread: every row is still its index's sample, in order,
+    once an epoch; and the first epoch, which loads, is whole too."""
+    dims, n = (3, 128, 128), 96
+    c = SharedCache(budget_for(n, dims, dataset_len=n, dtype=dtype), n, dims, dtype=dtype,
+                    shm_dir=shm_dir)
+
+    def big(i: int) -> torch.Tensor:
+        return value_of(i, dims).to(dtype)
+
+    with DeviceLoader(c, seeded(n), big, batch_size=16, device="cpu") as loader:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            seen = []
+            for batch, idx in loader:
+                assert batch.dtype == dtype and batch.is_contiguous()
+                for row, i in zip(batch, idx.tolist()):
+                    assert torch.equal(row, big(i)), f"row of index {i}"
+                seen += idx.tolist()
+            assert sorted(seen) == list(range(n))
+        assert loader._gather.helper is not None  # (white-box: the split ran)
+    c.close()
+
+
 def test_a_transform_runs_on_each_batch(cache):
     def flip(batch):
         return batch.flip(-1)
