@@ -28,9 +28,10 @@ normalise); FFCV's ops do the same work per batch. A peer that is not installed 
 skipped with its install command; an arm that raises is listed as failed with its error, and
 the others go on.
 
-Each arm's preprocessing and epoch 1 run once (then one untimed epoch of its augmenting loader:
-its workers started, FFCV's pipeline compiled); ``--repeats`` interleaved rounds then run
-``--epochs`` warm epochs of every arm, loader only and with augmentation (odd rounds in reverse
+Each arm's preprocessing and epoch 1 run once, then one untimed warm epoch of each of its two
+loaders (workers started, FFCV's pipeline compiled, the batch path's buffers touched);
+``--repeats`` interleaved rounds then run ``--epochs`` warm epochs of every arm, loader only
+and with augmentation, and more until ``--min-seconds`` have passed (odd rounds in reverse
 order). Reported: preprocessing seconds, epoch-1 seconds, warm samples/s (median and range over
 rounds), CPU seconds of the process tree per 1,000 samples, and the load average.
 
@@ -85,7 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=A.positive_int, default=3,
                    help="interleaved rounds of warm epochs (default: %(default)s)")
     p.add_argument("--epochs", type=A.positive_int, default=1,
-                   help="warm epochs of each arm and mode per round (default: %(default)s)")
+                   help="warm epochs of each arm and mode per round, at least (default: "
+                        "%(default)s)")
+    p.add_argument("--min-seconds", type=A.non_negative_float, default=1.0,
+                   help="and more epochs until this many seconds have passed, for the loaders "
+                        "whose epoch takes a few ms (default: %(default)s)")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), metavar="ARM",
                    help=f"a subset of {', '.join(ARMS)} (default: all)")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
@@ -140,11 +145,19 @@ def tree_cpu_s() -> float:
     return total + t.children_user + t.children_system
 
 
-def measure(epoch: Callable[[], int]) -> dict[str, float]:
+def measure(epoch: Callable[[], int], epochs: int = 1, at_least: float = 0.0
+            ) -> dict[str, float]:
+    """Run ``epochs`` epochs, and more until ``at_least`` seconds have passed (an epoch of a
+    fast loader is a few ms here, as noisy as a scheduler's tick): their samples, seconds and
+    CPU seconds, summed, and how many epochs ran."""
     c0, t0 = tree_cpu_s(), time.perf_counter()
-    samples = epoch()
+    samples = runs = 0
+    while runs < epochs or time.perf_counter() - t0 < at_least:
+        samples += epoch()
+        runs += 1
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "samples": samples, "cpu_s": tree_cpu_s() - c0}
+    return {"seconds": seconds, "samples": samples, "cpu_s": tree_cpu_s() - c0,
+            "epochs": runs}
 
 
 def _as_is(x: Any) -> Any:
@@ -154,6 +167,11 @@ def _as_is(x: Any) -> Any:
 def _count(batches: Iterable[Any]) -> int:
     """Samples in an epoch of ``(images, ...)`` batches."""
     return sum(len(b[0]) for b in batches)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
 
 
 def _dataloader(ds: Any, data: Data, **kw: Any) -> Any:
@@ -177,8 +195,17 @@ class Rows:
         return self.transform(self.images[i]), int(self.labels[i])
 
 
-def _numpy_hwc(x: Any) -> Any:
-    return x.permute(1, 2, 0).contiguous().numpy()
+class _NumpyRows:
+    """``(image, label)`` of numpy rows: FFCV's writer input, with no torch op per row."""
+
+    def __init__(self, images: Any, labels: Any) -> None:
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        return self.images[i], int(self.labels[i])
 
 
 class ArrayAugment:
@@ -211,6 +238,11 @@ class Arm:
 
     def prepare(self) -> None:
         pass
+
+    def threads(self) -> int:
+        """torch's intra-op threads in this process while the arm runs: the cores its
+        workers leave (a worker of a DataLoader runs one)."""
+        return self.data.threads
 
     def make(self, augment: bool) -> Callable[[], int]:
         raise NotImplementedError
@@ -267,6 +299,11 @@ def batch_loader(cache: Any, sampler: Any, load: Callable[[int], Any], *, batch_
 
 
 class StocachingBatch(Arm):
+    def threads(self) -> int:
+        """Every core: the batch path has no workers, its batches are gathered and augmented
+        in this process (torch's default)."""
+        return _cores()
+
     def prepare(self) -> None:
         self.cache = _full_cache(self.data, "batch")
         self.closers.append(self.cache.close)
@@ -437,8 +474,11 @@ class Ffcv(Arm):
         self.beton = d.work / "data.beton"
         fields = {"image": NDArrayField(np.dtype("uint8"), (d.size, d.size, 3)),
                   "label": IntField()}
+        # HWC numpy arrays made here: the writer's forked workers then run no torch op, which
+        # hangs in a child forked after torch's OpenMP threads ran (seen with 2 threads).
+        hwc = d.images.permute(0, 2, 3, 1).contiguous().numpy()
         DatasetWriter(str(self.beton), fields, num_workers=d.workers).from_indexed_dataset(
-            Rows(d.images, d.labels, _numpy_hwc))
+            _NumpyRows(hwc, d.labels.numpy()))
 
     def make(self, augment: bool) -> Callable[[], int]:
         import numpy as np
@@ -513,7 +553,8 @@ class Result:
 
     def short_epochs(self, n: int) -> list[int]:
         every = ([self.epoch1] if self.epoch1 else []) + self.warm["loader"] + self.warm["augment"]
-        return sorted({int(e["samples"]) for e in every if e["samples"] != n})
+        return sorted({int(e["samples"] / e["epochs"]) for e in every
+                       if e["samples"] != n * e["epochs"]})
 
 
 def _failed(e: BaseException) -> str:
@@ -524,14 +565,13 @@ def _load(la: tuple[float, float, float]) -> str:
     return " ".join(f"{x:.2f}" for x in la)
 
 
-def run_arms(data: Data, names: list[str], repeats: int, epochs: int,
+def run_arms(data: Data, names: list[str], repeats: int, epochs: int, at_least: float,
              say: Callable[[str], None]) -> dict[str, Result]:
     """Prepare every arm, then the interleaved rounds; every arm is closed at the end.
 
-    Before each arm runs, torch's threads in this process are set to ``data.threads`` (the
-    main benchmark's rule, cores minus workers): FFCV sets them to its workers at every epoch,
-    and with every core taken they spin against the workers (on 2 cores next to 2 workers,
-    ``BatchAugment`` in the batch path ran 50 x slower with 2 threads than with 1)."""
+    Before each arm runs, torch's threads in this process are set to the arm's
+    (``Arm.threads``: the cores its workers leave, the main benchmark's rule; every core for
+    the batch path, which has no workers): FFCV sets them to its workers at every epoch."""
     import torch
 
     results = {name: Result() for name in names}
@@ -547,13 +587,14 @@ def run_arms(data: Data, names: list[str], repeats: int, epochs: int,
                 say(f"{name}: {why}")
                 continue
             arms[name] = arm
-            torch.set_num_threads(data.threads)
+            torch.set_num_threads(arms[name].threads())
             try:
                 t0 = time.perf_counter()
                 arm.prepare()
                 res.preprocess_s = time.perf_counter() - t0
                 loaders[name] = {"loader": arm.make(augment=False)}
                 res.epoch1 = measure(loaders[name]["loader"])
+                loaders[name]["loader"]()  # untimed: the first warm epoch (fresh buffers)
                 loaders[name]["augment"] = arm.make(augment=True)
                 loaders[name]["augment"]()  # untimed: workers started, pipeline compiled
             except Exception as e:
@@ -568,11 +609,11 @@ def run_arms(data: Data, names: list[str], repeats: int, epochs: int,
             order = list(loaders)[::-1 if r % 2 else 1]
             line = []
             for name in order:
-                torch.set_num_threads(data.threads)
+                torch.set_num_threads(arms[name].threads())
                 try:
                     for mode in MODES:
-                        for _ in range(epochs):
-                            results[name].warm[mode].append(measure(loaders[name][mode]))
+                        results[name].warm[mode].append(
+                            measure(loaders[name][mode], epochs, at_least))
                 except Exception as e:
                     results[name].status = _failed(e)
                     del loaders[name]
@@ -715,15 +756,17 @@ def main(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     say(f"{n} JPEGs of {args.image_size} px decoded once to (3, {size}, {size}) in "
         f"{decode_s:.2f} s (the shared preprocessing of in_ram and the peers, not in their "
         f"column); {args.workers} workers, batch {args.batch_size}, {args.repeats} rounds of "
-        f"{args.epochs} warm epoch(s), {default_threads(args.workers, 1)} torch thread(s) in "
-        f"this process; load average {_load(load_before)}")
+        f"{args.epochs} warm epoch(s) or more, for {args.min_seconds:g} s at least; torch threads in this process: "
+        f"{default_threads(args.workers, 1)} beside workers, "
+        f"{_cores()} for stocaching_batch (no workers); load average "
+        f"{_load(load_before)}")
     work = Path(tempfile.mkdtemp(prefix="peers-files-", dir=out))
     threads = torch.get_num_threads()
     try:
         data = Data(root=Path(root), images=images, labels=labels, num_classes=classes,
                     work=work, workers=args.workers, batch_size=args.batch_size, seed=args.seed,
                     threads=default_threads(args.workers, 1))
-        results = run_arms(data, names, args.repeats, args.epochs, say)
+        results = run_arms(data, names, args.repeats, args.epochs, args.min_seconds, say)
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(work, ignore_errors=True)

@@ -22,8 +22,8 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_defaults():
     a = _args()
-    assert (a.num_images, a.decoded_size, a.workers, a.batch_size, a.repeats, a.epochs) == (
-        6000, 128, 2, 64, 3, 1)
+    assert (a.num_images, a.decoded_size, a.workers, a.batch_size, a.repeats, a.epochs,
+            a.min_seconds) == (6000, 128, 2, 64, 3, 1, 1.0)
     assert a.arms == list(peers.ARMS) and a.plot
     with pytest.raises(SystemExit):
         _args("--arms", "nope")
@@ -34,7 +34,7 @@ def test_every_arm_runs_or_says_how_to_install_it(tmp_path, shm_dir):
     out = tmp_path / "out"
     lines: list[str] = []
     rc = peers.main(_args("--num-images", "64", "--image-size", "64", "--decoded-size", "32",
-                          "--batch-size", "16", "--workers", "1", "--repeats", "1",
+                          "--batch-size", "16", "--workers", "1", "--repeats", "1", "--min-seconds", "0",
                           "--data-dir", str(tmp_path / "jpegs"), "--out", str(out)),
                     lines.append)
     assert rc == 0
