@@ -713,6 +713,7 @@ def make_plot(results: dict[str, Result], path: Path) -> Path:
                capsize=3, label=label)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.set_yscale("log")  # (the arms span three orders of magnitude)
     ax.set_ylabel("warm samples/s (median, range over rounds)")
     ax.set_title("the same decoded samples through each loader")
     ax.legend()
