@@ -757,8 +757,8 @@ def main(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     say(f"{n} JPEGs of {args.image_size} px decoded once to (3, {size}, {size}) in "
         f"{decode_s:.2f} s (the shared preprocessing of in_ram and the peers, not in their "
         f"column); {args.workers} workers, batch {args.batch_size}, {args.repeats} rounds of "
-        f"{args.epochs} warm epoch(s) or more, for {args.min_seconds:g} s at least; torch threads in this process: "
-        f"{default_threads(args.workers, 1)} beside workers, "
+        f"{args.epochs} warm epoch(s) or more, for {args.min_seconds:g} s at least; torch "
+        f"threads in this process: {default_threads(args.workers, 1)} beside workers, "
         f"{_cores()} for stocaching_batch (no workers); load average "
         f"{_load(load_before)}")
     work = Path(tempfile.mkdtemp(prefix="peers-files-", dir=out))

@@ -7,10 +7,10 @@ is cached. :class:`DeviceLoader` replaces it for the samples of a :class:`Shared
 training process gathers each batch from the segment itself. On CUDA the segment is registered
 with the driver (page-locked in place) and the GPU reads the batch's rows from it directly, on a
 side stream; where registering is refused, ``get_batch`` gathers the batch into pinned buffers
-in a background thread, copied to the device from there; on a CPU ``get_batch`` gathers
-several batches at a time in the caller's thread, into memory reused once no batch holds it
-(the batch path at memory speed of docs/device.md). Misses are loaded ahead by a :class:`Prefetcher` into the cache or its staging slots, so that every row of a batch
-is read from the segment.
+in a background thread, copied to the device from there; on a CPU the caller's thread gathers
+several batches at a time, into memory reused once no batch holds it (docs/device.md). Misses
+are loaded ahead by a :class:`Prefetcher` into the cache or its staging slots, so that every
+row of a batch is read from the segment.
 
 Example::
 
