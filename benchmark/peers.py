@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "whose epoch takes a few ms (default: %(default)s)")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), metavar="ARM",
                    help=f"a subset of {', '.join(ARMS)} (default: all)")
+    p.add_argument("--threads", type=A.positive_int, default=None,
+                   help="torch's threads in this process, for every arm (the batch path gathers "
+                        "and augments here; the DataLoader's workers run one each). Default: the "
+                        "cores the workers leave, at least 1, as python -m benchmark does: with "
+                        "every core given to torch, its threads wait for each other whenever "
+                        "another process runs (BatchAugment took 32 ms a batch instead of 1.3)")
     p.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="where the JPEGs live (default: the main benchmark's cache directory)")
@@ -169,11 +175,6 @@ def _count(batches: Iterable[Any]) -> int:
     return sum(len(b[0]) for b in batches)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
-
-
 def _dataloader(ds: Any, data: Data, **kw: Any) -> Any:
     import torch
 
@@ -239,11 +240,6 @@ class Arm:
     def prepare(self) -> None:
         pass
 
-    def threads(self) -> int:
-        """torch's intra-op threads in this process while the arm runs: the cores its
-        workers leave (a worker of a DataLoader runs one)."""
-        return self.data.threads
-
     def make(self, augment: bool) -> Callable[[], int]:
         raise NotImplementedError
 
@@ -299,11 +295,6 @@ def batch_loader(cache: Any, sampler: Any, load: Callable[[int], Any], *, batch_
 
 
 class StocachingBatch(Arm):
-    def threads(self) -> int:
-        """Every core: the batch path has no workers, its batches are gathered and augmented
-        in this process (torch's default)."""
-        return _cores()
-
     def prepare(self) -> None:
         self.cache = _full_cache(self.data, "batch")
         self.closers.append(self.cache.close)
@@ -517,10 +508,20 @@ def unavailable(peer: str | None) -> str | None:
     except ModuleNotFoundError as e:
         if e.name == module:
             return f"skipped (not installed: {hint})"
-        return f"failed: import {module}: {type(e).__name__}: {e}"
+        return f"failed: import {module}: {type(e).__name__}: {e}{_reinstall(e, hint)}"
     except Exception as e:  # a broken install: say how
-        return f"failed: import {module}: {type(e).__name__}: {e}"
+        return f"failed: import {module}: {type(e).__name__}: {e}{_reinstall(e, hint)}"
     return None
+
+
+def _reinstall(error: BaseException, hint: str) -> str:
+    """How to mend a peer whose import raised ``error``."""
+    if "torchvision" in str(error):
+        import torch
+        return (f" (the torchvision pip installed was not built for this torch, "
+                f"{torch.__version__}: install the torchvision built for it, or a torch and "
+                f"torchvision from one index; then {hint})")
+    return f" (reinstall: {hint})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,9 +570,8 @@ def run_arms(data: Data, names: list[str], repeats: int, epochs: int, at_least: 
              say: Callable[[str], None]) -> dict[str, Result]:
     """Prepare every arm, then the interleaved rounds; every arm is closed at the end.
 
-    Before each arm runs, torch's threads in this process are set to the arm's
-    (``Arm.threads``: the cores its workers leave, the main benchmark's rule; every core for
-    the batch path, which has no workers): FFCV sets them to its workers at every epoch."""
+    Before each arm runs, torch's threads in this process are set to ``data.threads``
+    (``--threads``): FFCV sets them to its workers at every epoch."""
     import torch
 
     results = {name: Result() for name in names}
@@ -587,7 +587,7 @@ def run_arms(data: Data, names: list[str], repeats: int, epochs: int, at_least: 
                 say(f"{name}: {why}")
                 continue
             arms[name] = arm
-            torch.set_num_threads(arms[name].threads())
+            torch.set_num_threads(data.threads)
             try:
                 t0 = time.perf_counter()
                 arm.prepare()
@@ -609,7 +609,7 @@ def run_arms(data: Data, names: list[str], repeats: int, epochs: int, at_least: 
             order = list(loaders)[::-1 if r % 2 else 1]
             line = []
             for name in order:
-                torch.set_num_threads(arms[name].threads())
+                torch.set_num_threads(data.threads)
                 try:
                     for mode in MODES:
                         results[name].warm[mode].append(
@@ -754,22 +754,22 @@ def main(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     images.share_memory_()
     labels = torch.tensor([label_of(i, classes) for i in range(n)], dtype=torch.int64)
     names = [a for a in ARMS if a in args.arms]
+    threads = args.threads or default_threads(args.workers, 1)
     say(f"{n} JPEGs of {args.image_size} px decoded once to (3, {size}, {size}) in "
         f"{decode_s:.2f} s (the shared preprocessing of in_ram and the peers, not in their "
         f"column); {args.workers} workers, batch {args.batch_size}, {args.repeats} rounds of "
         f"{args.epochs} warm epoch(s) or more, for {args.min_seconds:g} s at least; torch "
-        f"threads in this process: {default_threads(args.workers, 1)} beside workers, "
-        f"{_cores()} for stocaching_batch (no workers); load average "
+        f"threads in this process: {threads}; load average "
         f"{_load(load_before)}")
     work = Path(tempfile.mkdtemp(prefix="peers-files-", dir=out))
-    threads = torch.get_num_threads()
+    threads_before = torch.get_num_threads()
     try:
         data = Data(root=Path(root), images=images, labels=labels, num_classes=classes,
                     work=work, workers=args.workers, batch_size=args.batch_size, seed=args.seed,
-                    threads=default_threads(args.workers, 1))
+                    threads=threads)
         results = run_arms(data, names, args.repeats, args.epochs, args.min_seconds, say)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads_before)
         shutil.rmtree(work, ignore_errors=True)
     if "in_ram" in results and results["in_ram"].ok:
         results["in_ram"].preprocess_s = decode_s
