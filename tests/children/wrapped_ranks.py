@@ -39,7 +39,10 @@ def main() -> None:
     epochs = []
     for epoch in range(2):
         sampler.set_epoch(epoch)
+        # The counts are the node's: every rank reads them between two barriers, while no
+        # rank reads samples (one rank's next epoch ran into the other's count once, under load).
         before = ds.cache.stats()["hits"]
+        dist.barrier()
         indices, wrong = [], 0
         for batch in loader:
             for got in batch["image"]:
@@ -50,6 +53,7 @@ def main() -> None:
         dist.barrier()
         epochs.append({"indices": indices, "hits": ds.cache.stats()["hits"] - before,
                        "wrong": wrong})
+        dist.barrier()
     segments = len([s for s in list_segments(os.environ["STOCACHING_SHM_DIR"])
                     if s["state"] == "live"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
