@@ -285,7 +285,7 @@ class BatchAugment:
     [0, 1] and :data:`MEAN` / :data:`STD`.
 
     On a CPU each sample's window of the padded batch is copied on its own into the float
-    batch (by numpy), then the batch is normalised in place: 1.5 ms for 64 x (3, 128, 128) on
+    batch (by numpy), then the batch is normalised in place: 1.6 ms for 64 x (3, 128, 128) on
     this project's 2-core machine, where one gather of a ``(B, H, W)`` index over the batch
     took 5 to 16 ms. On a GPU that one gather is one kernel instead of 2 B, and is kept there."""
 
