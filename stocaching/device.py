@@ -457,7 +457,7 @@ class _Run:
     joined by the interpreter before atexit runs, and it waited for room in the queue that
     only the iterator's ``finally`` could stop."""
 
-    def __init__(self, produce: Callable[..., None], order: Iterator[list[int]],
+    def __init__(self, produce: Callable[..., None], order: Iterator[np.ndarray],
                  depth: int) -> None:
         self.out: queue.Queue = queue.Queue(depth)
         self.stop = threading.Event()
@@ -735,7 +735,7 @@ class DeviceLoader:
             self._position += len(indices)
             yield batch, indices
 
-    def _produce(self, order: Iterator[list[int]], out: queue.Queue, stop: threading.Event
+    def _produce(self, order: Iterator[np.ndarray], out: queue.Queue, stop: threading.Event
                  ) -> None:
         """The loader's thread: take a batch of indices, start its gather, and finish and
         hand over the oldest gather once ``ahead`` more are started. It closes ``order``
