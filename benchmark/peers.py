@@ -184,7 +184,7 @@ def _dataloader(ds: Any, data: Data, **kw: Any) -> Any:
 
 class Rows:
     """Sample ``i`` of the decoded set: ``(image, label)``, ``transform(image)`` when given; a
-    torch Dataset, and the row function of the peers' writers."""
+    torch Dataset, and the rows of the peers' writers (of numpy arrays for FFCV's)."""
 
     def __init__(self, images: Any, labels: Any, transform: Callable[[Any], Any] = _as_is):
         self.images, self.labels, self.transform = images, labels, transform
@@ -194,19 +194,6 @@ class Rows:
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
         return self.transform(self.images[i]), int(self.labels[i])
-
-
-class _NumpyRows:
-    """``(image, label)`` of numpy rows: FFCV's writer input, with no torch op per row."""
-
-    def __init__(self, images: Any, labels: Any) -> None:
-        self.images, self.labels = images, labels
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> tuple[Any, int]:
-        return self.images[i], int(self.labels[i])
 
 
 class ArrayAugment:
@@ -267,10 +254,18 @@ def _full_cache(data: Data, label: str) -> Any:
                        (3, data.size, data.size), name=f"peers-{label}-{os.getpid()}")
 
 
-class StocachingDataLoader(Arm):
+class _CachingArm(Arm):
+    """An arm over a cache of every sample of its own, filled by its epoch 1."""
+
+    label = ""  # (the cache's name)
+
     def prepare(self) -> None:
-        self.cache = _full_cache(self.data, "dataloader")
+        self.cache = _full_cache(self.data, self.label)
         self.closers.append(self.cache.close)
+
+
+class StocachingDataLoader(_CachingArm):
+    label = "dataloader"
 
     def make(self, augment: bool) -> Callable[[], int]:
         from .data import Augment, JpegDataset
@@ -294,10 +289,8 @@ def batch_loader(cache: Any, sampler: Any, load: Callable[[int], Any], *, batch_
                         transform=transform, processes=workers, threads=4)
 
 
-class StocachingBatch(Arm):
-    def prepare(self) -> None:
-        self.cache = _full_cache(self.data, "batch")
-        self.closers.append(self.cache.close)
+class StocachingBatch(_CachingArm):
+    label = "batch"
 
     def make(self, augment: bool) -> Callable[[], int]:
         import torch
@@ -469,7 +462,7 @@ class Ffcv(Arm):
         # hangs in a child forked after torch's OpenMP threads ran (seen with 2 threads).
         hwc = d.images.permute(0, 2, 3, 1).contiguous().numpy()
         DatasetWriter(str(self.beton), fields, num_workers=d.workers).from_indexed_dataset(
-            _NumpyRows(hwc, d.labels.numpy()))
+            Rows(hwc, d.labels.numpy()))
 
     def make(self, augment: bool) -> Callable[[], int]:
         import numpy as np

@@ -71,10 +71,10 @@ def _empty_batch(cache: SharedCache, n: int, pin: bool = False) -> Any:
     return torch.empty((n, *row.shape[1:]), dtype=row.dtype, pin_memory=pin)
 
 
-def _rows_of(batch: Any, n: int) -> Any:
+def _rows_between(batch: Any, start: int, stop: int) -> Any:
     if isinstance(batch, Mapping):
-        return {name: t[:n] for name, t in batch.items()}
-    return batch[:n]
+        return {name: t[start:stop] for name, t in batch.items()}
+    return batch[start:stop]
 
 class _HostGather:
     """The CPU path: the rows of ``block`` batches at a time, read in the caller's thread
@@ -96,12 +96,14 @@ class _HostGather:
         row_bytes = int(rows.shape[1])
         self.most_batches = max(1, min(_MOST_BATCHES_A_GATHER,
                                        _GATHER_BYTES // max(1, batch_size * row_bytes)))
-        self.fields = isinstance(cache.get_batch([])[0], Mapping)
+        empty = cache.get_batch([])[0]  # an empty batch: the fields' dims and dtypes
+        self.fields = isinstance(empty, Mapping)
         self.rereads = self.fields
         # A cache of one tensor: its rows, copied as bytes into blocks of rows.
         self.rows = None if self.fields else rows.numpy()
-        self.memory = _HostMemory(cache, batch_size * self.most_batches, most,
-                                  raw_rows=None if self.fields else row_bytes)
+        kinds = {name: (t.shape[1:], t.dtype) for name, t in empty.items()} if self.fields \
+            else {None: (torch.Size([row_bytes]), torch.uint8)}
+        self.memory = _HostMemory(kinds, batch_size * self.most_batches, most)
         self.helper: ThreadPoolExecutor | None = None  # the second thread of a split copy
         self.helper_pid = 0
 
@@ -117,7 +119,7 @@ class _HostGather:
         """The rows of ``idx`` (a block of batches), which were found, and the indices as a
         tensor of their own."""
         indices = torch.from_numpy(idx.copy())
-        out = _rows_of(self.memory.take(), len(idx))
+        out = _rows_between(self.memory.take(), 0, len(idx))
         if self.fields:
             block, hit = self.cache.get_batch(idx, out=out)
             return block, hit.numpy(), indices
@@ -169,17 +171,11 @@ class _HostMemory:
     the caller's to keep, as a DataLoader's are. At most ``most`` blocks are kept: past that,
     one still held is forgotten (its memory is freed with its last batch)."""
 
-    def __init__(self, cache: SharedCache, rows: int, most: int,
-                 raw_rows: int | None = None) -> None:
-        """Blocks of ``rows`` batch rows: of the cache's dims and dtype(s), or of
-        ``raw_rows`` bytes each."""
-        self.rows, self.most = rows, most
-        empty = cache.get_batch([])[0]  # an empty batch: the fields' dims and dtypes
-        self.fields = isinstance(empty, Mapping)
-        self.kinds = {name: (t.shape[1:], t.dtype)
-                      for name, t in (empty.items() if self.fields else [(None, empty)])}
-        if raw_rows is not None:
-            self.kinds = {None: (torch.Size([raw_rows]), torch.uint8)}
+    def __init__(self, kinds: dict[str | None, tuple[torch.Size, torch.dtype]], rows: int,
+                 most: int) -> None:
+        """Blocks of ``rows`` batch rows of ``kinds``: each field's dims and dtype (one
+        entry, named None, for a batch that is one tensor)."""
+        self.kinds, self.rows, self.most = kinds, rows, most
         self.blocks: list[tuple[tuple[np.ndarray, ...], tuple[int, ...]]] = []
 
     @staticmethod
@@ -201,13 +197,7 @@ class _HostMemory:
     def _tensors(self, arrays: tuple[np.ndarray, ...]) -> Any:
         made = {name: torch.from_numpy(a).view(dtype).view(self.rows, *dims)
                 for a, (name, (dims, dtype)) in zip(arrays, self.kinds.items())}
-        return made if self.fields else made[None]
-
-
-def _rows_between(batch: Any, start: int, stop: int) -> Any:
-    if isinstance(batch, Mapping):
-        return {name: t[start:stop] for name, t in batch.items()}
-    return batch[start:stop]
+        return made[None] if None in made else made
 
 
 # -- the CUDA part: register the segment, view it from the device, gather on a side stream --
@@ -389,7 +379,7 @@ class _PinnedGather:
         k, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
         if self.copied[k] is not None:
             self.copied[k].synchronize()
-        buf = _rows_of(self.buffers[k], len(idx))
+        buf = _rows_between(self.buffers[k], 0, len(idx))
         _, hit = self.cache.get_batch(idx, out=buf)
         batch = _to(buf, self.device)
         self.copied[k] = torch.cuda.Event()
