@@ -35,7 +35,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "they raise, who this process is (`World`) and which indices each node caches "
      "(`CacheLayout`), and the functions that size a cache, describe a saved one, and list or "
      "remove leftover segments. All of it is in the core module, {modules}.",
-     ("SharedCache", "OpenSizeCache", EVERY_CACHE, "CacheCapacityError", "CacheConfigError",
+     ("SharedCache", "OpenSizeCache", EVERY_CACHE, "ReadOnlyView", "CacheCapacityError",
+      "CacheConfigError",
       "CacheFileError", "CacheTimeoutError", "World", "CacheLayout", "SlotState", "plan",
       "get_shm_size", "describe_saved_file", "list_segments", "clean_segments")),
     ("The opt-in parts",

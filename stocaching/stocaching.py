@@ -57,6 +57,7 @@ __all__ = [
     "CacheTimeoutError",
     "MAX_STAGE_TAG",
     "OpenSizeCache",
+    "ReadOnlyView",
     "SharedCache",
     "SlotState",
     "World",
@@ -2459,8 +2460,8 @@ class _Segment(_RecordLocks):
         self.fd, self.mapping, self.size = fd, mm, size
         st = os.fstat(fd)
         self.file_id = (st.st_dev, st.st_ino)
-        # A read-only mapping of the same pages backs the copy=False views: writing into one
-        # is a crash (SIGSEGV), not a silent change of the cached sample.
+        # A read-only mapping of the same pages backs the copy=False views (ReadOnlyView
+        # refuses writes; one that got past it would crash, never change a cached sample).
         self.read_only_mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
 
     # -- closing ----------------------------------------------------------------------------
@@ -2490,6 +2491,57 @@ class _Segment(_RecordLocks):
 # ----------------------------------------------------------------------------------------------
 # 11. The cache contract: BaseCache (construction, views, sending, the public API)
 # ----------------------------------------------------------------------------------------------
+
+
+# The in-place operators of a tensor (every other in-place method's name ends in one "_").
+_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+    "lshift", "rshift")) | {"__setitem__"}
+
+
+def _views_read_only(res: Any, of: torch.Tensor) -> Any:
+    """``res`` with each tensor in it that shares ``of``'s memory made a ``ReadOnlyView``."""
+    if type(res) is torch.Tensor:
+        same = res.untyped_storage().data_ptr() == of.untyped_storage().data_ptr()
+        return res.as_subclass(ReadOnlyView) if same else res
+    if isinstance(res, (tuple, list)) and res and isinstance(res[0], torch.Tensor):
+        return type(res)(_views_read_only(r, of) for r in res)
+    return res
+
+
+class ReadOnlyView(torch.Tensor):
+    """What ``get_slot(i, copy=False)`` returns: a tensor viewing the cached sample in the
+    segment's read-only mapping, without a copy. Every operation that only reads it works as
+    on any tensor (and gives plain tensors); one that would write into it (an in-place method
+    such as ``add_`` or ``copy_``, ``x[k] = v``, ``+=``, ``out=x``) raises RuntimeError
+    instead of writing, as the memory is shared by every process of the node (a write would
+    be a crash: the mapping is read-only). Its views (``x[0]``, ``x.view(...)``, ``x.t()``)
+    are read-only views too, and ``x.numpy()`` is a read-only array. ``x.clone()`` gives a
+    tensor of your own."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        name = getattr(func, "__name__", "")
+        view = args[0] if args and isinstance(args[0], ReadOnlyView) else None
+        writes = (name[-1:] == "_" and name[-2:] != "__" and name != "requires_grad_") or \
+            name in _INPLACE_DUNDERS
+        outs = (kwargs or {}).get("out")
+        if (writes and view is not None) or any(
+                isinstance(o, ReadOnlyView) for o in
+                (outs if isinstance(outs, (tuple, list)) else (outs,))):
+            raise RuntimeError(
+                f"{name} would write into a read-only view of the cache (get_slot(..., "
+                "copy=False) views the shared memory of every process of the node, without a "
+                "copy): clone it first (x = x.clone()), or read it with get_slot(i), a copy")
+        with torch._C.DisableTorchFunctionSubclass():
+            res = func(*args, **(kwargs or {}))
+        if view is None:
+            return res
+        if name == "numpy":
+            res.flags.writeable = False
+            return res
+        return _views_read_only(res, view)
 
 
 class BatchRows(NamedTuple):
@@ -2940,10 +2992,11 @@ class BaseCache:
                 view of the shared slot (no copy). Default: True.
 
         .. warning::
-            With ``copy=False`` the returned tensor is backed by a read-only mapping: an
-            in-place operation on it kills the process with SIGSEGV instead of corrupting
-            the cache, and a later overwrite or ``clear()`` changes what it shows. Use it only
-            where the sample is copied anyway (e.g. collated) before any transform.
+            With ``copy=False`` the returned tensor is a :class:`ReadOnlyView` of the
+            segment's read-only mapping: an operation that would write into it (``add_``,
+            ``x[0] = v``, ``+=``, ``out=``) raises RuntimeError and changes nothing, and a
+            later overwrite or ``clear()`` changes what it shows. Use it only where the
+            sample is copied anyway (e.g. collated, or ``.float()``) before any transform.
 
         Raises:
             IndexError: ``idx`` outside the dataset, or without a slot and not allow_oob_idx.
@@ -3478,8 +3531,8 @@ class SharedCache(BaseCache):
             seq = self._slot_versions[slot]
             if not seq & 1:
                 out = torch.from_numpy(self._slot_samples[slot].copy()) if copy \
-                    else self._read_only_slots[slot]
-                if self._slot_versions[slot] == seq and self._index_states[idx] == SET:
+                    else self._read_only_slots[slot].as_subclass(ReadOnlyView)
+                if self._index_states[idx] == SET and self._slot_versions[slot] == seq:
                     self._own_counters[_HITS] += 1
                     return out if self._view_as is None or not copy else out.view(self._view_as)
             out = self._read_again(idx, copy)
@@ -3528,10 +3581,14 @@ class SharedCache(BaseCache):
         The row's sequence number is odd while a writer is at work and changes with every
         write and ``clear()``; writers change the slot states only while it is odd. So a row
         copied between two reads of one even number is whole, and ``marks[at] == mark`` read
-        after the copy says that it still holds what was asked for: the index's state SET,
-        for a slot (a clear() or write that ended between the caller's check of the state and
-        the first read of the number leaves an even number and an emptied slot); the staging
-        map's entry, for a staging slot (readers free one without a write).
+        after the copy and *before* the second read of the number says that it still holds
+        what was asked for: the index's state SET, for a slot (a clear() or write that ended
+        between the caller's check of the state and the first read of the number leaves an
+        even number and an emptied slot); the staging map's entry, for a staging slot
+        (readers free one without a write). Read after the number, the mark would be outside
+        the window the number guards: a clear() before the first read and a write between
+        the second read and the mark's gave a row of zeros with the state SET
+        (docs/design.md, "The seqlock's window").
 
         Returns:
             a copy of the row as ``_slot_samples`` holds it (``copy=False``: its read-only view,
@@ -3541,13 +3598,13 @@ class SharedCache(BaseCache):
         if seq & 1:
             return None
         out = self._slot_samples[row].copy() if copy else self._view_row(row)
-        if self._slot_versions[row] != seq or marks[at] != mark:
+        if marks[at] != mark or self._slot_versions[row] != seq:
             return None
         return out
 
     def _view_row(self, row: int) -> Any:
         """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
-        return self._read_only_slots[row]
+        return self._read_only_slots[row].as_subclass(ReadOnlyView)
 
     # -- sizing and views of the segment ----------------------------------------------------
 
@@ -4391,7 +4448,7 @@ class _FieldsCache(SharedCache):
     get_slot = BaseCache.get_slot
 
     def _view_row(self, row: int) -> dict[str, torch.Tensor]:
-        return {n: t[row] for n, t in self._read_only_fields.items()}
+        return {n: t[row].as_subclass(ReadOnlyView) for n, t in self._read_only_fields.items()}
 
     def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
         """The fields in a copy of a slot's bytes: tensors that share that one copy."""
@@ -4714,8 +4771,8 @@ class OpenSizeCache(BaseCache):
         """The seqlock read of the record and bytes of ``idx``, the one read of an open-size
         sample: a sample (counted as a hit), or None. As ``_read_row`` for a slot: the
         record's sequence number (its first word, read first) even, the bytes the record names
-        copied, then the number again, unchanged, and the state SET (writers change both only
-        while the number is odd). A record read while a writer changes it may not fit its
+        copied, then the state SET and the number again, unchanged, in that order (writers
+        change both only while the number is odd). A record read while a writer changes it may not fit its
         bytes: a retry, not an error."""
         r = self._record_struct.unpack_from(self._records_bytes, idx * self._record_struct.size)
         seq = r[0]
@@ -4731,13 +4788,17 @@ class OpenSizeCache(BaseCache):
                 return None
         else:
             data = self._arena[off: end].copy() if copy else self._read_only_arena[off: end]
-        if self._records[idx * self._record_words] != seq or self._index_states[idx] != SET:
+        if self._index_states[idx] != SET or self._records[idx * self._record_words] != seq:
             return None
         self._own_counters[_HITS] += 1
         if self._fixed_sizes is not None and copy:  # already in its shape and dtype
             return torch.from_numpy(data) if self._view_as is None else \
                 torch.from_numpy(data).view(self._view_as)
-        return self._unpack(data if copy else data.numpy(), r[4:])
+        if copy:
+            return self._unpack(data, r[4:])
+        sample = self._unpack(data.numpy(), r[4:])  # views of the read-only arena
+        return {k: t.as_subclass(ReadOnlyView) for k, t in sample.items()} if self._fields \
+            else sample.as_subclass(ReadOnlyView)
 
     def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
         it = iter(sizes)

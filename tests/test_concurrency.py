@@ -238,12 +238,13 @@ def _begin_write(cache):  # a writer in the middle of its copy (it finishes afte
 class _Views:
     """Stands in for the cache's views of shared memory that a read uses (``_index_states``,
     ``_slot_versions``, ``_slot_samples``, ``_read_only_slots``), counts the items read through
-    them, and runs ``event(cache)`` just before the ``at``-th (never, if the read makes fewer)."""
+    them, and runs ``events[at](cache)`` just before the ``at``-th (never, if the read makes
+    fewer); ``ran`` lists the positions whose event ran."""
 
     NAMES = ("_index_states", "_slot_versions", "_slot_samples", "_read_only_slots")
 
-    def __init__(self, cache, event, at: int):
-        self.cache, self.event, self.at, self.reads, self.busy = cache, event, at, 0, False
+    def __init__(self, cache, events: dict):
+        self.cache, self.events, self.reads, self.busy, self.ran = cache, events, 0, False, []
         self.real = {n: getattr(cache, n) for n in self.NAMES}
 
     def __enter__(self):
@@ -256,10 +257,11 @@ class _Views:
             def __getitem__(self, k):
                 if not outer.busy:  # (the event's own reads are not the reader's)
                     outer.reads += 1
-                    if outer.reads == outer.at:
+                    if outer.reads in outer.events:
                         outer.busy = True
-                        outer.event(outer.cache)
+                        outer.events[outer.reads](outer.cache)
                         outer.busy = False
+                        outer.ran.append(outer.reads)
                 return self.real[k]
 
             def __setitem__(self, k, v):
@@ -301,7 +303,7 @@ def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
                     cache._slot_versions_np[0] += 1  # a writer that finished (even again)
                     cache.set_slot(0, old, allow_overwrite=True)
                     before = cache.stats()
-                    with _Views(cache, event, at) as views:
+                    with _Views(cache, {at: event}) as views:
                         got = read()
                     got = got if got is None or got is _RETRY else got.clone()
                     after = cache.stats()
@@ -320,3 +322,23 @@ def test_get_slots_inlined_read_agrees_with_read_row(tmpfs, copy):
                     assert a is b, (where, a, b)
                     seen.add(a)
         assert seen == {"sample", _RETRY, None}  # every kind of answer was compared
+
+
+@pytest.mark.parametrize("read", ["get_slot", "BaseCache.get_slot"])
+def test_read_racing_clear_then_a_write_is_a_miss_not_zeros(tmpfs, read):
+    """The zeroed read of the torture (issue 47), pinned. A read of index 0 makes five reads of
+    shared memory: its state (SET), the slot's number, the row, then the state and the number
+    again, in either order. Here another process's clear() lands before the first read of the
+    number, so the reader copies zeros between two reads of one even number, and another
+    process's set_slot of index 0 lands before the fifth read. When the state was checked last,
+    outside the window the number guards, it read SET and the zeros passed as a hit."""
+    value = torch.full((8,), 9, dtype=torch.uint8)
+    with SharedCache(1, 4, (8,), name="race2", shm_dir=tmpfs) as cache:
+        cache.set_slot(0, torch.full((8,), 7, dtype=torch.uint8))
+        cache._read_again = lambda idx, copy: None  # the first try's answer, not a retry's
+        events = {2: _clear, 5: lambda c: c.set_slot(0, value)}
+        with _Views(cache, events) as views:
+            got = cache.get_slot(0) if read == "get_slot" else BaseCache.get_slot(cache, 0)
+        assert views.ran == [2, 5]  # both landed where they were meant to
+        assert got is None, f"a read racing clear() and a write returned {got.tolist()}"
+        assert torch.equal(cache.get_slot(0), value)  # the next read hits the new value
