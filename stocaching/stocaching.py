@@ -1026,8 +1026,18 @@ class CacheTimeoutError(TimeoutError):
 # the end of the file serialise writers of one slot and the few slow-path updates of the header;
 # the kernel drops them when a process dies, so a crash never leaves a lock behind. A shared
 # flock() held by every process using the segment tells a live segment from a stale one.
+#
+# A cache sized by size_limit_gib="auto" in /dev/shm's filesystem is not a file there but an
+# anonymous one (memfd_create), so that it never takes the room DataLoader workers hand their
+# batches over in (docs/design.md, "An anonymous segment for 'auto'"); its pages count against
+# the memory (and a cgroup's limit) as a tmpfs file's do, and the kernel frees it with its last
+# descriptor and mapping. Where other local ranks must attach, its name in /dev/shm is a pointer
+# file instead of the segment: the leader's pid and process start, the descriptor number, and
+# the memfd's (st_dev, st_ino); a rank opens /proc/<pid>/fd/<fd> and checks all of them.
 
 _MAGIC = b"STOCACH1"
+_POINTER_MAGIC = b"STOCMFD1"
+_POINTER = struct.Struct("<8sqqqqq")  # magic, pid, process start, fd, st_dev, st_ino
 _LAYOUT_VERSION = 5  # 4: the field table (nfields, and one record per field at _FIELDS_OFF);
 # 5: random_subset
 _HEADER_BYTES = 4096
@@ -1123,21 +1133,24 @@ def _slots_fitting(free: int, like: CacheLayout, slot_bytes: int, staging: int =
 
 
 def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
-                 like: CacheLayout, tiered: bool, local_world_size: int) -> float:
+                 like: CacheLayout, tiered: bool, local_world_size: int,
+                 anonymous: bool = False) -> float:
     """``size_limit_gib="auto"``: the budget of the whole dataset, or of the most slots whose
-    segment fits both in what ``shm_dir`` has free less the headroom left for its other users
-    (``_shm_headroom``) and in the memory this process may use less the margin the RAM
-    warning keeps (``_memory_room``); the choice is logged with its numbers. ``tiered``: a
-    disk tier takes the indices without a slot. A directory that cannot hold even the
-    metadata of a cache without slots raises ``CacheCapacityError``."""
+    segment fits in the memory this process may use less the margin the RAM warning keeps
+    (``_memory_room``) and, unless the segment is ``anonymous`` (not a file in ``shm_dir``),
+    in what ``shm_dir`` has free less the headroom left for its other users
+    (``_shm_headroom``); the choice is logged with its numbers. ``tiered``: a disk tier takes
+    the indices without a slot. A directory that cannot hold even the metadata of a cache
+    without slots raises ``CacheCapacityError``."""
     clean_segments(shm_dir)  # what dead jobs left is free room
     shm_free, headroom = _free_bytes(shm_dir), _shm_headroom(shm_dir)
     memory = _memory_room(local_world_size)
-    slots = min(dataset_len, _slots_fitting(_auto_room(shm_free, headroom, memory), like,
-                                            slot_bytes, staging))
+    room = max(0, memory.available - memory.margin) if anonymous else \
+        _auto_room(shm_free, headroom, memory)
+    slots = min(dataset_len, _slots_fitting(room, like, slot_bytes, staging))
     metadata = _segment_offsets(dataclasses.replace(like, slots=0), slot_bytes,
                                 staging)["total_bytes"]
-    if slots == 0 and metadata > shm_free:
+    if slots == 0 and metadata > shm_free and not anonymous:
         raise CacheCapacityError(
             f"size_limit_gib='auto' finds {_fmt_bytes(shm_free)} free in {shm_dir}, but even a "
             f"cache without slots needs {_fmt_bytes(metadata)} there for the metadata of its "
@@ -1145,6 +1158,18 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
                                         if tiered else "") + f". {_more_room(shm_dir, metadata)}"
             + ("" if tiered else ", and pass disk_tier=DIR to keep the samples that do not "
                "fit decoded on local disk"), shm_dir, metadata, shm_free)
+    if slots == 0 and anonymous and metadata > room:
+        more_gib = math.ceil((memory.total - memory.available + 2 * metadata) / BYTES_PER_GIB)
+        raise CacheCapacityError(
+            f"size_limit_gib='auto' finds {_fmt_bytes(memory.available)} of memory available "
+            f"({memory.describe()}, of which {_fmt_bytes(memory.margin)} is kept free), but "
+            f"even a cache without slots needs {_fmt_bytes(metadata)} for the metadata of its "
+            f"{dataset_len} samples" + (" (the disk tier holds the samples, not this)"
+                                        if tiered else "") + ". " +
+            (f"Raise the limit to about {more_gib} GiB (docker run --memory={more_gib}g, "
+             f"Kubernetes resources.limits.memory: {more_gib}Gi, SLURM --mem={more_gib}G)"
+             if memory.limited else "Free some memory") + " (a disk tier does not hold the "
+            "metadata)", memory.source, metadata, room)
     budget = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
     whole = _budget_for_slots(dataset_len, dataset_len, slot_bytes, staging)
     segment = _segment_offsets(dataclasses.replace(like, slots=slots), slot_bytes,
@@ -1152,14 +1177,16 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
     rest = dataset_len - slots
     logger.info(
         "stocaching: size_limit_gib='auto' takes %s of shared memory for %d of %d samples%s: "
-        "the whole dataset needs %s; %s has %s free, of which %s is left for its other users, "
-        "and %s is available (%s), of which %s is kept free",
+        "the whole dataset needs %s; %s has %s free, of which %s, and %s is available (%s), "
+        "of which %s is kept free",
         _fmt_bytes(segment), slots, dataset_len,
         f" (the disk tier takes the other {rest})" if tiered and rest else "",
-        _fmt_bytes(whole * BYTES_PER_GIB), shm_dir, _fmt_bytes(shm_free), _fmt_bytes(headroom),
+        _fmt_bytes(whole * BYTES_PER_GIB), shm_dir, _fmt_bytes(shm_free),
+        "it takes none (an anonymous segment: all of it is left to its other users)"
+        if anonymous else f"{_fmt_bytes(headroom)} is left for its other users",
         _fmt_bytes(memory.available), memory.describe(), _fmt_bytes(memory.margin))
     if slots == 0 and not tiered:
-        short_of_memory = memory.available - memory.margin < shm_free - headroom
+        short_of_memory = anonymous or memory.available - memory.margin < shm_free - headroom
         fix = (f"Raise the memory limit (docker run --memory, Kubernetes "
                f"resources.limits.memory, SLURM --mem) by about "
                f"{_fmt_bytes(2 * whole * BYTES_PER_GIB)}" if short_of_memory and memory.limited
@@ -1471,6 +1498,37 @@ def _open_existing(path: str) -> int:
     return fd
 
 
+def _pointer_of(fd: int) -> tuple[int, int, int, int, int] | None:
+    """What the pointer file open at ``fd`` names (pid, process start, descriptor, st_dev,
+    st_ino: section 7), or None where the file is not a pointer (a segment, a disk tier)."""
+    if os.fstat(fd).st_size != _POINTER.size:
+        return None
+    data = os.pread(fd, _POINTER.size, 0)
+    if len(data) != _POINTER.size:
+        return None
+    magic, *named = _POINTER.unpack(data)
+    return tuple(named) if magic == _POINTER_MAGIC else None  # type: ignore[return-value]
+
+
+def _open_pointed(pointer: tuple[int, int, int, int, int]) -> int | None:
+    """The anonymous segment a pointer names, opened read-write through its leader's
+    /proc/<pid>/fd; None where the leader or its descriptor is gone, or the descriptor is now
+    another file (a pid or a descriptor number reused), or not this user's."""
+    pid, start, num, dev, ino = pointer
+    if not _alive(pid, start):
+        return None
+    try:
+        fd = os.open(f"/proc/{pid}/fd/{num}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (dev, ino) or not stat.S_ISREG(st.st_mode) or \
+            st.st_uid != os.getuid():
+        os.close(fd)
+        return None
+    return fd
+
+
 def _read_header(buf: Any) -> dict:
     magic, *values = _HEADER.unpack_from(buf, 0)
     if magic != _MAGIC:
@@ -1579,8 +1637,9 @@ def _mapped_segments(shm_dir: str) -> dict[int, dict]:
             if len(fields) < 6:
                 continue
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            seg = found.setdefault(int(fields[4]), {
-                "path": fields[5].strip().removesuffix(" (deleted)"), "bytes": 0, "pids": set()})
+            seg = found.setdefault(int(fields[4]), {  # (an anonymous one: "/memfd:<path>")
+                "path": fields[5].strip().removesuffix(" (deleted)").removeprefix("/memfd:"),
+                "bytes": 0, "pids": set()})
             seg["bytes"] = max(seg["bytes"], hi - lo)
             seg["pids"].add(int(entry))
     return found
@@ -1613,11 +1672,15 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         if info is None or not stat.S_ISREG(st.st_mode):
             continue
         m = mapped.pop(st.st_ino, None)
+        pointer = _read_pointer(path) if st.st_size == _POINTER.size else None
+        if pointer is not None:  # the name of an anonymous segment: list that one here
+            m = mapped.pop(pointer[4], m)
         pids = sorted(m["pids"]) if m else []
         state = "starting" if info["starting"] else "live"
         if not pids and _is_stale_file(path):
             state = "stale"
-        entry = {"path": path, "named": True, "uid": st.st_uid, "bytes": st.st_size,
+        entry = {"path": path, "named": True, "uid": st.st_uid,
+                 "bytes": st.st_size if pointer is None else m["bytes"] if m else 0,
                  "pids": pids, "state": state}
         if info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]:
             entry.update(_describe_persistent(path, info["name"]))
@@ -1632,6 +1695,18 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         out.append({"path": path, "named": False, "uid": info.get("uid", -1),
                     "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live"})
     return out
+
+
+def _read_pointer(path: str) -> tuple[int, int, int, int, int] | None:
+    """``_pointer_of`` the file at ``path``; None where it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return _pointer_of(fd)
+    finally:
+        os.close(fd)
 
 
 def _describe_persistent(path: str, name: str) -> dict:
@@ -1867,7 +1942,8 @@ def _held_here(path: str) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    return any(c._segment.file_id == (st.st_dev, st.st_ino) for c in list(_LIVE_CACHES))
+    ids = (st.st_dev, st.st_ino)
+    return any(ids in (c._segment.file_id, c._segment.name_id) for c in list(_LIVE_CACHES))
 
 
 def _after_fork_in_child() -> None:
@@ -1931,16 +2007,19 @@ def _running(p: psutil.Process) -> bool:
 
 
 def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0,
-                      wait: float = 0.0) -> None:
-    """Close our descriptor. The creating process (not its forks, which inherit this
-    finalizer) first waits up to ``wait`` seconds for the local ranks that have not attached
-    yet (the last one to attach drops the public name), then drops the name itself."""
+                      wait: float = 0.0, name_fd: int = -1) -> None:
+    """Close our descriptor (and ``name_fd``, an anonymous segment's pointer file). The
+    creating process (not its forks, which inherit this finalizer) first waits up to ``wait``
+    seconds for the local ranks that have not attached yet (the last one to attach drops the
+    public name), then drops the name itself (``ino``, ``dev``: the name's file)."""
     try:
         if path is not None and os.getpid() == owner:
             _wait_for_attachers(path, ino, dev, wait)
             _unlink_if_same(path, ino, dev)
     finally:
         _close_fd(fd)
+        if name_fd >= 0:
+            _close_fd(name_fd)
 
 
 def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
@@ -1987,10 +2066,12 @@ def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
     return cache
 
 
-def _open_leaders_file(path: str, timeout: float) -> int | None:
+def _open_leaders_file(path: str, timeout: float) -> tuple[int, tuple[int, int]] | None:
     """A local rank other than the leader: the leader's file at ``path`` (a segment, a disk
-    tier) open, with a shared flock (what tells `clean` it is in use), once it exists and is
-    not left by a dead job (that one is for the leader to replace); None after ``timeout`` s."""
+    tier; for a pointer file, the anonymous segment it names) open, with a shared flock (what
+    tells `clean` it is in use), once it exists and is not left by a dead job (that one is for
+    the leader to replace), and the (st_dev, st_ino) of the file named ``path``; None after
+    ``timeout`` s."""
     deadline = time.monotonic() + timeout
     delay = 0.005
     while True:
@@ -2007,7 +2088,15 @@ def _open_leaders_file(path: str, timeout: float) -> int | None:
                 except OSError:
                     os.close(fd)  # a cleaner holds it for a moment
                 else:
-                    return fd
+                    st = os.fstat(fd)
+                    pointer = _pointer_of(fd)
+                    if pointer is None:
+                        return fd, (st.st_dev, st.st_ino)
+                    os.close(fd)
+                    fd = _open_pointed(pointer)
+                    if fd is not None:  # (else its leader is gone: wait for the next one)
+                        fcntl.flock(fd, fcntl.LOCK_SH)
+                        return fd, (st.st_dev, st.st_ino)
         if time.monotonic() > deadline:
             return None
         time.sleep(delay)
@@ -2105,6 +2194,9 @@ class _Segment(_RecordLocks):
     read_only_mapping: mmap.mmap | None = None  # backs copy=False views: writing one crashes
     size: int = 0
     file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file this handle maps
+    # ... of its name in the shm directory: the file itself, or an anonymous segment's pointer
+    name_id: tuple[int, int] = (0, 0)
+    pointer_fd: int = -1  # the leader's descriptor of an anonymous segment's pointer file
     finalizer: weakref.finalize | None = None  # closes fd (the leader: drops the name too)
     populating: tuple[threading.Thread, threading.Event] | None = None  # pages mapped in
 
@@ -2122,9 +2214,14 @@ class _Segment(_RecordLocks):
         included) so are the mapping and the descriptor, and the error is raised."""
         head = owner._expected_header()
         self._preflight(owner, os.path.dirname(self.path), head["total_bytes"])
-        tmp = f"{self.path}.{os.getpid()}.{secrets.token_hex(4)}.init"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        if owner._anonymous:  # (named after its path, for /proc's maps and list_segments)
+            tmp = None
+            fd = os.memfd_create(self.path, os.MFD_CLOEXEC)
+            os.fchmod(fd, 0o600)
+        else:
+            tmp = f"{self.path}.{os.getpid()}.{secrets.token_hex(4)}.init"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                         os.O_CLOEXEC, 0o600)
         st = os.fstat(fd)
         try:
             # A load by sendfile writes the slots through the file, which allocates their
@@ -2143,26 +2240,37 @@ class _Segment(_RecordLocks):
             _close_fd(fd)
             raise
         finally:
-            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+            if tmp is not None:
+                _unlink_if_same(tmp, st.st_ino, st.st_dev)
         return fd, st, head
 
     def make(self, owner: BaseCache, load_from: str | None = None) -> None:
         """The local leader of a cache that is not persistent: make the segment (filled from
         ``load_from`` if given) and, when other local ranks will attach, publish its name."""
         shared = owner._world.local_world_size > 1
-        fd, st, head = self._make_file(
-            owner, (lambda tmp, fd: self._publish(owner, tmp, fd)) if shared else
-            (lambda tmp, fd: None), load_from)
+
+        def publish(tmp: str | None, fd: int) -> None:
+            if not shared:
+                return
+            if tmp is None:
+                self._publish_pointer(owner, fd)
+            else:
+                self._publish(owner, tmp, fd)
+
+        fd, st, head = self._make_file(owner, publish, load_from)
         shm_dir = os.path.dirname(self.path)
-        wait = owner._timeout if owner._world.local_world_size > 1 else 0.0
-        self.finalizer = weakref.finalize(self, _finalize_segment, fd, self.path,
-                                          st.st_ino, st.st_dev, os.getpid(), wait)
+        wait = owner._timeout if shared else 0.0
+        dev, ino = self.name_id
+        self.finalizer = weakref.finalize(self, _finalize_segment, fd, self.path, ino, dev,
+                                          os.getpid(), wait, self.pointer_fd)
         lay = owner._layout
         logger.info(
             "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s on node %d: "
             "%s in %s, %s free there afterwards", owner._name, lay.slots, lay.dataset_len,
             100.0 * lay.slots / lay.dataset_len, owner._describe(), owner._world.node_rank,
-            _fmt_bytes(head["total_bytes"]), shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
+            _fmt_bytes(head["total_bytes"]),
+            f"anonymous shared memory (memfd), not in {shm_dir}" if owner._anonymous else
+            shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
 
     def open_persistent(self, owner: BaseCache, load_from: str | None = None) -> None:
         """The local leader of a persistent cache: attach to the segment of this name if it
@@ -2280,10 +2388,11 @@ class _Segment(_RecordLocks):
         machine left short of memory, or a /dev/shm left short for its other users."""
         clean_segments(shm_dir)  # segments of this user whose processes are all gone
         free = _free_bytes(shm_dir)
-        if total > free:
+        if total > free and not owner._anonymous:
             raise owner._capacity_error(shm_dir, total, free)
         fstype = _fs_type(shm_dir)
-        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS
+        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS and \
+            not owner._anonymous
         if on_disk:
             warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
                           "the cache is a file there, and may be as slow as the data it "
@@ -2314,13 +2423,14 @@ class _Segment(_RecordLocks):
             warnings.warn(
                 f"the cache takes {_fmt_bytes(total)} of the {_fmt_bytes(free)} free in "
                 f"{shm_dir} and leaves {_fmt_bytes(free - total)}, less than the "
-                f"{_fmt_bytes(headroom)} that size_limit_gib='auto' leaves for its other users: "
+                f"{_fmt_bytes(headroom)} a cache should leave there for its other users: "
                 "DataLoader workers hand over each batch there (about batch bytes x "
                 "num_workers x prefetch_factor at once, per rank) and keep their semaphores "
                 "there, and NCCL's shared-memory transport its buffers. If they run out, a "
                 "worker dies with 'unable to allocate shared memory' or 'No space left on "
-                f"device'. {_more_room(shm_dir, total + headroom)}, or pass a smaller "
-                "size_limit_gib.", RuntimeWarning, stacklevel=_stacklevel_of_caller())
+                f"device'. {_more_room(shm_dir, total + headroom)}, pass a smaller "
+                "size_limit_gib, or pass size_limit_gib='auto' (its segment takes no room in "
+                "/dev/shm).", RuntimeWarning, stacklevel=_stacklevel_of_caller())
 
     def reserve(self, owner: BaseCache, fd: int, nbytes: int) -> str | None:
         """Allocate the first ``nbytes`` of the new segment now (pages already written stay
@@ -2401,19 +2511,41 @@ class _Segment(_RecordLocks):
         raise CacheConfigError(f"could not publish {self.path}: it keeps reappearing", "name",
                                owner._name, self.path)
 
+    def _publish_pointer(self, owner: BaseCache, fd: int) -> None:
+        """Name an anonymous segment for the other local ranks: a pointer file to it (section
+        7) published as a segment is, and held with a shared flock until the name goes."""
+        st, me = os.fstat(fd), os.getpid()
+        tmp = f"{self.path}.{me}.{secrets.token_hex(4)}.init"
+        pfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600)
+        pst = os.fstat(pfd)
+        try:
+            os.pwrite(pfd, _POINTER.pack(_POINTER_MAGIC, me, _process_start(me), fd,
+                                         st.st_dev, st.st_ino), 0)
+            fcntl.flock(pfd, fcntl.LOCK_SH)
+            self._publish(owner, tmp, pfd)
+        except BaseException:
+            _close_fd(pfd)
+            raise
+        finally:
+            _unlink_if_same(tmp, pst.st_ino, pst.st_dev)
+        self.pointer_fd, self.name_id = pfd, (pst.st_dev, pst.st_ino)
+
     def attach(self, owner: BaseCache, timeout: float) -> None:
         """A local rank other than the leader: wait up to ``timeout`` s for the leader's
         segment, map it and count this rank in; the last rank to attach drops the name."""
-        fd = _open_leaders_file(self.path, timeout)
-        if fd is None:
+        opened = _open_leaders_file(self.path, timeout)
+        if opened is None:
             raise CacheTimeoutError(
                 f"local rank {owner._world.local_rank} waited {timeout:.0f} s for local rank "
                 f"0 (the local leader) to create {self.path}, but it never arrived. Check "
                 "that every local rank constructs its caches with the same arguments and in "
                 "the same order, that rank 0 is alive, and that all ranks see the same "
                 "STOCACHING_JOB_KEY", self.path, timeout)
+        fd, name_id = opened
         try:
             head = self.map_existing(owner, fd)
+            self.name_id = name_id
             self.lock(_LOCK_BASE)
             try:
                 attached = self.header_get("attached") + 1
@@ -2422,7 +2554,7 @@ class _Segment(_RecordLocks):
                 self.unlock(_LOCK_BASE)
             # All here: drop the name (a persistent cache keeps it: the next job attaches by it).
             if attached >= head["local_world_size"] and not head["persistent"]:
-                dev, ino = self.file_id
+                dev, ino = self.name_id
                 _unlink_if_same(self.path, ino, dev)
         except BaseException:
             os.close(fd)
@@ -2459,7 +2591,7 @@ class _Segment(_RecordLocks):
         """Hold the descriptor and read-write mapping of the segment, and map it read-only."""
         self.fd, self.mapping, self.size = fd, mm, size
         st = os.fstat(fd)
-        self.file_id = (st.st_dev, st.st_ino)
+        self.file_id = self.name_id = (st.st_dev, st.st_ino)  # (a pointer's name: its own)
         # A read-only mapping of the same pages backs the copy=False views (ReadOnlyView
         # refuses writes; one that got past it would crash, never change a cached sample).
         self.read_only_mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -2596,6 +2728,7 @@ class BaseCache:
     _on_mismatch = "raise"  # a persistent cache's, or a saved file's, other key or configuration
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
     _auto_sized = False  # size_limit_gib="auto" on the local leader: it said why, and what
+    _anonymous = False  # the local leader makes it with memfd_create, not as a file in shm_dir
     _disk_tier: _DiskTier | None = None  # rows of the indices without a slot, on local disk
     # The segment this process holds (descriptor, mappings, record locks), and views of its
     # pages, the same in every process (the hot path reads them).
@@ -3483,10 +3616,14 @@ class SharedCache(BaseCache):
                                  "agree; pass a number (python -m stocaching plan sizes it), but "
                                  "got size_limit_gib='auto'")
             if world.is_local_leader:
+                # In /dev/shm's filesystem, the segment of "auto" is anonymous: it leaves all
+                # of /dev/shm to the DataLoader's batches (docs/design.md, "An anonymous
+                # segment for 'auto'"); a directory of the caches' own is sized as it is.
                 self._auto_sized = True
+                self._anonymous = _shm_headroom(shm_dir) > 0
                 size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
                                               self._layout, disk_tier is not None,
-                                              world.local_world_size)
+                                              world.local_world_size, self._anonymous)
             else:  # the leader decides; this rank takes the slot count of its segment
                 self._slots_from_leader = True
                 size_limit_gib = _budget_for_slots(0, dataset_len, slot_bytes, staging) + \
@@ -3505,6 +3642,11 @@ class SharedCache(BaseCache):
                           f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
                           + (f" (after {staging} staging slots)" if staging else "") +
                           "; only staged samples can hit", RuntimeWarning, stacklevel=2)
+        if staging and slots >= dataset_len and world.is_local_leader:
+            warnings.warn(f"staging_slots={staging} take {_fmt_bytes(staging * slot_bytes)} that "
+                          f"no sample can use: every index of the {dataset_len} has a slot on "
+                          "this node, and staging holds only samples of indices without one; "
+                          "pass staging_slots=0", RuntimeWarning, stacklevel=2)
         self._open(slots, dims, dtype, fields, staging, load_from)
         if disk_tier is not None:
             try:
@@ -5342,12 +5484,13 @@ class _DiskTier(_RecordLocks):
     def _attach(self, want: dict, timeout: float) -> None:
         """Another local rank: open the leader's file by its name (waiting for it up to
         ``timeout``), check it, map it, and drop the name once every local rank holds it."""
-        fd = _open_leaders_file(self._path, timeout)
-        if fd is None:
+        opened = _open_leaders_file(self._path, timeout)
+        if opened is None:
             raise CacheTimeoutError(
                 f"waited {timeout:.0f} s for local rank 0 to make the disk tier "
                 f"{self._path}, but it never arrived: construct the cache with the same "
                 "disk_tier on every local rank", self._path, timeout)
+        fd = opened[0]
         try:
             head = self._check(fd, want)
             self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
@@ -6318,7 +6461,8 @@ def _plan_room(shm_dir: str) -> tuple[dict, int]:
             "ram_available_gib": memory.available / BYTES_PER_GIB,
             "memory_gib": memory.total / BYTES_PER_GIB, "memory_margin_gib":
             memory.margin / BYTES_PER_GIB, "memory_limit": memory.source if memory.limited
-            else None}, _auto_room(free, headroom, memory)
+            else None}, max(0, memory.available - memory.margin) if headroom else \
+        _auto_room(free, headroom, memory)  # (in /dev/shm's filesystem, "auto" is anonymous)
 
 
 def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
@@ -6490,14 +6634,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
             f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
             f"the whole dataset needs {gib['dataset_gib']}; {args.shm_dir} has "
-            f"{gib['shm_free_gib']} free, of which 'auto' leaves {gib['shm_headroom_gib']} to "
-            f"its other users (DataLoader batches, NCCL)\n"
+            f"{gib['shm_free_gib']} free, of which a cache of a given size leaves "
+            f"{gib['shm_headroom_gib']} to its other users (DataLoader batches, NCCL)"
+            + (" and 'auto' all of it (an anonymous segment)" if r["shm_headroom_gib"] else "")
+            + "\n"
             + (f"RAM {gib['ram_available_gib']} available" if r["memory_limit"] is None
                else f"memory limit {gib['memory_gib']} ({r['memory_limit']}), "
                f"{gib['ram_available_gib']} of it free") +
             f", of which 'auto' keeps {gib['memory_margin_gib']} free\n")
         segment, limited = r["segment_gib"], r["memory_limit"] is not None
-        if segment > r["shm_free_gib"]:
+        anonymous = args.size_gib is None and r["shm_headroom_gib"] > 0  # (as "auto" makes it)
+        if segment > r["shm_free_gib"] and not anonymous:
             out(f"error: the segment ({gib['segment_gib']}) does not fit in what {args.shm_dir} "
                 "has free: the cache would refuse to start; enlarge it or pass a smaller "
                 "--size-gib\n")
@@ -6512,7 +6659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{gib['memory_margin_gib']} of the memory free: "
                 + ("the machine would swap\n" if not limited else
                    "the DataLoader's workers may get the job killed (OOM)\n"))
-        if r["shm_free_gib"] - segment < r["shm_headroom_gib"]:
+        if r["shm_free_gib"] - segment < r["shm_headroom_gib"] and not anonymous:
             out(f"warning: the segment ({gib['segment_gib']}) leaves less than "
                 f"{gib['shm_headroom_gib']} of {args.shm_dir} to the DataLoader's batches and "
                 "NCCL: enlarge it or pass a smaller --size-gib\n")

@@ -198,17 +198,22 @@ def named(shm_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(shm_dir) if n.startswith(SEGMENT_PREFIX))
 
 
+_MEMFD = "/memfd:"  # how /proc names a file made by memfd_create
+
+
 def _mapped(shm_dir: str, pid: int | str, start: str = "") -> list[list[str]]:
     """The lines of ``/proc/<pid>/maps`` that map a file of ``shm_dir`` whose name begins
     with ``start`` (named or already unlinked), split into their six fields; none if ``pid`` is
-    gone. The one reader of /proc/*/maps."""
+    gone. The one reader of /proc/*/maps. An anonymous segment (``size_limit_gib="auto"``)
+    counts as a file of the directory it is named after: its line reads "/memfd:<path>"."""
     prefix = os.path.realpath(shm_dir) + "/" + start
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = [ln.split(maxsplit=5) for ln in f]
     except OSError:
         return []
-    return [ln for ln in lines if len(ln) == 6 and ln[5].startswith(prefix)]
+    return [ln for ln in lines if len(ln) == 6 and
+            ln[5].removeprefix(_MEMFD).startswith(prefix)]
 
 
 def mappers(shm_dir: str) -> dict[int, list[str]]:
@@ -240,7 +245,7 @@ def holders(shm_dir: str) -> dict[int, list[str]]:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if target.startswith(prefix):
+            if target.removeprefix(_MEMFD).startswith(prefix):
                 out.setdefault(int(pid), []).append(target)
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import warnings
 
 import numpy as np
 import pytest
@@ -207,3 +208,19 @@ def test_close_frees_what_this_processs_prefetchers_staged_and_nothing_else(shm_
     finally:
         lead.close()
         other.close()
+
+
+def test_staging_slots_where_every_index_has_a_slot_warn_at_construction(shm_dir):
+    """A staging slot holds only a sample of an index without a slot (issue 47: the device
+    recipe reserved 768 MiB of staging for a dataset that fit whole): said at construction."""
+    with pytest.warns(RuntimeWarning, match=r"staging_slots=4 take 768 B that no sample can "
+                                            r"use: every index of the 10 has a slot"):
+        c = SharedCache(1e-3, 10, (3, 8, 8), staging_slots=4, shm_dir=shm_dir, name="whole")
+    assert len(c) == 10
+    c.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cache that does not hold every index: no warning
+        c = SharedCache(budget_for(5, (3, 8, 8), dataset_len=10, staging=4), 10, (3, 8, 8),
+                        staging_slots=4, shm_dir=shm_dir, name="part")
+    assert len(c) == 5
+    c.close()
