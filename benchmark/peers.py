@@ -382,15 +382,20 @@ class MosaicML(Arm):
         # One StreamingDataset per local directory at a time: the augmenting one reads a
         # link to the same shards.
         d = self.data
-        local = self.dir
-        if augment:
-            local = d.work / "mds-augment"
-            local.symlink_to(self.dir)
+        local = self.augment_dir() if augment else self.dir
         ds = _mds_class()(local=str(local), shuffle=True, shuffle_seed=d.seed,
                           batch_size=d.batch_size)
         ds.transform = ArrayAugment() if augment else _as_is
         loader = _dataloader(ds, d)
         return lambda: _count(loader)
+
+    def augment_dir(self) -> Path:
+        """A second local directory of the written shards: a link to them, by their absolute
+        path (a relative target is resolved from the link's folder, and ``--out`` is relative
+        by default)."""
+        local = self.data.work / "mds-augment"
+        local.symlink_to(self.dir.resolve(), target_is_directory=True)
+        return local
 
     def close(self) -> None:
         super().close()

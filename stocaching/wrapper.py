@@ -57,12 +57,21 @@ class CachedDataset(torch.utils.data.Dataset):
     cache; the local leader makes the segment), ``CacheAwareSampler`` (it has ``.cache``),
     and the ``Prefetcher`` and ``DeviceLoader`` (give them ``ds.cache`` and ``ds.load``).
 
+    A value that is a tuple (an image and its label, say) is kept as a cache of fields named
+    ``item0``, ``item1``, ... in its order, since field names must be identifiers; a dict's
+    keys are its field names. ``ds.cache.fields`` lists them (``('item0', 'item1')``);
+    ``ds[i]`` is a tuple again, while ``ds.load(i)`` and ``ds.cache.get_slot(i)`` are the
+    dict of fields the cache keeps. A ``cache=`` of your own for tuple items needs those
+    fields: ``SharedCache(gib, len(base), {"item0": (3, 256, 256), "item1": ()},
+    {"item0": torch.uint8, "item1": torch.int64})``.
+
     Args:
         base: a map-style dataset (``len`` and ``base[i]``), e.g. a library's image folder or
             a Hugging Face ``datasets.Dataset``; it is not changed.
         cache: the cache to keep the values in (a ``SharedCache`` or ``OpenSizeCache`` whose
-            ``dataset_len`` is ``len(base)``), or None to make a ``SharedCache`` from the first
-            item's shapes and dtypes. Default: None.
+            ``dataset_len`` is ``len(base)``; for tuple values, with fields ``item0``,
+            ``item1``, ...), or None to make a ``SharedCache`` from the first item's shapes
+            and dtypes. Default: None.
         size_limit_gib: without ``cache``: the new cache's budget, as ``SharedCache``'s.
             Default: ``"auto"``.
         decode: ``decode(base[i])``, the deterministic part of loading that ``base`` does not

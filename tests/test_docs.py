@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from _helpers import CHILDREN, REPO
+from stocaching import stocaching as core
 
 ROOT = str(REPO)
 
@@ -116,6 +117,38 @@ def test_the_code_map_names_only_what_exists():
             if not re.search(defined, module, re.M):
                 missing.append((path.group(1) if path else "?", name))
     assert not missing, f"docs/how-it-works.md's map names what its module does not define: {missing}"
+
+
+def sizing_plans() -> list[tuple[str, str]]:
+    """(arguments, output) of each ``$ python -m stocaching plan ...`` block of
+    docs/sizing.md."""
+    return re.findall(r"```\n\$ python -m stocaching (plan .*?)\n(.*?)```",
+                      read("docs", "sizing.md"), re.S)
+
+
+# The lines of plan's output whose sizes are the machine's: /dev/shm's and the RAM's
+MACHINES = re.compile(r"^(the whole dataset needs|RAM) ")
+SIZE = re.compile(r"\d+(\.\d+)? [KMGT]?i?B\b")
+
+
+@pytest.mark.parametrize("command, shown", sizing_plans(),
+                         ids=[c.split(" --", 2)[2] for c, _ in sizing_plans()])
+def test_the_sizing_pages_plans_print_what_it_shows(command, shown, capsys, monkeypatch):
+    """docs/sizing.md's ``python -m stocaching plan`` examples, run as written: each prints
+    the lines shown (the sizes of /dev/shm and the RAM aside: they are the machine's), and
+    exits with 1 where they end in an error. Where /dev/shm could hold the examples' 64 GiB
+    segment, or a memory limit words the RAM line otherwise, they differ by design."""
+    room = core.plan(1281167, (3, 256, 256), size_limit_gib=64)
+    if room["shm_free_gib"] >= room["segment_gib"] or room["memory_limit"] is not None:
+        pytest.skip("the examples' 64 GiB segment fits in /dev/shm here, or a memory "
+                    "limit applies: plan prints other lines than docs/sizing.md shows")
+    monkeypatch.delenv("STOCACHING_SHM_DIR", raising=False)
+    status = core.main(command.split())
+    lines = [SIZE.sub("N", ln) if MACHINES.match(ln) else ln for ln in shown.splitlines()]
+    got = [SIZE.sub("N", ln) if MACHINES.match(ln) else ln
+           for ln in capsys.readouterr().out.splitlines()]
+    assert got == lines
+    assert status == (1 if lines[-1].startswith("error: ") else 0)
 
 
 @pytest.mark.timeout(240)

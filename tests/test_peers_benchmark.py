@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,21 @@ def test_every_arm_runs_or_says_how_to_install_it(tmp_path, shm_dir):
     assert set(result["arms"]) == set(peers.ARMS)
     assert sorted(os.listdir(out)) == ["peers.png", "results.json"]  # the peers' files are gone
     assert os.listdir(shm_dir) == []
+
+
+def test_mosaicmls_augmenting_arm_reads_the_shards_under_a_relative_out(tmp_path, monkeypatch):
+    """The augmenting MosaicML arm's second local directory, a link to the written shards,
+    resolves to them when ``--out`` is relative (its default), from any working directory: a
+    relative link target would be resolved from the link's folder. Needs no streaming."""
+    monkeypatch.chdir(tmp_path)
+    work = Path("out") / "peers-files-x"  # as main() makes it under a relative --out
+    (work / "mds").mkdir(parents=True)
+    (work / "mds" / "index.json").write_text('{"shards": []}')
+    data = peers.Data(root=Path("jpegs"), images=None, labels=None, num_classes=10, work=work,
+                      workers=1, batch_size=16, seed=0, threads=1)
+    arm = peers.MosaicML(data)
+    arm.dir = work / "mds"  # what prepare() sets, without writing through streaming
+    local = arm.augment_dir()
+    assert (local / "index.json").read_text() == '{"shards": []}'
+    monkeypatch.chdir("/")
+    assert (tmp_path / local / "index.json").read_text() == '{"shards": []}'

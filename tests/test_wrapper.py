@@ -82,6 +82,26 @@ def test_items_of_arrays_and_numbers_become_fields_and_come_back_as_tensors(shm_
     ds.close()
 
 
+@pytest.mark.parametrize("own_cache", [False, True])
+def test_tuple_items_are_kept_as_fields_item0_item1_and_come_back_as_tuples(shm_dir, own_cache):
+    """As CachedDataset's docstring and docs/sources.md say: a tuple is kept as fields item0,
+    item1, ... (ds.cache.fields), read back as a tuple, and loaded (ds.load, get_slot) as the
+    dict of them; a cache of one's own with those fields takes the tuples."""
+    base = LibraryDataset()
+    cache = SharedCache(1, N, {"item0": (3, 8, 8), "item1": ()},
+                        {"item0": torch.uint8, "item1": torch.int64}) if own_cache else None
+    ds = CachedDataset(base, cache, **({} if own_cache else {"size_limit_gib": 1}))
+    assert ds.cache.fields == ("item0", "item1")
+    for got in (ds[3], ds[3]):  # a miss, then a hit
+        assert type(got) is tuple and len(got) == 2
+        assert torch.equal(got[0], base[3][0]) and int(got[1]) == 3
+    assert ds.cache.stats()["hits"] == 1
+    for i, kept in ((4, ds.load(4)), (3, ds.cache.get_slot(3))):
+        assert sorted(kept) == ["item0", "item1"]
+        assert torch.equal(kept["item0"], base[i][0]) and int(kept["item1"]) == i % 5
+    ds.close()
+
+
 def test_decode_before_and_transform_after_the_cache(shm_dir):
     calls = []
 
