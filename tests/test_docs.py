@@ -203,3 +203,23 @@ def test_the_webdataset_recipe_runs_as_written(tmp_path, shm_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     hit_rate, slots = r.stdout.split()
     assert slots == "1600" and abs(float(hit_rate) - 2 / 3) < 1e-9, r.stdout  # epochs 2, 3
+
+
+def test_the_package_imports_from_the_checkouts_parent_folder(tmp_path):
+    """A project that holds its clone as stocaching/ runs from the folder above it: there the
+    clone is a folder named stocaching without an __init__.py, which Python took for a
+    namespace package before it asked the finder of an editable install (issue 47: 'cannot
+    import name SharedCache from stocaching (unknown location)'). setup.cfg's package_dir makes
+    pip install -e put the checkout on sys.path instead. Here the parent folder holds a link
+    named stocaching to this checkout, and this interpreter is the suite's."""
+    import stocaching
+    if not stocaching.__file__.startswith(ROOT + os.sep) or "site-packages" in stocaching.__file__:
+        pytest.skip("the package is not installed from this checkout with pip install -e")
+    (tmp_path / "stocaching").symlink_to(ROOT, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for argv in (["-c", "from stocaching import SharedCache; print(SharedCache.__module__)"],
+                 ["-m", "stocaching"]):
+        r = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, (argv, r.stderr[-2000:])
+    assert "stocaching segments" in r.stdout, r.stdout
