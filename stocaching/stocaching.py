@@ -2629,6 +2629,21 @@ class _Segment(_RecordLocks):
 _INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
     "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
     "lshift", "rshift")) | {"__setitem__"}
+_WRITES_FIRST: dict[str, bool] = {}  # does the torch function of this name write its input?
+
+
+def _writes(name: str) -> bool:
+    writes = _WRITES_FIRST.get(name)
+    if writes is None:
+        writes = _WRITES_FIRST[name] = (name[-1:] == "_" and name[-2:] != "__" and
+                                  name != "requires_grad_") or name in _INPLACE_DUNDERS
+    return writes
+
+
+def _is_view(x: Any) -> bool:
+    """True when ``x`` (a tensor, or a sequence of them: ``out=``) holds a ReadOnlyView."""
+    return type(x) is ReadOnlyView or (isinstance(x, (tuple, list)) and
+                                        any(type(t) is ReadOnlyView for t in x))
 
 
 def _views_read_only(res: Any, of: torch.Tensor) -> Any:
@@ -2649,31 +2664,27 @@ class ReadOnlyView(torch.Tensor):
     instead of writing, as the memory is shared by every process of the node (a write would
     be a crash: the mapping is read-only). Its views (``x[0]``, ``x.view(...)``, ``x.t()``)
     are read-only views too, and ``x.numpy()`` is a read-only array. ``x.clone()`` gives a
-    tensor of your own."""
+    tensor of your own. Each operation on it costs a few microseconds more than on a plain
+    tensor (docs/design.md, "A read-only view")."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        name = getattr(func, "__name__", "")
-        view = args[0] if args and isinstance(args[0], ReadOnlyView) else None
-        writes = (name[-1:] == "_" and name[-2:] != "__" and name != "requires_grad_") or \
-            name in _INPLACE_DUNDERS
-        outs = (kwargs or {}).get("out")
-        if (writes and view is not None) or any(
-                isinstance(o, ReadOnlyView) for o in
-                (outs if isinstance(outs, (tuple, list)) else (outs,))):
+        name = func.__name__
+        view = args[0] if args and type(args[0]) is ReadOnlyView else None
+        if (view is not None and _writes(name)) or (kwargs and _is_view(kwargs.get("out"))):
             raise RuntimeError(
                 f"{name} would write into a read-only view of the cache (get_slot(..., "
                 "copy=False) views the shared memory of every process of the node, without a "
                 "copy): clone it first (x = x.clone()), or read it with get_slot(i), a copy")
-        with torch._C.DisableTorchFunctionSubclass():
-            res = func(*args, **(kwargs or {}))
-        if view is None:
-            return res
-        if name == "numpy":
-            res.flags.writeable = False
-            return res
-        return _views_read_only(res, view)
+        with torch._C.DisableTorchFunctionSubclass():  # (the checks below too: no recursion)
+            res = func(*args, **kwargs) if kwargs else func(*args)
+            if view is None:
+                return res
+            if name == "numpy":
+                res.flags.writeable = False
+                return res
+            return _views_read_only(res, view)
 
 
 class BatchRows(NamedTuple):

@@ -152,6 +152,7 @@ SLOW = {
     "tests/test_sending.py::test_torch_multiprocessing_pool_queue_and_process",  # 3 s
     # the others over 1.5 s
     "tests/test_cache.py::test_writing_a_read_only_view_raises_and_changes_nothing",  # 2 s
+    "tests/test_docs.py::test_the_package_imports_from_the_checkouts_parent_folder",  # 7 s
     "tests/test_capacity_security.py::"
     "test_cache_that_just_fits_fills_completely_without_sigbus",  # 5 s
     "tests/test_capacity_security.py::"
