@@ -1639,7 +1639,7 @@ def _mapped_segments(shm_dir: str) -> dict[int, dict]:
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             seg = found.setdefault(int(fields[4]), {  # (an anonymous one: "/memfd:<path>")
                 "path": fields[5].strip().removesuffix(" (deleted)").removeprefix("/memfd:"),
-                "bytes": 0, "pids": set()})
+                "bytes": 0, "pids": set(), "anonymous": fields[5].startswith("/memfd:")})
             seg["bytes"] = max(seg["bytes"], hi - lo)
             seg["pids"].add(int(entry))
     return found
@@ -1658,7 +1658,8 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         a persistent cache's dict adds ``name``, ``key``, ``filled`` (samples stored),
         ``slots`` and ``age_s`` (seconds since a job last made or attached to it: the
         file's mtime, which each attach sets; a job attached for days shows days, and its
-        ``state`` says "live").
+        ``state`` says "live"); one not named adds ``anonymous`` (True for the segment of
+        a ``size_limit_gib="auto"`` cache, made with memfd_create: never a file there).
     """
     mapped = _mapped_segments(shm_dir)
     out = []
@@ -1693,7 +1694,8 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         # leader's temporary ``<name>.<pid>.<hex>.init``; show the name it stands for.
         path = re.sub(r"\.\d+\.[0-9a-f]+\.init$", "", m["path"])
         out.append({"path": path, "named": False, "uid": info.get("uid", -1),
-                    "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live"})
+                    "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live",
+                    "anonymous": m["anonymous"]})
     return out
 
 
@@ -2663,7 +2665,7 @@ class ReadOnlyView(torch.Tensor):
     such as ``add_`` or ``copy_``, ``x[k] = v``, ``+=``, ``out=x``) raises RuntimeError
     instead of writing, as the memory is shared by every process of the node (a write would
     be a crash: the mapping is read-only). Its views (``x[0]``, ``x.view(...)``, ``x.t()``)
-    are read-only views too, and ``x.numpy()`` is a read-only array. ``x.clone()`` gives a
+    are read-only views too, and ``x.numpy()`` and ``np.asarray(x)`` are read-only arrays. ``x.clone()`` gives a
     tensor of your own. Each operation on it costs a few microseconds more than on a plain
     tensor (docs/design.md, "A read-only view")."""
 
@@ -2681,7 +2683,7 @@ class ReadOnlyView(torch.Tensor):
             res = func(*args, **kwargs) if kwargs else func(*args)
             if view is None:
                 return res
-            if name == "numpy":
+            if name in ("numpy", "__array__"):  # (np.asarray(x) calls __array__)
                 res.flags.writeable = False
                 return res
             return _views_read_only(res, view)
@@ -6697,7 +6699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         segs = list_segments(args.shm_dir)
         out(f"stocaching segments: {len(segs)}\n")
         for s in segs:
-            name = s["path"] if s["named"] else s["path"] + " (unlinked)"
+            name = s["path"] if s["named"] else s["path"] + (
+                " (anonymous: not a file there)" if s.get("anonymous") else " (unlinked)")
             out(f"  {s['state']:8s} uid={s['uid']} {_fmt_bytes(s['bytes']):>10s} "
                 f"pids={','.join(map(str, s['pids'])) or '-'} {name}\n")
             if "key" in s:

@@ -191,7 +191,7 @@ def test_writing_a_read_only_view_raises_and_changes_nothing(shm_dir):
     r = run_child("write_a_view.py", shm_dir)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[-1] == "done" and len(lines) == 1 + 3 * 13, r.stdout
+    assert lines[-1] == "done" and len(lines) == 1 + 3 * 14, r.stdout
     assert [ln for ln in lines[:-1] if not ln.endswith(" raised")] == []
 
 

@@ -7,6 +7,7 @@ Usage: write_a_view.py SHM_DIR. Prints one line "KIND WAY raised|WROTE" per try,
 
 import sys
 
+import numpy as np
 import torch
 
 import stocaching
@@ -25,6 +26,7 @@ WAYS = {
     "torch.add out=": lambda v: torch.add(v, 1, out=v),
     "torch.Tensor.add_": lambda v: torch.Tensor.add_(v, 1),
     "its numpy()": lambda v: v.numpy().__setitem__(0, 1),
+    "np.asarray of it": lambda v: np.asarray(v).__setitem__(0, 1),
 }
 
 
