@@ -2665,8 +2665,8 @@ class ReadOnlyView(torch.Tensor):
     such as ``add_`` or ``copy_``, ``x[k] = v``, ``+=``, ``out=x``) raises RuntimeError
     instead of writing, as the memory is shared by every process of the node (a write would
     be a crash: the mapping is read-only). Its views (``x[0]``, ``x.view(...)``, ``x.t()``)
-    are read-only views too, and ``x.numpy()`` and ``np.asarray(x)`` are read-only arrays. ``x.clone()`` gives a
-    tensor of your own. Each operation on it costs a few microseconds more than on a plain
+    are read-only views too, and ``x.numpy()`` and ``np.asarray(x)`` are read-only arrays.
+    ``x.clone()`` gives a tensor of your own. Each operation on it costs a few microseconds more than on a plain
     tensor (docs/design.md, "A read-only view")."""
 
     @classmethod
@@ -4927,8 +4927,8 @@ class OpenSizeCache(BaseCache):
         sample: a sample (counted as a hit), or None. As ``_read_row`` for a slot: the
         record's sequence number (its first word, read first) even, the bytes the record names
         copied, then the state SET and the number again, unchanged, in that order (writers
-        change both only while the number is odd). A record read while a writer changes it may not fit its
-        bytes: a retry, not an error."""
+        change both only while the number is odd). A record read while a writer changes it
+        may not fit its bytes: a retry, not an error."""
         r = self._record_struct.unpack_from(self._records_bytes, idx * self._record_struct.size)
         seq = r[0]
         if seq & 1:
