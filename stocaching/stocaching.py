@@ -1145,8 +1145,7 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
     clean_segments(shm_dir)  # what dead jobs left is free room
     shm_free, headroom = _free_bytes(shm_dir), _shm_headroom(shm_dir)
     memory = _memory_room(local_world_size)
-    room = max(0, memory.available - memory.margin) if anonymous else \
-        _auto_room(shm_free, headroom, memory)
+    room = _auto_room(shm_free, headroom, memory, anonymous)
     slots = min(dataset_len, _slots_fitting(room, like, slot_bytes, staging))
     metadata = _segment_offsets(dataclasses.replace(like, slots=0), slot_bytes,
                                 staging)["total_bytes"]
@@ -1202,11 +1201,18 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
     return budget
 
 
-def _auto_room(shm_free: int, headroom: int, memory: _MemoryRoom) -> int:
+def _auto_room(shm_free: int, headroom: int, memory: _MemoryRoom, anonymous: bool) -> int:
     """The bytes a segment sized by ``size_limit_gib="auto"`` (or by ``plan`` without a
-    budget) may take: what /dev/shm has free less its headroom, and the memory available
-    less its margin."""
-    return max(0, min(shm_free - headroom, memory.available - memory.margin))
+    budget) may take: the memory available less its margin, and, unless the segment is
+    ``anonymous``, what its directory has free less its headroom."""
+    room = memory.available - memory.margin
+    return max(0, room if anonymous else min(shm_free - headroom, room))
+
+
+def _auto_is_anonymous(shm_dir: str) -> bool:
+    """Whether ``size_limit_gib="auto"`` makes its segment anonymous (memfd_create): in
+    /dev/shm's filesystem, whose room the DataLoader's batches need (section 7)."""
+    return _shm_headroom(shm_dir) > 0
 
 
 def _shm_headroom(shm_dir: str) -> int:
@@ -3633,7 +3639,7 @@ class SharedCache(BaseCache):
                 # of /dev/shm to the DataLoader's batches (docs/design.md, "An anonymous
                 # segment for 'auto'"); a directory of the caches' own is sized as it is.
                 self._auto_sized = True
-                self._anonymous = _shm_headroom(shm_dir) > 0
+                self._anonymous = _auto_is_anonymous(shm_dir)
                 size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
                                               self._layout, disk_tier is not None,
                                               world.local_world_size, self._anonymous)
@@ -6474,8 +6480,7 @@ def _plan_room(shm_dir: str) -> tuple[dict, int]:
             "ram_available_gib": memory.available / BYTES_PER_GIB,
             "memory_gib": memory.total / BYTES_PER_GIB, "memory_margin_gib":
             memory.margin / BYTES_PER_GIB, "memory_limit": memory.source if memory.limited
-            else None}, max(0, memory.available - memory.margin) if headroom else \
-        _auto_room(free, headroom, memory)  # (in /dev/shm's filesystem, "auto" is anonymous)
+            else None}, _auto_room(free, headroom, memory, _auto_is_anonymous(shm_dir))
 
 
 def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
