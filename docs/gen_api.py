@@ -34,7 +34,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "shape, `OpenSizeCache` for samples whose sizes vary) and what both offer, the errors "
      "they raise, who this process is (`World`) and which indices each node caches "
      "(`CacheLayout`), and the functions that size a cache, describe a saved one, and list or "
-     "remove leftover segments. All of it is in the core module, {modules}.",
+     "remove leftover segments. The core module and its feature modules: {modules}.",
      ("SharedCache", "OpenSizeCache", EVERY_CACHE, "ReadOnlyView", "CacheCapacityError",
       "CacheConfigError",
       "CacheFileError", "CacheTimeoutError", "World", "CacheLayout", "SlotState", "plan",
@@ -59,7 +59,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 SECTIONS = ("Args:", "Returns:", "Raises:", "Attributes:", "Example::", "Example:")
 
 # Where a constant (an int, a dict) is defined: it carries no module of its own.
-MODULES = ("stocaching.stocaching", "stocaching.samplers", "stocaching.order",
+MODULES = ("stocaching.stocaching", "stocaching.staging", "stocaching.samplers", "stocaching.order",
            "stocaching.prefetch", "stocaching.mixtures", "stocaching.device")
 
 
@@ -135,6 +135,8 @@ def _constant(name: str, obj) -> str:
 def _members(name: str, obj, level: str) -> list[str]:
     out = []
     for attr, member in vars(obj).items():
+        if type(member).__name__ == "_FromFeature":  # a method whose code is a feature's
+            member = member.__get__(None, obj)
         if attr.startswith("_") and attr not in ("__len__", "__getitem__", "__setitem__",
                                                  "__iter__"):
             continue

@@ -1,13 +1,18 @@
 """stocaching: a shared-memory cache of decoded samples for PyTorch datasets.
 
-The core is the single module ``stocaching/stocaching.py`` (copy it alone into a project if you
-like); the opt-in parts are sibling modules that import only its public names. This package
-re-exports all of them.
+The core is the single module ``stocaching/stocaching.py``: copy it alone into a project for
+the two-line cache. Each advanced feature of the cache is a module beside it, loaded when its
+keyword is used (disk_tier.py, saved.py, persistent.py, staging.py, batches.py, fields.py,
+open_size.py, cli.py); the opt-in parts (samplers, orders, the prefetcher, mixtures, the device
+loader, the wrappers) are modules beside it too. This package re-exports all of them.
 """
 
 from .stocaching import *  # noqa: F401,F403
 from .stocaching import __all__ as _core_all
 from .stocaching import __version__  # noqa: F401
+from .cli import list_segments, plan  # noqa: F401
+from .open_size import OpenSizeCache  # noqa: F401
+from .saved import describe_saved_file  # noqa: F401
 from .device import *  # noqa: F401,F403
 from .device import __all__ as _device_all
 from .mixtures import *  # noqa: F401,F403
@@ -23,5 +28,6 @@ from .streams import __all__ as _streams_all
 from .wrapper import *  # noqa: F401,F403
 from .wrapper import __all__ as _wrapper_all
 
-__all__ = [*_core_all, *_samplers_all, *_order_all, *_prefetch_all, *_mixtures_all,
+__all__ = [*_core_all, "OpenSizeCache", "describe_saved_file", "list_segments", "plan",
+           *_samplers_all, *_order_all, *_prefetch_all, *_mixtures_all,
            *_device_all, *_wrapper_all, *_streams_all]

@@ -2,6 +2,6 @@
 
 import sys
 
-from .stocaching import run_cli
+from .cli import run_cli
 
 sys.exit(run_cli())

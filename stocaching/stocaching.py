@@ -56,7 +56,6 @@ __all__ = [
     "CacheLayout",
     "CacheTimeoutError",
     "MAX_STAGE_TAG",
-    "OpenSizeCache",
     "ReadOnlyView",
     "SharedCache",
     "SlotState",
@@ -65,17 +64,12 @@ __all__ = [
     "check_int",
     "clean_segments",
     "dealt_by_accelerate",
-    "describe_saved_file",
     "get_shm_size",
     "in_lightnings_wrapper",
-    "list_segments",
-    "plan",
 ]
 
 __version__ = "0.3.0"
 
-import argparse
-import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -83,15 +77,13 @@ import enum
 import errno
 import fcntl
 import hashlib
+import importlib
 import itertools
-import json
 import logging
 import math
 import mmap
 import multiprocessing
-import operator
 import os
-import re
 import secrets
 import socket
 import stat
@@ -99,10 +91,10 @@ import struct
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
-import zlib
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import psutil
@@ -366,6 +358,23 @@ def _pack(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
     return tuple(fields), -(-end // align) * align
 
 
+def _check_keys(value: Any, dims: Mapping) -> Mapping:
+    """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
+    ``data_dims``) as keys, or raise."""
+    names = list(dims)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"value should be a dict with the fields {names} (the keys of "
+                        f"data_dims), but got value of type {type(value).__name__}")
+    missing = [n for n in names if n not in value]
+    extra = [k for k in value if k not in dims]
+    if missing or extra:
+        why = ", ".join(([f"missing {missing}"] if missing else []) +
+                        ([f"unknown {extra}"] if extra else []))
+        raise ValueError(f"value should be a dict with the fields {names} (the keys of "
+                         f"data_dims), but got value with keys {list(value)} ({why})")
+    return value
+
+
 def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
     """``out`` (or a field of it, ``what``) of ``get_batch`` if it can take a batch of
     ``shape`` and ``dtype``, or raise naming it."""
@@ -409,11 +418,13 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-# The files of stocaching: this one and the opt-in modules beside it (copied or installed).
+# The files of stocaching: this one, its feature modules and the opt-in modules beside it
+# (copied or installed).
 _OWN_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-                       for name in ("stocaching", "samplers", "order", "prefetch", "mixtures",
-                                    "device", "wrapper", "streams"))
-
+                       for name in ("stocaching", "batches", "cli", "disk_tier", "fields",
+                                    "open_size", "persistent", "saved", "staging", "samplers",
+                                    "order", "prefetch", "mixtures", "device", "wrapper",
+                                    "streams", "_common"))
 
 def _stacklevel_of_caller() -> int:
     """The ``stacklevel`` of ``warnings.warn``, called by the caller of this function, that
@@ -1626,117 +1637,13 @@ def _is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> 
         os.close(fd)
 
 
-def _mapped_segments(shm_dir: str) -> dict[int, dict]:
-    """Segments in ``shm_dir`` mapped by any process we can see, by inode, from /proc."""
-    found: dict[int, dict] = {}
-    prefix = os.path.join(os.path.realpath(shm_dir), SEGMENT_PREFIX + "_")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as f:
-                lines = [ln for ln in f if prefix in ln]
-        except OSError:
-            continue
-        for ln in lines:
-            fields = ln.split(maxsplit=5)
-            if len(fields) < 6:
-                continue
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            seg = found.setdefault(int(fields[4]), {  # (an anonymous one: "/memfd:<path>")
-                "path": fields[5].strip().removesuffix(" (deleted)").removeprefix("/memfd:"),
-                "bytes": 0, "pids": set(), "anonymous": fields[5].startswith("/memfd:")})
-            seg["bytes"] = max(seg["bytes"], hi - lo)
-            seg["pids"].add(int(entry))
-    return found
-
-
-def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
-    """Every stocaching segment in ``shm_dir``: those with a name there and those whose name
-    is already gone but that processes still map.
-
-    Returns:
-        Dicts with ``path`` (for an unlinked segment, its name as it was or, for one that
-        never had it, as it would have been),
-        ``named``, ``uid``, ``bytes``, ``pids`` (processes mapping it, as far as /proc shows)
-        and ``state``: "live" (in use), "starting" (being created), "stale" (nobody holds
-        it: ``clean_segments`` removes it) or "kept" (a persistent cache nobody uses now);
-        a persistent cache's dict adds ``name``, ``key``, ``filled`` (samples stored),
-        ``slots`` and ``age_s`` (seconds since a job last made or attached to it: the
-        file's mtime, which each attach sets; a job attached for days shows days, and its
-        ``state`` says "live"); one not named adds ``anonymous`` (True for the segment of
-        a ``size_limit_gib="auto"`` cache, made with memfd_create: never a file there).
-    """
-    mapped = _mapped_segments(shm_dir)
-    out = []
-    for fname in sorted(os.listdir(shm_dir)):
-        info = _parse_segment_name(fname)
-        path = os.path.join(shm_dir, fname)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if info is None or not stat.S_ISREG(st.st_mode):
-            continue
-        m = mapped.pop(st.st_ino, None)
-        pointer = _read_pointer(path) if st.st_size == _POINTER.size else None
-        if pointer is not None:  # the name of an anonymous segment: list that one here
-            m = mapped.pop(pointer[4], m)
-        pids = sorted(m["pids"]) if m else []
-        state = "starting" if info["starting"] else "live"
-        if not pids and _is_stale_file(path):
-            state = "stale"
-        entry = {"path": path, "named": True, "uid": st.st_uid,
-                 "bytes": st.st_size if pointer is None else m["bytes"] if m else 0,
-                 "pids": pids, "state": state}
-        if info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]:
-            entry.update(_describe_persistent(path, info["name"]))
-            if state == "stale":
-                entry["state"] = "kept"
-        out.append(entry)
-    for m in mapped.values():
-        info = _parse_segment_name(os.path.basename(m["path"])) or {}
-        # A segment of a single-process job never had its name: it was mapped under the
-        # leader's temporary ``<name>.<pid>.<hex>.init``; show the name it stands for.
-        path = re.sub(r"\.\d+\.[0-9a-f]+\.init$", "", m["path"])
-        out.append({"path": path, "named": False, "uid": info.get("uid", -1),
-                    "bytes": m["bytes"], "pids": sorted(m["pids"]), "state": "live",
-                    "anonymous": m["anonymous"]})
-    return out
-
-
-def _read_pointer(path: str) -> tuple[int, int, int, int, int] | None:
-    """``_pointer_of`` the file at ``path``; None where it cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        return _pointer_of(fd)
-    finally:
-        os.close(fd)
-
-
-def _describe_persistent(path: str, name: str) -> dict:
-    """What ``list_segments`` says of a persistent cache: its name, key, fill and age."""
-    out: dict = {"name": name, "key": None, "filled": None, "slots": None, "age_s": None}
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return out
-    try:
-        st = os.fstat(fd)
-        out["age_s"] = time.time() - st.st_mtime
-        head_bytes = os.pread(fd, _HEADER_BYTES, 0)
-        head = _read_header(head_bytes)
-        aux = np.frombuffer(os.pread(fd, head["dataset_len"], head["aux_off"]), np.uint8)
-        out.update(key=_read_key(head_bytes), filled=int(np.count_nonzero(aux == SET)),
-                   slots=head["slots"])
-    except (OSError, ValueError, struct.error):
-        pass  # not a whole segment: shown without them
-    finally:
-        os.close(fd)
-    return out
+def _pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """Write all of ``data`` (bytes or a contiguous array) at ``offset``; returns its length."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
 
 
 def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
@@ -1767,7 +1674,8 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
             f"disk_tier should be an existing directory (where caches keep their disk "
             f"tiers), or None, but got disk_tier={disk_tier!r}")
     removed = [] if disk_tier is None else \
-        _clean_tier_files(os.fspath(disk_tier), dry_run=dry_run, persistent=names)
+        _feature("disk_tier")._clean_tier_files(os.fspath(disk_tier), dry_run=dry_run,
+                                                  persistent=names)
     for fname in sorted(os.listdir(shm_dir)):
         info = _parse_segment_name(fname)
         if info is not None and info["job_key"] == _PERSISTENT_JOB_KEY and \
@@ -1782,17 +1690,6 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
                 removed.append(path)
                 logger.info("stocaching: removed stale segment %s", path)
     return removed
-
-
-def _check_persistent(name: Any, job_key: Any, key: Any, on_mismatch: Any) -> None:
-    """The arguments of a persistent cache (see ``SharedCache``)."""
-    if name is None:
-        raise ValueError("a persistent cache needs a name= (the next job finds it by its name), "
-                         "but got name=None with persistent=True")
-    if job_key is not None:
-        raise ValueError(f"a persistent cache is found by its name alone, not by a job key, but "
-                         f"got job_key={job_key!r} with persistent=True")
-    _check_key(key, on_mismatch)
 
 
 def _check_key(key: Any, on_mismatch: Any) -> None:
@@ -2178,7 +2075,99 @@ def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: 
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
+# 10. The seam: features in modules beside this one
+# ----------------------------------------------------------------------------------------------
+# Each capability that the two-line user does not need is a module beside this one (in the
+# package, or copied next to this file), loaded when its keyword is first used: see
+# docs/design.md, "The core and its feature modules". A feature module uses the names of
+# __all__ and those of _SEAM, and the core reaches it only through _feature, _FromFeature and
+# the module __getattr__ below, and through the collaborators it makes (a cache's _disk_tier
+# and _staging, a segment filled by saved._SavedFileReader).
+
+_FEATURES = {  # module: what uses it (the error when its file is missing says so)
+    "batches": "get_batch, locate, confirm, rows and unpack_rows",
+    "cli": "the command line, plan and list_segments",
+    "disk_tier": "disk_tier=",
+    "fields": "a dict data_dims (samples of several fields)",
+    "open_size": "OpenSizeCache (samples of open sizes, a None in data_dims)",
+    "persistent": "persistent=True",
+    "saved": "save, load_from= and describe_saved_file",
+    "staging": "staging_slots= and stage",
+}
+_PUBLIC_IN_FEATURES = {"OpenSizeCache": "open_size", "describe_saved_file": "saved",
+                       "list_segments": "cli", "plan": "cli"}
+# The private names of this module that the feature modules use (tests/test_docs.py checks
+# that they use no other): the segment's format, sizing, locks and the cache's hooks.
+_SEAM = frozenset({
+    "BYTES_PER_MIB", "DEFAULT_SHM_DIR", "EMPTY", "OOB", "SEGMENT_PREFIX", "SET", "WRITING",
+    "logger", "_COPY_COUNTER", "_Closed", "_DTYPES", "_Field", "_HEADER_BYTES", "_HITS",
+    "_KEY_OFF", "_LAYOUT_VERSION", "_LOCK_BASE", "_MEMORY_FILESYSTEMS", "_MISSES",
+    "_OOB_MISSES", "_PERSISTENT_JOB_KEY", "_POINTER", "_RecordLocks", "_STAGED_HITS",
+    "_STAGES", "_STAGE_INDEX_MASK", "_STAGE_LOCK", "_STAGE_TAG_SHIFT", "_STATS_COLS",
+    "_STATS_ROWS", "_Segment", "_WRITES", "_alive", "_auto_is_anonymous", "_auto_room",
+    "_budget_for_slots", "_check_dims", "_check_dtype", "_check_fields", "_check_key",
+    "_check_keys", "_check_out", "_check_positive", "_checked_indices", "_checked_value",
+    "_claim_stats_row", "_close_fd", "_closed_error", "_finalize_segment", "_fmt_bytes",
+    "_free_bytes", "_fs_type", "_has_open_size", "_is_int", "_is_stale_file", "_key_hash",
+    "_memory_room", "_more_room", "_names", "_open_existing", "_open_leaders_file", "_pack",
+    "_parse_segment_name", "_pointer_of", "_pwrite_all", "_read_header", "_read_key",
+    "_segment_offsets", "_shm_headroom", "_slot_array", "_slot_bytes", "_slot_lock_offset",
+    "_slots_fitting", "_slots_for_budget", "_torch_of", "_try_stale", "_unlink_if_same",
+    "_what_fits"
+})
+
+
+def _feature(module: str) -> types.ModuleType:
+    """The feature module ``module``: ``<package>.<module>`` inside a package, else the
+    top-level ``module`` (this file copied into a project, the feature's file beside it).
+    Raises ImportError naming the file to copy when it is not there."""
+    name = f"{__package__}.{module}" if __package__ else module
+    found = sys.modules.get(name)
+    if found is not None:
+        return found
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        raise ImportError(
+            f"{_FEATURES[module]} needs {module}.py beside stocaching.py (in "
+            f"{os.path.dirname(os.path.abspath(__file__))}): copy it there from the stocaching "
+            "package, which has one file per feature", name=name) from None
+
+
+class _FromFeature:
+    """A method or property of a cache whose code is in a feature module, looked up there at
+    its first use: ``help()`` and the API docs show the feature's own docstring."""
+
+    module: str
+    name: str = ""
+    code: Any = None  # the feature's function (or property), once looked up
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache: Any, owner: type | None = None) -> Any:
+        code = self.code
+        if code is None:
+            code = self.code = getattr(_feature(self.module), self.name)
+        return code.__get__(cache, owner)
+
+
+def __getattr__(name: str) -> Any:
+    """The public names that live in feature modules (``stocaching.OpenSizeCache`` of a
+    copied core, with open_size.py beside it)."""
+    module = _PUBLIC_IN_FEATURES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_feature(module), name)
+
+
+# ----------------------------------------------------------------------------------------------
+# 11. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2235,7 +2224,7 @@ class _Segment(_RecordLocks):
             # A load by sendfile writes the slots through the file, which allocates their
             # pages as it goes (no SIGBUS: a full filesystem fails the write): reserving the
             # rest afterwards spares it a pass over the memory before the copy can start.
-            late = load_from is not None and _SENDFILE
+            late = load_from is not None and _feature("saved")._SENDFILE
             self._init_file(owner, fd, head, reserve=head["data_off"] if late else None)
             if load_from is not None:
                 owner._load(load_from, head["data_off"], reserved=not late)
@@ -2279,109 +2268,6 @@ class _Segment(_RecordLocks):
             _fmt_bytes(head["total_bytes"]),
             f"anonymous shared memory (memfd), not in {shm_dir}" if owner._anonymous else
             shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
-
-    def open_persistent(self, owner: BaseCache, load_from: str | None = None) -> None:
-        """The local leader of a persistent cache: attach to the segment of this name if it
-        holds this configuration and key (a mismatch raises, or with on_mismatch="replace"
-        makes way for a new one), else make it (filled from ``load_from`` if given). Its name
-        stays after the job."""
-        for _ in range(5):
-            try:
-                fd = _open_existing(self.path)
-            except FileNotFoundError:
-                if self._create_persistent(owner, load_from):
-                    return
-                continue  # another job made it at the same moment: attach to theirs
-            try:
-                if self._adopt_persistent(owner, fd):
-                    if load_from is not None:
-                        logger.info("stocaching: the persistent cache %r exists: attached to it "
-                                    "as it is, without reading %s", owner._name, load_from)
-                    return
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)  # replaced: make a new one
-        raise CacheConfigError(f"could not open or make the persistent cache {self.path}: it "
-                               "keeps changing", "name", owner._name, self.path)
-
-    def _create_persistent(self, owner: BaseCache, load_from: str | None = None) -> bool:
-        """Make the segment and give it its name; False if another process named one first."""
-        try:
-            fd, _, head = self._make_file(owner, lambda tmp, fd: os.link(tmp, self.path),
-                                          load_from)
-        except FileExistsError:
-            return False
-        self.finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
-        logger.info("stocaching: made the persistent cache %r (key %r): %d of %d samples of %s, "
-                    "%s in %s; it stays after this job (python -m stocaching clean --persistent "
-                    "%s removes it)", owner._name, owner._key, owner._layout.slots,
-                    owner._layout.dataset_len, owner._describe(),
-                    _fmt_bytes(head["total_bytes"]), os.path.dirname(self.path), owner._name)
-        return True
-
-    def _adopt_persistent(self, owner: BaseCache, fd: int) -> bool:
-        """Attach to an existing persistent segment; False if it was removed to be replaced."""
-        for _ in range(3):  # (another process may probe it for an instant, as we do)
-            alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
-            if alone:
-                break
-            time.sleep(0.05)
-        if not alone:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        st = os.fstat(fd)
-        if not _names(self.path, st.st_ino, st.st_dev):
-            return False  # removed (or replaced) meanwhile: look again
-        size = os.fstat(fd).st_size
-        with mmap.mmap(fd, min(size, _HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-            head = _read_header(mm) if size >= _HEADER_BYTES else None
-            theirs = _read_key(mm) if head is not None else None
-        mismatch = None
-        if head is None or not head["persistent"]:
-            mismatch = CacheConfigError(f"{self.path} is not a persistent cache", "persistent",
-                                        1, 0)
-        elif head["key_hash"] != _key_hash(owner._key):
-            mismatch = CacheConfigError(
-                f"the persistent cache {self.path} holds key={theirs!r}, but this job asked "
-                f"for key={owner._key!r}: it holds other data. Pass on_mismatch='replace' to "
-                "make a new cache in its place, or another name=", "key", owner._key, theirs)
-        else:
-            try:
-                owner._check_header(head, size)
-            except CacheConfigError as e:
-                mismatch = CacheConfigError(
-                    f"the persistent cache {self.path} holds {e.field}={e.found}, but this job "
-                    f"asked for {e.field}={e.expected}. Pass on_mismatch='replace' to make a new "
-                    "cache in its place, or another name=", e.field, e.expected, e.found)
-        if mismatch is not None:
-            if owner._on_mismatch == "replace" and not alone:
-                raise CacheConfigError(f"{mismatch} (not replaced: another process uses it "
-                                       "now)", mismatch.field, mismatch.expected, mismatch.found)
-            if owner._on_mismatch != "replace":
-                raise mismatch
-            st = os.fstat(fd)
-            _unlink_if_same(self.path, st.st_ino, st.st_dev)
-            logger.warning("stocaching: replaced the persistent cache %s: %s", self.path,
-                           mismatch.args[0])
-            return False
-        if alone:
-            # What the last job left staged is nobody's now (cleared before mapping, still
-            # alone). flock cannot turn exclusive into shared atomically: it drops the lock
-            # first, and a `clean` of this name or a job replacing it may take the segment
-            # in between. Once shared it is ours to keep, so look at the name again then.
-            _pwrite_all(fd, np.full(owner._staging_slots, -1, np.int64), head["stage_off"])
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if not _names(self.path, st.st_ino, st.st_dev):
-                return False  # removed meanwhile: look again
-        with contextlib.suppress(OSError):
-            os.utime(fd)  # the listing's age: since a job last attached
-        head = self.map_existing(owner, fd)
-        self.finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
-        self.populate(head["data_off"])
-        logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
-                    "filled", owner._name, owner._key,
-                    int(np.count_nonzero(owner._index_states_np == SET)), owner._layout.slots)
-        return True
 
     def populate(self, data_off: int) -> None:
         """Map the pages of the slots of a segment that holds samples into this process
@@ -2629,7 +2515,7 @@ class _Segment(_RecordLocks):
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. The cache contract: BaseCache (construction, views, sending, the public API)
+# 12. The cache contract: BaseCache (construction, views, sending, the public API)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2748,14 +2634,14 @@ class BaseCache:
     _slots_from_leader = False  # size_limit_gib="auto" on a rank that is not the local leader
     _auto_sized = False  # size_limit_gib="auto" on the local leader: it said why, and what
     _anonymous = False  # the local leader makes it with memfd_create, not as a file in shm_dir
-    _disk_tier: _DiskTier | None = None  # rows of the indices without a slot, on local disk
+    _disk_tier: Any = None  # disk_tier._DiskTier: rows of the indices without a slot, on disk
     # The segment this process holds (descriptor, mappings, record locks), and views of its
     # pages, the same in every process (the hot path reads them).
     _segment: _Segment
     _index_states: memoryview  # one state byte per dataset index (aux_array)
     _index_states_np: np.ndarray  # the same bytes, for numpy
     _slot_map: memoryview | None  # slot of each dataset index (a random subset), else None
-    _staging: _StagingTable  # what each staging slot holds (the table is in the segment)
+    _staging: Any = None  # staging._StagingTable: what each staging slot holds (in the segment)
     _stats_rows: np.ndarray  # the counters of every process that used the cache
     # This process's own: made anew in a forked child (_after_fork).
     _own_counters: memoryview  # this process's row of _stats_rows
@@ -2793,8 +2679,9 @@ class BaseCache:
                 raise TypeError(f"load_from should be the path of a file that save() wrote, or "
                                 f"None, but got load_from={load_from!r}")
             load_from = os.fspath(load_from).replace("{node}", str(world.node_rank))
+            _feature("saved")  # (its ImportError before anything is made)
         if persistent:
-            _check_persistent(name, job_key, key, on_mismatch)
+            _feature("persistent")._check_persistent(name, job_key, key, on_mismatch)
             job_key = _PERSISTENT_JOB_KEY
             self._persistent, self._key, self._on_mismatch = True, key, on_mismatch
         elif load_from is not None:
@@ -2838,7 +2725,7 @@ class BaseCache:
         if not self._world.is_local_leader:
             self._segment.attach(self, self._timeout)
         elif self._persistent:
-            self._segment.open_persistent(self, load_from)
+            _feature("persistent").open_persistent(self._segment, self, load_from)
         else:
             self._segment.make(self, load_from)
 
@@ -2921,8 +2808,10 @@ class BaseCache:
         view = memoryview(mm)
         self._index_states_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
         self._index_states = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
-        self._staging = _StagingTable(np.frombuffer(mm, np.int64, self._staging_slots,
-                                                    head["stage_off"]), self._segment)
+        if self._staging_slots:
+            self._staging = _feature("staging")._StagingTable(
+                np.frombuffer(mm, np.int64, self._staging_slots, head["stage_off"]),
+                self._segment)
         self._stats_rows = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
                                          head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
         if head["map_off"]:
@@ -2954,7 +2843,8 @@ class BaseCache:
                                      lay.dataset_len, head["map_off"])
                 smap[:] = -1
                 smap[held] = np.arange(len(held))
-        self._staging.entries[:] = -1
+        if self._staging_slots:
+            self._staging.entries[:] = -1
 
     # -- this process's stats row -------------------------------------------------------
 
@@ -3354,7 +3244,7 @@ class BaseCache:
         reads = counts["hits"] + counts["misses"]
         return {**counts, **disk, "filled": int(np.count_nonzero(self._index_states_np == SET)),
                 "slots": len(self), "dataset_len": self._dataset_len, "bytes": self._segment.size,
-                "staging_slots": self._staging_slots, "staged": self._staging.count(),
+                "staging_slots": self._staging_slots, "staged": self._staging.count() if self._staging_slots else 0,
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
                 "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
                                  if p)}
@@ -3402,14 +3292,14 @@ class BaseCache:
 
     def __repr__(self) -> str:
         state = "closed" if getattr(self, "_closed", True) else f"{len(self)} slots"
-        kind = "OpenSizeCache" if isinstance(self, OpenSizeCache) else "SharedCache"
+        kind = "SharedCache" if isinstance(self, SharedCache) else "OpenSizeCache"
         return (f"{kind}(name={self._name!r}, dataset_len={self._layout.dataset_len}, "
                 f"data_dims={self._dims}, dtype={self._dtype}, {state}, "
                 f"node={self._world.node_rank})")
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
+# 13. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3572,9 +3462,10 @@ class SharedCache(BaseCache):
     _slot_versions_np: np.ndarray  # the same, for numpy
     _view_as: torch.dtype | None  # bfloat16, whose slots are stored as int16
     _fast_dtype: torch.dtype | None  # the dtype the hit path copies as, where one is exact
+    _packs_fields = False  # fields._FieldsCache: the fields of a sample packed in a slot
     # This process's own: what it knows of the file it saved to or loaded from last (a
     # process the cache is sent to knows none, and writes its first save anew).
-    _saved_file: _SaveState | None = None
+    _saved_file: Any = None  # saved._SaveState
 
     def __new__(cls, size_limit_gib: Any = None, dataset_len: Any = None, data_dims: Any = None,
                 *args: Any, **kwargs: Any) -> "SharedCache":
@@ -3583,7 +3474,7 @@ class SharedCache(BaseCache):
         own, so that the single-tensor hit path has no branch for fields. It offers all that
         SharedCache offers."""
         if cls is SharedCache and isinstance(data_dims, Mapping):
-            cls = _FieldsCache
+            cls = _feature("fields")._FieldsCache
         return super().__new__(cls)
 
     def __init__(self, size_limit_gib: float | str, dataset_len: int,
@@ -3596,7 +3487,9 @@ class SharedCache(BaseCache):
                  load_from: str | os.PathLike | None = None,
                  disk_tier: str | os.PathLike | None = None,
                  disk_tier_gib: float | None = None) -> None:
-        disk_tier, disk_tier_gib = _check_disk_tier(disk_tier, disk_tier_gib)
+        if disk_tier is not None or disk_tier_gib is not None:
+            disk_tier, disk_tier_gib = _feature("disk_tier")._check_disk_tier(disk_tier,
+                                                                             disk_tier_gib)
         auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
         if not auto:
             size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
@@ -3613,7 +3506,7 @@ class SharedCache(BaseCache):
                             f"their own sizes: construct it as OpenSizeCache(size_limit_gib, "
                             f"dataset_len, data_dims, ...); SharedCache takes fixed sizes, but "
                             f"got data_dims={dims}")
-        if isinstance(self, _FieldsCache) != bool(fields):  # SharedCache.__new__ chose it
+        if self._packs_fields != bool(fields):  # SharedCache.__new__ chose the class
             raise TypeError(f"construct the cache as SharedCache(...), not as "
                             f"{type(self).__name__}(...)")
         world, load_from = self._configure(
@@ -3622,6 +3515,8 @@ class SharedCache(BaseCache):
             name=name, job_key=job_key, shm_dir=shm_dir, load_from=load_from)
         shm_dir = os.path.dirname(self._path)
         staging = check_int("staging_slots", staging_slots, low=0)
+        if staging:
+            _feature("staging")  # (its ImportError before anything is made)
         if auto:
             if persistent:
                 raise ValueError("size_limit_gib='auto' cannot make a persistent cache: the size "
@@ -3669,7 +3564,8 @@ class SharedCache(BaseCache):
         self._open(slots, dims, dtype, fields, staging, load_from)
         if disk_tier is not None:
             try:
-                self._disk_tier = _DiskTier.open(self, disk_tier, disk_tier_gib)
+                self._disk_tier = _feature("disk_tier")._DiskTier.open(self, disk_tier,
+                                                                        disk_tier_gib)
             except BaseException:
                 self.close()
                 raise
@@ -3722,7 +3618,7 @@ class SharedCache(BaseCache):
     def _read_for_stager(self, idx: int) -> Any:
         if self._disk_tier is None:
             return None
-        row = self._disk_tier.read(idx, _TIER_READS)  # (not a hit: it will be, once staged)
+        row = self._disk_tier.read_for_stager(idx)  # (not a hit: it will be, once staged)
         return None if row is None else self._from_row(row)
 
     def _read(self, idx: int, copy: bool) -> Any:
@@ -3910,116 +3806,20 @@ class SharedCache(BaseCache):
             return slot, slot, 1
         return slot, 0, n
 
-    def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
-        """The cached samples of several dataset indices, gathered into one batch tensor, and
-        which of them were cached: what ``get_slot`` gives for each index, in one call.
+    # -- in feature modules: batches (batches.py), staging (staging.py), saving (saved.py) --
 
-        Made for a Dataset's ``__getitems__``, which a DataLoader calls with the indices of a
-        whole batch (see the README's recipe): one vectorised copy of every row instead of a
-        ``get_slot`` call per index and a ``torch.stack``. Each row keeps ``get_slot``'s
-        guarantee: a row whose slot was being written, or was written or cleared during the
-        copy, is read again on its own and otherwise reported as a miss, never half-written.
-        A staged sample (see ``stage``) is taken as ``get_slot`` takes it: its staging slot
-        is freed, so a second occurrence of that index in ``indices`` is a miss. Hits and
-        misses are counted in ``stats()`` as ``get_slot`` counts them; an index without a slot
-        on this node is a miss, counted in ``oob_misses`` too, even where the disk tier holds
-        its row: a Dataset's fallback (``get_slot``) then reads the row from there.
+    get_batch = _FromFeature("batches")
+    rows = _FromFeature("batches")
+    unpack_rows = _FromFeature("batches")
+    locate = _FromFeature("batches")
+    confirm = _FromFeature("batches")
+    _batch_buffers = _FromFeature("batches")
+    _put_row = _FromFeature("batches")
+    stage = _FromFeature("staging")
+    _take_staged = _FromFeature("staging")
+    save = _FromFeature("saved")
 
-        Args:
-            indices: dataset indices in ``[0, dataset_len)``: a sequence of ints (the list a
-                DataLoader's batch sampler gives ``__getitems__``, a tuple, a range) or a 1-D
-                integer numpy array or tensor. Repeats are allowed.
-            out: where to gather: a contiguous CPU tensor of shape ``(len(indices),
-                *data_dims)`` and the cache's dtype, returned as the batch (with fields: a dict
-                of such tensors, one per field). Default: new tensors.
-
-        Returns:
-            ``(batch, hit)``: ``batch`` of shape ``(len(indices), *data_dims)`` and the
-            cache's dtype, whose row ``k`` is the cached sample of ``indices[k]`` where
-            ``hit[k]`` and zeros elsewhere (with fields: a dict of such batches, one per
-            field); ``hit``, a bool tensor of shape ``(len(indices),)``.
-
-        Raises:
-            TypeError: ``indices`` is not a sequence or 1-D array of integers (bool and float
-                included), or ``out`` is not a tensor of the cache's dtype.
-            IndexError: an index outside ``[0, dataset_len)`` (as ``get_slot``).
-            ValueError: ``out`` has another shape, or is not a contiguous CPU tensor.
-            Nothing is read or counted when one of these is raised.
-        """
-        self._check_open()
-        idx = _checked_indices(indices, self._dataset_len)
-        batch, pairs = self._batch_buffers(len(idx), out)
-        located = self._locate(idx)
-        if located.found.any():  # (a cache without slots has no row 0)
-            for src, dst in pairs:  # (mode="clip" does not buffer; the rows are in range)
-                np.take(src, located.rows, axis=0, out=dst, mode="clip")
-        hit = self._confirm(located)
-        if not hit.all():
-            aux = self._index_states_np[idx]
-            for k in np.flatnonzero(~hit).tolist():  # raced rows and a staged repeat: alone
-                i = int(idx[k])
-                if aux[k] == SET:
-                    row = self._read_again(i, True)
-                elif aux[k] == OOB and self._staging_slots:
-                    row = self._take_staged(i)
-                else:
-                    continue
-                if row is not None:  # (counted as a hit by _read or _take_staged)
-                    self._put_row(batch, k, row)
-                    hit[k] = True
-            for _, dst in pairs:
-                dst[~hit] = 0
-            miss = ~hit
-            self._own_counters[_MISSES] += int(np.count_nonzero(miss))
-            self._own_counters[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
-        return batch, torch.from_numpy(hit)
-
-    # -- reading rows elsewhere: locate, copy, confirm --------------------------------------
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """Every slot, then every staging slot, as bytes: a uint8 tensor of shape
-        ``(slots + staging_slots, row_bytes)`` viewing the segment, for a reader that copies
-        rows with its own means (the device loader gathers them on a GPU). Read the rows
-        that ``locate`` names and keep only those that ``confirm`` then confirms; turn the
-        bytes into samples with ``unpack_rows``.
-
-        .. warning::
-            Never write through it: a write here bypasses the locks and sequence numbers, and
-            every process reading the cache sees it.
-        """
-        self._check_open()
-        samples = self._slot_samples
-        return torch.from_numpy(samples.reshape(len(samples), -1).view(np.uint8))
-
-    def unpack_rows(self, rows: torch.Tensor) -> Any:
-        """Rows copied from ``rows`` (a uint8 tensor of shape ``(k, row_bytes)`` on any
-        device) as a batch: a tensor of shape ``(k, *data_dims)`` and the cache's dtype (with
-        fields, a dict of such tensors), viewing ``rows`` (no copy)."""
-        return rows.view(self._dtype).view(len(rows), *self._dims)
-
-    def locate(self, indices: Any) -> BatchRows:
-        """Where the cached samples of ``indices`` are: the first half of a read whose copy
-        the caller makes itself (from ``rows``), the second being ``confirm``. ``get_batch``
-        is this read with a numpy copy.
-
-        A staged sample (of one of ``read_tags``, if any are set) is located in its staging
-        slot, and freed by ``confirm``: until then it stays staged, so that a copy still in
-        flight (a GPU's) never reads a slot given to another sample. A second occurrence of a
-        staged index in ``indices`` is not found (as for ``get_batch``).
-
-        Args:
-            indices: as for ``get_batch``.
-
-        Returns:
-            a :class:`BatchRows`: ``rows[k]`` is the row of ``rows`` to copy for
-            ``indices[k]`` (0 where ``found[k]`` is False: copy it anyway, or skip it).
-
-        Raises:
-            As ``get_batch`` for bad ``indices``.
-        """
-        self._check_open()
-        return self._locate(_checked_indices(indices, self._dataset_len))
+    # -- reading many rows: locate, copy, confirm (get_batch, saving, the device loader) ----
 
     def _locate(self, idx: np.ndarray) -> BatchRows:
         # The seqlock of _read_row for every row at once: the states, the sequence numbers (even),
@@ -4033,42 +3833,14 @@ class SharedCache(BaseCache):
         if self._staging_slots:
             oob = np.flatnonzero(aux == OOB)
             if oob.size:
-                self._locate_staged(idx, oob, rows, found, entries)
+                self._staging.locate(idx, oob, rows, found, entries, self._read_tags,
+                                     self._layout.slots)
         if not len(self._slot_versions_np):  # a cache without slots or staging slots
             return BatchRows(idx, rows, found, np.zeros(len(idx), np.uint32), entries)
         versions = self._slot_versions_np[rows]
         found &= versions & 1 == 0
         found[entries < 0] &= self._index_states_np[idx[entries < 0]] == SET
         return BatchRows(idx, rows, found, versions, entries)
-
-    def _locate_staged(self, idx: np.ndarray, oob: np.ndarray, rows: np.ndarray,
-                       found: np.ndarray, entries: np.ndarray) -> None:
-        """Fill in the staging slots of the positions ``oob`` of ``idx`` (indices without a
-        slot) that hold a staged sample: each staging slot once, the first occurrence."""
-        live, staged = self._staging.live(self._read_tags)
-        if not live.size:
-            return
-        where: dict[int, tuple[int, int]] = {}
-        for j, e in zip(live[::-1].tolist(), staged[::-1].tolist()):  # the first slot wins
-            where[e & _STAGE_INDEX_MASK] = (j, e)
-        for k in oob.tolist():
-            got = where.pop(int(idx[k]), None)
-            if got is not None:
-                rows[k], found[k], entries[k] = self._layout.slots + got[0], True, got[1]
-
-    def confirm(self, located: BatchRows) -> torch.Tensor:
-        """The second half of a read begun by ``locate``, once the copy of its rows is
-        complete: True where the row copied holds the sample of its index, whole (no write,
-        clear or unstaging ran since ``locate``); the staged samples read are freed. Call it
-        once per ``locate``. Rows not confirmed are the caller's to read again
-        (``get_slot``) or load; confirmed rows count as hits in ``stats()``, nothing else is
-        counted.
-
-        Returns:
-            a bool tensor of shape ``(len(indices),)``.
-        """
-        self._check_open()
-        return torch.from_numpy(self._confirm(located))
 
     def _confirm(self, located: BatchRows, count: bool = True) -> np.ndarray:
         hit = located.found.copy()
@@ -4087,18 +3859,6 @@ class SharedCache(BaseCache):
         if count:
             self._own_counters[_HITS] += int(np.count_nonzero(hit))
         return hit
-
-    def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
-        """The batch that ``get_batch`` returns (``out``, checked, or new) and the pairs
-        (rows of every slot, numpy view of the batch) that it gathers from and into."""
-        shape = (k, *self._dims)
-        batch = torch.empty(shape, dtype=self._dtype) if out is None else \
-            _check_out(out, shape, self._dtype, "out")
-        dst = (batch if self._view_as is None else batch.view(torch.uint16)).numpy()
-        return batch, [(self._slot_samples, dst)]
-
-    def _put_row(self, batch: Any, k: int, row: Any) -> None:
-        batch[k] = row
 
     def _check_value(self, value: Any) -> torch.Tensor:
         """Raise unless ``value`` may be stored; return it as a tensor (a numpy array wrapped,
@@ -4169,7 +3929,7 @@ class SharedCache(BaseCache):
             if not allow_oob_idx:
                 raise self._oob_error(idx)
             if self._disk_tier is not None:
-                self._store_on_disk(idx, value, allow_overwrite, exist_ok)
+                self._disk_tier.set_value(self, idx, value, allow_overwrite, exist_ok)
                 return
             # Checked even where there is no slot, so that a bad value fails on every node and
             # for every index, not only where a slot happens to be (0.2.1 let it pass there).
@@ -4200,101 +3960,10 @@ class SharedCache(BaseCache):
             self._segment.unlock(lock)
         self._own_counters[_WRITES] += 1
 
-    def _store_on_disk(self, idx: int, value: Any, allow_overwrite: bool, exist_ok: bool
-                       ) -> None:
-        """``set_slot`` of an index without a slot, on a cache with a disk tier: its row
-        there, as for a slot: rewritten with ``allow_overwrite``; else a stored row is kept
-        when the value is the same (or with ``exist_ok``), and a different value raises."""
-        src = self._source_array(value)
-        stored = self._disk_tier.store(idx, src, overwrite=allow_overwrite)
-        before = self._disk_tier.read(idx, count=-1) if stored and not exist_ok else None
-        if before is not None and not np.array_equal(
-                before.reshape(-1).view(np.uint8),
-                np.ascontiguousarray(src).reshape(-1).view(np.uint8)):
-            raise RuntimeError(
-                f"the disk tier's row of idx={idx} is already set to a different value; pass "
-                "allow_overwrite=True to replace it, or exist_ok=True to keep it. (Two loads "
-                "of one index that give different values mean that the load is not "
-                "deterministic, most often random augmentation before the cache.)")
-
     def _holds(self, slot: int, src: np.ndarray) -> bool:
         """True when ``slot`` holds exactly the bytes of ``src`` (NaNs included)."""
         have = self._slot_samples[slot].reshape(-1).view(np.uint8)
         return bool(np.array_equal(have, np.ascontiguousarray(src).reshape(-1).view(np.uint8)))
-
-    def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
-        """Hold the sample of an index that has no slot on this node in a staging slot, until
-        a ``get_slot`` of it takes it (which frees the staging slot). This is for a prefetcher
-        that loads samples shortly before they are read (see ``stocaching.prefetch``); the
-        two-line pattern never needs it.
-
-        Args:
-            idx: dataset index without a slot here (``aux_array[idx] == 2``).
-            value: as for ``set_slot``.
-            tag: who stages it, an int in ``[0, MAX_STAGE_TAG]``, for ``unstage(idx,
-                tag=...)``; staging an index already staged with the same tag keeps the
-                sample staged first (a load is deterministic: the same sample) and returns
-                True; staged with another tag (another rank's prefetcher), both are kept,
-                and each ``get_slot`` of the index takes one.
-                Default: 0.
-
-        With a disk tier, the sample is also stored there (if its row is not stored yet), so
-        that a later epoch reads it from the tier (``read_tier``) instead of loading it.
-
-        Returns:
-            True when the sample is staged; False when every staging slot
-            is taken (nothing changed: try again once some were read).
-
-        Raises:
-            ValueError: ``idx`` has a slot (use ``set_slot``), or the cache was made without
-                ``staging_slots``; nothing is changed. As ``set_slot`` for a bad ``idx`` or
-                ``value``.
-        """
-        idx = self._index(idx)
-        if not self._staging_slots:
-            raise ValueError("this cache has no staging slots; construct it with "
-                             "staging_slots=N to stage samples")
-        if self._index_states[idx] != OOB:
-            raise ValueError(f"idx={idx} has a slot in this cache: store it with set_slot; "
-                             "stage() holds samples of indices without one")
-        tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        src = self._source_array(value)
-        if self._disk_tier is not None:  # kept for later epochs too (a row stored is kept)
-            self._disk_tier.store(idx, src)
-        entry = self._staging.entry(idx, tag)
-        k = self._staging.reserve(entry)
-        if k is None or k < 0:
-            return k is not None  # every slot taken; or staged already, by the same stager
-        slot = self._layout.slots + k
-        lock = _slot_lock_offset(slot)
-        try:
-            self._segment.lock(lock)
-            try:
-                self._write(slot, src, None)
-            finally:
-                self._segment.unlock(lock)
-        except BaseException:
-            self._staging.abandon(k)
-            raise
-        if not self._staging.publish(k, entry):
-            raise _closed_error(type(self))
-        self._own_counters[_STAGES] += 1
-        return True
-
-    def _take_staged(self, idx: int) -> torch.Tensor | None:
-        """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
-        staged with one of ``read_tags`` if there are any."""
-        found = self._staging.find(idx, self._read_tags)
-        if found is None:
-            return None
-        k, entry = found
-        row = self._read_row(self._layout.slots + k, True, self._staging.entries, k, entry)
-        if row is None:
-            return None
-        self._staging.take(k, entry)
-        self._own_counters[_HITS] += 1
-        self._own_counters[_STAGED_HITS] += 1
-        return self._from_row(row)
 
     def _from_row(self, row: np.ndarray) -> Any:
         """The sample in a copy of a slot's row (a tensor; a dict of them with fields)."""
@@ -4317,68 +3986,9 @@ class SharedCache(BaseCache):
 
     # -- saving to a file, and loading one ---------------------------------------------------
 
-    def save(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Write the filled slots of this node to ``path``, atomically, for a later
-        ``SharedCache(..., load_from=path)`` (after a reboot, or on another machine).
-
-        The first save to a path in this process writes a new file under a temporary name
-        in the same directory, syncs it and renames it over ``path``. A later save to the
-        same path (by this process, or after this cache was loaded from it) appends only what
-        changed since: the samples filled (or overwritten) since, and the indices emptied
-        since; an unchanged cache writes nothing, so calling it every epoch costs a compare of
-        the slots' sequence numbers. When the file holds more replaced records than live
-        ones it is written anew. Either way a save killed at any point leaves the previous
-        state of the file loadable (or, for a first save, no file at ``path``), and a
-        truncated or damaged file is refused by ``load_from`` rather than loaded in part.
-
-        Only slots whose write is complete are saved (each is read as ``get_slot`` reads
-        it); a slot being written meanwhile is left for the next save. Training may go on in
-        other processes and threads during a save. Staged samples (``stage``: a prefetcher's
-        samples of indices without a slot, held until it hands them over) are not saved:
-        they belong to this job's prefetchers and last an epoch at most.
-
-        Under DDP, only the local leader (LOCAL_RANK 0) writes: on the other local ranks the
-        call returns at once and writes nothing (it is not a barrier). With several nodes,
-        each node saves its own slots: give each node its own path, e.g. on a shared
-        filesystem ``"cache-{node}.stc"`` (``{node}`` is replaced by the node's rank, in
-        ``load_from`` as well).
-
-        Args:
-            path: the file to write; ``{node}`` in it becomes this node's rank.
-
-        Returns:
-            A dict with ``path`` (as written), ``samples`` (samples written now), ``emptied``
-            (indices recorded as emptied), ``bytes`` (bytes written to the file), ``rewritten``
-            (True when the file was written anew) and ``saved`` (False on a rank that does
-            not save).
-
-        Raises:
-            TypeError: ``path`` is not a str or path.
-            OSError: the file cannot be written (the previous state stays in force).
-            NotImplementedError: a cache with open sizes (None in ``data_dims``).
-        """
-        self._check_open()
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
-        path = os.fspath(path).replace("{node}", str(self._world.node_rank))
-        out = {"path": path, "samples": 0, "emptied": 0, "bytes": 0, "rewritten": False,
-               "saved": self._world.is_local_leader}
-        if not self._world.is_local_leader:
-            return out
-        with _SAVE_LOCK:
-            out.update(_SavedFileWriter(self).save(path))
-        return out
-
     def _load(self, path: str, data_off: int, *, reserved: bool) -> None:
         """Fill this new segment from the saved file at ``path`` (``_SavedFileReader``)."""
-        _SavedFileReader(self).load(path, data_off, reserved=reserved)
-
-    def _slot_rows(self) -> np.ndarray:
-        """The bytes of every slot (not the staging slots): one row per slot."""
-        n = self._layout.slots
-        if not n:
-            return np.empty((0, self._slot_bytes), np.uint8)
-        return self._slot_samples[:n].reshape(n, -1).view(np.uint8)
+        _feature("saved")._SavedFileReader(self).load(path, data_off, reserved=reserved)
 
     def _unmap(self) -> None:
         closed = _Closed(type(self))
@@ -4387,2345 +3997,5 @@ class SharedCache(BaseCache):
         super()._unmap()
 
 
-# ----------------------------------------------------------------------------------------------
-# 13. Staging slots: what each one holds (_StagingTable)
-# ----------------------------------------------------------------------------------------------
-
-
-def _staged_entries(table: np.ndarray, idx: int) -> np.ndarray:
-    """Positions in a staging map (or a piece of one) whose entry holds ``idx``."""
-    found = np.flatnonzero(table & _STAGE_INDEX_MASK == idx)  # a free (-1) or filling
-    return found[table[found] >= 0]  # (-2 - pid) entry may match too: dropped here
-
-
-class _StagingTable:
-    """What each staging slot of a segment holds, and every change to it: the one place that
-    knows the entries' encoding and the staging lock.
-
-    One int64 entry per staging slot: -1 free; ``-2 - pid`` reserved by process ``pid``
-    while it writes the slot's row; else ``index | tag << 40``, the sample of ``index``
-    staged with ``tag``, set only once the row is whole. Entries change only under the
-    staging lock (``_STAGE_LOCK``, a record lock of the segment); readers take a snapshot
-    and look at an entry again under the lock before they free it, so a slot is freed once.
-    """
-
-    entries: np.ndarray  # the table, in the segment (int64, one per staging slot)
-    segment: _Segment  # whose record lock at _STAGE_LOCK guards changes to entries
-    # Set in this process once close() gave back its stagers' samples: a stage of this
-    # process that publishes afterwards withdraws its sample instead (see publish).
-    closing: bool = False
-
-    def __init__(self, entries: np.ndarray, segment: _Segment) -> None:
-        self.entries, self.segment = entries, segment
-
-    @staticmethod
-    def entry(idx: int, tag: int) -> int:
-        """The entry of ``idx``'s sample staged with ``tag``."""
-        return idx | tag << _STAGE_TAG_SHIFT
-
-    # -- a stager: reserve a slot, write its row, then publish it ---------------------------
-
-    def reserve(self, entry: int) -> int | None:
-        """Reserve a free staging slot for this process to write ``entry``'s sample in: its
-        position; -1 when ``entry`` is staged already (kept: a load gives the same sample);
-        None when every slot is taken. Slots reserved by processes that died are freed."""
-        table = self.entries
-        self.segment.lock(_STAGE_LOCK)
-        try:
-            # Staged already by the same stager (the same entry): kept; another stager's
-            # copy stays its own. One comparison of the whole table: a few microseconds.
-            if (table == entry).any():
-                return -1
-            k = int(np.argmax(table == -1))  # the first free staging slot, if any
-            if table[k] != -1:  # fillers that died keep their slot: give it back
-                for j in np.flatnonzero(table < -1):
-                    if not _alive(-2 - int(table[j]), 0):
-                        table[j] = -1
-                k = int(np.argmax(table == -1))
-                if table[k] != -1:
-                    return None
-            table[k] = -2 - os.getpid()  # reserved by us while we fill it
-        finally:
-            self.segment.unlock(_STAGE_LOCK)
-        return k
-
-    def abandon(self, k: int) -> None:
-        """Free the slot ``k`` this process reserved and could not fill."""
-        self.entries[k] = -1
-
-    def publish(self, k: int, entry: int) -> bool:
-        """Make the sample written in the reserved slot ``k`` readable as ``entry``; False
-        (the slot freed instead) once this process's close() has begun."""
-        with self.segment.thread_lock:  # not while close() gives back this process's entries
-            closing = self.closing
-            self.entries[k] = -1 if closing else entry  # published only once the row is in
-        return not closing
-
-    # -- readers ------------------------------------------------------------------------------
-
-    def find(self, idx: int, tags: frozenset) -> tuple[int, int] | None:
-        """A staging slot holding ``idx``'s sample, staged with one of ``tags`` (any tag when
-        empty), and its entry; or None."""
-        table = self.entries
-        if tags:  # the entries of idx with one of these tags: exact values
-            found = []
-            for tag in tags:  # (one or two: one comparison of the table each)
-                found += np.flatnonzero(table == self.entry(idx, tag)).tolist()
-        else:
-            found = _staged_entries(table, idx).tolist()
-        if not found:
-            return None
-        k = found[0]
-        entry = int(table[k])  # (the scan's entry unless another reader took it meanwhile)
-        if entry < 0 or entry & _STAGE_INDEX_MASK != idx or \
-                (tags and entry >> _STAGE_TAG_SHIFT not in tags):
-            return None
-        return k, entry
-
-    def live(self, tags: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """A snapshot of the published entries, staged with one of ``tags`` (any tag when
-        empty): their slots and their entries (stagers change the table meanwhile)."""
-        table = self.entries.copy()
-        slots = np.flatnonzero(table >= 0)
-        tags = list(tags)
-        if tags:
-            slots = slots[np.isin(table[slots] >> _STAGE_TAG_SHIFT, tags)]
-        return slots, table[slots]
-
-    def staged_indices(self, tags: Iterable[int] = ()) -> np.ndarray:
-        """The indices staged now (with one of ``tags``, any when empty), sorted: a snapshot."""
-        return np.sort(self.live(tags)[1] & _STAGE_INDEX_MASK)
-
-    def count(self) -> int:
-        """Samples staged now."""
-        return int(np.count_nonzero(self.entries >= 0))
-
-    # -- freeing ------------------------------------------------------------------------------
-
-    def take(self, k: np.ndarray | int, entry: np.ndarray | int) -> None:
-        """Free the slots ``k`` whose entries are still ``entry`` (a reader took their
-        samples; freed once however many readers raced)."""
-        table = self.entries
-        self.segment.lock(_STAGE_LOCK)
-        try:
-            k = np.atleast_1d(k)
-            table[k[table[k] == entry]] = -1
-        finally:
-            self.segment.unlock(_STAGE_LOCK)
-
-    def drop(self, idx: int, tag: int | None = None) -> bool:
-        """Free the slots of ``idx`` (staged with ``tag`` only, when given); whether any."""
-        table = self.entries
-        self.segment.lock(_STAGE_LOCK)
-        try:
-            found = _staged_entries(table, idx)
-            if tag is not None:
-                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
-            table[found] = -1
-        finally:
-            self.segment.unlock(_STAGE_LOCK)
-        return bool(found.size)
-
-    def drop_all(self) -> None:
-        """Free every published slot (``clear()``; a stager writing one publishes after)."""
-        self.segment.lock(_STAGE_LOCK)
-        try:
-            self.entries[self.entries >= 0] = -1
-        finally:
-            self.segment.unlock(_STAGE_LOCK)
-
-    def drop_tags_at_close(self, tags: Iterable[int]) -> None:
-        """Free what this process's stagers (``tags``) staged, and have any stage of this
-        process that publishes later withdraw: close() has begun."""
-        self.segment.lock(_STAGE_LOCK)
-        try:  # (it holds the thread lock: a publish of this process waits, then withdraws)
-            self.closing = True
-            table = self.entries
-            table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
-        finally:
-            self.segment.unlock(_STAGE_LOCK)
-
-
-# ----------------------------------------------------------------------------------------------
-# 14. Several fields a sample: _FieldsCache
-# ----------------------------------------------------------------------------------------------
-
-
-def _check_keys(value: Any, dims: Mapping) -> Mapping:
-    """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
-    ``data_dims``) as keys, or raise."""
-    names = list(dims)
-    if not isinstance(value, Mapping):
-        raise TypeError(f"value should be a dict with the fields {names} (the keys of "
-                        f"data_dims), but got value of type {type(value).__name__}")
-    missing = [n for n in names if n not in value]
-    extra = [k for k in value if k not in dims]
-    if missing or extra:
-        why = ", ".join(([f"missing {missing}"] if missing else []) +
-                        ([f"unknown {extra}"] if extra else []))
-        raise ValueError(f"value should be a dict with the fields {names} (the keys of "
-                         f"data_dims), but got value with keys {list(value)} ({why})")
-    return value
-
-
-class _FieldsCache(SharedCache):
-    """A SharedCache of several fields per sample (``data_dims`` a dict): ``SharedCache(...)``
-    makes one. A slot holds the fields packed one after the other (``_Field.offset``), and is
-    read and written whole under the slot's sequence number and lock, as a single tensor is;
-    ``get_slot`` returns a dict of tensors and ``set_slot`` takes one. The single-tensor class
-    keeps its own hit path, untouched by this one."""
-
-    # -- state: SharedCache's, and the fields' views of each slot's row ---------------------
-    _row_bytes: int  # one slot: every field, packed
-    _field_arrays: dict[str, torch.Tensor]  # each field of every slot
-    _read_only_fields: dict[str, torch.Tensor]  # the same through the read-only mapping
-
-    def _map_slots(self, data_off: int, n_slots: int) -> None:
-        self._row_bytes = row_bytes = _check_fields(self._dims, self._dtype)[1]
-
-        def rows_of(buf: mmap.mmap) -> np.ndarray:
-            return np.frombuffer(buf, np.uint8, n_slots * row_bytes, data_off).reshape(
-                n_slots, row_bytes)
-
-        def fields_of(rows: np.ndarray) -> dict[str, np.ndarray]:  # views, never copies
-            return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(
-                _DTYPES[f.dtype][1]).reshape(n_slots, *f.dims) for f in self._fields}
-
-        self._slot_samples = rows_of(self._segment.mapping)  # _write, clear() and deepcopy's
-        self._view_as = self._fast_dtype = None
-        self._field_arrays = fields_of(self._slot_samples)
-        self._array = {f.name: _torch_of(self._field_arrays[f.name][:self._layout.slots], f.dtype)
-                       for f in self._fields}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            ro = fields_of(rows_of(self._segment.read_only_mapping))
-            self._read_only_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
-
-    def _unmap(self) -> None:
-        closed = _Closed(type(self))
-        self._field_arrays = self._read_only_fields = closed  # type: ignore
-        super()._unmap()
-
-    get_slot = BaseCache.get_slot
-
-    def _view_row(self, row: int) -> dict[str, torch.Tensor]:
-        return {n: t[row].as_subclass(ReadOnlyView) for n, t in self._read_only_fields.items()}
-
-    def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
-        """The fields in a copy of a slot's bytes: tensors that share that one copy."""
-        return {f.name: _torch_of(row[f.offset: f.offset + f.nbytes].view(
-            _DTYPES[f.dtype][1]).reshape(f.dims), f.dtype) for f in self._fields}
-
-    def _check_value(self, value: Any) -> dict[str, torch.Tensor]:
-        """Raise unless ``value`` is a dict of exactly the cache's fields, each of which
-        ``SharedCache._checked`` accepts (a number is taken for a field of shape ``()``);
-        return the checked tensors. Nothing is stored."""
-        value = _check_keys(value, self._dims)
-        out = {}
-        for f in self._fields:
-            v = value[f.name]
-            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
-                v = torch.tensor(v)  # a label as a number (bool too)
-            out[f.name] = _checked_value(v, f.dims, f.dtype, f"value[{f.name!r}]",
-                                         f"data_dims[{f.name!r}]")
-        return out
-
-    def _source_array(self, value: Any) -> np.ndarray:
-        """The bytes of a slot: every field of ``value``, checked, packed at its offset."""
-        checked = self._check_value(value)
-        row = np.zeros(self._row_bytes, np.uint8)  # the padding is 0 too
-        for f in self._fields:
-            a = np.ascontiguousarray(_slot_array(checked[f.name], f.dtype))
-            row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
-        return row
-
-    def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
-        names = list(self._dims)
-        if out is not None and (not isinstance(out, Mapping) or set(out) != set(names)):
-            got = f"keys {list(out)}" if isinstance(out, Mapping) else \
-                f"type {type(out).__name__}"
-            raise TypeError(f"out should be a dict of tensors with the fields {names}, but "
-                            f"got out of {got}")
-        batch = {f.name: torch.empty((k, *f.dims), dtype=f.dtype) if out is None else
-                 _check_out(out[f.name], (k, *f.dims), f.dtype, f"out[{f.name!r}]")
-                 for f in self._fields}
-        views = {n: b.view(torch.uint16) if b.dtype is torch.bfloat16 else b
-                 for n, b in batch.items()}
-        return batch, [(self._field_arrays[n], views[n].numpy()) for n in names]
-
-    def _put_row(self, batch: Any, k: int, row: Any) -> None:
-        for n, t in row.items():
-            batch[n][k] = t
-
-    def unpack_rows(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(f.dtype).view(
-            len(rows), *f.dims) for f in self._fields}
-
-    def __getitem__(self, slot: Any) -> dict[str, torch.Tensor]:
-        """Raw slot access: ``cache[s]`` is a dict of views of slot ``s``'s fields."""
-        return {n: t[slot] for n, t in self._array.items()}
-
-    def __setitem__(self, slot: Any, value: Any) -> None:
-        """Raw slot write of a dict of every field, with torch's assignment rules per field
-        (as ``SharedCache.__setitem__``)."""
-        self._check_open()
-        if not isinstance(value, Mapping) or set(value) != set(self._dims):
-            got = f"keys {list(value)}" if isinstance(value, Mapping) else \
-                f"type {type(value).__name__}"
-            raise TypeError(f"value should be a dict with the fields {list(self._dims)}, but "
-                            f"got value of {got}")
-        slot, first, count = self._raw_slots(slot)
-        with self._writing(first, count):
-            for n, t in self._array.items():
-                t[slot] = value[n]
-
-
-_ARENA_LOCK = _LOCK_BASE - 2  # lockf offset of a cache of open sizes' arena allocator
-_ARENA_ALIGN = 16  # every sample's bytes start at a multiple of this in the arena
-_REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the open sizes
-
-
-# ----------------------------------------------------------------------------------------------
-# 15. Open sizes: OpenSizeCache (an arena of samples at their own sizes)
-# ----------------------------------------------------------------------------------------------
-
-
-def _arena_bytes(size_limit_gib: float, dataset_len: int, record_words: int) -> int:
-    """The arena that ``size_limit_gib`` buys once the aux array (1 byte) and the record
-    (``record_words`` int64) of every index are paid, in whole units of _ARENA_ALIGN."""
-    rest = int(size_limit_gib * BYTES_PER_GIB) - dataset_len * (1 + 8 * record_words)
-    return max(0, rest // _ARENA_ALIGN * _ARENA_ALIGN)
-
-
-def _candidates(dataset_len: int, num_nodes: int, arena: int, mean: int | None) -> int:
-    """How many indices a node of a cache of open sizes may admit (its CacheLayout subset):
-    every index with one node; with several, an even share (the nodes' subsets are then
-    disjoint and cover the dataset), or as many as ``arena`` holds of samples of ``mean`` bytes
-    if that is more (the subsets then overlap, which the sampler can use)."""
-    if num_nodes == 1:
-        return dataset_len
-    share = -(-dataset_len // num_nodes)
-    if mean:
-        share = max(share, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
-    return min(dataset_len, share)
-
-
-# Samples of at least this many bytes are written into the arena through the segment's file
-# (pwrite) rather than through the mapping: a process's first store to a page of a mapping
-# takes a page fault, 4-5 us each in a VM here, 88 of them for a 359 KiB image (553 us to store
-# it, against 166 us once mapped, beside 5-6 ms to read and decode it), while the kernel
-# copies into the file's pages without mapping them (74-180 us). Smaller samples share pages.
-_WRITE_THROUGH_FILE = 16384
-
-
-def _write_at(fd: int, data: np.ndarray, offset: int) -> None:
-    """Write all of ``data`` (a contiguous array) at ``offset`` of file ``fd``."""
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-class OpenSizeCache(BaseCache):
-    """A cache of samples whose sizes vary (a None in ``data_dims``) in shared memory, one
-    per node, for PyTorch datasets: each sample is stored at its own size in an arena.
-
-    Example: ``OpenSizeCache(size_limit_gib=32, dataset_len=len(paths), data_dims=(3, None,
-    None))`` for images at their native sizes, used as a SharedCache is (``get_slot``,
-    ``set_slot``). It offers all that :class:`BaseCache` offers. Samples of different sizes do
-    not stack into rows, so what SharedCache adds on rows of one size is not here: batches
-    (``get_batch``, ``locate``), staging slots, raw slot access and saving to a file.
-
-    Sizing: ``size_limit_gib`` pays for the aux array and one record per index (4 + the
-    number of Nones int64 words) and the rest is the arena. Samples are admitted, at their own
-    size (16-byte aligned), while the arena has room; a ``set_slot`` that does not fit stores
-    nothing, counts in ``stats()["full"]``, and the index stays a miss. An overwrite keeps
-    the sample's place if it fits there, else takes new room (the old place is lost until
-    ``clear()``, which gives back the whole arena) or, without room, empties the index, which
-    then keeps no place: its old place is lost as well, and its next write needs new room.
-    ``len(cache)`` is the number of indices this node may admit (every index with one node),
-    ``stats()["filled"]`` how many are stored, ``stats()["arena_used"]`` the bytes handed out.
-
-    Inside the segment: after the aux array, one record per dataset index (int64 words:
-    sequence number, offset in the arena, bytes, bytes reserved, then the open sizes of the
-    sample in the order of the Nones), then the arena, where each admitted sample's fields lie
-    packed (each at a multiple of its itemsize) at its offset, 16-aligned, handed out from the
-    bottom up (the header's ``arena_top``, under a lock). An index emptied for want of room
-    keeps no place (``_drop`` zeroes its record). Readers and writers use the record's
-    sequence number and a per-index lock exactly as slots do, so every guarantee of
-    SharedCache holds.
-
-    Args:
-        size_limit_gib: budget in GiB (int or float) for the aux array, the records and the
-            arena (``python -m stocaching plan --dims 3,None,None --mean-bytes M`` sizes it).
-        dataset_len: number of samples in the full dataset.
-        data_dims: shape of one sample with a None for each open size, e.g. ``(None, 3)`` or
-            ``(3, None, None)``; or a dict of fields ``{name: shape}`` (as SharedCache's), at
-            least one with a None, e.g. ``{"image": (3, None, None), "label": ()}``.
-        dtype: torch dtype of the samples, or a dict of one per field, as SharedCache's.
-            Default: ``torch.uint8``.
-        mean_sample_bytes: with several nodes, the expected bytes of a sample: each node's
-            candidate set (its ``CacheLayout`` subset) is then as many indices as its arena
-            holds of such samples, if that is more than an even share of the dataset.
-            Default: None (an even share: the nodes' subsets are disjoint).
-        name, job_key, world, shm_dir, layout_seed, random_subset, timeout, persistent, key,
-            on_mismatch: as SharedCache's.
-
-    Raises:
-        As SharedCache's (no file is loaded here).
-    """
-
-    _STATE = BaseCache._STATE + ("_sample_fields", "_arena_size", "_record_words",
-                                 "_mean_sample_bytes", "_limit_gib")
-
-    # -- state: BaseCache's, and the records and the arena (set in _size_arena and
-    # _map_samples) --------------------------------------------------------------------------
-    # What it is: the same in every process.
-    _sample_fields: tuple  # the _Field of each part of a sample (one for a tensor)
-    _np_dtypes: list  # the numpy dtype of each part
-    _record_words: int  # 8-byte words of one index's record (where its bytes are, its sizes)
-    _arena_size: int  # bytes of the arena
-    _mean_sample_bytes: int  # the sizing's guess of a sample's bytes (0: none was given)
-    _limit_gib: float  # size_limit_gib as given
-    _view_as: torch.dtype | None  # bfloat16, whose samples are stored as int16
-    # For a sample of one tensor (None with fields): its element's bytes, the sizes of its
-    # dims that are not None, the arena as elements, and the shape of a sample from its record.
-    _itemsize: int
-    _fixed_sizes: tuple[int, ...] | None
-    _arena_items: np.ndarray | None
-    _shape_of: Callable[[Any], tuple] | None
-    # The mapped records and arena: views of the same pages in every process.
-    _records_np: np.ndarray  # one record an index
-    _records_bytes: memoryview
-    _records: memoryview  # the same, as 8-byte words
-    _record_struct: struct.Struct  # unpacks one record
-    _arena: np.ndarray  # the samples' bytes
-    _arena_file_off: int  # where the arena starts in the segment's file
-    _read_only_arena: torch.Tensor  # the arena through the read-only mapping (copy=False)
-
-    def __init__(self, size_limit_gib: float, dataset_len: int,
-                 data_dims: Sequence[int | None] | Mapping[str, Sequence[int | None]],
-                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8, *,
-                 name: str | None = None, job_key: str | None = None,
-                 world: World | None = None, shm_dir: str | None = None, layout_seed: int = 0,
-                 random_subset: bool = False, timeout: float = 300.0,
-                 mean_sample_bytes: int | None = None, persistent: bool = False,
-                 key: str = "", on_mismatch: str = "raise", disk_tier: Any = None,
-                 disk_tier_gib: Any = None) -> None:
-        if disk_tier is not None or disk_tier_gib is not None:
-            raise ValueError(f"disk_tier is for samples of a fixed size (a SharedCache, whose "
-                             f"rows have one size and so one place in the tier's file); an "
-                             f"OpenSizeCache has none, so disk_tier and disk_tier_gib should be "
-                             f"None, but got disk_tier={disk_tier!r}, "
-                             f"disk_tier_gib={disk_tier_gib!r}")
-        if isinstance(size_limit_gib, str) and size_limit_gib == "auto":
-            raise ValueError(f"size_limit_gib='auto' needs samples of a fixed size; with open "
-                             f"sizes (data_dims={data_dims}) pass a number (python -m stocaching "
-                             "plan --mean-bytes sizes it), but got size_limit_gib='auto'")
-        size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
-        dataset_len = check_int("dataset_len", dataset_len, low=1)
-        if isinstance(data_dims, Mapping):
-            fields = _check_fields(data_dims, dtype)[0]
-            dims: Any = {f.name: f.dims for f in fields}
-            dtype = {f.name: f.dtype for f in fields}
-        else:
-            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
-        if not _has_open_size(dims):
-            raise TypeError(f"data_dims should leave a size open (a None) in an OpenSizeCache; "
-                            f"samples of a fixed size go in a SharedCache(size_limit_gib, "
-                            f"dataset_len, data_dims, ...), but got data_dims={dims}")
-        if mean_sample_bytes is not None:
-            mean_sample_bytes = check_int("mean_sample_bytes", mean_sample_bytes, low=1)
-        world, _ = self._configure(
-            dataset_len, world=world, layout_seed=layout_seed, random_subset=random_subset,
-            timeout=timeout, persistent=persistent, key=key, on_mismatch=on_mismatch,
-            name=name, job_key=job_key, shm_dir=shm_dir, load_from=None)
-        candidates = self._size_arena(size_limit_gib, dataset_len, dims, dtype, world.num_nodes,
-                                      mean_sample_bytes)
-        self._open(candidates, dims, dtype, fields, 0, None)
-
-    # -- sizing and layout ------------------------------------------------------------------
-
-    def _size_arena(self, size_limit_gib: float, dataset_len: int, dims: Any, dtype: Any,
-                    num_nodes: int, mean: int | None) -> int:
-        """Set the arena's size and the record's; return how many indices this node may
-        admit (its candidates)."""
-        self._sample_fields = _pack(dims, dtype)[0] if isinstance(dims, Mapping) else \
-            (_Field("", dims, dtype, 0, 0),)
-        self._record_words = 4 + sum(d is None for f in self._sample_fields for d in f.dims)
-        self._arena_size = _arena_bytes(size_limit_gib, dataset_len, self._record_words)
-        self._mean_sample_bytes, self._limit_gib = mean or 0, float(size_limit_gib)
-        if not self._arena_size:
-            warnings.warn(f"size_limit_gib={size_limit_gib} leaves no room for samples: the "
-                          f"aux array and the records alone need "
-                          f"{_fmt_bytes(dataset_len * (1 + 8 * self._record_words))}",
-                          RuntimeWarning, stacklevel=3)
-        return _candidates(dataset_len, num_nodes, self._arena_size, mean)
-
-    def _offsets(self) -> dict:
-        lay = self._layout
-        offsets = _segment_offsets(lay, 0, 0)  # the header, stats and aux array as for slots
-        rec_off = offsets["aux_off"] + (lay.dataset_len + 7) // 8 * 8
-        data_off = rec_off + lay.dataset_len * self._record_words * 8
-        data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        offsets.update(seq_off=rec_off, stage_off=0, map_off=0, data_off=data_off,
-                       total_bytes=data_off + max(1, self._arena_size),
-                       arena_bytes=self._arena_size, arena_top=0, record_words=self._record_words,
-                       mean_bytes=self._mean_sample_bytes)
-        return offsets
-
-    def _budget_fitting(self, room: int, total: int) -> float:
-        """The size_limit_gib of the largest arena whose segment (of ``total`` bytes now)
-        takes at most ``room`` bytes."""
-        return max(0, room - (total - self._arena_size)) / BYTES_PER_GIB
-
-    def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
-        return CacheCapacityError(
-            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
-            f"(an arena of {_fmt_bytes(self._arena_size)}). {_more_room(shm_dir, total)} or pass "
-            f"a smaller size_limit_gib ({_what_fits(self, shm_dir, total, free)})", shm_dir,
-            total, free)
-
-    def _map_samples(self, head: dict) -> None:
-        """The views of the records and of the arena. A hit of one tensor is one read of its
-        record (as a tuple: ``_record_struct``), one slice of the arena in the tensor's own
-        dtype (``_arena_items``: offsets are multiples of 16) reshaped to the shape that
-        ``_shape_of`` picks out of the record and the fixed sizes appended to it
-        (``_fixed_sizes``), and one copy; a sample of fields is unpacked from its bytes."""
-        n, words = self._layout.dataset_len, self._record_words
-        rec_off, data_off = head["seq_off"], head["data_off"]
-        self._records_np = np.frombuffer(self._segment.mapping, np.int64, n * words, rec_off
-                                         ).reshape(n, words)
-        self._records_bytes = memoryview(self._segment.mapping)[rec_off: rec_off + n * words * 8]
-        self._records = self._records_bytes.cast("q")
-        self._record_struct = struct.Struct(f"{words}q")
-        self._arena = np.frombuffer(self._segment.mapping, np.uint8, self._arena_size, data_off)
-        self._arena_file_off = data_off  # (the segment is mapped from its start)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
-            self._read_only_arena = torch.from_numpy(np.frombuffer(
-                self._segment.read_only_mapping, np.uint8, self._arena_size, data_off))
-        self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._sample_fields]
-        first = self._sample_fields[0]
-        self._view_as = first.dtype if first.dtype is torch.bfloat16 else None
-        self._fixed_sizes = self._arena_items = self._shape_of = None
-        if not self._fields:
-            self._itemsize = np.dtype(self._np_dtypes[0]).itemsize
-            self._fixed_sizes = tuple(d for d in first.dims if d is not None)
-            opened = iter(range(4, words))
-            fixed = iter(range(words, words + len(self._fixed_sizes)))
-            self._shape_of = operator.itemgetter(
-                *(next(opened) if d is None else next(fixed) for d in first.dims))
-            self._arena_items = np.frombuffer(self._segment.mapping, self._np_dtypes[0],
-                                              self._arena_size // self._itemsize, data_off)
-
-    def _unmap(self) -> None:
-        closed = _Closed(type(self))
-        self._records_np = self._records = closed  # type: ignore
-        self._arena = self._read_only_arena = closed  # type: ignore
-        self._records_bytes = self._arena_items = closed  # type: ignore
-        super()._unmap()
-
-    # -- reading ----------------------------------------------------------------------------
-
-    def _read(self, idx: int, copy: bool) -> Any:
-        """The seqlock read of the record and bytes of ``idx``, the one read of an open-size
-        sample: a sample (counted as a hit), or None. As ``_read_row`` for a slot: the
-        record's sequence number (its first word, read first) even, the bytes the record names
-        copied, then the state SET and the number again, unchanged, in that order (writers
-        change both only while the number is odd). A record read while a writer changes it
-        may not fit its bytes: a retry, not an error."""
-        r = self._record_struct.unpack_from(self._records_bytes, idx * self._record_struct.size)
-        seq = r[0]
-        if seq & 1:
-            return None
-        off = r[_REC_OFF]
-        end = off + r[_REC_BYTES]
-        if self._fixed_sizes is not None and copy:  # one tensor: the shape, then a single copy
-            try:
-                data = self._arena_items[off // self._itemsize: end // self._itemsize].reshape(
-                    self._shape_of(r + self._fixed_sizes)).copy()
-            except ValueError:
-                return None
-        else:
-            data = self._arena[off: end].copy() if copy else self._read_only_arena[off: end]
-        if self._index_states[idx] != SET or self._records[idx * self._record_words] != seq:
-            return None
-        self._own_counters[_HITS] += 1
-        if self._fixed_sizes is not None and copy:  # already in its shape and dtype
-            return torch.from_numpy(data) if self._view_as is None else \
-                torch.from_numpy(data).view(self._view_as)
-        if copy:
-            return self._unpack(data, r[4:])
-        sample = self._unpack(data.numpy(), r[4:])  # views of the read-only arena
-        return {k: t.as_subclass(ReadOnlyView) for k, t in sample.items()} if self._fields \
-            else sample.as_subclass(ReadOnlyView)
-
-    def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
-        it = iter(sizes)
-        return [tuple(next(it) if d is None else d for d in f.dims) for f in self._sample_fields]
-
-    def _unpack(self, data: np.ndarray, sizes: Sequence[int]) -> Any:
-        """The sample in ``data`` (its packed bytes) with these open sizes."""
-        if not self._fields:  # one tensor
-            f = self._sample_fields[0]
-            shape = self._shapes(sizes)[0]
-            arr = data.view(self._np_dtypes[0]).reshape(shape)
-            return _torch_of(arr, f.dtype)
-        fields, _ = _pack({f.name: s for f, s in zip(self._sample_fields, self._shapes(sizes))},
-                          {f.name: f.dtype for f in self._sample_fields})
-        return {f.name: _torch_of(data[f.offset: f.offset + f.nbytes].view(dt).reshape(f.dims),
-                                  f.dtype) for f, dt in zip(fields, self._np_dtypes)}
-
-    # -- writing ----------------------------------------------------------------------------
-
-    def _check_value(self, value: Any) -> Any:
-        """Check ``value`` against the fields with their open sizes; return the checked
-        tensor (or dict of them) and the open sizes, in the order of the Nones."""
-        if self._fields:
-            value = _check_keys(value, self._dims)
-        checked, sizes = {}, []
-        for f in self._sample_fields:
-            v, what = (value[f.name], f"value[{f.name!r}]") if f.name else (value, "value")
-            where = f"data_dims[{f.name!r}]" if f.name else "data_dims"
-            if not f.dims and isinstance(v, (int, float, complex, np.generic)):
-                v = torch.tensor(v)
-            shape = tuple(getattr(v, "shape", ()))
-            while len(shape) > len(f.dims) and shape[0] == 1:  # (1, ...) as 0.2.1 took it
-                shape = shape[1:]
-            if isinstance(v, (torch.Tensor, np.ndarray)) and (
-                    len(shape) != len(f.dims) or
-                    any(d is not None and d != s for d, s in zip(f.dims, shape))):
-                raise ValueError(f"{what} should have shape {f.dims} (the cache's {where}; None "
-                                 f"is any size), but got {what}.shape={tuple(v.shape)}")
-            dims = shape if isinstance(v, (torch.Tensor, np.ndarray)) else f.dims
-            checked[f.name] = _checked_value(v, dims, f.dtype, what, where)
-            sizes += [s for d, s in zip(f.dims, shape) if d is None]
-        return checked, sizes
-
-    def _source_array(self, value: Any) -> tuple[np.ndarray, list[int]]:
-        """The packed bytes of a sample and its open sizes, checked."""
-        checked, sizes = self._check_value(value)
-        if not self._fields:
-            a = _slot_array(checked[""], self._sample_fields[0].dtype)
-            return np.ascontiguousarray(a).reshape(-1).view(np.uint8), sizes
-        fields, total = _pack({f.name: tuple(checked[f.name].shape) for f in self._sample_fields},
-                              {f.name: f.dtype for f in self._sample_fields})
-        row = np.zeros(total, np.uint8)
-        for f in fields:
-            a = np.ascontiguousarray(_slot_array(checked[f.name], f.dtype))
-            row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
-        return row, sizes
-
-    def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
-                 allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
-        """Store ``value`` (in its own sizes) as the sample of ``idx`` if the arena has room;
-        as ``SharedCache.set_slot`` otherwise. A sample that does not fit in what is left of
-        the arena is not stored (``stats()["full"]`` counts it; the index stays a miss); one
-        larger than the whole arena raises ValueError. An overwrite that does not fit leaves
-        the index empty and without a place: a later write of it needs new room."""
-        idx = self._index(idx)
-        src, sizes = self._source_array(value)
-        if src.size > self._arena_size:
-            raise ValueError(f"value should fit in the cache's arena ({self._arena_size} bytes, "
-                             f"from size_limit_gib={self._limit_gib}), but got a sample of "
-                             f"{src.size} bytes")
-        if self._index_states[idx] == OOB:
-            if not allow_oob_idx:
-                raise self._oob_error(idx)
-            return
-        lock = _slot_lock_offset(idx)
-        self._segment.lock(lock)
-        try:
-            if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
-                return
-        finally:
-            self._segment.unlock(lock)
-        self._own_counters[_WRITES] += 1
-
-    def _store(self, idx: int, src: np.ndarray, sizes: list[int], allow_overwrite: bool,
-               exist_ok: bool) -> bool:
-        """set_slot under the index's lock; True when the write counts as one."""
-        rec, base, state = self._records, idx * self._record_words, self._index_states[idx]
-        if state == SET and not allow_overwrite and not rec[base] & 1:
-            if exist_ok:
-                return False
-            off, nbytes = rec[base + _REC_OFF], rec[base + _REC_BYTES]
-            if nbytes == src.size and rec[base + 4: base + self._record_words].tolist() == sizes \
-                    and np.array_equal(self._arena[off: off + nbytes], src):
-                return True  # a second load of one index: done already
-            raise RuntimeError(
-                f"the sample of idx={idx} is already set to a different value; pass "
-                "allow_overwrite=True to replace it, or exist_ok=True to keep it. (Two loads "
-                "of one index that give different values mean that the load is not "
-                "deterministic, most often random augmentation before the cache.)")
-        if state in (SET, WRITING) and rec[base + _REC_CAP] >= src.size:
-            off, cap = rec[base + _REC_OFF], rec[base + _REC_CAP]  # its place, reused
-        else:
-            cap = -(-src.size // _ARENA_ALIGN) * _ARENA_ALIGN
-            self._segment.lock(_ARENA_LOCK)
-            try:
-                off = self._segment.header_get("arena_top")
-                if off + cap <= self._arena_size:
-                    self._segment.header_set("arena_top", off + cap)
-                else:  # counted here, under the lock: one counter for the node
-                    off = -1
-                    full = self._segment.header_get("arena_full")
-                    self._segment.header_set("arena_full", full + 1)
-            finally:
-                self._segment.unlock(_ARENA_LOCK)
-            if off < 0:  # full: nothing stored; an overwritten sample is dropped
-                if state != EMPTY:
-                    self._drop(idx)
-                return False
-        seq = rec[base]
-        seq += seq & 1  # an odd number left by a writer that died: round up
-        rec[base] = seq + 1
-        self._index_states[idx] = WRITING
-        rec[base + _REC_OFF], rec[base + _REC_BYTES], rec[base + _REC_CAP] = off, src.size, cap
-        for k, size in enumerate(sizes):
-            rec[base + 4 + k] = size
-        if src.size < _WRITE_THROUGH_FILE:
-            self._arena[off: off + src.size] = src
-        else:
-            _write_at(self._segment.fd, src, self._arena_file_off + off)
-        self._index_states[idx] = SET
-        rec[base] = seq + 2
-        return True
-
-    def _drop(self, idx: int) -> None:
-        """Empty ``idx`` (its lock held): readers see a miss, its place is given up."""
-        rec, base = self._records, idx * self._record_words
-        seq = rec[base] + (rec[base] & 1)
-        rec[base] = seq + 1
-        self._index_states[idx] = EMPTY
-        for k in range(1, self._record_words):
-            rec[base + k] = 0
-        rec[base] = seq + 2
-
-    def clear(self) -> None:
-        """Empty every index and give back the whole arena. Safe while other processes read
-        (they see misses) or write (they finish first)."""
-        self._check_open()
-        self._segment.lock(_slot_lock_offset(0), self._dataset_len)
-        try:
-            self._segment.lock(_ARENA_LOCK)
-            try:
-                seq = self._records_np[:, _REC_SEQ]
-                seq |= 1
-                aux = self._index_states_np
-                aux[aux != OOB] = EMPTY
-                self._records_np[:, 1:] = 0
-                self._arena[: self._segment.header_get("arena_top")].fill(0)
-                self._segment.header_set("arena_top", 0)
-                seq += 1
-            finally:
-                self._segment.unlock(_ARENA_LOCK)
-        finally:
-            self._segment.unlock(_slot_lock_offset(0), self._dataset_len)
-
-    may_refuse = True  # set_slot declines a sample that finds no room in the arena
-
-    @property
-    def arena_used(self) -> int:
-        """Bytes of the arena handed out since the last ``clear()`` (overwritten places
-        included): it falls only when the cache is cleared."""
-        self._check_open()
-        return self._segment.header_get("arena_top")
-
-    def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """As ``SharedCache.stats``, plus ``arena_bytes`` (the arena's size) and ``arena_used``
-        (bytes handed out since the last ``clear()``, overwritten places included); ``full``
-        counts writes that found no room. ``slots`` is the number of indices this node may
-        admit."""
-        self._check_open()  # (before the header is read: a closed mapping says less)
-        full = self._segment.header_get("arena_full")
-        if since is not None and not _is_int(since.get("full")):
-            raise TypeError(f"since should be a dict from this cache's stats(), but got "
-                            f"since={since!r}")
-        out = super().stats(since=since)
-        out.update(full=full - (int(since["full"]) if since is not None else 0),
-                   arena_bytes=self._arena_size, arena_used=self._segment.header_get("arena_top"))
-        return out
-
-    # -- copies and raw access ----------------------------------------------------------------
-
-    def __deepcopy__(self, memo: dict) -> "OpenSizeCache":
-        """An independent private cache with this one's configuration and contents (an entry
-        whose writer died mid-write is copied as empty)."""
-        self._check_open()
-        w, lay = self._world, self._layout
-        twin = OpenSizeCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
-                             name=f"copy{next(_COPY_COUNTER)}",
-                             world=World(rank=w.node_rank, world_size=w.num_nodes,
-                                         node_rank=w.node_rank, num_nodes=w.num_nodes),
-                             shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-                             random_subset=lay.random_subset,
-                             mean_sample_bytes=self._mean_sample_bytes or None)
-        memo[id(self)] = twin
-        self._segment.lock(_slot_lock_offset(0), self._dataset_len)
-        try:
-            aux = self._index_states_np.copy()
-            aux[(aux == SET) & (self._records_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
-            aux[aux == WRITING] = EMPTY
-            top = self._segment.header_get("arena_top")
-            twin._arena[:top] = self._arena[:top]
-            twin._records_np[:] = self._records_np
-            twin._records_np[:, _REC_SEQ] = 0
-            twin._segment.header_set("arena_top", top)
-            twin._index_states_np[:] = aux
-        finally:
-            self._segment.unlock(_slot_lock_offset(0), self._dataset_len)
-        return twin
-
-
-# ----------------------------------------------------------------------------------------------
-# 16. A disk tier: rows of the indices without a slot, in a sparse file on local disk
-# ----------------------------------------------------------------------------------------------
-
-
-#
-# One file per cache and node, in the disk_tier directory, named like the segment with the
-# prefix "stocaching-tier_":
-#   [header, 4 KiB: magic, fields, a persistent cache's key at _KEY_OFF][stats table]
-#   [states: 1 byte per dataset index][versions: uint32 per dataset index]
-#   [position map: int32/int64 per dataset index, -1 where the tier holds none][pad to a page]
-#   [rows: row_bytes each, at data_off + position * row_bytes]
-# The file is ftruncated to its whole size and only written rows take disk (a sparse file).
-# Everything before data_off is mapped shared by every process; the rows are read with
-# os.preadv and written with os.pwrite, through the page cache. A row is written under a
-# POSIX record lock on its index's byte (offsets past the end of the file, as the segment's;
-# the kernel drops the lock of a writer that dies): the writer makes the index's version odd
-# and its state WRITING, writes the row, sets the state READY, and makes the version even.
-# A reader takes no lock: state READY and an even version, the row read, then the same
-# version and state again, or a miss. A writer killed mid-row leaves WRITING and an odd
-# version: never served, and the next writer (who holds the lock) writes it again. A shared
-# flock held by every process using the file tells a live file from a stale one for `clean`.
-
-_TIER_PREFIX = SEGMENT_PREFIX + "-tier"
-_TIER_MAGIC = b"STOCTIER"
-_TIER_VERSION = 1
-_TIER_FIELDS = (
-    "version", "row_bytes", "dataset_len", "rows", "rows_cap", "slots", "num_nodes", "node_rank",
-    "layout_seed", "random_subset", "config_hash", "persistent", "key_hash", "uid", "boot",
-    "local_world_size", "attached", "ready", "stats_off", "states_off", "versions_off",
-    "map_off", "data_off", "total_bytes",
-)
-_TIER_HEADER = struct.Struct("<8s" + "q" * len(_TIER_FIELDS))
-_TIER_FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_TIER_FIELDS)}
-# What a job checks when it opens a tier another process made (the rest is where things are).
-_TIER_CONFIG = ("version", "row_bytes", "dataset_len", "rows", "rows_cap", "slots", "num_nodes",
-                "node_rank", "layout_seed", "random_subset", "config_hash", "persistent",
-                "key_hash", "uid")
-_TIER_STATS_ROWS = 1024
-_TIER_STATS_COLS = 5  # pid, process start, disk hits, rows written, rows read by read_tier
-_TIER_HITS, _TIER_WRITES, _TIER_READS = 2, 3, 4
-_TIER_READY = 1  # a state: EMPTY, WRITING as the segment's; READY where the segment has SET
-_TIER_LOCK_BASE = 1 << 50  # lockf offsets: the header's, then one byte per dataset index
-
-
-def _tier_indices(layout: CacheLayout, node_rank: int, rows: int | None = None) -> np.ndarray:
-    """The dataset indices whose rows node ``node_rank``'s disk tier holds, in row order:
-    those of the node's share without a slot in memory. With one node, every index without
-    a slot (in index order, or in the layout's permutation with ``random_subset``); with
-    several, the layout's permutation goes on being dealt after the memory deal: the entries
-    past ``num_nodes * slots`` are cut into ``num_nodes`` contiguous runs, node k taking run k
-    (disjoint, none held in memory anywhere; nothing when the memory deal covers the
-    dataset). ``rows`` keeps the first ``rows`` of them (a tier budget), default all."""
-    n, s, k = layout.dataset_len, layout.slots, layout.num_nodes
-    if layout.is_prefix:
-        share = np.arange(s, n, dtype=np.int64)
-    elif k == 1:
-        share = layout._perm()[s:].astype(np.int64, copy=False)
-    elif k * s >= n:
-        share = np.empty(0, np.int64)
-    else:
-        per = -(-(n - k * s) // k)
-        lo = k * s + node_rank * per
-        share = layout._perm()[lo: min(n, lo + per)].astype(np.int64, copy=False)
-    return share if rows is None else share[:rows]
-
-
-def _tier_cap(row_bytes: int, disk_tier_gib: float | None) -> int:
-    """The most rows a disk tier of any node has: those ``disk_tier_gib`` pays for (rows
-    only: the metadata, about 9 bytes per dataset index, comes on top), -1 for no limit."""
-    if disk_tier_gib is None:
-        return -1
-    return int(disk_tier_gib * BYTES_PER_GIB) // max(1, row_bytes)
-
-
-def _tier_share(layout: CacheLayout, node_rank: int, cap: int) -> np.ndarray:
-    """The indices with a row on node ``node_rank``'s disk tier of at most ``cap`` rows (-1:
-    no limit): the first of its share."""
-    return _tier_indices(layout, node_rank, None if cap < 0 else cap)
-
-
-def _tier_offsets(dataset_len: int, rows: int, row_bytes: int) -> dict:
-    """Where each part of a tier file starts, and its total size (see the layout above)."""
-    stats_off = _HEADER_BYTES
-    states_off = stats_off + _TIER_STATS_ROWS * _TIER_STATS_COLS * 8
-    versions_off = states_off + (dataset_len + 7) // 8 * 8
-    map_off = versions_off + (dataset_len * 4 + 7) // 8 * 8
-    map_item = 4 if rows < 2**31 else 8
-    data_off = map_off + dataset_len * map_item
-    data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    return {"stats_off": stats_off, "states_off": states_off, "versions_off": versions_off,
-            "map_off": map_off, "data_off": data_off, "total_bytes": data_off + rows * row_bytes}
-
-
-def _boot_id() -> int:
-    """This boot of the machine, as 63 bits: a tier file kept across a reboot may hold a
-    READY state whose row never reached the disk, so its states are dropped then."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return _key_hash(f.read().strip().decode())
-    except OSError:
-        return 0
-
-
-def _tier_path(disk_tier: str, segment_path: str) -> str:
-    """The one place that names tier files: the segment's name with the tier's prefix."""
-    return os.path.join(disk_tier, _TIER_PREFIX + os.path.basename(segment_path)[
-        len(SEGMENT_PREFIX):])
-
-
-def _check_disk_tier(disk_tier: Any, disk_tier_gib: Any) -> tuple[str | None, float | None]:
-    """The constructor's ``disk_tier`` and ``disk_tier_gib``, checked before anything is
-    made."""
-    if disk_tier is None:
-        if disk_tier_gib is not None:
-            raise ValueError(f"disk_tier_gib is the budget of a disk tier, so it needs "
-                             f"disk_tier= (a directory), but got disk_tier_gib={disk_tier_gib!r} "
-                             "with disk_tier=None")
-        return None, None
-    if not isinstance(disk_tier, (str, os.PathLike)):
-        raise TypeError(f"disk_tier should be the path of a directory on local disk, or None, "
-                        f"but got disk_tier={disk_tier!r}")
-    path = os.fspath(disk_tier)
-    if not os.path.isdir(path):
-        raise ValueError(f"disk_tier should be an existing directory on local disk, but got "
-                         f"disk_tier={path!r}, which is not a directory")
-    if disk_tier_gib is not None:
-        disk_tier_gib = _check_positive("disk_tier_gib", disk_tier_gib, "GiB, or None for "
-                                        "room for every index without a slot")
-    fstype = _fs_type(path)
-    if fstype in _MEMORY_FILESYSTEMS:
-        warnings.warn(f"disk_tier={path!r} is on a {fstype} filesystem, in memory: the tier's "
-                      "rows then take the RAM that the cache's segment could hold faster. Put "
-                      "the disk tier on local disk (an NVMe), or give the segment more "
-                      "size_limit_gib instead.", RuntimeWarning, stacklevel=3)
-    return path, disk_tier_gib
-
-
-class _DiskTier(_RecordLocks):
-    """The disk tier of one cache on one node: the rows of dataset indices that have no slot
-    in the node's segment, in a sparse file on local disk shared by every local rank and
-    DataLoader worker (see the layout above). The cache holds it and calls ``read`` where an
-    index has no slot, ``store`` where ``set_slot`` gets the sample of such an index,
-    ``clear``, ``stats`` and ``close``; everything else (making, opening, sending to another
-    process) is its own."""
-
-    # -- state, by role ------------------------------------------------------------------
-    # What it is: the same in every process.
-    _path: str  # the file's name (gone once every local rank holds it, unless persistent)
-    _cap: int  # the most rows of any node's tier (-1: no limit), for every node's share
-    _row_dtype: np.dtype  # one row as the segment's rows: dtype and shape
-    _row_shape: tuple
-    _row_bytes: int
-    _rows: int  # rows in the file
-    _data_off: int
-    # The mapped metadata: views of the same pages in every process.
-    _mapping: mmap.mmap
-    _states: memoryview  # one state byte per dataset index
-    _states_np: np.ndarray
-    _versions: memoryview  # one version per dataset index: odd while its row is written
-    _versions_np: np.ndarray
-    _positions: memoryview  # the row of each dataset index, -1 for none
-    _stats_rows: np.ndarray
-    # This process's own.
-    _own_counters: memoryview
-    _told: bool  # a failed write was logged
-    _finalizer: weakref.finalize | None
-    _file_id: tuple[int, int]
-
-    @classmethod
-    def open(cls, cache: "SharedCache", directory: str, disk_tier_gib: float | None
-             ) -> "_DiskTier":
-        """The tier of ``cache`` (constructed up to its segment) in ``directory``: the local
-        leader makes it (or, persistent, attaches to the one of its name and key), the other
-        local ranks attach to the leader's."""
-        self = cls.__new__(cls)
-        self._finalizer = None
-        self._path = _tier_path(directory, cache._path)
-        samples = cache._slot_samples
-        self._row_dtype, self._row_shape = samples.dtype, tuple(samples.shape[1:])
-        self._row_bytes = samples.dtype.itemsize * math.prod(self._row_shape)
-        lay, world = cache._layout, cache._world
-        cap = _tier_cap(self._row_bytes, disk_tier_gib)
-        rows = len(_tier_share(lay, world.node_rank, cap))
-        want = {"version": _TIER_VERSION, "row_bytes": self._row_bytes,
-                "dataset_len": lay.dataset_len, "rows": rows, "rows_cap": cap, "slots": lay.slots,
-                "num_nodes": lay.num_nodes, "node_rank": world.node_rank,
-                "layout_seed": lay.seed, "random_subset": int(lay.random_subset),
-                "config_hash": _key_hash(cache._describe()),
-                "persistent": int(cache._persistent),
-                "key_hash": _key_hash(cache._key) if cache._persistent else 0,
-                "uid": os.getuid(), "boot": _boot_id(),
-                "local_world_size": world.local_world_size, "attached": 1, "ready": 0,
-                **_tier_offsets(lay.dataset_len, rows, self._row_bytes)}
-        if not world.is_local_leader:
-            self._attach(want, cache._timeout)
-        elif cache._persistent:
-            self._open_persistent(want, cache, directory)
-        else:
-            self._create(want, lay, world, directory, publish=world.local_world_size > 1)
-        logger.info("stocaching: the disk tier of cache %r holds up to %d rows of %s in %s "
-                    "(%d stored now)", cache._name, self._rows, _fmt_bytes(self._row_bytes),
-                    self._path, self.filled())
-        return self
-
-    # -- making, attaching ---------------------------------------------------------------
-
-    def _create(self, want: dict, lay: CacheLayout, world: World, directory: str, *,
-                publish: bool) -> bool:
-        """Make the file under a temporary name, write its metadata and map it; then give it
-        its name (``publish``: other local ranks or jobs look for it) or not (one process:
-        the kernel frees it with the last descriptor, even after a SIGKILL). False when
-        another process named one first (a persistent cache: attach to theirs)."""
-        _clean_tier_files(directory)  # files of dead jobs: their disk is free room
-        tmp = f"{self._path}.{os.getpid()}.{secrets.token_hex(4)}.init"
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
-        except OSError as e:
-            raise OSError(e.errno, f"disk_tier should be a directory where this user can write "
-                          f"files, but got disk_tier={directory!r}: making {tmp} failed "
-                          f"({e.strerror})") from None
-        st = os.fstat(fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, want["total_bytes"])
-            try:  # the mapped metadata: a store into a hole of a full disk would be a SIGBUS
-                os.posix_fallocate(fd, 0, want["data_off"])
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise OSError(e.errno, f"disk_tier={directory!r} cannot hold the disk "
-                                  f"tier's {_fmt_bytes(want['data_off'])} of metadata "
-                                  f"({e.strerror}); free some room there") from None
-            data = want["rows"] * want["row_bytes"]
-            free = _free_bytes(directory)
-            if data > free:
-                warnings.warn(
-                    f"disk_tier={directory!r} has {_fmt_bytes(free)} free but the tier's "
-                    f"{want['rows']} rows take {_fmt_bytes(data)}: rows that find the disk "
-                    "full are not stored (logged once) and stay misses. Free some room or pass "
-                    "a smaller disk_tier_gib", RuntimeWarning, stacklevel=5)
-            mm = mmap.mmap(fd, want["data_off"], mmap.MAP_SHARED,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
-            head = dict(want)
-            _TIER_HEADER.pack_into(mm, 0, _TIER_MAGIC, *(head[f] for f in _TIER_FIELDS))
-            if head["persistent"]:
-                key = self._key.encode()
-                mm[_KEY_OFF: _KEY_OFF + len(key)] = key
-            self._map(fd, mm, head)
-            self._positions_np()[:] = -1
-            held = _tier_share(lay, world.node_rank, want["rows_cap"])
-            self._positions_np()[held] = np.arange(len(held))
-            self._set("ready", 1)
-            if publish:
-                try:
-                    os.link(tmp, self._path)
-                except FileExistsError:
-                    if want["persistent"]:
-                        self.close()
-                        return False
-                    other = self._path
-                    if not _tier_is_stale(other, remove=True, min_age=0.0):
-                        raise CacheConfigError(
-                            f"a live disk tier is already named {other}: another job or cache "
-                            "uses the same job_key and name. Pass a distinct name= or set "
-                            "STOCACHING_JOB_KEY per job", "name", other, other) from None
-                    os.link(tmp, self._path)
-        except BaseException:
-            self.close() if self.fd == fd else _close_fd(fd)
-            raise
-        finally:
-            _unlink_if_same(tmp, st.st_ino, st.st_dev)
-        return True
-
-    _key = ""  # a persistent cache's key, written into a new file's header
-
-    def _open_persistent(self, want: dict, cache: "SharedCache", directory: str) -> None:
-        """The local leader of a persistent cache: attach to the tier of this name if it holds
-        this configuration and key (dropping its states after a reboot, or a mismatch: raise,
-        or with on_mismatch="replace" make a new one), else make it."""
-        self._key = cache._key
-        for _ in range(5):
-            try:
-                fd = _open_existing(self._path)
-            except FileNotFoundError:
-                if self._create(want, cache._layout, cache._world, directory, publish=True):
-                    return
-                continue
-            except OSError as e:
-                raise OSError(e.errno, f"disk_tier={directory!r}: cannot open the persistent "
-                              f"tier {self._path} ({e.strerror})") from None
-            alone = _try_stale(fd)
-            if not alone:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                head = self._check(fd, want)
-            except CacheConfigError as e:
-                if cache._on_mismatch != "replace" or not alone:
-                    os.close(fd)
-                    raise
-                st = os.fstat(fd)
-                _unlink_if_same(self._path, st.st_ino, st.st_dev)
-                os.close(fd)
-                logger.warning("stocaching: replaced the persistent disk tier %s: %s",
-                               self._path, e.args[0])
-                continue
-            self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
-                                    mmap.PROT_READ | mmap.PROT_WRITE), head)
-            if alone:
-                if head["boot"] != want["boot"]:  # rows may not have reached the disk
-                    self._states_np[:] = EMPTY
-                    self._set("boot", want["boot"])
-                self._states_np[self._states_np == WRITING] = EMPTY  # (killed writers)
-                fcntl.flock(fd, fcntl.LOCK_SH)  # (flock drops the exclusive lock first)
-            st = os.fstat(fd)
-            if _names(self._path, st.st_ino, st.st_dev):
-                return
-            self.close()  # removed meanwhile by a clean: look again
-        raise CacheConfigError(f"could not open or make the persistent disk tier {self._path}: "
-                               "it keeps changing", "name", cache._name, self._path)
-
-    def _attach(self, want: dict, timeout: float) -> None:
-        """Another local rank: open the leader's file by its name (waiting for it up to
-        ``timeout``), check it, map it, and drop the name once every local rank holds it."""
-        opened = _open_leaders_file(self._path, timeout)
-        if opened is None:
-            raise CacheTimeoutError(
-                f"waited {timeout:.0f} s for local rank 0 to make the disk tier "
-                f"{self._path}, but it never arrived: construct the cache with the same "
-                "disk_tier on every local rank", self._path, timeout)
-        fd = opened[0]
-        try:
-            head = self._check(fd, want)
-            self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
-                                    mmap.PROT_READ | mmap.PROT_WRITE), head)
-        except BaseException:
-            if self.fd == fd:
-                self.close()
-            else:
-                os.close(fd)
-            raise
-        self.lock(_TIER_LOCK_BASE - 1)
-        try:
-            attached = self._get("attached") + 1
-            self._set("attached", attached)
-        finally:
-            self.unlock(_TIER_LOCK_BASE - 1)
-        if attached >= head["local_world_size"] and not head["persistent"]:
-            _unlink_if_same(self._path, self._file_id[1], self._file_id[0])
-
-    def _check(self, fd: int, want: dict) -> dict:
-        """The header of a tier file someone else made, checked against ``want``."""
-        size = os.fstat(fd).st_size
-        raw = os.pread(fd, _TIER_HEADER.size, 0)
-        if len(raw) < _TIER_HEADER.size or _TIER_HEADER.unpack(raw)[0] != _TIER_MAGIC:
-            raise CacheConfigError(f"{self._path} is not a stocaching disk tier", "magic",
-                                   _TIER_MAGIC, raw[:8])
-        head = dict(zip(_TIER_FIELDS, _TIER_HEADER.unpack(raw)[1:]))
-        for field in _TIER_CONFIG:
-            if head[field] != want[field]:
-                raise CacheConfigError(
-                    f"the disk tier {self._path} was made with {field}={head[field]}, but this "
-                    f"cache asks for {field}={want[field]}: construct the cache with the same "
-                    "arguments (and disk_tier_gib) on every local rank and job, or pass "
-                    "another name=", field, want[field], head[field])
-        if not head["ready"] or size < head["total_bytes"] or \
-                any(head[k] != want[k] for k in ("states_off", "data_off", "total_bytes")):
-            raise CacheConfigError(f"{self._path} is damaged or from another stocaching "
-                                   "version", "layout", want["total_bytes"], head["total_bytes"])
-        return head
-
-    def _map(self, fd: int, mm: mmap.mmap, head: dict) -> None:
-        """Build the views of the metadata and claim this process's stats row."""
-        n = head["dataset_len"]
-        self.fd, self._mapping = fd, mm
-        st = os.fstat(fd)
-        self._file_id = (st.st_dev, st.st_ino)
-        self._rows, self._data_off, self._cap = head["rows"], head["data_off"], head["rows_cap"]
-        view = memoryview(mm)
-        self._states_np = np.frombuffer(mm, np.uint8, n, head["states_off"])
-        self._states = view[head["states_off"]: head["states_off"] + n]
-        self._versions_np = np.frombuffer(mm, np.uint32, n, head["versions_off"])
-        self._versions = view[head["versions_off"]: head["versions_off"] + 4 * n].cast("I")
-        item = "i" if head["rows"] < 2**31 else "q"
-        self._positions = view[head["map_off"]: head["map_off"] + n * (4 if item == "i" else 8)
-                               ].cast(item)
-        self._stats_rows = np.frombuffer(mm, np.int64, _TIER_STATS_ROWS * _TIER_STATS_COLS,
-                                         head["stats_off"]).reshape(_TIER_STATS_ROWS,
-                                                                    _TIER_STATS_COLS)
-        self.thread_lock = threading.RLock()
-        self._told = False
-        self._claim_stats_row()
-        _LIVE_TIERS.add(self)
-        self._finalizer = weakref.finalize(self, _close_fd, fd)
-
-    def _positions_np(self) -> np.ndarray:
-        return np.frombuffer(self._positions, self._positions.format)
-
-    def _get(self, field: str) -> int:
-        return struct.unpack_from("<q", self._mapping, _TIER_FIELD_OFFSET[field])[0]
-
-    def _set(self, field: str, value: int) -> None:
-        struct.pack_into("<q", self._mapping, _TIER_FIELD_OFFSET[field], value)
-
-    # -- locks, stats, processes -----------------------------------------------------------
-
-    def _claim_stats_row(self) -> None:
-        """This process's row of counters, as the segment's stats table has it."""
-        free = _claim_stats_row(self._stats_rows, self, _TIER_LOCK_BASE - 1, _TIER_HITS,
-                                "disk tier")
-        self._own_counters = memoryview(self._stats_rows[free])
-
-    def after_fork(self) -> None:
-        """In a forked child: a fresh thread lock and a stats row of its own."""
-        super().after_fork()
-        if self._finalizer is not None and self._finalizer.alive:
-            try:
-                self._claim_stats_row()
-            except Exception:  # never break the child over statistics
-                self._own_counters = memoryview(np.zeros(_TIER_STATS_COLS, np.int64))
-
-    def __reduce__(self) -> tuple:
-        """Sent to another process by multiprocessing's pickler (with the cache): a duplicate
-        of the descriptor, which the receiver maps (the name may be gone already)."""
-        from multiprocessing.reduction import DupFd
-
-        return _rebuild_tier, (DupFd(self.fd), self._path, self._row_dtype.str,
-                               self._row_shape)
-
-    # -- rows -------------------------------------------------------------------------------
-
-    def read(self, idx: int, count: int = _TIER_HITS) -> np.ndarray | None:
-        """The row of ``idx`` (a new array, shaped as the segment's rows), or None: the tier
-        holds none, or it is being written or cleared. No lock: the states and versions.
-        Counted in the stats column ``count`` (a disk hit, or a read for a stager), or not
-        (-1)."""
-        if self._states[idx] != _TIER_READY:
-            return None
-        seq = self._versions[idx]
-        if seq & 1:
-            return None
-        out = np.empty(self._row_shape, self._row_dtype)
-        try:
-            got = os.preadv(self.fd, [out], self._data_off +
-                            self._positions[idx] * self._row_bytes)
-        except OSError as e:
-            self._tell("read", e)
-            return None
-        if got != self._row_bytes or self._versions[idx] != seq or \
-                self._states[idx] != _TIER_READY:
-            return None
-        if count >= 0:
-            self._own_counters[count] += 1
-        return out
-
-    def owner_rows(self, layout: CacheLayout) -> Iterator[np.ndarray]:
-        """``layout.owner_rows()`` with each node's tier rows (those of its share that every
-        node's tier of at most ``_cap`` rows holds) added to its row."""
-        for k, row in enumerate(layout.owner_rows()):
-            row[_tier_share(layout, k, self._cap)] = True
-            yield row
-
-    def store(self, idx: int, src: np.ndarray, *, overwrite: bool = False) -> bool:
-        """Write ``src`` (a row's values) as the row of ``idx`` unless one is stored already
-        (then True: ``read(idx, count=-1)`` gives it, to compare), or, with ``overwrite``,
-        in its place (readers of the old row meanwhile get a miss). False when written, or
-        when the tier has no row for ``idx``, or the write failed (logged once)."""
-        pos = self._positions[idx]
-        if pos < 0:
-            return False
-        if self._states[idx] == _TIER_READY and not overwrite:
-            return True
-        data = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
-        lock = _TIER_LOCK_BASE + idx
-        self.lock(lock)
-        try:
-            if self._states[idx] == _TIER_READY and not overwrite:
-                return True
-            seq = self._versions[idx]
-            seq += seq & 1  # odd: left by a writer that died
-            self._versions[idx] = (seq + 1) & 0xFFFFFFFF
-            self._states[idx] = WRITING
-            try:
-                self._put(self._data_off + pos * self._row_bytes, data)
-            except OSError as e:
-                self._states[idx] = EMPTY
-                self._versions[idx] = (seq + 2) & 0xFFFFFFFF
-                self._tell("write", e)
-                return False
-            self._states[idx] = _TIER_READY
-            self._versions[idx] = (seq + 2) & 0xFFFFFFFF
-        finally:
-            self.unlock(lock)
-        self._own_counters[_TIER_WRITES] += 1
-        return False
-
-    def _put(self, offset: int, data: np.ndarray) -> None:
-        """Write ``data`` at ``offset`` (a short write goes on where it stopped)."""
-        view = memoryview(data)
-        while len(view):
-            done = os.pwrite(self.fd, view, offset)
-            view, offset = view[done:], offset + done
-
-    def _tell(self, what: str, e: OSError) -> None:
-        """A failed read or write: the sample is not tiered (a miss); logged once here."""
-        if not self._told:
-            self._told = True
-            logger.warning("stocaching: the disk tier %s failed a %s (%s): such samples are "
-                           "not stored there and load as misses; logged once per process",
-                           self._path, what, e.strerror or e)
-
-    def clear(self) -> None:
-        """Empty every row (safe while others read: they see misses; writers finish first)."""
-        n = len(self._states_np)
-        self.lock(_TIER_LOCK_BASE, max(1, n))
-        try:
-            self._versions_np[:] |= 1
-            self._states_np[:] = EMPTY
-            self._versions_np[:] += 1
-        finally:
-            self.unlock(_TIER_LOCK_BASE, max(1, n))
-
-    def filled(self) -> int:
-        return int(np.count_nonzero(self._states_np == _TIER_READY))
-
-    def stats(self) -> dict[str, int]:
-        """``disk_hits``, ``disk_writes``, ``disk_reads`` (summed over every process),
-        ``disk_rows`` (stored now) and ``disk_tier_rows``."""
-        self.lock(_TIER_LOCK_BASE - 1)
-        try:
-            rows = self._stats_rows.copy()
-        finally:
-            self.unlock(_TIER_LOCK_BASE - 1)
-        return {"disk_hits": int(rows[:, _TIER_HITS].sum()),
-                "disk_writes": int(rows[:, _TIER_WRITES].sum()),
-                "disk_reads": int(rows[:, _TIER_READS].sum()), "disk_rows": self.filled(),
-                "disk_tier_rows": self._rows}
-
-    @property
-    def path(self) -> str:
-        return self._path
-
-    def close(self) -> None:
-        """Close this process's descriptor and mapping (idempotent). The file goes with the
-        last descriptor once its name is gone (a persistent tier keeps its name)."""
-        _LIVE_TIERS.discard(self)
-        closed = _Closed(SharedCache)  # every view goes, so that the mapping can close now
-        self._states = self._versions = self._positions = closed  # type: ignore
-        self._states_np = self._versions_np = self._stats_rows = closed  # type: ignore
-        self._own_counters = closed  # type: ignore
-        mm = getattr(self, "_mapping", None)
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
-        if self._finalizer is not None:
-            self._finalizer()
-
-
-# Process-wide: the tiers open in this process, which `clean` must not open and close (closing
-# any descriptor of a file drops every record lock this process holds on it).
-_LIVE_TIERS: "weakref.WeakSet[_DiskTier]" = weakref.WeakSet()
-
-
-def _rebuild_tier(dupfd: Any, path: str, dtype: str, shape: tuple) -> _DiskTier:
-    """Unpickle a disk tier in a spawned worker: map the inherited descriptor."""
-    fd = dupfd.detach()
-    self = _DiskTier.__new__(_DiskTier)
-    self._finalizer = None
-    self._path, self._row_dtype, self._row_shape = path, np.dtype(dtype), tuple(shape)
-    self._row_bytes = self._row_dtype.itemsize * math.prod(self._row_shape)
-    try:
-        raw = os.pread(fd, _TIER_HEADER.size, 0)
-        head = dict(zip(_TIER_FIELDS, _TIER_HEADER.unpack(raw)[1:]))
-        self._map(fd, mmap.mmap(fd, head["data_off"], mmap.MAP_SHARED,
-                                mmap.PROT_READ | mmap.PROT_WRITE), head)
-    except BaseException:
-        os.close(fd)
-        raise
-    return self
-
-
-def _tier_is_stale(path: str, *, remove: bool, min_age: float) -> bool:
-    """``_is_stale_file`` for a tier file: never one that a tier of this process holds."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    if any(t._file_id == (st.st_dev, st.st_ino) for t in list(_LIVE_TIERS)):
-        return False
-    return _is_stale_file(path, remove=remove, min_age=min_age)
-
-
-def _clean_tier_files(directory: str, *, dry_run: bool = False,
-                      persistent: bool | Sequence[str] = ()) -> list[str]:
-    """``clean_segments`` for the tier files in ``directory``: this user's that no live
-    process holds, and persistent ones only by name (or all, with ``persistent=True``)."""
-    removed = []
-    for fname in sorted(os.listdir(directory)):
-        if not fname.startswith(_TIER_PREFIX + "_"):
-            continue
-        info = _parse_segment_name(SEGMENT_PREFIX + fname[len(_TIER_PREFIX):])
-        if info is None or info["uid"] != os.getuid():
-            continue
-        kept = info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]
-        if kept and persistent is not True and info["name"] not in persistent:
-            continue
-        path = os.path.join(directory, fname)
-        if _tier_is_stale(path, remove=not dry_run, min_age=0.0 if kept else 2.0):
-            removed.append(path)
-            logger.info("stocaching: removed stale disk tier %s", path)
-    return removed
-
-
-# ----------------------------------------------------------------------------------------------
-# 17. Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
-# ----------------------------------------------------------------------------------------------
-
-
-#
-# One file:
-#   [superblock 0, 4 KiB][superblock 1, 4 KiB][config: JSON, padded to 4 KiB][chunk]...
-# A chunk is one save's records: [rows: row_bytes each][int64 dataset index of each row]
-# [int64 indices emptied since the last save][pad][trailer, 64 bytes], its end 4 KiB aligned;
-# its trailer says where it starts, so the chunks are found from the end backwards. A later
-# chunk's record of an index replaces an earlier one's. A superblock (magic, generation, the
-# end of the last chunk, the chunk count, the config's length and CRC, and its own CRC) commits
-# a save: the valid one with the higher generation counts, and bytes past its end do not exist.
-# A first save writes a new file under a temporary name, syncs it and renames it over ``path``;
-# a later one appends a chunk past the committed end, syncs it, then writes the other
-# superblock (the one not in force) and syncs again. A save killed at any point leaves the
-# previous commit in force (or no file at all), and every byte of a commit is covered by a
-# CRC-32, so a truncated or damaged file is refused rather than loaded in part.
-
-_SAVE_MAGIC = b"STOSAVE1"
-_SAVE_VERSION = 1
-_SAVE_BLOCK = 4096
-_SUPER = struct.Struct("<8sqqqqqqq")  # magic, version, generation, end, chunks, config
-_SUPER_CRC = struct.Struct("<I")      # length and CRC, rows in the file; then the CRC of those
-_CONFIG_OFF = 2 * _SAVE_BLOCK
-_TRAILER = struct.Struct("<8sqqqqqq")  # magic, rows, emptied, row bytes, start, rows' CRC,
-_CHUNK_MAGIC = b"STOCHUNK"             # the indices' CRC; then the CRC of those
-_TRAILER_BYTES = 64
-_SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered, rows loaded)
-
-
-def _align(n: int) -> int:
-    return -(-n // _SAVE_BLOCK) * _SAVE_BLOCK
-
-
-def _pack_super(gen: int, end: int, chunks: int, config: bytes, rows: int) -> bytes:
-    body = _SUPER.pack(_SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
-                       zlib.crc32(config), rows)
-    return body + _SUPER_CRC.pack(zlib.crc32(body))
-
-
-def _super_off(gen: int) -> int:
-    """Where the superblock of generation ``gen`` goes: the one not in force."""
-    return (gen % 2) * _SAVE_BLOCK
-
-
-def _pack_trailer(rows: int, emptied: int, row_bytes: int, start: int, rows_crc: int,
-                  meta_crc: int) -> bytes:
-    body = _TRAILER.pack(_CHUNK_MAGIC, rows, emptied, row_bytes, start, rows_crc, meta_crc)
-    return (body + _SUPER_CRC.pack(zlib.crc32(body))).ljust(_TRAILER_BYTES, b"\0")
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> int:
-    """Write all of ``data`` (bytes or a contiguous array) at ``offset``; returns its length."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    return done
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    """Fill ``buf`` from ``offset``; a file that ends first is truncated."""
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got == 0:
-            raise CacheFileError(f"{path} is truncated: it ends at byte {offset + done}, inside "
-                                 "a saved chunk; remove it (the next save writes it anew)",
-                                 path, "truncated")
-        done += got
-
-
-def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
-               ) -> None:
-    """Copy ``nbytes`` of the saved file at ``src_fd`` from ``src_off`` into the segment at
-    ``dst_fd`` at ``dst_off``, in the kernel (``sendfile``): no copy through this process, and
-    the segment's pages, written whole through the file, are not zeroed first as pages first
-    touched through a mapping are. A file that ends first is truncated."""
-    os.lseek(dst_fd, dst_off, os.SEEK_SET)  # (sendfile writes at the destination's position)
-    done = 0
-    while done < nbytes:
-        got = os.sendfile(dst_fd, src_fd, src_off + done, nbytes - done)
-        if got == 0:
-            raise CacheFileError(f"{path} is truncated: it ends at byte {src_off + done}, "
-                                 "inside a saved chunk; remove it (the next save writes it "
-                                 "anew)", path, "truncated")
-        done += got
-
-
-# Whether os.sendfile writes into a regular file here (Linux); elsewhere the rows are read
-# into the segment's mapping.
-_SENDFILE = hasattr(os, "sendfile") and sys.platform.startswith("linux")
-
-
-class _CrcChain:
-    """The CRC-32 of buffers given one after the other, computed in order by ``pool`` (one
-    thread: zlib releases the GIL on large buffers), so that checking a saved file's rows
-    overlaps the copy of the next ones. A buffer must not change until ``value()`` returns."""
-
-    def __init__(self, pool: Any) -> None:
-        self._pool, self._last = pool, None
-
-    def add(self, data: np.ndarray) -> None:
-        """Add ``data`` after the buffers added before."""
-        prev = self._last
-        self._last = self._pool.submit(
-            lambda: zlib.crc32(data, prev.result() if prev is not None else 0))
-
-    def value(self) -> int:
-        """The CRC-32 of every buffer added so far (waits for them)."""
-        return self._last.result() if self._last is not None else 0
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename in the directory of ``path`` durable."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError:  # (some filesystems cannot sync a directory: the rename is all they give)
-        pass
-    finally:
-        os.close(fd)
-
-
-def _read_super(fd: int, path: str) -> dict:
-    """The superblock in force of the saved file open at ``fd``, checked against its size."""
-    raw = os.pread(fd, _CONFIG_OFF, 0)
-    best = None
-    for k in range(2):
-        block = raw[k * _SAVE_BLOCK: k * _SAVE_BLOCK + _SUPER.size + _SUPER_CRC.size]
-        if len(block) < _SUPER.size + _SUPER_CRC.size:
-            continue
-        body, (crc,) = block[:_SUPER.size], _SUPER_CRC.unpack(block[_SUPER.size:])
-        magic, version, gen, end, chunks, config_len, config_crc, rows = _SUPER.unpack(body)
-        if magic != _SAVE_MAGIC or zlib.crc32(body) != crc:
-            continue
-        if version != _SAVE_VERSION:
-            raise CacheFileError(f"{path} was saved by another stocaching version (file format "
-                                 f"{version}, this one reads {_SAVE_VERSION}); remove it",
-                                 path, "version")
-        if best is None or gen > best["gen"]:
-            best = {"gen": gen, "end": end, "chunks": chunks, "config_len": config_len,
-                    "config_crc": config_crc, "rows": rows, "slot": k}
-    if best is None:
-        raise CacheFileError(f"{path} is not a file saved by SharedCache.save, or its header is "
-                             "damaged; remove it (the next save writes it anew)", path, "header")
-    size = os.fstat(fd).st_size
-    if size < best["end"]:
-        raise CacheFileError(f"{path} is truncated: {size} bytes, but its last save ends at "
-                             f"byte {best['end']}; remove it (the next save writes it anew)",
-                             path, "truncated")
-    return best
-
-
-def _read_config(fd: int, sup: dict, path: str) -> dict:
-    raw = os.pread(fd, sup["config_len"], _CONFIG_OFF)
-    if len(raw) != sup["config_len"] or zlib.crc32(raw) != sup["config_crc"]:
-        raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
-                             path, "config")
-    return json.loads(raw)
-
-
-def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
-                 ) -> list[dict]:
-    """Every committed chunk of the file, first to last, with its indices (checked)."""
-    first, end, chunks = _CONFIG_OFF + _align(sup["config_len"]), sup["end"], []
-    while end > first:
-        raw = os.pread(fd, _TRAILER_BYTES, end - _TRAILER_BYTES)
-        body = raw[:_TRAILER.size]
-        crc = _SUPER_CRC.unpack_from(raw, _TRAILER.size)[0] if len(raw) == _TRAILER_BYTES \
-            else -1
-        magic, rows, emptied, rb, start, rows_crc, meta_crc = _TRAILER.unpack(body) \
-            if len(body) == _TRAILER.size else (b"", 0, 0, 0, 0, 0, 0)
-        meta_off = start + rows * rb
-        if magic != _CHUNK_MAGIC or zlib.crc32(body) != crc or rb != row_bytes or \
-                not first <= start < end or meta_off + 8 * (rows + emptied) > end - \
-                _TRAILER_BYTES or rows < 0 or emptied < 0:
-            raise CacheFileError(f"{path} is damaged: no valid save record ends at byte {end}; "
-                                 "remove it (the next save writes it anew)", path, "chunk")
-        meta = os.pread(fd, 8 * (rows + emptied), meta_off)
-        if zlib.crc32(meta) != meta_crc:
-            raise CacheFileError(f"{path} is damaged: the indices of the save record at byte "
-                                 f"{start} fail their check; remove it", path, "chunk")
-        idx = np.frombuffer(meta, np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= dataset_len):
-            raise CacheFileError(f"{path} is damaged: the save record at byte {start} names "
-                                 f"indices outside [0, {dataset_len}); remove it", path, "chunk")
-        chunks.append({"start": start, "rows": rows, "rows_crc": rows_crc,
-                       "indices": idx[:rows], "emptied": idx[rows:]})
-        end = start
-    if len(chunks) != sup["chunks"]:
-        raise CacheFileError(f"{path} is damaged: {len(chunks)} save records, but its header "
-                             f"counts {sup['chunks']}; remove it", path, "chunk")
-    return chunks[::-1]
-
-
-def _damaged_rows(path: str, chunk: dict) -> CacheFileError:
-    """The error for a save record whose rows fail their CRC (nothing of the file loads)."""
-    return CacheFileError(f"{path} is damaged: the samples of the save record at byte "
-                          f"{chunk['start']} fail their check; nothing of the file was loaded. "
-                          "Remove it (the next save writes it anew)", path, "rows")
-
-
-def _config_dims(cfg: dict) -> Any:
-    """The ``data_dims`` of a saved file's configuration: a tuple, or a dict for fields."""
-    fs = cfg.get("fields") or [["", [], "", 0]]
-    if len(fs) == 1 and fs[0][0] == "":
-        return tuple(fs[0][1])
-    return {f[0]: tuple(f[1]) for f in fs}
-
-
-def _config_dtypes(cfg: dict) -> Any:
-    """The dtype of a saved file's configuration, by name ("uint8"), or a dict for fields."""
-    fs = cfg.get("fields") or [["", [], "", 0]]
-    if len(fs) == 1 and fs[0][0] == "":
-        return fs[0][2]
-    return {f[0]: f[2] for f in fs}
-
-
-def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
-    """What a file written by ``SharedCache.save`` holds, read from its header and its save
-    records' indices (a few KiB), without loading it: what ``python -m stocaching inspect``
-    shows.
-
-    Args:
-        path: the saved file.
-        verify: also read every sample row and check it against its CRC (reads the whole
-            file), as ``load_from`` does. Default: False (the header, the configuration and
-            the indices are checked; the rows are not read).
-
-    Returns:
-        A dict with ``path``, ``key``, ``dataset_len``, ``data_dims`` (a tuple, or a dict of
-        fields), ``dtype`` (its name, or a dict), ``node_rank`` and ``num_nodes`` (of the job
-        that saved it), ``samples`` (samples a load would take: the last record of each
-        index, less those emptied), ``rows`` (sample rows in the file, replaced ones
-        included), ``saves`` (save records: 1 for a file written anew, one more per
-        incremental save), ``bytes`` (the committed size), ``age_s`` (seconds since it was
-        last saved to) and ``verified`` (True where ``verify`` read every row).
-
-    Raises:
-        TypeError: ``path`` is not a str or path.
-        FileNotFoundError: there is no file at ``path``.
-        CacheFileError: the file is truncated, damaged or not a saved cache.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
-    path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        sup = _read_super(fd, path)
-        cfg = _read_config(fd, sup, path)
-        try:
-            dataset_len, row_bytes = int(cfg["dataset_len"]), int(cfg["row_bytes"])
-        except (KeyError, TypeError, ValueError):
-            raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
-                                 path, "config") from None
-        chunks = _read_chunks(fd, sup, path, dataset_len, row_bytes)
-        held = np.zeros(dataset_len, bool)
-        for c in chunks:
-            held[c["indices"]] = True
-            held[c["emptied"]] = False
-        if verify:
-            buf = bytearray(min(_SAVE_IO, max((c["rows"] * row_bytes for c in chunks),
-                                              default=0)))
-            for c in chunks:
-                crc, off, end = 0, c["start"], c["start"] + c["rows"] * row_bytes
-                while off < end:
-                    view = memoryview(buf)[:min(len(buf), end - off)]
-                    _pread_into(fd, view, off, path)
-                    crc, off = zlib.crc32(view, crc), off + len(view)
-                if crc != c["rows_crc"]:
-                    raise _damaged_rows(path, c)
-    finally:
-        os.close(fd)
-    return {"path": path, "key": cfg.get("key"), "dataset_len": dataset_len,
-            "data_dims": _config_dims(cfg), "dtype": _config_dtypes(cfg),
-            "node_rank": cfg.get("node_rank"), "num_nodes": cfg.get("num_nodes"),
-            "samples": int(np.count_nonzero(held)), "rows": sup["rows"],
-            "saves": sup["chunks"], "bytes": sup["end"], "age_s": time.time() - st.st_mtime,
-            "verified": verify}
-
-
-def _stale_temporaries(path: str) -> list[str]:
-    """Temporary files of saves to ``path`` whose process is gone (killed mid-save)."""
-    d, base = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(base) + r"\.(\d+)\.[0-9a-f]+\.tmp$")
-    found = []
-    with contextlib.suppress(OSError):
-        for fname in os.listdir(d):
-            m = pattern.match(fname)
-            if m and not _alive(int(m.group(1)), 0):
-                found.append(os.path.join(d, fname))
-    return found
-
-
-@dataclasses.dataclass
-class _SaveState:
-    """What this process knows of the file it saved to (or loaded from) last: the file's
-    identity and commit, and per slot the sequence number it had when the file last took it
-    (a slot whose number differs has changed since) and whether the file holds its sample."""
-
-    path: str
-    dev: int
-    ino: int
-    gen: int
-    end: int
-    chunks: int
-    rows: int  # rows in the file, the replaced ones included
-    seq: np.ndarray
-    held: np.ndarray
-
-
-_SAVE_LOCK = threading.Lock()  # one save at a time in a process
-
-
-# ----------------------------------------------------------------------------------------------
-# 18. Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
-# ----------------------------------------------------------------------------------------------
-
-
-class _SavedFileWriter:
-    """Writes one cache's filled slots to a saved file (``SharedCache.save``): a new file the
-    first time in a process (or when the file holds mostly replaced records), else one chunk
-    of what changed since the save (or load) the cache's ``_saved_file`` describes. Made for
-    one call; the cache keeps only its ``_saved_file``."""
-
-    cache: SharedCache
-
-    def __init__(self, cache: SharedCache) -> None:
-        self.cache = cache
-
-    def save(self, path: str) -> dict[str, Any]:
-        """Save to ``path`` (under ``_SAVE_LOCK``): what ``SharedCache.save`` returns, but
-        ``path`` and ``saved``."""
-        found = self._state_of(path)
-        if found is None:
-            return {**self._write_anew(path), "rewritten": True}
-        state, fd = found
-        try:
-            return self._append_changes(state, fd, path)
-        finally:
-            os.close(fd)
-
-    def _state_of(self, path: str) -> tuple[_SaveState, int] | None:
-        """The state of the last save to (or load from) ``path`` in this process and the
-        file, open and locked, if the file is still the one it describes and not mostly
-        replaced records; else None (the save writes it anew)."""
-        c = self.cache
-        state = c._saved_file
-        if state is None or state.path != os.path.realpath(path):
-            return None
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # (another process that appends to it waits)
-            st = os.fstat(fd)
-            sup = _read_super(fd, path)
-            same = (st.st_dev, st.st_ino, sup["gen"], sup["end"]) == \
-                (state.dev, state.ino, state.gen, state.end)
-            compact = state.rows > 2 * int(np.count_nonzero(state.held)) + 1024
-        except (OSError, CacheFileError):
-            same = False
-        if not same or compact:
-            os.close(fd)
-            return None
-        return state, fd
-
-    def config(self) -> dict[str, Any]:
-        """What a saved file says of the samples it holds, checked by ``load_from``."""
-        c = self.cache
-        lay = c._layout
-        fields = c._fields or (_Field("", c._dims, c._dtype, 0, c._slot_bytes),)
-        return {"key": c._key, "dataset_len": lay.dataset_len,
-                "fields": [[f.name, list(f.dims), str(f.dtype).replace("torch.", ""),
-                            f.offset] for f in fields],
-                "row_bytes": c._slot_bytes, "segment_layout_version": _LAYOUT_VERSION,
-                "node_rank": c._world.node_rank, "num_nodes": lay.num_nodes,
-                "slots": lay.slots, "layout_seed": lay.seed,
-                "random_subset": lay.random_subset}
-
-    def _write_anew(self, path: str) -> dict[str, Any]:
-        """A first save (or a compaction): a new file under a temporary name, renamed over
-        ``path`` once complete and synced."""
-        c = self.cache
-        for old in _stale_temporaries(path):  # left by saves that were killed
-            with contextlib.suppress(OSError):
-                os.unlink(old)
-        config = json.dumps(self.config()).encode()
-        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            _pwrite_all(fd, config, _CONFIG_OFF)
-            first = _CONFIG_OFF + _align(len(config))
-            n = c._layout.slots
-            chunk = self._write_chunk(fd, first, np.arange(n), np.zeros(n, np.uint32),
-                                      np.zeros(n, bool))
-            rows = chunk["samples"]
-            end, chunks = (chunk["end"], 1) if rows else (first, 0)
-            _pwrite_all(fd, _pack_super(1, end, chunks, config, rows), _super_off(1))
-            os.ftruncate(fd, end)
-            os.fsync(fd)
-            st = os.fstat(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            _close_fd(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.close(fd)
-        _fsync_dir(path)
-        c._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
-                                   rows, chunk["seq"], chunk["held"])
-        logger.info("stocaching: saved %d samples of cache %r to %s (%s)", rows, c._name,
-                    path, _fmt_bytes(end))
-        return {"samples": rows, "bytes": end}
-
-    def _append_changes(self, state: _SaveState, fd: int, path: str) -> dict[str, Any]:
-        """An incremental save: one chunk of what changed since ``state``, appended past the
-        committed end, synced, then committed by the superblock not in force."""
-        c = self.cache
-        changed = np.flatnonzero(c._slot_versions_np[:c._layout.slots] != state.seq)
-        if not changed.size:
-            return {}
-        chunk = self._write_chunk(fd, state.end, changed, state.seq, state.held)
-        if not chunk["samples"] and not chunk["emptied"]:  # (written and emptied since)
-            state.seq, state.held = chunk["seq"], chunk["held"]
-            return {}
-        os.fdatasync(fd)
-        config_len = _read_super(fd, path)["config_len"]
-        config = os.pread(fd, config_len, _CONFIG_OFF)
-        gen, rows = state.gen + 1, state.rows + chunk["samples"]
-        written = chunk["end"] - state.end
-        written += _pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
-                                               rows), _super_off(gen))
-        os.fdatasync(fd)
-        c._saved_file = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
-                                   state.chunks + 1, rows, chunk["seq"], chunk["held"])
-        logger.info("stocaching: saved %d more samples of cache %r to %s (%d emptied, %s)",
-                    chunk["samples"], c._name, path, chunk["emptied"], _fmt_bytes(written))
-        return {"samples": chunk["samples"], "emptied": chunk["emptied"], "bytes": written}
-
-    def _write_chunk(self, fd: int, start: int, slots: np.ndarray, seq: np.ndarray,
-                     held: np.ndarray) -> dict[str, Any]:
-        """Write one chunk at ``start``: the complete samples of ``slots`` (each read with
-        the seqlock, as ``get_slot`` reads), and the indices of those the file holds
-        (``held``, per slot) that are not complete samples now. Returns its end, the counts,
-        and the per-slot sequence numbers (``seq`` as the file took them) and ``held`` for
-        the next save."""
-        c = self.cache
-        indices = c._layout.indices(c._world.node_rank)
-        seq, held = seq.copy(), held.copy()
-        before = c._slot_versions_np[slots]  # (read before the states, as the seqlock reads)
-        filled = c._index_states_np[indices[slots]] == SET
-        seq[slots[~filled]] = before[~filled]  # empty at that number: changed if it moves
-        rows = c._slot_rows()
-        per = max(1, _SAVE_IO // max(1, rows.shape[1]))
-        todo = slots[filled]
-        buf = np.empty((min(per, len(todo)), rows.shape[1]), np.uint8)
-        off, crc, kept = start, 0, []
-        for k in range(0, len(todo), per):
-            sl = todo[k: k + per]
-            located = c._locate(indices[sl])  # (rows: the slots sl, as the file has them)
-            np.take(rows, located.rows, axis=0, out=buf[:len(sl)], mode="clip")
-            good, got = c._confirm(located, count=False), located.versions
-            data = buf[:len(sl)] if good.all() else buf[:len(sl)][good]
-            off += _pwrite_all(fd, data, off)
-            crc = zlib.crc32(data, crc)
-            kept.append(sl[good])
-            seq[sl] = got
-        kept_slots = np.concatenate(kept) if kept else np.zeros(0, np.int64)
-        gone = slots[held[slots]]
-        gone = gone[~np.isin(gone, kept_slots)]
-        held[gone] = False
-        held[kept_slots] = True
-        meta = np.concatenate([indices[kept_slots], indices[gone]]).astype(np.int64)
-        off += _pwrite_all(fd, meta, off)
-        end = _align(off + _TRAILER_BYTES)
-        _pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
-                                      zlib.crc32(meta)), end - _TRAILER_BYTES)
-        return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
-                "held": held}
-
-
-class _SavedFileReader:
-    """Fills a new segment from a saved file (``load_from=``), checked first against the
-    cache's configuration (``mismatch``) and every row against its CRC. Made for one call."""
-
-    cache: SharedCache
-
-    def __init__(self, cache: SharedCache) -> None:
-        self.cache = cache
-
-    def load(self, path: str, data_off: int, *, reserved: bool) -> None:
-        """Fill this new segment (not yet public: nobody reads it) from the saved file at
-        ``path``: every sample of an index that has a slot here, the last record of each;
-        a sample's state is set only once every row of the file has passed its check.
-        ``data_off``: where the slots start in the segment; ``reserved``: whether its slots'
-        memory is reserved yet (if not, it is before the first write through the mapping).
-
-        Rows that go to consecutive slots are copied by the kernel straight from the file
-        into the segment (``_send_into``), the others read into a buffer and scattered; their
-        CRC is computed in a thread meanwhile (``_CrcChain``), and checked at the end."""
-        cache = self.cache
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            logger.info("stocaching: no saved file at %s: cache %r starts empty", path,
-                        cache._name)
-            return
-        try:
-            t0 = time.perf_counter()
-            st = os.fstat(fd)
-            sup = _read_super(fd, path)
-            mismatch = self.mismatch(_read_config(fd, sup, path), path)
-            if mismatch is not None:
-                if cache._on_mismatch != "replace":
-                    raise mismatch
-                logger.warning("stocaching: ignored the saved file %s: %s", path,
-                               mismatch.args[0])
-                return
-            rows = cache._slot_rows()
-            row_bytes = rows.shape[1]
-            chunks = _read_chunks(fd, sup, path, cache._dataset_len, row_bytes)
-            indices = cache._layout.indices(cache._world.node_rank)
-            slot_of = np.full(cache._dataset_len, -1, np.int64)
-            slot_of[indices] = np.arange(len(indices))
-            last = np.full(cache._dataset_len, -1, np.int64)  # the record in force of each index
-            first = 0
-            for c in chunks:
-                c["first"] = first
-                last[c["indices"]] = first + np.arange(c["rows"])
-                last[c["emptied"]] = -1
-                first += c["rows"]
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            loaded = np.zeros(len(indices), bool)
-            per = max(1, _SAVE_IO // max(1, row_bytes))
-            buf = np.empty((0, row_bytes), np.uint8)
-            with concurrent.futures.ThreadPoolExecutor(1, "stocaching-load-crc") as pool:
-                for c in chunks:
-                    idx, c["crc"] = c["indices"], _CrcChain(pool)
-                    target = slot_of[idx]
-                    live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
-                    for k in range(0, c["rows"], per):
-                        t, lv = target[k: k + per], live[k: k + per]
-                        off = c["start"] + k * row_bytes
-                        if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
-                            dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
-                            if _SENDFILE:
-                                self._send_rows(data_off + int(t[0]) * row_bytes, fd, off,
-                                                dst.nbytes, path)
-                            else:
-                                _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                            c["crc"].add(dst)
-                        else:
-                            if not reserved:  # (before the first write through the mapping)
-                                cache._segment.reserve(self, cache._segment.fd, cache._segment.size)
-                                reserved = True
-                            if len(buf) < len(t):
-                                buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
-                            dst = buf[:len(t)]
-                            _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                            rows[t[lv]] = dst[lv]
-                            c["crc"].add(dst)
-                            c["crc"].value()  # (the buffer is read into next)
-                        loaded[t[lv]] = True
-                for c in chunks:
-                    if c["crc"].value() != c["rows_crc"]:
-                        raise _damaged_rows(path, c)
-            cache._index_states_np[indices[loaded]] = SET
-        finally:
-            os.close(fd)
-        seq = cache._slot_versions_np[:cache._layout.slots].copy()
-        cache._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
-                                       sup["end"], sup["chunks"], sup["rows"], seq, loaded)
-        took = time.perf_counter() - t0
-        logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
-                    int(np.count_nonzero(loaded)), cache._name, path, _fmt_bytes(sup["end"]),
-                    took)
-
-    def _send_rows(self, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
-                   ) -> None:
-        """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
-        cache = self.cache
-        try:
-            _send_into(cache._segment.fd, dst_off, src_fd, src_off, nbytes, path)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            shm_dir = os.path.dirname(cache._path)
-            raise cache._capacity_error(shm_dir, cache._segment.size,
-                                        _free_bytes(shm_dir)) from None
-
-    def mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
-        """The first difference between a saved file's configuration and this cache's that
-        makes its samples not this cache's, as the error that names it; None if none."""
-        mine = _SavedFileWriter(self.cache).config()
-        for label, exp, got in (
-                ("key", mine["key"], theirs.get("key")),
-                ("dataset_len", mine["dataset_len"], theirs.get("dataset_len")),
-                ("data_dims", _config_dims(mine), _config_dims(theirs)),
-                ("dtype", _config_dtypes(mine), _config_dtypes(theirs)),
-                ("layout", (mine["fields"], mine["row_bytes"]),
-                 (theirs.get("fields"), theirs.get("row_bytes")))):
-            if exp != got:
-                return CacheConfigError(
-                    f"the saved file {path} holds {label}={got!r}, but this cache has "
-                    f"{label}={exp!r}: its samples are not this cache's. Pass another "
-                    "load_from=, or on_mismatch='replace' to start empty instead (the next "
-                    "save writes the file anew)", label, exp, got)
-        return None
-
-
-# ----------------------------------------------------------------------------------------------
-# 19. Planning a cache, and the command line
-# ----------------------------------------------------------------------------------------------
-
-
-def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]],
-         dtype: torch.dtype | Mapping[str, torch.dtype] = torch.uint8,
-         size_limit_gib: float | None = None, shm_dir: str = DEFAULT_SHM_DIR, *,
-         staging_slots: int = 0, mean_sample_bytes: int | None = None) -> dict:
-    """How many samples fit: in ``size_limit_gib`` if given, else in what ``shm_dir`` has free
-    and the memory can hold, as ``size_limit_gib="auto"`` sizes a cache.
-    ``data_dims`` and ``dtype`` as for ``SharedCache`` (dicts for several fields a sample), or
-    for ``OpenSizeCache`` (a None for an open size).
-
-    Args:
-        staging_slots: staging slots for a prefetcher (see ``SharedCache``), paid first.
-        mean_sample_bytes: with open sizes (required then): the mean bytes of a sample (or a
-            higher percentile, for a margin); ``slots`` is then how many such samples the
-            arena holds.
-
-    Returns:
-        A dict with ``slots``, ``fraction`` (of the dataset), ``size_limit_gib`` used,
-        ``dataset_gib`` (what the whole dataset would need), ``segment_gib`` (the whole
-        segment of this plan, metadata and staging included), ``shm_free_gib``,
-        ``shm_headroom_gib`` (what "auto" leaves free in ``shm_dir`` for its other users),
-        ``ram_available_gib`` (the memory this process may still take: the RAM available, or
-        less under a memory cgroup's limit), ``memory_gib`` (the RAM, or that limit),
-        ``memory_margin_gib`` (what "auto" keeps free of it) and ``memory_limit`` (the file
-        of the limit, or None where the RAM is the limit). Without ``size_limit_gib``, the
-        plan is what ``size_limit_gib="auto"`` would take now.
-    """
-    dataset_len = check_int("dataset_len", dataset_len, low=1)
-    if isinstance(data_dims, Mapping):
-        fields, slot_bytes = _check_fields(data_dims, dtype)
-        opened = sum(d is None for f in fields for d in f.dims)
-    else:
-        dims = _check_dims(data_dims)
-        opened = sum(d is None for d in dims)
-        slot_bytes = 0 if opened else _slot_bytes(dims, _check_dtype(dtype))
-        _check_dtype(dtype)
-    staging = check_int("staging_slots", staging_slots, low=0)
-    if opened:
-        return _plan_arena(dataset_len, opened, size_limit_gib, shm_dir, staging,
-                           mean_sample_bytes)
-    if mean_sample_bytes is not None:
-        raise ValueError(f"mean_sample_bytes is for a cache with open sizes (None in "
-                         f"data_dims), but got mean_sample_bytes={mean_sample_bytes!r}")
-    room, auto_bytes = _plan_room(shm_dir)
-    if size_limit_gib is not None:
-        limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
-        slots = _slots_for_budget(limit, dataset_len, slot_bytes, staging)
-    else:  # the largest cache whose whole segment (metadata included) fits, as with "auto"
-        slots = _slots_fitting(auto_bytes, CacheLayout(dataset_len, 0), slot_bytes, staging)
-        limit = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
-    segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes,
-                               staging)["total_bytes"]
-    return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
-            "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
-            "segment_gib": segment / BYTES_PER_GIB, **room}
-
-
-def _plan_room(shm_dir: str) -> tuple[dict, int]:
-    """What ``plan`` reports of the machine (in GiB, the limit's file as a str or None), and
-    the bytes a segment sized as by ``size_limit_gib="auto"`` may take."""
-    free, headroom, memory = _free_bytes(shm_dir), _shm_headroom(shm_dir), _memory_room()
-    return {"shm_free_gib": free / BYTES_PER_GIB, "shm_headroom_gib": headroom / BYTES_PER_GIB,
-            "ram_available_gib": memory.available / BYTES_PER_GIB,
-            "memory_gib": memory.total / BYTES_PER_GIB, "memory_margin_gib":
-            memory.margin / BYTES_PER_GIB, "memory_limit": memory.source if memory.limited
-            else None}, _auto_room(free, headroom, memory, _auto_is_anonymous(shm_dir))
-
-
-def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
-                staging: int, mean: Any) -> dict:
-    """``plan`` for a cache of open sizes: the arena's size, and how many samples of ``mean``
-    bytes it holds (each padded to 16 bytes)."""
-    if mean is None:
-        raise ValueError("mean_sample_bytes should be given to plan a cache with open sizes "
-                         "(None in data_dims), but got mean_sample_bytes=None")
-    mean = check_int("mean_sample_bytes", mean, low=1)
-    if staging:
-        raise ValueError(f"staging_slots should be 0 for a cache with open sizes, but got "
-                         f"staging_slots={staging}")
-    words = 4 + opened
-    meta = dataset_len * (1 + 8 * words)
-    room, free = _plan_room(shm_dir)
-    if size_limit_gib is not None:
-        limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
-    else:  # the whole segment in its room: header, stats and page rounding come on top
-        limit = max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 - 2 * mmap.PAGESIZE
-                    ) / BYTES_PER_GIB
-    arena = _arena_bytes(limit, dataset_len, words)
-    slots = min(dataset_len, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
-    return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
-            "arena_gib": arena / BYTES_PER_GIB,
-            "dataset_gib": (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN * dataset_len + meta) /
-            BYTES_PER_GIB,
-            "segment_gib": (arena + meta + _HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 +
-                            mmap.PAGESIZE) / BYTES_PER_GIB, **room}
-
-
-def _saved_files_in(path: str) -> list[str]:
-    """``path`` if it is not a directory, else the files in it that start as a saved file."""
-    if not os.path.isdir(path):
-        return [path]
-    found = []
-    for fname in sorted(os.listdir(path)):
-        full = os.path.join(path, fname)
-        with contextlib.suppress(OSError):
-            with open(full, "rb") as f:  # (the superblock in force is the first or second)
-                head = f.read(_SAVE_BLOCK + len(_SAVE_MAGIC)) if os.path.isfile(full) else b""
-            if _SAVE_MAGIC in (head[:len(_SAVE_MAGIC)], head[_SAVE_BLOCK:]):
-                found.append(full)
-    return found
-
-
-def _inspect_saved_files(paths: Sequence[str], verify: bool,
-                         out: Callable[[str], Any]) -> int:
-    """``python -m stocaching inspect``: one paragraph per saved file; 1 if any is missing
-    or damaged (said on its line), else 0."""
-    failed, files = False, [f for p in paths for f in _saved_files_in(p)]
-    for p in paths:
-        if os.path.isdir(p) and not _saved_files_in(p):
-            out(f"{p}: no saved files\n")
-    for path in files:
-        try:
-            d = describe_saved_file(path, verify=verify)
-        except OSError as e:
-            out(f"{path}: {e.strerror}\n")
-            failed = True
-            continue
-        except CacheFileError as e:  # (a file given by mistake is not one to remove)
-            out(f"{path}: not a file saved by SharedCache.save, or its header is damaged\n"
-                if e.reason == "header" else f"{path}: {e}\n")
-            failed = True
-            continue
-        dtype = d["dtype"] if isinstance(d["dtype"], str) else \
-            ", ".join(f"{k}: {v}" for k, v in d["dtype"].items())
-        out(f"{path}: {_fmt_bytes(d['bytes'])}, saved {d['age_s'] / 3600:.1f} h ago\n"
-            f"  key={d['key']!r} dataset_len={d['dataset_len']} data_dims={d['data_dims']} "
-            f"dtype={dtype} node {d['node_rank']} of {d['num_nodes']}\n"
-            f"  {d['samples']} samples to load ({d['rows']} rows in {d['saves']} "
-            f"save{'' if d['saves'] == 1 else 's'}){'; every row checked' if verify else ''}\n")
-    return 1 if failed else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m stocaching [info|plan|clean|inspect]``: see the shared memory, size a
-    cache, clean up, look into saved files."""
-    parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
-    parser.add_argument("--shm-dir", default=os.environ.get("STOCACHING_SHM_DIR",
-                                                            DEFAULT_SHM_DIR),
-                        help="the tmpfs directory of the caches (default: $STOCACHING_SHM_DIR "
-                             "or /dev/shm)")
-    sub = parser.add_subparsers(dest="cmd")
-    sub.add_parser("info", help="/dev/shm, RAM and live caches (the default)")
-    p = sub.add_parser("plan", help="how many samples of a shape fit")
-    p.add_argument("--dataset-len", type=int, required=True, help="samples in the dataset")
-    p.add_argument("--dims", help="sample shape, e.g. 3,256,256 or 3x256x256; None for an "
-                                  "open size, e.g. None,3 (with --mean-bytes)")
-    p.add_argument("--mean-bytes", type=int, default=None,
-                   help="with open sizes: the mean bytes of a sample (or a percentile)")
-    p.add_argument("--dtype", default="uint8",
-                   help="sample dtype, e.g. uint8 or torch.float16 (default: uint8)")
-    p.add_argument("--field", action="append", default=[], metavar="NAME=DIMS[:DTYPE]",
-                   help="instead of --dims, one field of a sample, e.g. --field image=3x256x256 "
-                        "--field label=:int64 (empty dims: a scalar; DTYPE default: --dtype)")
-    p.add_argument("--size-gib", type=float, default=None,
-                   help="budget in GiB, as size_limit_gib (default: what size_limit_gib='auto' "
-                        "would take now)")
-    p.add_argument("--staging-slots", type=int, default=0,
-                   help="staging slots for a prefetcher, paid from the budget (default: 0)")
-    c = sub.add_parser("clean", help="remove your segments whose processes are all gone")
-    c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
-    c.add_argument("--persistent", action="append", default=[], metavar="NAME",
-                   help="also remove the persistent cache of this name, if no process uses it "
-                        "(repeat for several)")
-    c.add_argument("--all-persistent", action="store_true",
-                   help="also remove every persistent cache that no process uses")
-    c.add_argument("--disk-tier", default=None, metavar="DIR",
-                   help="also clean the disk tiers in DIR (the disk_tier= of your caches): "
-                        "those no process uses, and persistent ones as above")
-    f = sub.add_parser("inspect", help="what files written by SharedCache.save hold, without "
-                                       "loading them")
-    f.add_argument("paths", nargs="+", metavar="PATH",
-                   help="a saved file, or a directory: the saved files in it")
-    f.add_argument("--verify", action="store_true",
-                   help="also read every sample and check its CRC (reads the whole file)")
-    args = parser.parse_args(argv)
-    if not os.path.isdir(args.shm_dir):
-        parser.error(f"--shm-dir should be an existing directory (a tmpfs such as /dev/shm), "
-                     f"but got --shm-dir={args.shm_dir}")
-    out = sys.stdout.write
-    if args.cmd == "plan":
-        def dtype_of(name: str) -> Any:
-            return getattr(torch, name.removeprefix("torch."), name)
-
-        def dims_of(text: str, flag: str) -> tuple[int, ...]:
-            try:
-                return tuple(None if d == "None" else int(d)
-                             for d in text.replace("x", ",").split(",") if d != "")
-            except ValueError:
-                parser.error(f"{flag} should be ints separated by ',' or 'x', e.g. 3,256,256, "
-                             f"but got {flag}={text}")
-
-        dtype: Any = dtype_of(args.dtype)
-        if (args.dims is None) == (not args.field):
-            parser.error("give either --dims (one tensor a sample) or --field (once per field)"
-                         f", but got --dims={args.dims} and --field={args.field}")
-        if args.field:
-            dims: Any = {}
-            dtype = {}
-            for spec in args.field:
-                name, eq, rest = spec.partition("=")
-                if not eq:
-                    parser.error(f"--field should be NAME=DIMS[:DTYPE], e.g. image=3x256x256 "
-                                 f"or label=:int64, but got --field={spec}")
-                shape, _, dt = rest.partition(":")
-                dims[name] = dims_of(shape, "--field")
-                dtype[name] = dtype_of(dt) if dt else dtype_of(args.dtype)
-        else:
-            dims = dims_of(args.dims, "--dims")
-        try:
-            r = plan(args.dataset_len, dims, dtype, args.size_gib, args.shm_dir,
-                     staging_slots=args.staging_slots, mean_sample_bytes=args.mean_bytes)
-        except (TypeError, ValueError) as e:
-            msg = re.sub(r"\bdata_dims\['(\w+)'\]", r"--field \1", str(e))
-            msg = re.sub(r"\bdtype\['(\w+)'\]", r"the DTYPE of --field \1", msg)
-            for param, flag in (("dataset_len", "--dataset-len"),
-                                ("data_dims", "--field" if args.field else "--dims"),
-                                ("size_limit_gib", "--size-gib"), ("dtype", "--dtype"),
-                                ("staging_slots", "--staging-slots"),
-                                ("mean_sample_bytes", "--mean-bytes")):
-                msg = re.sub(rf"\b{param}\b", flag, msg)
-            parser.error(msg)
-        what = f"{dims} {args.dtype}" if not args.field else " + ".join(args.field)
-        gib = {k: _fmt_bytes(v * BYTES_PER_GIB) for k, v in r.items()
-               if k.endswith("_gib") and k != "size_limit_gib"}
-        out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
-            f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
-            f"the whole dataset needs {gib['dataset_gib']}; {args.shm_dir} has "
-            f"{gib['shm_free_gib']} free, of which a cache of a given size leaves "
-            f"{gib['shm_headroom_gib']} to its other users (DataLoader batches, NCCL)"
-            + (" and 'auto' all of it (an anonymous segment)" if r["shm_headroom_gib"] else "")
-            + "\n"
-            + (f"RAM {gib['ram_available_gib']} available" if r["memory_limit"] is None
-               else f"memory limit {gib['memory_gib']} ({r['memory_limit']}), "
-               f"{gib['ram_available_gib']} of it free") +
-            f", of which 'auto' keeps {gib['memory_margin_gib']} free\n")
-        segment, limited = r["segment_gib"], r["memory_limit"] is not None
-        anonymous = args.size_gib is None and r["shm_headroom_gib"] > 0  # (as "auto" makes it)
-        if segment > r["shm_free_gib"] and not anonymous:
-            out(f"error: the segment ({gib['segment_gib']}) does not fit in what {args.shm_dir} "
-                "has free: the cache would refuse to start; enlarge it or pass a smaller "
-                "--size-gib\n")
-            return 1
-        if limited and segment > r["ram_available_gib"]:
-            out(f"error: the segment ({gib['segment_gib']}) is more than the memory limit "
-                "leaves free: the cache would refuse to start; raise the limit or pass a "
-                "smaller --size-gib\n")
-            return 1
-        if r["ram_available_gib"] - segment < r["memory_margin_gib"]:
-            out(f"warning: the segment ({gib['segment_gib']}) leaves less than "
-                f"{gib['memory_margin_gib']} of the memory free: "
-                + ("the machine would swap\n" if not limited else
-                   "the DataLoader's workers may get the job killed (OOM)\n"))
-        if r["shm_free_gib"] - segment < r["shm_headroom_gib"] and not anonymous:
-            out(f"warning: the segment ({gib['segment_gib']}) leaves less than "
-                f"{gib['shm_headroom_gib']} of {args.shm_dir} to the DataLoader's batches and "
-                "NCCL: enlarge it or pass a smaller --size-gib\n")
-    elif args.cmd == "inspect":
-        return _inspect_saved_files(args.paths, args.verify, out)
-    elif args.cmd == "clean":
-        if args.disk_tier is not None and not os.path.isdir(args.disk_tier):
-            parser.error(f"--disk-tier should be an existing directory (the disk_tier= of your "
-                         f"caches), but got --disk-tier={args.disk_tier}")
-        removed = clean_segments(args.shm_dir, dry_run=args.dry_run,
-                                 persistent=True if args.all_persistent else args.persistent,
-                                 disk_tier=args.disk_tier)
-        verb = "would remove" if args.dry_run else "removed"
-        out("".join(f"{verb} {p}\n" for p in removed) or "nothing to clean\n")
-    else:
-        st = os.statvfs(args.shm_dir)
-        vm, memory = psutil.virtual_memory(), _memory_room()
-        out(f"{args.shm_dir}: {_fmt_bytes(st.f_blocks * st.f_frsize)} total, "
-            f"{_fmt_bytes(_free_bytes(args.shm_dir))} free\n"
-            f"RAM: {_fmt_bytes(vm.total)} total, {_fmt_bytes(vm.available)} available\n")
-        if memory.limited:
-            out(f"memory limit: {_fmt_bytes(memory.total)} ({memory.source}), "
-                f"{_fmt_bytes(memory.available)} of it free\n")
-        segs = list_segments(args.shm_dir)
-        out(f"stocaching segments: {len(segs)}\n")
-        for s in segs:
-            name = s["path"] if s["named"] else s["path"] + (
-                " (anonymous: not a file there)" if s.get("anonymous") else " (unlinked)")
-            out(f"  {s['state']:8s} uid={s['uid']} {_fmt_bytes(s['bytes']):>10s} "
-                f"pids={','.join(map(str, s['pids'])) or '-'} {name}\n")
-            if "key" in s:
-                age = "?" if s["age_s"] is None else f"{s['age_s'] / 3600:.1f} h"
-                out(f"           persistent: name={s['name']} key={s['key']!r} filled "
-                    f"{s['filled']} of {s['slots']} slots, last attached {age} ago\n")
-    return 0
-
-
-def run_cli() -> int:
-    """:func:`main` for the command line: output cut short by a reader that went away
-    (``python -m stocaching plan ... | head -2``) ends quietly, as other commands do."""
-    try:
-        status = main()
-        sys.stdout.flush()  # (here, not at exit, where the error would be printed)
-        return status
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
 if __name__ == "__main__":
-    sys.exit(run_cli())
+    sys.exit(_feature("cli").run_cli())

@@ -133,6 +133,7 @@ SLOW = {
     "tests/test_benchmark.py::test_run_with_a_tiered_arm_checks_it_against_both_caches",  # 4 s
     "tests/test_benchmark.py::test_run_with_the_device_loader",  # 3 s
     "tests/test_docs.py::test_module_runs_as_a_copied_single_file",  # 3 s
+    "tests/test_docs.py::test_the_readme_example_runs_on_the_core_copied_alone",  # 7 s
     "tests/test_launchers.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
     "tests/test_launchers.py::test_cli_output_into_a_closed_pipe_ends_quietly",  # 3 s
     "tests/test_launchers.py::"

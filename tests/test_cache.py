@@ -107,7 +107,7 @@ def test_same_results_as_021(shm_dir):
     assert torch.equal(r.array, c.array)  # clear() zeroes, as in 0.2.1
 
 
-@pytest.mark.parametrize("kind", ["one tensor", "fields", "open sizes"])
+@pytest.mark.parametrize("kind", ["one tensor", "fields", "open sizes", "staging slots"])
 def test_every_attribute_of_a_cache_is_declared_in_its_class(kind, shm_dir):
     """A cache's state is declared at the top of its class, grouped by role (what it is, the
     mapped segment, this process's own): every attribute an instance holds once used is
@@ -116,10 +116,13 @@ def test_every_attribute_of_a_cache_is_declared_in_its_class(kind, shm_dir):
     from stocaching import OpenSizeCache
     make = {"one tensor": lambda: SharedCache(1e-3, 10, (3, 4), shm_dir=shm_dir),
             "fields": lambda: SharedCache(1e-3, 10, {"x": (3, 4), "y": ()}, shm_dir=shm_dir),
-            "open sizes": lambda: OpenSizeCache(1e-3, 10, (None, 4), shm_dir=shm_dir)}[kind]
+            "open sizes": lambda: OpenSizeCache(1e-3, 10, (None, 4), shm_dir=shm_dir),
+            "staging slots": lambda: SharedCache(500 / 2**30, 10, (3, 40), staging_slots=1,
+                                                 shm_dir=shm_dir)}[kind]
     sample = {"one tensor": torch.ones(3, 4, dtype=torch.uint8),
               "fields": {"x": torch.ones(3, 4, dtype=torch.uint8), "y": torch.tensor(1)},
-              "open sizes": torch.ones(2, 4, dtype=torch.uint8)}[kind]
+              "open sizes": torch.ones(2, 4, dtype=torch.uint8),
+              "staging slots": torch.ones(3, 40, dtype=torch.uint8)}[kind]
     def undeclared(obj) -> list:
         declared = {name for cls in type(obj).__mro__
                     for name in (*getattr(cls, "__annotations__", {}), *vars(cls))}
@@ -129,8 +132,11 @@ def test_every_attribute_of_a_cache_is_declared_in_its_class(kind, shm_dir):
         c.set_slot(1, sample)
         assert c.get_slot(1) is not None
         assert undeclared(c) == []
-        # and so is the state of the collaborators it holds (the segment, the staging table)
-        assert undeclared(c._segment) == [] and undeclared(c._staging) == []
+        # and so is the state of the collaborators it holds (the segment, the staging table:
+        # a cache has one where it has staging slots)
+        assert (c._staging is not None) == (kind == "staging slots")
+        assert undeclared(c._segment) == [] and (c._staging is None or
+                                                 undeclared(c._staging) == [])
 
 
 def test_budget_below_the_aux_array_gives_no_slots_and_a_warning(shm_dir):

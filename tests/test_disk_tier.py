@@ -24,7 +24,8 @@ import torch
 from _helpers import (CHILDREN, CachedDataset, age, assert_no_leak, budget_for, fields_of,
                       free_port, named, rank_env, run_bounded, value_of)
 from stocaching import CacheLayout, OpenSizeCache, SharedCache, World, clean_segments
-from stocaching.stocaching import _TIER_PREFIX, _tier_indices, main
+from stocaching.cli import main
+from stocaching.disk_tier import _TIER_PREFIX, _tier_indices
 
 DIMS = (3, 8, 8)
 N, SLOTS = 32, 8  # 8 indices in /dev/shm, 24 on the tier

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from _helpers import CHILDREN, REPO
+from _helpers import CHILDREN, REPO, assert_ended_well, free_port, run_bounded
+from stocaching import cli
 from stocaching import stocaching as core
 
 ROOT = str(REPO)
@@ -61,18 +62,55 @@ def test_relative_links_resolve():
             assert os.path.exists(path), f"{folder}/{name} links to missing {target}"
 
 
+FEATURES = ("batches", "cli", "disk_tier", "fields", "open_size", "persistent", "saved",
+            "staging")
+
+
 @pytest.mark.timeout(300)
-def test_module_runs_as_a_copied_single_file(tmp_path):
-    """Copy the one file into a fresh directory, import it as `stocaching`, use every kind of
-    cache in it."""
-    src = read("stocaching", "stocaching.py")
-    (tmp_path / "stocaching.py").write_text(src)
+@pytest.mark.parametrize("copied", ["core", "features"])
+def test_module_runs_as_a_copied_single_file(copied, tmp_path, shm_dir):
+    """Copy the one file into a fresh directory and import it as `stocaching`: the two lines
+    work, and each feature's keyword raises naming its file, with nothing made; with the
+    feature modules copied beside it, every kind of cache works."""
+    for module in ("stocaching",) + (FEATURES if copied == "features" else ()):
+        (tmp_path / f"{module}.py").write_text(read("stocaching", f"{module}.py"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-I", str(CHILDREN / "copied_module.py")],
+    r = subprocess.run([sys.executable, "-I", str(CHILDREN / "copied_module.py"), copied],
                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     n, path = r.stdout.split()
     assert n == "4" and path == str(tmp_path / "stocaching.py")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launch", ["fork", "spawn", "torchrun", "mp_spawn"])
+def test_the_readme_example_runs_on_the_core_copied_alone(launch, tmp_path, shm_dir):
+    """The README's Dataset, its block as written, over stocaching.py copied alone into an
+    empty directory (no feature module, no PYTHONPATH): float32 batches through 2 DataLoader
+    workers (fork, spawn), on 2 ranks under torchrun and torch.multiprocessing.spawn. Every
+    rank uses the copy and one segment of the node; epoch 2 hits every sample; nothing is
+    left in the shm directory."""
+    (tmp_path / "stocaching.py").write_text(read("stocaching", "stocaching.py"))
+    (tmp_path / "copied_core_job.py").write_text((CHILDREN / "copied_core_job.py").read_text())
+    code = re.search(r"```python\n(.*?)```", read("README.md"), re.S).group(1)
+    (tmp_path / "readme_example.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    job = [str(tmp_path / "copied_core_job.py")]
+    cmd = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", *job, "torchrun"],
+           "mp_spawn": [sys.executable, *job, "mp_spawn", str(free_port())]}.get(
+        launch, [sys.executable, *job, launch])
+    r = run_bounded(cmd, env=env, timeout=500, cwd=str(tmp_path))
+    assert_ended_well(r)
+    world = 1 if launch in ("fork", "spawn") else 2
+    results = re.findall(r"^RESULT (.*)$", r.stdout, re.M)
+    assert len(results) == world, r.stdout + r.stderr[-3000:]
+    for line in results:
+        got = dict(kv.split("=", 1) for kv in line.split())
+        assert got["file"] == str(tmp_path / "stocaching.py"), got
+        assert got["world"] == str(world) and got["filled"] == "64", got
+        assert got["epoch2_hits"] == str(64 * world) and got["epoch2_misses"] == "0", got
+    assert [f for f in os.listdir(shm_dir) if f.startswith("stocaching")] == []
 
 
 def test_opt_in_modules_import_only_the_cores_public_names():
@@ -90,7 +128,39 @@ def test_opt_in_modules_import_only_the_cores_public_names():
                         and node.module == "stocaching")
                     for alias in node.names}
         assert imported, module
-        assert imported <= set(core.__all__), (module, sorted(imported - set(core.__all__)))
+        public = set(core.__all__) | set(core._PUBLIC_IN_FEATURES)  # (the core's __getattr__)
+        assert imported <= public, (module, sorted(imported - public))
+
+
+def test_feature_modules_import_only_the_cores_public_names_and_its_seam():
+    """Each feature module (disk_tier.py, saved.py, ...) imports from the core only names of
+    its ``__all__`` and of ``_SEAM``, and from another feature module only that one's
+    ``__all__`` and ``_SEAM`` (cli.py reads saved files and arenas); every name of ``_SEAM`` is used by one; the core imports no feature module at its
+    top (it loads them through ``_feature``), and every module beside it is a feature module
+    the seam knows or an opt-in module."""
+    import ast
+
+    used = set()
+    for module in FEATURES:
+        tree = ast.parse(read("stocaching", f"{module}.py"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.module is None:
+                continue
+            source = node.module.lstrip(".")
+            names = {alias.name for alias in node.names}
+            if source == "stocaching":
+                assert names <= set(core.__all__) | core._SEAM, (
+                    module, sorted(names - set(core.__all__) - core._SEAM))
+                used |= names & core._SEAM
+            elif source in FEATURES:
+                other = __import__(f"stocaching.{source}", fromlist=["__all__"])
+                allowed = set(other.__all__) | getattr(other, "_SEAM", set())
+                assert names <= allowed, (module, source, sorted(names - allowed))
+    assert used == core._SEAM, sorted(core._SEAM - used)
+    top = {node.module for node in ast.parse(read("stocaching", "stocaching.py")).body
+           if isinstance(node, ast.ImportFrom)}
+    assert top == {"__future__", "typing"}, top
+    assert set(core._FEATURES) == set(FEATURES)
 
 
 def test_the_code_map_names_only_what_exists():
@@ -138,12 +208,12 @@ def test_the_sizing_pages_plans_print_what_it_shows(command, shown, capsys, monk
     the lines shown (the sizes of /dev/shm and the RAM aside: they are the machine's), and
     exits with 1 where they end in an error. Where /dev/shm could hold the examples' 64 GiB
     segment, or a memory limit words the RAM line otherwise, they differ by design."""
-    room = core.plan(1281167, (3, 256, 256), size_limit_gib=64)
+    room = cli.plan(1281167, (3, 256, 256), size_limit_gib=64)
     if room["shm_free_gib"] >= room["segment_gib"] or room["memory_limit"] is not None:
         pytest.skip("the examples' 64 GiB segment fits in /dev/shm here, or a memory "
                     "limit applies: plan prints other lines than docs/sizing.md shows")
     monkeypatch.delenv("STOCACHING_SHM_DIR", raising=False)
-    status = core.main(command.split())
+    status = cli.main(command.split())
     lines = [SIZE.sub("N", ln) if MACHINES.match(ln) else ln for ln in shown.splitlines()]
     got = [SIZE.sub("N", ln) if MACHINES.match(ln) else ln
            for ln in capsys.readouterr().out.splitlines()]

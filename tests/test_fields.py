@@ -18,6 +18,7 @@ from _helpers import (FIELD_DTYPES, FIELDS, BatchedDataset, CachedDataset, asser
                       assert_the_killed_write_is_a_miss, budget_for, fields_of,
                       ranks_with_a_killed_writer)
 from stocaching import (BYTES_PER_GIB, CacheConfigError, Prefetcher, SharedCache, World, plan)
+from stocaching import cli
 from stocaching import stocaching as core
 
 N = 40
@@ -370,17 +371,17 @@ def test_a_writer_of_a_fields_sample_killed_mid_write_leaves_a_miss(tmpfs, child
 
 def test_the_command_line_plans_a_fields_cache(shm_dir, capsys):
     gib = budget(30)
-    assert core.main(["--shm-dir", shm_dir, "plan", "--dataset-len", str(N),
+    assert cli.main(["--shm-dir", shm_dir, "plan", "--dataset-len", str(N),
                       "--field", "image=3x8x8", "--field", "label=:int64",
                       "--field", "box=4:float32", "--size-gib", repr(gib)]) == 0
     assert capsys.readouterr().out.startswith(f"30 of {N} samples of image=3x8x8 + "
                                               "label=:int64 + box=4:float32 fit")
     with pytest.raises(SystemExit):
-        core.main(["plan", "--dataset-len", "10", "--field", "image=3x0"])
+        cli.main(["plan", "--dataset-len", "10", "--field", "image=3x0"])
     assert "--field image should be a tuple of positive ints or None" in \
         capsys.readouterr().err
     with pytest.raises(SystemExit):
-        core.main(["plan", "--dataset-len", "10", "--dims", "3", "--field", "a=3"])
+        cli.main(["plan", "--dataset-len", "10", "--dims", "3", "--field", "a=3"])
     assert "either --dims" in capsys.readouterr().err
     assert math.isclose(plan(N, FIELDS, FIELD_DTYPES, size_limit_gib=gib)["dataset_gib"],
                         N * (ROW + 1) / BYTES_PER_GIB)

@@ -273,9 +273,9 @@ def test_rows_load_in_pieces_straight_or_scattered_and_a_bad_row_anywhere_is_ref
     """Pieces of 3 rows (the check chained over them): the first chunk's rows go straight
     into consecutive slots, the appended chunk's (slots 41, 45, 50-53) are scattered, then
     straight; a flipped byte in the appended rows refuses the whole file."""
-    import stocaching.stocaching as core
-    monkeypatch.setattr(core, "_SENDFILE", sendfile)
-    monkeypatch.setattr(core, "_SAVE_IO", 3 * 4096)
+    import stocaching.saved as saved
+    monkeypatch.setattr(saved, "_SENDFILE", sendfile)
+    monkeypatch.setattr(saved, "_SAVE_IO", 3 * 4096)
     path = str(tmp_path / "c.stc")
     filled = set(range(40)) | {41, 45, 50, 51, 52, 53}
     with _cache(shm_dir, path) as c:  # (no file yet: it starts empty)
@@ -327,7 +327,7 @@ def test_a_load_that_finds_the_tmpfs_full_fails_clearly_and_leaves_nothing(
     """Another process takes the space after the free-space check (faked: statvfs reports
     room the tmpfs does not have): the copy or the reservation fails with ENOSPC, which is
     a CacheCapacityError, and the half-made segment is gone."""
-    import stocaching.stocaching as core
+    import stocaching.saved as saved
     path, n, dims = str(tmp_path / "big.stc"), 2048, (16, 32, 32)  # 32 MiB of samples
     kw = dict(size_limit_gib=n * (16 * 1024 + 1) / 2**30, dataset_len=n, data_dims=dims)
     with SharedCache(**kw, shm_dir=shm_dir) as c:
@@ -343,7 +343,7 @@ def test_a_load_that_finds_the_tmpfs_full_fails_clearly_and_leaves_nothing(
         return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks * 4, st.f_bfree * 4,
                                   st.f_bavail * 4, *st[5:]))
 
-    monkeypatch.setattr(core, "_SENDFILE", sendfile)
+    monkeypatch.setattr(saved, "_SENDFILE", sendfile)
     monkeypatch.setattr(os, "statvfs", roomy)
     with pytest.raises(CacheCapacityError, match=rf"{tmpfs} has .* free but the cache needs"):
         SharedCache(**kw, shm_dir=tmpfs, load_from=path)

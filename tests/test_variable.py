@@ -19,7 +19,7 @@ from _helpers import (CachedDataset, assert_no_leak, assert_the_killed_write_is_
                       racing_writers, ranks_with_a_killed_writer, value_of)
 from stocaching import (BYTES_PER_GIB, BaseCache, CacheCapacityError, CacheConfigError,
                         OpenSizeCache, SharedCache, World, plan)
-from stocaching import stocaching as core
+from stocaching import cli, open_size
 
 N = 40
 
@@ -65,7 +65,7 @@ def test_large_samples_are_written_through_the_file_and_read_everywhere(shm_dir)
 
     big = torch.arange(3 * 100 * 110, dtype=torch.int64).remainder(251).to(torch.uint8)
     big = big.reshape(3, 100, 110)
-    assert big.numel() >= core._WRITE_THROUGH_FILE > 3 * 10 * 10
+    assert big.numel() >= open_size._WRITE_THROUGH_FILE > 3 * 10 * 10
     small = torch.full((3, 10, 10), 7, dtype=torch.uint8)
     with OpenSizeCache(0.001, N, (3, None, None), torch.uint8, shm_dir=shm_dir) as c:
         c.set_slot(0, big)
@@ -308,7 +308,7 @@ def test_plan_sizes_from_a_mean_and_matches_the_cache(shm_dir):
         assert c.stats()["bytes"] <= p["segment_gib"] * BYTES_PER_GIB
     with pytest.raises(ValueError, match="mean_sample_bytes should be given"):
         plan(N, (None, 3), size_limit_gib=limit)
-    out = core.main(["--shm-dir", shm_dir, "plan", "--dataset-len", str(N), "--dims", "None,3",
+    out = cli.main(["--shm-dir", shm_dir, "plan", "--dataset-len", str(N), "--dims", "None,3",
                      "--dtype", "float32", "--mean-bytes", "36", "--size-gib", repr(limit)])
     assert out == 0
 

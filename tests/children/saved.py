@@ -21,7 +21,7 @@ import sys
 import time
 
 from _helpers import value_of
-import stocaching.stocaching as core
+import stocaching.saved as saved
 from stocaching import SharedCache
 
 
@@ -38,7 +38,7 @@ if os.environ.get("SAVED_LOG"):
     logging.basicConfig(stream=sys.stdout, level=logging.INFO)
 
 if slow_mib > 0:
-    pwrite = core._pwrite_all
+    pwrite = saved._pwrite_all
 
     def slow(fd, data, offset):
         done = pwrite(fd, data, offset)
@@ -47,7 +47,7 @@ if slow_mib > 0:
             time.sleep(60)
         return done
 
-    core._pwrite_all = slow
+    saved._pwrite_all = slow
 
 cache = None
 for step in os.environ["SAVED_STEPS"].split(","):

@@ -1,0 +1,150 @@
+"""Persistent caches (``SharedCache(..., persistent=True, name=..., key=...)``): a segment
+that keeps its name after the job, adopted by the next job that asks for the same name,
+configuration and key.
+
+A feature module of stocaching (see the core's section "The seam"): the local leader's
+``_Segment`` is opened by ``open_persistent`` here instead of being made.
+"""
+
+from __future__ import annotations
+
+__all__ = []
+
+import contextlib
+import fcntl
+import mmap
+import os
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+try:  # inside the package
+    from .stocaching import (BaseCache, CacheConfigError, SET, logger, _HEADER_BYTES, _Segment,
+                             _check_key, _finalize_segment, _fmt_bytes, _key_hash, _names,
+                             _open_existing, _pwrite_all, _read_header, _read_key, _try_stale,
+                             _unlink_if_same)
+except ImportError:  # copied beside stocaching.py
+    from stocaching import (BaseCache, CacheConfigError, SET, logger, _HEADER_BYTES, _Segment,
+                            _check_key, _finalize_segment, _fmt_bytes, _key_hash, _names,
+                            _open_existing, _pwrite_all, _read_header, _read_key, _try_stale,
+                            _unlink_if_same)
+
+
+def _check_persistent(name: Any, job_key: Any, key: Any, on_mismatch: Any) -> None:
+    """The arguments of a persistent cache (see ``SharedCache``)."""
+    if name is None:
+        raise ValueError("a persistent cache needs a name= (the next job finds it by its name), "
+                         "but got name=None with persistent=True")
+    if job_key is not None:
+        raise ValueError(f"a persistent cache is found by its name alone, not by a job key, but "
+                         f"got job_key={job_key!r} with persistent=True")
+    _check_key(key, on_mismatch)
+
+
+def open_persistent(segment: _Segment, owner: BaseCache, load_from: str | None = None
+                    ) -> None:
+    """The local leader of a persistent cache: attach to the segment of this name if it
+    holds this configuration and key (a mismatch raises, or with on_mismatch="replace"
+    makes way for a new one), else make it (filled from ``load_from`` if given). Its name
+    stays after the job."""
+    for _ in range(5):
+        try:
+            fd = _open_existing(segment.path)
+        except FileNotFoundError:
+            if _create_persistent(segment, owner, load_from):
+                return
+            continue  # another job made it at the same moment: attach to theirs
+        try:
+            if _adopt_persistent(segment, owner, fd):
+                if load_from is not None:
+                    logger.info("stocaching: the persistent cache %r exists: attached to it "
+                                "as it is, without reading %s", owner._name, load_from)
+                return
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # replaced: make a new one
+    raise CacheConfigError(f"could not open or make the persistent cache {segment.path}: it "
+                           "keeps changing", "name", owner._name, segment.path)
+
+def _create_persistent(segment: _Segment, owner: BaseCache, load_from: str | None = None
+                       ) -> bool:
+    """Make the segment and give it its name; False if another process named one first."""
+    try:
+        fd, _, head = segment._make_file(owner, lambda tmp, fd: os.link(tmp, segment.path),
+                                      load_from)
+    except FileExistsError:
+        return False
+    segment.finalizer = weakref.finalize(segment, _finalize_segment, fd, None, 0, 0)
+    logger.info("stocaching: made the persistent cache %r (key %r): %d of %d samples of %s, "
+                "%s in %s; it stays after this job (python -m stocaching clean --persistent "
+                "%s removes it)", owner._name, owner._key, owner._layout.slots,
+                owner._layout.dataset_len, owner._describe(),
+                _fmt_bytes(head["total_bytes"]), os.path.dirname(segment.path), owner._name)
+    return True
+
+def _adopt_persistent(segment: _Segment, owner: BaseCache, fd: int) -> bool:
+    """Attach to an existing persistent segment; False if it was removed to be replaced."""
+    for _ in range(3):  # (another process may probe it for an instant, as we do)
+        alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
+        if alone:
+            break
+        time.sleep(0.05)
+    if not alone:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    st = os.fstat(fd)
+    if not _names(segment.path, st.st_ino, st.st_dev):
+        return False  # removed (or replaced) meanwhile: look again
+    size = os.fstat(fd).st_size
+    with mmap.mmap(fd, min(size, _HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+        head = _read_header(mm) if size >= _HEADER_BYTES else None
+        theirs = _read_key(mm) if head is not None else None
+    mismatch = None
+    if head is None or not head["persistent"]:
+        mismatch = CacheConfigError(f"{segment.path} is not a persistent cache", "persistent",
+                                    1, 0)
+    elif head["key_hash"] != _key_hash(owner._key):
+        mismatch = CacheConfigError(
+            f"the persistent cache {segment.path} holds key={theirs!r}, but this job asked "
+            f"for key={owner._key!r}: it holds other data. Pass on_mismatch='replace' to "
+            "make a new cache in its place, or another name=", "key", owner._key, theirs)
+    else:
+        try:
+            owner._check_header(head, size)
+        except CacheConfigError as e:
+            mismatch = CacheConfigError(
+                f"the persistent cache {segment.path} holds {e.field}={e.found}, but this job "
+                f"asked for {e.field}={e.expected}. Pass on_mismatch='replace' to make a new "
+                "cache in its place, or another name=", e.field, e.expected, e.found)
+    if mismatch is not None:
+        if owner._on_mismatch == "replace" and not alone:
+            raise CacheConfigError(f"{mismatch} (not replaced: another process uses it "
+                                   "now)", mismatch.field, mismatch.expected, mismatch.found)
+        if owner._on_mismatch != "replace":
+            raise mismatch
+        st = os.fstat(fd)
+        _unlink_if_same(segment.path, st.st_ino, st.st_dev)
+        logger.warning("stocaching: replaced the persistent cache %s: %s", segment.path,
+                       mismatch.args[0])
+        return False
+    if alone:
+        # What the last job left staged is nobody's now (cleared before mapping, still
+        # alone). flock cannot turn exclusive into shared atomically: it drops the lock
+        # first, and a `clean` of this name or a job replacing it may take the segment
+        # in between. Once shared it is ours to keep, so look at the name again then.
+        _pwrite_all(fd, np.full(owner._staging_slots, -1, np.int64), head["stage_off"])
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if not _names(segment.path, st.st_ino, st.st_dev):
+            return False  # removed meanwhile: look again
+    with contextlib.suppress(OSError):
+        os.utime(fd)  # the listing's age: since a job last attached
+    head = segment.map_existing(owner, fd)
+    segment.finalizer = weakref.finalize(segment, _finalize_segment, fd, None, 0, 0)
+    segment.populate(head["data_off"])
+    logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
+                "filled", owner._name, owner._key,
+                int(np.count_nonzero(owner._index_states_np == SET)), owner._layout.slots)
+    return True
+

@@ -1,0 +1,716 @@
+"""Saved caches: ``SharedCache.save(path)``, ``SharedCache(..., load_from=path)`` and
+``describe_saved_file``; the file format (a superblock, chunks of rows and indices, CRCs).
+
+A feature module of stocaching (see the core's section "The seam"): ``save`` is the cache's
+method (``SharedCache.save = _FromFeature("saved")``), and a segment made with ``load_from``
+is filled by ``_SavedFileReader``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["describe_saved_file"]
+# The private names that cli.py (python -m stocaching) uses, as the core's _SEAM lists its own.
+_SEAM = frozenset({"_SAVE_BLOCK", "_SAVE_MAGIC"})
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import struct
+import sys
+import threading
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+try:  # inside the package
+    from .stocaching import (BYTES_PER_MIB, CacheConfigError, CacheFileError, SET, SharedCache,
+                             logger, _Field, _LAYOUT_VERSION, _alive, _close_fd, _fmt_bytes,
+                             _free_bytes, _pwrite_all)
+except ImportError:  # copied beside stocaching.py
+    from stocaching import (BYTES_PER_MIB, CacheConfigError, CacheFileError, SET, SharedCache,
+                            logger, _Field, _LAYOUT_VERSION, _alive, _close_fd, _fmt_bytes,
+                            _free_bytes, _pwrite_all)
+
+
+# ----------------------------------------------------------------------------------------------
+# Saved files: the filled slots of a cache on disk (SharedCache.save, load_from=)
+# ----------------------------------------------------------------------------------------------
+
+
+#
+# One file:
+#   [superblock 0, 4 KiB][superblock 1, 4 KiB][config: JSON, padded to 4 KiB][chunk]...
+# A chunk is one save's records: [rows: row_bytes each][int64 dataset index of each row]
+# [int64 indices emptied since the last save][pad][trailer, 64 bytes], its end 4 KiB aligned;
+# its trailer says where it starts, so the chunks are found from the end backwards. A later
+# chunk's record of an index replaces an earlier one's. A superblock (magic, generation, the
+# end of the last chunk, the chunk count, the config's length and CRC, and its own CRC) commits
+# a save: the valid one with the higher generation counts, and bytes past its end do not exist.
+# A first save writes a new file under a temporary name, syncs it and renames it over ``path``;
+# a later one appends a chunk past the committed end, syncs it, then writes the other
+# superblock (the one not in force) and syncs again. A save killed at any point leaves the
+# previous commit in force (or no file at all), and every byte of a commit is covered by a
+# CRC-32, so a truncated or damaged file is refused rather than loaded in part.
+
+_SAVE_MAGIC = b"STOSAVE1"
+_SAVE_VERSION = 1
+_SAVE_BLOCK = 4096
+_SUPER = struct.Struct("<8sqqqqqqq")  # magic, version, generation, end, chunks, config
+_SUPER_CRC = struct.Struct("<I")      # length and CRC, rows in the file; then the CRC of those
+_CONFIG_OFF = 2 * _SAVE_BLOCK
+_TRAILER = struct.Struct("<8sqqqqqq")  # magic, rows, emptied, row bytes, start, rows' CRC,
+_CHUNK_MAGIC = b"STOCHUNK"             # the indices' CRC; then the CRC of those
+_TRAILER_BYTES = 64
+_SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered, rows loaded)
+
+
+def _align(n: int) -> int:
+    return -(-n // _SAVE_BLOCK) * _SAVE_BLOCK
+
+
+def _pack_super(gen: int, end: int, chunks: int, config: bytes, rows: int) -> bytes:
+    body = _SUPER.pack(_SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
+                       zlib.crc32(config), rows)
+    return body + _SUPER_CRC.pack(zlib.crc32(body))
+
+
+def _super_off(gen: int) -> int:
+    """Where the superblock of generation ``gen`` goes: the one not in force."""
+    return (gen % 2) * _SAVE_BLOCK
+
+
+def _pack_trailer(rows: int, emptied: int, row_bytes: int, start: int, rows_crc: int,
+                  meta_crc: int) -> bytes:
+    body = _TRAILER.pack(_CHUNK_MAGIC, rows, emptied, row_bytes, start, rows_crc, meta_crc)
+    return (body + _SUPER_CRC.pack(zlib.crc32(body))).ljust(_TRAILER_BYTES, b"\0")
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from ``offset``; a file that ends first is truncated."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise CacheFileError(f"{path} is truncated: it ends at byte {offset + done}, inside "
+                                 "a saved chunk; remove it (the next save writes it anew)",
+                                 path, "truncated")
+        done += got
+
+
+def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+               ) -> None:
+    """Copy ``nbytes`` of the saved file at ``src_fd`` from ``src_off`` into the segment at
+    ``dst_fd`` at ``dst_off``, in the kernel (``sendfile``): no copy through this process, and
+    the segment's pages, written whole through the file, are not zeroed first as pages first
+    touched through a mapping are. A file that ends first is truncated."""
+    os.lseek(dst_fd, dst_off, os.SEEK_SET)  # (sendfile writes at the destination's position)
+    done = 0
+    while done < nbytes:
+        got = os.sendfile(dst_fd, src_fd, src_off + done, nbytes - done)
+        if got == 0:
+            raise CacheFileError(f"{path} is truncated: it ends at byte {src_off + done}, "
+                                 "inside a saved chunk; remove it (the next save writes it "
+                                 "anew)", path, "truncated")
+        done += got
+
+
+# Whether os.sendfile writes into a regular file here (Linux); elsewhere the rows are read
+# into the segment's mapping.
+_SENDFILE = hasattr(os, "sendfile") and sys.platform.startswith("linux")
+
+
+class _CrcChain:
+    """The CRC-32 of buffers given one after the other, computed in order by ``pool`` (one
+    thread: zlib releases the GIL on large buffers), so that checking a saved file's rows
+    overlaps the copy of the next ones. A buffer must not change until ``value()`` returns."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool, self._last = pool, None
+
+    def add(self, data: np.ndarray) -> None:
+        """Add ``data`` after the buffers added before."""
+        prev = self._last
+        self._last = self._pool.submit(
+            lambda: zlib.crc32(data, prev.result() if prev is not None else 0))
+
+    def value(self) -> int:
+        """The CRC-32 of every buffer added so far (waits for them)."""
+        return self._last.result() if self._last is not None else 0
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in the directory of ``path`` durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError:  # (some filesystems cannot sync a directory: the rename is all they give)
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_super(fd: int, path: str) -> dict:
+    """The superblock in force of the saved file open at ``fd``, checked against its size."""
+    raw = os.pread(fd, _CONFIG_OFF, 0)
+    best = None
+    for k in range(2):
+        block = raw[k * _SAVE_BLOCK: k * _SAVE_BLOCK + _SUPER.size + _SUPER_CRC.size]
+        if len(block) < _SUPER.size + _SUPER_CRC.size:
+            continue
+        body, (crc,) = block[:_SUPER.size], _SUPER_CRC.unpack(block[_SUPER.size:])
+        magic, version, gen, end, chunks, config_len, config_crc, rows = _SUPER.unpack(body)
+        if magic != _SAVE_MAGIC or zlib.crc32(body) != crc:
+            continue
+        if version != _SAVE_VERSION:
+            raise CacheFileError(f"{path} was saved by another stocaching version (file format "
+                                 f"{version}, this one reads {_SAVE_VERSION}); remove it",
+                                 path, "version")
+        if best is None or gen > best["gen"]:
+            best = {"gen": gen, "end": end, "chunks": chunks, "config_len": config_len,
+                    "config_crc": config_crc, "rows": rows, "slot": k}
+    if best is None:
+        raise CacheFileError(f"{path} is not a file saved by SharedCache.save, or its header is "
+                             "damaged; remove it (the next save writes it anew)", path, "header")
+    size = os.fstat(fd).st_size
+    if size < best["end"]:
+        raise CacheFileError(f"{path} is truncated: {size} bytes, but its last save ends at "
+                             f"byte {best['end']}; remove it (the next save writes it anew)",
+                             path, "truncated")
+    return best
+
+
+def _read_config(fd: int, sup: dict, path: str) -> dict:
+    raw = os.pread(fd, sup["config_len"], _CONFIG_OFF)
+    if len(raw) != sup["config_len"] or zlib.crc32(raw) != sup["config_crc"]:
+        raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
+                             path, "config")
+    return json.loads(raw)
+
+
+def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
+                 ) -> list[dict]:
+    """Every committed chunk of the file, first to last, with its indices (checked)."""
+    first, end, chunks = _CONFIG_OFF + _align(sup["config_len"]), sup["end"], []
+    while end > first:
+        raw = os.pread(fd, _TRAILER_BYTES, end - _TRAILER_BYTES)
+        body = raw[:_TRAILER.size]
+        crc = _SUPER_CRC.unpack_from(raw, _TRAILER.size)[0] if len(raw) == _TRAILER_BYTES \
+            else -1
+        magic, rows, emptied, rb, start, rows_crc, meta_crc = _TRAILER.unpack(body) \
+            if len(body) == _TRAILER.size else (b"", 0, 0, 0, 0, 0, 0)
+        meta_off = start + rows * rb
+        if magic != _CHUNK_MAGIC or zlib.crc32(body) != crc or rb != row_bytes or \
+                not first <= start < end or meta_off + 8 * (rows + emptied) > end - \
+                _TRAILER_BYTES or rows < 0 or emptied < 0:
+            raise CacheFileError(f"{path} is damaged: no valid save record ends at byte {end}; "
+                                 "remove it (the next save writes it anew)", path, "chunk")
+        meta = os.pread(fd, 8 * (rows + emptied), meta_off)
+        if zlib.crc32(meta) != meta_crc:
+            raise CacheFileError(f"{path} is damaged: the indices of the save record at byte "
+                                 f"{start} fail their check; remove it", path, "chunk")
+        idx = np.frombuffer(meta, np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= dataset_len):
+            raise CacheFileError(f"{path} is damaged: the save record at byte {start} names "
+                                 f"indices outside [0, {dataset_len}); remove it", path, "chunk")
+        chunks.append({"start": start, "rows": rows, "rows_crc": rows_crc,
+                       "indices": idx[:rows], "emptied": idx[rows:]})
+        end = start
+    if len(chunks) != sup["chunks"]:
+        raise CacheFileError(f"{path} is damaged: {len(chunks)} save records, but its header "
+                             f"counts {sup['chunks']}; remove it", path, "chunk")
+    return chunks[::-1]
+
+
+def _damaged_rows(path: str, chunk: dict) -> CacheFileError:
+    """The error for a save record whose rows fail their CRC (nothing of the file loads)."""
+    return CacheFileError(f"{path} is damaged: the samples of the save record at byte "
+                          f"{chunk['start']} fail their check; nothing of the file was loaded. "
+                          "Remove it (the next save writes it anew)", path, "rows")
+
+
+def _config_dims(cfg: dict) -> Any:
+    """The ``data_dims`` of a saved file's configuration: a tuple, or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return tuple(fs[0][1])
+    return {f[0]: tuple(f[1]) for f in fs}
+
+
+def _config_dtypes(cfg: dict) -> Any:
+    """The dtype of a saved file's configuration, by name ("uint8"), or a dict for fields."""
+    fs = cfg.get("fields") or [["", [], "", 0]]
+    if len(fs) == 1 and fs[0][0] == "":
+        return fs[0][2]
+    return {f[0]: f[2] for f in fs}
+
+
+def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """What a file written by ``SharedCache.save`` holds, read from its header and its save
+    records' indices (a few KiB), without loading it: what ``python -m stocaching inspect``
+    shows.
+
+    Args:
+        path: the saved file.
+        verify: also read every sample row and check it against its CRC (reads the whole
+            file), as ``load_from`` does. Default: False (the header, the configuration and
+            the indices are checked; the rows are not read).
+
+    Returns:
+        A dict with ``path``, ``key``, ``dataset_len``, ``data_dims`` (a tuple, or a dict of
+        fields), ``dtype`` (its name, or a dict), ``node_rank`` and ``num_nodes`` (of the job
+        that saved it), ``samples`` (samples a load would take: the last record of each
+        index, less those emptied), ``rows`` (sample rows in the file, replaced ones
+        included), ``saves`` (save records: 1 for a file written anew, one more per
+        incremental save), ``bytes`` (the committed size), ``age_s`` (seconds since it was
+        last saved to) and ``verified`` (True where ``verify`` read every row).
+
+    Raises:
+        TypeError: ``path`` is not a str or path.
+        FileNotFoundError: there is no file at ``path``.
+        CacheFileError: the file is truncated, damaged or not a saved cache.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        sup = _read_super(fd, path)
+        cfg = _read_config(fd, sup, path)
+        try:
+            dataset_len, row_bytes = int(cfg["dataset_len"]), int(cfg["row_bytes"])
+        except (KeyError, TypeError, ValueError):
+            raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
+                                 path, "config") from None
+        chunks = _read_chunks(fd, sup, path, dataset_len, row_bytes)
+        held = np.zeros(dataset_len, bool)
+        for c in chunks:
+            held[c["indices"]] = True
+            held[c["emptied"]] = False
+        if verify:
+            buf = bytearray(min(_SAVE_IO, max((c["rows"] * row_bytes for c in chunks),
+                                              default=0)))
+            for c in chunks:
+                crc, off, end = 0, c["start"], c["start"] + c["rows"] * row_bytes
+                while off < end:
+                    view = memoryview(buf)[:min(len(buf), end - off)]
+                    _pread_into(fd, view, off, path)
+                    crc, off = zlib.crc32(view, crc), off + len(view)
+                if crc != c["rows_crc"]:
+                    raise _damaged_rows(path, c)
+    finally:
+        os.close(fd)
+    return {"path": path, "key": cfg.get("key"), "dataset_len": dataset_len,
+            "data_dims": _config_dims(cfg), "dtype": _config_dtypes(cfg),
+            "node_rank": cfg.get("node_rank"), "num_nodes": cfg.get("num_nodes"),
+            "samples": int(np.count_nonzero(held)), "rows": sup["rows"],
+            "saves": sup["chunks"], "bytes": sup["end"], "age_s": time.time() - st.st_mtime,
+            "verified": verify}
+
+
+def _stale_temporaries(path: str) -> list[str]:
+    """Temporary files of saves to ``path`` whose process is gone (killed mid-save)."""
+    d, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(base) + r"\.(\d+)\.[0-9a-f]+\.tmp$")
+    found = []
+    with contextlib.suppress(OSError):
+        for fname in os.listdir(d):
+            m = pattern.match(fname)
+            if m and not _alive(int(m.group(1)), 0):
+                found.append(os.path.join(d, fname))
+    return found
+
+
+@dataclasses.dataclass
+class _SaveState:
+    """What this process knows of the file it saved to (or loaded from) last: the file's
+    identity and commit, and per slot the sequence number it had when the file last took it
+    (a slot whose number differs has changed since) and whether the file holds its sample."""
+
+    path: str
+    dev: int
+    ino: int
+    gen: int
+    end: int
+    chunks: int
+    rows: int  # rows in the file, the replaced ones included
+    seq: np.ndarray
+    held: np.ndarray
+
+
+_SAVE_LOCK = threading.Lock()  # one save at a time in a process
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving and loading a cache (_SavedFileWriter, _SavedFileReader)
+# ----------------------------------------------------------------------------------------------
+
+
+class _SavedFileWriter:
+    """Writes one cache's filled slots to a saved file (``SharedCache.save``): a new file the
+    first time in a process (or when the file holds mostly replaced records), else one chunk
+    of what changed since the save (or load) the cache's ``_saved_file`` describes. Made for
+    one call; the cache keeps only its ``_saved_file``."""
+
+    cache: SharedCache
+
+    def __init__(self, cache: SharedCache) -> None:
+        self.cache = cache
+
+    def save(self, path: str) -> dict[str, Any]:
+        """Save to ``path`` (under ``_SAVE_LOCK``): what ``SharedCache.save`` returns, but
+        ``path`` and ``saved``."""
+        found = self._state_of(path)
+        if found is None:
+            return {**self._write_anew(path), "rewritten": True}
+        state, fd = found
+        try:
+            return self._append_changes(state, fd, path)
+        finally:
+            os.close(fd)
+
+    def _state_of(self, path: str) -> tuple[_SaveState, int] | None:
+        """The state of the last save to (or load from) ``path`` in this process and the
+        file, open and locked, if the file is still the one it describes and not mostly
+        replaced records; else None (the save writes it anew)."""
+        c = self.cache
+        state = c._saved_file
+        if state is None or state.path != os.path.realpath(path):
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (another process that appends to it waits)
+            st = os.fstat(fd)
+            sup = _read_super(fd, path)
+            same = (st.st_dev, st.st_ino, sup["gen"], sup["end"]) == \
+                (state.dev, state.ino, state.gen, state.end)
+            compact = state.rows > 2 * int(np.count_nonzero(state.held)) + 1024
+        except (OSError, CacheFileError):
+            same = False
+        if not same or compact:
+            os.close(fd)
+            return None
+        return state, fd
+
+    def config(self) -> dict[str, Any]:
+        """What a saved file says of the samples it holds, checked by ``load_from``."""
+        c = self.cache
+        lay = c._layout
+        fields = c._fields or (_Field("", c._dims, c._dtype, 0, c._slot_bytes),)
+        return {"key": c._key, "dataset_len": lay.dataset_len,
+                "fields": [[f.name, list(f.dims), str(f.dtype).replace("torch.", ""),
+                            f.offset] for f in fields],
+                "row_bytes": c._slot_bytes, "segment_layout_version": _LAYOUT_VERSION,
+                "node_rank": c._world.node_rank, "num_nodes": lay.num_nodes,
+                "slots": lay.slots, "layout_seed": lay.seed,
+                "random_subset": lay.random_subset}
+
+    def _write_anew(self, path: str) -> dict[str, Any]:
+        """A first save (or a compaction): a new file under a temporary name, renamed over
+        ``path`` once complete and synced."""
+        c = self.cache
+        for old in _stale_temporaries(path):  # left by saves that were killed
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+        config = json.dumps(self.config()).encode()
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            _pwrite_all(fd, config, _CONFIG_OFF)
+            first = _CONFIG_OFF + _align(len(config))
+            n = c._layout.slots
+            chunk = self._write_chunk(fd, first, np.arange(n), np.zeros(n, np.uint32),
+                                      np.zeros(n, bool))
+            rows = chunk["samples"]
+            end, chunks = (chunk["end"], 1) if rows else (first, 0)
+            _pwrite_all(fd, _pack_super(1, end, chunks, config, rows), _super_off(1))
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            st = os.fstat(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _close_fd(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        _fsync_dir(path)
+        c._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
+                                   rows, chunk["seq"], chunk["held"])
+        logger.info("stocaching: saved %d samples of cache %r to %s (%s)", rows, c._name,
+                    path, _fmt_bytes(end))
+        return {"samples": rows, "bytes": end}
+
+    def _append_changes(self, state: _SaveState, fd: int, path: str) -> dict[str, Any]:
+        """An incremental save: one chunk of what changed since ``state``, appended past the
+        committed end, synced, then committed by the superblock not in force."""
+        c = self.cache
+        changed = np.flatnonzero(c._slot_versions_np[:c._layout.slots] != state.seq)
+        if not changed.size:
+            return {}
+        chunk = self._write_chunk(fd, state.end, changed, state.seq, state.held)
+        if not chunk["samples"] and not chunk["emptied"]:  # (written and emptied since)
+            state.seq, state.held = chunk["seq"], chunk["held"]
+            return {}
+        os.fdatasync(fd)
+        config_len = _read_super(fd, path)["config_len"]
+        config = os.pread(fd, config_len, _CONFIG_OFF)
+        gen, rows = state.gen + 1, state.rows + chunk["samples"]
+        written = chunk["end"] - state.end
+        written += _pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
+                                               rows), _super_off(gen))
+        os.fdatasync(fd)
+        c._saved_file = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
+                                   state.chunks + 1, rows, chunk["seq"], chunk["held"])
+        logger.info("stocaching: saved %d more samples of cache %r to %s (%d emptied, %s)",
+                    chunk["samples"], c._name, path, chunk["emptied"], _fmt_bytes(written))
+        return {"samples": chunk["samples"], "emptied": chunk["emptied"], "bytes": written}
+
+    def _write_chunk(self, fd: int, start: int, slots: np.ndarray, seq: np.ndarray,
+                     held: np.ndarray) -> dict[str, Any]:
+        """Write one chunk at ``start``: the complete samples of ``slots`` (each read with
+        the seqlock, as ``get_slot`` reads), and the indices of those the file holds
+        (``held``, per slot) that are not complete samples now. Returns its end, the counts,
+        and the per-slot sequence numbers (``seq`` as the file took them) and ``held`` for
+        the next save."""
+        c = self.cache
+        indices = c._layout.indices(c._world.node_rank)
+        seq, held = seq.copy(), held.copy()
+        before = c._slot_versions_np[slots]  # (read before the states, as the seqlock reads)
+        filled = c._index_states_np[indices[slots]] == SET
+        seq[slots[~filled]] = before[~filled]  # empty at that number: changed if it moves
+        rows = _slot_rows(c)
+        per = max(1, _SAVE_IO // max(1, rows.shape[1]))
+        todo = slots[filled]
+        buf = np.empty((min(per, len(todo)), rows.shape[1]), np.uint8)
+        off, crc, kept = start, 0, []
+        for k in range(0, len(todo), per):
+            sl = todo[k: k + per]
+            located = c._locate(indices[sl])  # (rows: the slots sl, as the file has them)
+            np.take(rows, located.rows, axis=0, out=buf[:len(sl)], mode="clip")
+            good, got = c._confirm(located, count=False), located.versions
+            data = buf[:len(sl)] if good.all() else buf[:len(sl)][good]
+            off += _pwrite_all(fd, data, off)
+            crc = zlib.crc32(data, crc)
+            kept.append(sl[good])
+            seq[sl] = got
+        kept_slots = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        gone = slots[held[slots]]
+        gone = gone[~np.isin(gone, kept_slots)]
+        held[gone] = False
+        held[kept_slots] = True
+        meta = np.concatenate([indices[kept_slots], indices[gone]]).astype(np.int64)
+        off += _pwrite_all(fd, meta, off)
+        end = _align(off + _TRAILER_BYTES)
+        _pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
+                                      zlib.crc32(meta)), end - _TRAILER_BYTES)
+        return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
+                "held": held}
+
+
+class _SavedFileReader:
+    """Fills a new segment from a saved file (``load_from=``), checked first against the
+    cache's configuration (``mismatch``) and every row against its CRC. Made for one call."""
+
+    cache: SharedCache
+
+    def __init__(self, cache: SharedCache) -> None:
+        self.cache = cache
+
+    def load(self, path: str, data_off: int, *, reserved: bool) -> None:
+        """Fill this new segment (not yet public: nobody reads it) from the saved file at
+        ``path``: every sample of an index that has a slot here, the last record of each;
+        a sample's state is set only once every row of the file has passed its check.
+        ``data_off``: where the slots start in the segment; ``reserved``: whether its slots'
+        memory is reserved yet (if not, it is before the first write through the mapping).
+
+        Rows that go to consecutive slots are copied by the kernel straight from the file
+        into the segment (``_send_into``), the others read into a buffer and scattered; their
+        CRC is computed in a thread meanwhile (``_CrcChain``), and checked at the end."""
+        cache = self.cache
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            logger.info("stocaching: no saved file at %s: cache %r starts empty", path,
+                        cache._name)
+            return
+        try:
+            t0 = time.perf_counter()
+            st = os.fstat(fd)
+            sup = _read_super(fd, path)
+            mismatch = self.mismatch(_read_config(fd, sup, path), path)
+            if mismatch is not None:
+                if cache._on_mismatch != "replace":
+                    raise mismatch
+                logger.warning("stocaching: ignored the saved file %s: %s", path,
+                               mismatch.args[0])
+                return
+            rows = _slot_rows(cache)
+            row_bytes = rows.shape[1]
+            chunks = _read_chunks(fd, sup, path, cache._dataset_len, row_bytes)
+            indices = cache._layout.indices(cache._world.node_rank)
+            slot_of = np.full(cache._dataset_len, -1, np.int64)
+            slot_of[indices] = np.arange(len(indices))
+            last = np.full(cache._dataset_len, -1, np.int64)  # the record in force of each index
+            first = 0
+            for c in chunks:
+                c["first"] = first
+                last[c["indices"]] = first + np.arange(c["rows"])
+                last[c["emptied"]] = -1
+                first += c["rows"]
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            loaded = np.zeros(len(indices), bool)
+            per = max(1, _SAVE_IO // max(1, row_bytes))
+            buf = np.empty((0, row_bytes), np.uint8)
+            with concurrent.futures.ThreadPoolExecutor(1, "stocaching-load-crc") as pool:
+                for c in chunks:
+                    idx, c["crc"] = c["indices"], _CrcChain(pool)
+                    target = slot_of[idx]
+                    live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
+                    for k in range(0, c["rows"], per):
+                        t, lv = target[k: k + per], live[k: k + per]
+                        off = c["start"] + k * row_bytes
+                        if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
+                            dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
+                            if _SENDFILE:
+                                self._send_rows(data_off + int(t[0]) * row_bytes, fd, off,
+                                                dst.nbytes, path)
+                            else:
+                                _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            c["crc"].add(dst)
+                        else:
+                            if not reserved:  # (before the first write through the mapping)
+                                cache._segment.reserve(self, cache._segment.fd, cache._segment.size)
+                                reserved = True
+                            if len(buf) < len(t):
+                                buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
+                            dst = buf[:len(t)]
+                            _pread_into(fd, memoryview(dst).cast("B"), off, path)
+                            rows[t[lv]] = dst[lv]
+                            c["crc"].add(dst)
+                            c["crc"].value()  # (the buffer is read into next)
+                        loaded[t[lv]] = True
+                for c in chunks:
+                    if c["crc"].value() != c["rows_crc"]:
+                        raise _damaged_rows(path, c)
+            cache._index_states_np[indices[loaded]] = SET
+        finally:
+            os.close(fd)
+        seq = cache._slot_versions_np[:cache._layout.slots].copy()
+        cache._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, sup["gen"],
+                                       sup["end"], sup["chunks"], sup["rows"], seq, loaded)
+        took = time.perf_counter() - t0
+        logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
+                    int(np.count_nonzero(loaded)), cache._name, path, _fmt_bytes(sup["end"]),
+                    took)
+
+    def _send_rows(self, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
+                   ) -> None:
+        """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
+        cache = self.cache
+        try:
+            _send_into(cache._segment.fd, dst_off, src_fd, src_off, nbytes, path)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            shm_dir = os.path.dirname(cache._path)
+            raise cache._capacity_error(shm_dir, cache._segment.size,
+                                        _free_bytes(shm_dir)) from None
+
+    def mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
+        """The first difference between a saved file's configuration and this cache's that
+        makes its samples not this cache's, as the error that names it; None if none."""
+        mine = _SavedFileWriter(self.cache).config()
+        for label, exp, got in (
+                ("key", mine["key"], theirs.get("key")),
+                ("dataset_len", mine["dataset_len"], theirs.get("dataset_len")),
+                ("data_dims", _config_dims(mine), _config_dims(theirs)),
+                ("dtype", _config_dtypes(mine), _config_dtypes(theirs)),
+                ("layout", (mine["fields"], mine["row_bytes"]),
+                 (theirs.get("fields"), theirs.get("row_bytes")))):
+            if exp != got:
+                return CacheConfigError(
+                    f"the saved file {path} holds {label}={got!r}, but this cache has "
+                    f"{label}={exp!r}: its samples are not this cache's. Pass another "
+                    "load_from=, or on_mismatch='replace' to start empty instead (the next "
+                    "save writes the file anew)", label, exp, got)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# A cache's method of saving (SharedCache.save)
+# ----------------------------------------------------------------------------------------------
+
+
+def save(self, path: str | os.PathLike) -> dict[str, Any]:
+    """Write the filled slots of this node to ``path``, atomically, for a later
+    ``SharedCache(..., load_from=path)`` (after a reboot, or on another machine).
+
+    The first save to a path in this process writes a new file under a temporary name
+    in the same directory, syncs it and renames it over ``path``. A later save to the
+    same path (by this process, or after this cache was loaded from it) appends only what
+    changed since: the samples filled (or overwritten) since, and the indices emptied
+    since; an unchanged cache writes nothing, so calling it every epoch costs a compare of
+    the slots' sequence numbers. When the file holds more replaced records than live
+    ones it is written anew. Either way a save killed at any point leaves the previous
+    state of the file loadable (or, for a first save, no file at ``path``), and a
+    truncated or damaged file is refused by ``load_from`` rather than loaded in part.
+
+    Only slots whose write is complete are saved (each is read as ``get_slot`` reads
+    it); a slot being written meanwhile is left for the next save. Training may go on in
+    other processes and threads during a save. Staged samples (``stage``: a prefetcher's
+    samples of indices without a slot, held until it hands them over) are not saved:
+    they belong to this job's prefetchers and last an epoch at most.
+
+    Under DDP, only the local leader (LOCAL_RANK 0) writes: on the other local ranks the
+    call returns at once and writes nothing (it is not a barrier). With several nodes,
+    each node saves its own slots: give each node its own path, e.g. on a shared
+    filesystem ``"cache-{node}.stc"`` (``{node}`` is replaced by the node's rank, in
+    ``load_from`` as well).
+
+    Args:
+        path: the file to write; ``{node}`` in it becomes this node's rank.
+
+    Returns:
+        A dict with ``path`` (as written), ``samples`` (samples written now), ``emptied``
+        (indices recorded as emptied), ``bytes`` (bytes written to the file), ``rewritten``
+        (True when the file was written anew) and ``saved`` (False on a rank that does
+        not save).
+
+    Raises:
+        TypeError: ``path`` is not a str or path.
+        OSError: the file cannot be written (the previous state stays in force).
+        NotImplementedError: a cache with open sizes (None in ``data_dims``).
+    """
+    self._check_open()
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path should be a str or os.PathLike, but got path={path!r}")
+    path = os.fspath(path).replace("{node}", str(self._world.node_rank))
+    out = {"path": path, "samples": 0, "emptied": 0, "bytes": 0, "rewritten": False,
+           "saved": self._world.is_local_leader}
+    if not self._world.is_local_leader:
+        return out
+    with _SAVE_LOCK:
+        out.update(_SavedFileWriter(self).save(path))
+    return out
+
+
+def _slot_rows(self: Any) -> np.ndarray:
+    """The bytes of every slot (not the staging slots): one row per slot."""
+    n = self._layout.slots
+    if not n:
+        return np.empty((0, self._slot_bytes), np.uint8)
+    return self._slot_samples[:n].reshape(n, -1).view(np.uint8)

@@ -1,0 +1,283 @@
+"""Staging slots (``SharedCache(..., staging_slots=N)``, ``stage``): the slots where a
+prefetcher holds samples of indices without a slot until a read takes them.
+
+A feature module of stocaching (see the core's section "The seam"): the cache holds a
+``_StagingTable`` as its ``_staging``; ``stage`` and ``_take_staged`` are its methods
+(``SharedCache.stage = _FromFeature("staging")``).
+"""
+
+from __future__ import annotations
+
+__all__ = []
+
+import os
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+try:  # inside the package
+    from .stocaching import (MAX_STAGE_TAG, OOB, check_int, _HITS, _STAGED_HITS, _STAGES,
+                             _STAGE_INDEX_MASK, _STAGE_LOCK, _STAGE_TAG_SHIFT, _Segment, _alive,
+                             _closed_error, _slot_lock_offset)
+except ImportError:  # copied beside stocaching.py
+    from stocaching import (MAX_STAGE_TAG, OOB, check_int, _HITS, _STAGED_HITS, _STAGES,
+                            _STAGE_INDEX_MASK, _STAGE_LOCK, _STAGE_TAG_SHIFT, _Segment, _alive,
+                            _closed_error, _slot_lock_offset)
+
+
+# ----------------------------------------------------------------------------------------------
+# Staging slots: what each one holds (_StagingTable)
+# ----------------------------------------------------------------------------------------------
+
+
+def _staged_entries(table: np.ndarray, idx: int) -> np.ndarray:
+    """Positions in a staging map (or a piece of one) whose entry holds ``idx``."""
+    found = np.flatnonzero(table & _STAGE_INDEX_MASK == idx)  # a free (-1) or filling
+    return found[table[found] >= 0]  # (-2 - pid) entry may match too: dropped here
+
+
+class _StagingTable:
+    """What each staging slot of a segment holds, and every change to it: the one place that
+    knows the entries' encoding and the staging lock.
+
+    One int64 entry per staging slot: -1 free; ``-2 - pid`` reserved by process ``pid``
+    while it writes the slot's row; else ``index | tag << 40``, the sample of ``index``
+    staged with ``tag``, set only once the row is whole. Entries change only under the
+    staging lock (``_STAGE_LOCK``, a record lock of the segment); readers take a snapshot
+    and look at an entry again under the lock before they free it, so a slot is freed once.
+    """
+
+    entries: np.ndarray  # the table, in the segment (int64, one per staging slot)
+    segment: _Segment  # whose record lock at _STAGE_LOCK guards changes to entries
+    # Set in this process once close() gave back its stagers' samples: a stage of this
+    # process that publishes afterwards withdraws its sample instead (see publish).
+    closing: bool = False
+
+    def __init__(self, entries: np.ndarray, segment: _Segment) -> None:
+        self.entries, self.segment = entries, segment
+
+    @staticmethod
+    def entry(idx: int, tag: int) -> int:
+        """The entry of ``idx``'s sample staged with ``tag``."""
+        return idx | tag << _STAGE_TAG_SHIFT
+
+    # -- a stager: reserve a slot, write its row, then publish it ---------------------------
+
+    def reserve(self, entry: int) -> int | None:
+        """Reserve a free staging slot for this process to write ``entry``'s sample in: its
+        position; -1 when ``entry`` is staged already (kept: a load gives the same sample);
+        None when every slot is taken. Slots reserved by processes that died are freed."""
+        table = self.entries
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            # Staged already by the same stager (the same entry): kept; another stager's
+            # copy stays its own. One comparison of the whole table: a few microseconds.
+            if (table == entry).any():
+                return -1
+            k = int(np.argmax(table == -1))  # the first free staging slot, if any
+            if table[k] != -1:  # fillers that died keep their slot: give it back
+                for j in np.flatnonzero(table < -1):
+                    if not _alive(-2 - int(table[j]), 0):
+                        table[j] = -1
+                k = int(np.argmax(table == -1))
+                if table[k] != -1:
+                    return None
+            table[k] = -2 - os.getpid()  # reserved by us while we fill it
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+        return k
+
+    def abandon(self, k: int) -> None:
+        """Free the slot ``k`` this process reserved and could not fill."""
+        self.entries[k] = -1
+
+    def publish(self, k: int, entry: int) -> bool:
+        """Make the sample written in the reserved slot ``k`` readable as ``entry``; False
+        (the slot freed instead) once this process's close() has begun."""
+        with self.segment.thread_lock:  # not while close() gives back this process's entries
+            closing = self.closing
+            self.entries[k] = -1 if closing else entry  # published only once the row is in
+        return not closing
+
+    # -- readers ------------------------------------------------------------------------------
+
+    def find(self, idx: int, tags: frozenset) -> tuple[int, int] | None:
+        """A staging slot holding ``idx``'s sample, staged with one of ``tags`` (any tag when
+        empty), and its entry; or None."""
+        table = self.entries
+        if tags:  # the entries of idx with one of these tags: exact values
+            found = []
+            for tag in tags:  # (one or two: one comparison of the table each)
+                found += np.flatnonzero(table == self.entry(idx, tag)).tolist()
+        else:
+            found = _staged_entries(table, idx).tolist()
+        if not found:
+            return None
+        k = found[0]
+        entry = int(table[k])  # (the scan's entry unless another reader took it meanwhile)
+        if entry < 0 or entry & _STAGE_INDEX_MASK != idx or \
+                (tags and entry >> _STAGE_TAG_SHIFT not in tags):
+            return None
+        return k, entry
+
+    def live(self, tags: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """A snapshot of the published entries, staged with one of ``tags`` (any tag when
+        empty): their slots and their entries (stagers change the table meanwhile)."""
+        table = self.entries.copy()
+        slots = np.flatnonzero(table >= 0)
+        tags = list(tags)
+        if tags:
+            slots = slots[np.isin(table[slots] >> _STAGE_TAG_SHIFT, tags)]
+        return slots, table[slots]
+
+    def staged_indices(self, tags: Iterable[int] = ()) -> np.ndarray:
+        """The indices staged now (with one of ``tags``, any when empty), sorted: a snapshot."""
+        return np.sort(self.live(tags)[1] & _STAGE_INDEX_MASK)
+
+    def count(self) -> int:
+        """Samples staged now."""
+        return int(np.count_nonzero(self.entries >= 0))
+
+    # -- freeing ------------------------------------------------------------------------------
+
+    def take(self, k: np.ndarray | int, entry: np.ndarray | int) -> None:
+        """Free the slots ``k`` whose entries are still ``entry`` (a reader took their
+        samples; freed once however many readers raced)."""
+        table = self.entries
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            k = np.atleast_1d(k)
+            table[k[table[k] == entry]] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+
+    def drop(self, idx: int, tag: int | None = None) -> bool:
+        """Free the slots of ``idx`` (staged with ``tag`` only, when given); whether any."""
+        table = self.entries
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            found = _staged_entries(table, idx)
+            if tag is not None:
+                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
+            table[found] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+        return bool(found.size)
+
+    def drop_all(self) -> None:
+        """Free every published slot (``clear()``; a stager writing one publishes after)."""
+        self.segment.lock(_STAGE_LOCK)
+        try:
+            self.entries[self.entries >= 0] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+
+    def drop_tags_at_close(self, tags: Iterable[int]) -> None:
+        """Free what this process's stagers (``tags``) staged, and have any stage of this
+        process that publishes later withdraw: close() has begun."""
+        self.segment.lock(_STAGE_LOCK)
+        try:  # (it holds the thread lock: a publish of this process waits, then withdraws)
+            self.closing = True
+            table = self.entries
+            table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
+        finally:
+            self.segment.unlock(_STAGE_LOCK)
+
+    def locate(self, idx: np.ndarray, oob: np.ndarray, rows: np.ndarray, found: np.ndarray,
+               entries: np.ndarray, read_tags: frozenset, first_row: int) -> None:
+        """``SharedCache._locate``'s staged samples: fill in the rows (``first_row`` is the
+        first staging slot's) of the positions ``oob`` of ``idx`` (indices without a slot)
+        that hold a sample staged with one of ``read_tags``: each staging slot once, the
+        first occurrence."""
+        live, staged = self.live(read_tags)
+        if not live.size:
+            return
+        where: dict[int, tuple[int, int]] = {}
+        for j, e in zip(live[::-1].tolist(), staged[::-1].tolist()):  # the first slot wins
+            where[e & _STAGE_INDEX_MASK] = (j, e)
+        for k in oob.tolist():
+            got = where.pop(int(idx[k]), None)
+            if got is not None:
+                rows[k], found[k], entries[k] = first_row + got[0], True, got[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# A cache's methods of staging (SharedCache.stage, and the read that takes a staged sample)
+# ----------------------------------------------------------------------------------------------
+
+
+def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
+    """Hold the sample of an index that has no slot on this node in a staging slot, until
+    a ``get_slot`` of it takes it (which frees the staging slot). This is for a prefetcher
+    that loads samples shortly before they are read (see ``stocaching.prefetch``); the
+    two-line pattern never needs it.
+
+    Args:
+        idx: dataset index without a slot here (``aux_array[idx] == 2``).
+        value: as for ``set_slot``.
+        tag: who stages it, an int in ``[0, MAX_STAGE_TAG]``, for ``unstage(idx,
+            tag=...)``; staging an index already staged with the same tag keeps the
+            sample staged first (a load is deterministic: the same sample) and returns
+            True; staged with another tag (another rank's prefetcher), both are kept,
+            and each ``get_slot`` of the index takes one.
+            Default: 0.
+
+    With a disk tier, the sample is also stored there (if its row is not stored yet), so
+    that a later epoch reads it from the tier (``read_tier``) instead of loading it.
+
+    Returns:
+        True when the sample is staged; False when every staging slot
+        is taken (nothing changed: try again once some were read).
+
+    Raises:
+        ValueError: ``idx`` has a slot (use ``set_slot``), or the cache was made without
+            ``staging_slots``; nothing is changed. As ``set_slot`` for a bad ``idx`` or
+            ``value``.
+    """
+    idx = self._index(idx)
+    if not self._staging_slots:
+        raise ValueError("this cache has no staging slots; construct it with "
+                         "staging_slots=N to stage samples")
+    if self._index_states[idx] != OOB:
+        raise ValueError(f"idx={idx} has a slot in this cache: store it with set_slot; "
+                         "stage() holds samples of indices without one")
+    tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
+    src = self._source_array(value)
+    if self._disk_tier is not None:  # kept for later epochs too (a row stored is kept)
+        self._disk_tier.store(idx, src)
+    entry = self._staging.entry(idx, tag)
+    k = self._staging.reserve(entry)
+    if k is None or k < 0:
+        return k is not None  # every slot taken; or staged already, by the same stager
+    slot = self._layout.slots + k
+    lock = _slot_lock_offset(slot)
+    try:
+        self._segment.lock(lock)
+        try:
+            self._write(slot, src, None)
+        finally:
+            self._segment.unlock(lock)
+    except BaseException:
+        self._staging.abandon(k)
+        raise
+    if not self._staging.publish(k, entry):
+        raise _closed_error(type(self))
+    self._own_counters[_STAGES] += 1
+    return True
+
+
+def _take_staged(self, idx: int) -> torch.Tensor | None:
+    """The staged sample of ``idx`` (a copy; its staging slot is freed), or None: a copy
+    staged with one of ``read_tags`` if there are any."""
+    found = self._staging.find(idx, self._read_tags)
+    if found is None:
+        return None
+    k, entry = found
+    row = self._read_row(self._layout.slots + k, True, self._staging.entries, k, entry)
+    if row is None:
+        return None
+    self._staging.take(k, entry)
+    self._own_counters[_HITS] += 1
+    self._own_counters[_STAGED_HITS] += 1
+    return self._from_row(row)
