@@ -24,7 +24,8 @@ Example::
             loss = step(model, images, labels_on_gpu[indices])
 
 This module imports only the core's public names and the prefetcher, so copying
-``stocaching.py``, ``prefetch.py`` and this file into a project works.
+``stocaching.py``, ``prefetch.py`` with what it needs beside it (``order.py``, ``_common.py``)
+and this file into a project works.
 """
 
 from __future__ import annotations

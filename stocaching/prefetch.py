@@ -24,8 +24,9 @@ Reordering cannot change how many misses an epoch has ((1 - f) * N with a fracti
 dataset cached); the prefetcher hides their latency, and the order gives it lead time and
 routes around misses that are not loaded yet. See docs/prefetch.md and docs/order.md.
 
-This module imports only public names of ``stocaching`` and the order's module, so it also
-works copied next to ``stocaching.py`` and ``order.py``.
+This module imports only public names of ``stocaching`` and the order's module, and what the
+opt-in modules share in ``_common.py`` (internal), so it also works copied next to
+``stocaching.py``, ``_common.py`` and ``order.py``.
 
 Contents: 1. its error and how loader processes start, 2. standing aside (measuring the
 loads), 3. the ``Prefetcher``, 4. staged samples given back, 5. an epoch's loads and a load,
@@ -58,16 +59,18 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .order import (ReadyFirstSampler, _base_of, _checked_generator_state, _generator_state,
-                        _order_differs, _OverDistributed, _positions_dealt, _set_generator_state,
-                        _Tap, _warn_unseeded, _wrapped_by_lightning)
+    from ._common import (_base_of, _checked_generator_state, _generator_state, _order_differs,
+                          _OverDistributed, _positions_dealt, _RecordingSampler,
+                          _set_generator_state, _warn_unseeded, _wrapped_by_lightning)
+    from .order import ReadyFirstSampler
     from .stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache, check_int,
                              dealt_by_accelerate, in_lightnings_wrapper)
-except ImportError:  # copied beside stocaching.py and order.py
-    from order import (ReadyFirstSampler, _base_of,  # type: ignore[no-redef]
-                       _checked_generator_state, _generator_state, _order_differs,
-                       _OverDistributed, _positions_dealt, _set_generator_state, _Tap,
-                       _warn_unseeded, _wrapped_by_lightning)
+except ImportError:  # copied beside stocaching.py, _common.py and order.py
+    from _common import (_base_of, _checked_generator_state,  # type: ignore[no-redef]
+                         _generator_state, _order_differs, _OverDistributed, _positions_dealt,
+                         _RecordingSampler, _set_generator_state, _warn_unseeded,
+                         _wrapped_by_lightning)
+    from order import ReadyFirstSampler  # type: ignore[no-redef]
     from stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache,  # type: ignore[no-redef]
                             check_int, dealt_by_accelerate, in_lightnings_wrapper)
 
@@ -388,7 +391,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.stand_aside = stand_aside
         self._mp_context = _start_context(multiprocessing_context)
         self.cache, self.load = cache, load
-        self._tap = _Tap(sampler, cache.dataset_len)
+        self._tap = _RecordingSampler(sampler, cache.dataset_len)
         self.window = None if window is None else check_int("window", window, low=1)
         self._load_times = _LoadTimes()
         # The adaptive order serves the base order while standing aside (see _ReadyOrAside);
@@ -742,7 +745,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def _resume(self, order_it: Iterator[int]
                 ) -> tuple[Iterator[int], int, int, np.ndarray]:
         """The resume skip: the epoch's order from where this iterator starts, the position
-        of the epoch it starts from, the same in the base order (``_Tap.order``), and which
+        of the epoch it starts from, the same in the base order (``_RecordingSampler.order``), and which
         base positions from 0 on were yielded before it (not loaded again)."""
         base = self._tap.order
         if self.window is not None:
