@@ -29,8 +29,10 @@ opt-in modules share in ``_common.py`` (internal), so it also works copied next 
 ``stocaching.py``, ``_common.py`` and ``order.py``.
 
 Contents: 1. its error and how loader processes start, 2. standing aside (measuring the
-loads), 3. the ``Prefetcher``, 4. staged samples given back, 5. an epoch's loads and a load,
-6. the loaders in threads, 7. the loaders in processes.
+loads), 3. the ``Prefetcher``, which holds one collaborator per concern: 4. staging (its staged
+samples, given back however an epoch ends), 5. what a cache of open sizes refused, 6. its own
+resume over a base that cannot record a position; then 7. an epoch's loads and a load, 8. the
+loaders in threads, 9. the loaders in processes.
 """
 
 from __future__ import annotations
@@ -654,8 +656,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         if "lightning" not in self._warned and in_lightnings_wrapper():
             self._warned.add("lightning")
             warnings.warn(_wrapped_by_lightning(
-                "Prefetcher", self._recording.base, " (the prefetcher loads every sample of it before "
-                "the first batch)"), stacklevel=2)
+                "Prefetcher", self._recording.base, " (the prefetcher loads every sample of it "
+                "before the first batch)"), stacklevel=2)
         mine = self._dealt_positions()
         self._recording.keep = mine
         if mine is None:
@@ -749,8 +751,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     def _resume(self, order_it: Iterator[int]
                 ) -> tuple[Iterator[int], int, int, np.ndarray]:
         """The resume skip: the epoch's order from where this iterator starts, the position
-        of the epoch it starts from, the same in the base order (``_RecordingSampler.order``), and which
-        base positions from 0 on were yielded before it (not loaded again)."""
+        of the epoch it starts from, the same in the base order (``_RecordingSampler.order``),
+        and which base positions from 0 on were yielded before it (not loaded again)."""
         base = self._recording.order
         if self.window is not None:
             # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
@@ -1263,8 +1265,8 @@ class _Job:
     ``due``, set (by ``mark_due``) once the iterator needs the index now. The iterator
     waits for it (``wait``); were two threads to wait at once (an abandoned epoch's iterator
     still waiting in another thread), one of them would see the end only at its timeout.
-    (Not a concurrent.futures.Future: making, ending and waiting for one cost about 10 us of
-    the training process's CPU a load, against 0.5 us.)"""
+    Not a concurrent.futures.Future: see docs/design.md, "The prefetcher's machinery per
+    load"."""
 
     __slots__ = ("idx", "staged", "timed", "outcome", "_waiter", "due", "flag", "due_flag")
 
@@ -1274,7 +1276,7 @@ class _Job:
         self.idx, self.staged, self.timed = idx, staged, timed
         self.outcome: Any = None
         self._waiter: threading.Lock | None = None  # held while the iterator waits
-        self.due = False  # (a plain flag: an Event per job cost about 30 us of CPU a load)
+        self.due = False  # (a plain flag: see docs/design.md, "The loaders' small shapes")
         # Tells a loader process too (set by _ProcessLoaderPool.submit when it has a flag).
         self.flag: Callable[[], None] | None = None
         self.due_flag = -1  # its entry in the due flags (processes=N); -1: none, or given back
@@ -1375,8 +1377,7 @@ class _LoaderPool(_Loaders):
         self._fetch = fetch
         self._running, self._lock = running, lock
         # Started one per job submitted, up to n: an epoch whose samples are all cached
-        # starts none (starting 16 took 26 ms an epoch on 2 busy cores, 4 us a sample of a
-        # 6,000-sample epoch, more than the DeviceLoader's whole gather of a small sample).
+        # starts none. See docs/design.md, "The loaders' small shapes".
         self._most = n
         self._threads: list[threading.Thread] = []
         # At interpreter exit, stop the threads and wait for their current loads: a daemon
@@ -1460,10 +1461,10 @@ class _ProcessLoaderPool(_Loaders):
     until the index is due). Jobs and results travel in batches: ``submit`` collects jobs and
     ``flush`` sends each to the least busy live process, one message to each; in a process, one
     thread hands them to the loader threads and another sends back, in one message, every
-    result that is ready. (One message per job cost about 200 us of CPU a load on this
-    project's 2-core machine, as much as a decode.) A thread of this process turns results
-    into the jobs' outcomes. Jobs of an abandoned epoch that no process has started are
-    cancelled (an epoch counter in shared memory); the processes stay for the next epoch."""
+    result that is ready (see docs/design.md, "The loaders' small shapes"). A thread of this
+    process turns results into the jobs' outcomes. Jobs of an abandoned epoch that no process
+    has started are cancelled (an epoch counter in shared memory); the processes stay for the
+    next epoch."""
 
     def __init__(self, owner: "Prefetcher", cache: BaseCache, load: Callable[[int], Any],
                  processes: int, threads: int, flags: int, ctx: Any, *, tag: int,

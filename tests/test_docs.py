@@ -95,7 +95,8 @@ def package_imports(module: str) -> dict[tuple[str, bool], set[str]]:
     whether the import is relative: the package's branch, or else the copied layout's)."""
     import ast
 
-    siblings = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "stocaching", "*.py"))}
+    siblings = {os.path.basename(p)[:-3]
+                for p in glob.glob(os.path.join(ROOT, "stocaching", "*.py"))}
     found: dict[tuple[str, bool], set[str]] = {}
     for node in ast.walk(ast.parse(read("stocaching", f"{module}.py"))):
         if not isinstance(node, ast.ImportFrom):
