@@ -24,7 +24,8 @@ Example::
             loss = step(model, images, labels_on_gpu[indices])
 
 This module imports only the core's public names and the prefetcher, so copying
-``stocaching.py``, ``prefetch.py`` and this file into a project works.
+``stocaching.py``, ``prefetch.py`` with what it needs beside it (``order.py``, ``_common.py``)
+and this file into a project works.
 """
 
 from __future__ import annotations
@@ -63,12 +64,20 @@ logger = logging.getLogger("stocaching")
 # slots); ``ahead`` more gathers may be started before the oldest is finished, so that a GPU's
 # copy of one batch runs while the CPU locates the next.
 
+def _sample_kinds(cache: SharedCache) -> dict[str | None, tuple[torch.Size, torch.dtype]]:
+    """The dims and dtype of each field of the cache's samples, in its order, from its
+    ``fields``, ``data_dims`` and ``dtype`` (one entry, named None, for a cache of one
+    tensor a sample)."""
+    if cache.fields:
+        return {name: (torch.Size(cache.data_dims[name]), cache.dtype[name])
+                for name in cache.fields}
+    return {None: (torch.Size(cache.data_dims), cache.dtype)}
+
+
 def _empty_batch(cache: SharedCache, n: int, pin: bool = False) -> Any:
-    row = cache.get_batch([])[0]  # an empty batch of the cache's dims and dtype(s)
-    if isinstance(row, Mapping):
-        return {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-                for name, t in row.items()}
-    return torch.empty((n, *row.shape[1:]), dtype=row.dtype, pin_memory=pin)
+    made = {name: torch.empty((n, *dims), dtype=dtype, pin_memory=pin)
+            for name, (dims, dtype) in _sample_kinds(cache).items()}
+    return made[None] if None in made else made
 
 
 def _rows_between(batch: Any, start: int, stop: int) -> Any:
@@ -96,13 +105,12 @@ class _HostGather:
         row_bytes = int(rows.shape[1])
         self.most_batches = max(1, min(_MOST_BATCHES_A_GATHER,
                                        _GATHER_BYTES // max(1, batch_size * row_bytes)))
-        empty = cache.get_batch([])[0]  # an empty batch: the fields' dims and dtypes
-        self.fields = isinstance(empty, Mapping)
+        self.fields = bool(cache.fields)
         self.rereads = self.fields
         # A cache of one tensor: its rows, copied as bytes into blocks of rows.
         self.rows = None if self.fields else rows.numpy()
-        kinds = {name: (t.shape[1:], t.dtype) for name, t in empty.items()} if self.fields \
-            else {None: (torch.Size([row_bytes]), torch.uint8)}
+        kinds = _sample_kinds(cache) if self.fields else \
+            {None: (torch.Size([row_bytes]), torch.uint8)}
         self.memory = _HostMemory(kinds, batch_size * self.most_batches, most)
         self.helper: ThreadPoolExecutor | None = None  # the second thread of a split copy
         self.helper_pid = 0
@@ -150,7 +158,7 @@ class _HostGather:
 
 # A CPU gather takes this many bytes of batches at once, in at most this many batches: one
 # call and one step of the prefetcher for several small batches; a block of _SPLIT_BYTES or
-# more is copied by two threads (design note).
+# more is copied by two threads. See docs/design.md, "The batch path's costs".
 _GATHER_BYTES = 8 << 20
 _MOST_BATCHES_A_GATHER = 8
 _SPLIT_BYTES = 4 << 20
@@ -437,8 +445,8 @@ def _halt(stop: threading.Event, out: queue.Queue, thread: threading.Thread,
         out.get_nowait()  # (this is the queue's one reader, and its producer has stopped)
 
 
-class _Run:
-    """One iterator's epoch: the loader's thread that gathers it, the queue it hands the
+class _ProducerThreadEpoch:
+    """One iterator's epoch on CUDA: the loader's thread that gathers it, the queue it hands the
     batches over through, ``stop``, and ``ended``, the error its iterator raises once it was
     stopped from outside (the loader closed, or a newer iterator started).
 
@@ -475,12 +483,13 @@ class _Run:
         _halt(self.stop, self.out, self.thread)
 
 
-class _Here:
-    """One iterator's epoch on a CPU, gathered in the caller's thread, with ``_Run``'s
-    interface (``ended``, ``end``, ``halt``). ``lock`` is held while a batch is gathered or
-    transformed, so that a ``halt`` from another thread (``close()``) waits for that batch;
-    whoever halts closes the prefetcher's iterator (which gives back what it staged ahead),
-    or the interpreter's exit does (a finalizer, as ``_Run``'s)."""
+class _CallerThreadEpoch:
+    """One iterator's epoch on a CPU, gathered in the caller's thread, with
+    ``_ProducerThreadEpoch``'s interface (``ended``, ``end``, ``halt``). ``lock`` is held
+    while a batch is gathered or transformed, so that a ``halt`` from another thread
+    (``close()``) waits for that batch; whoever halts closes the prefetcher's iterator
+    (which gives back what it staged ahead), or the interpreter's exit does (a finalizer, as
+    ``_ProducerThreadEpoch``'s)."""
 
     def __init__(self, order: Iterator[np.ndarray]) -> None:
         self.order = order
@@ -600,7 +609,7 @@ class DeviceLoader:
         self.prefetcher = Prefetcher(sampler, cache, load, stand_aside=False, **prefetch)
         self._gather, self.path = self._choose_gather(register)
         # The epoch of the latest iterator, while it is alive: close() stops it.
-        self._run: _Run | None = None
+        self._run: _ProducerThreadEpoch | None = None
         # The position in the epoch: its indices in the batches handed out by the latest
         # iterator (None before one of this epoch started): kept when an iterator is left
         # early, since the batches gathered ahead were never handed out.
@@ -631,10 +640,9 @@ class DeviceLoader:
         """Half of the positions the prefetcher loads ahead (of those it stages, where
         indices have no slot): a block of a CPU gather is at most that, so that the next
         block's loads run while this one is read."""
-        p = self.prefetcher
-        ahead = (p.window or 0) + p.lookahead
+        ahead = self.prefetcher.loads_ahead
         if not self.cache.slot_mask().all():
-            ahead = min(ahead, p.stage_ahead)
+            ahead = min(ahead, self.prefetcher.stage_ahead)
         return ahead // 2
 
     def __len__(self) -> int:
@@ -663,10 +671,10 @@ class DeviceLoader:
         order = self.prefetcher.batches(self.batch_size * block)
         self._position = self.prefetcher.position
         if self.path == "cpu":
-            run: _Here | _Run = _Here(order)
+            run: _CallerThreadEpoch | _ProducerThreadEpoch = _CallerThreadEpoch(order)
             batches = self._gathered_here(run)
         else:
-            run = _Run(self._produce, order, self.depth)
+            run = _ProducerThreadEpoch(self._produce, order, self.depth)
             batches = self._handed_over(run)
         self._run = run
         try:
@@ -676,7 +684,7 @@ class DeviceLoader:
             if self._run is run:
                 self._run = None
 
-    def _gathered_here(self, run: "_Here") -> Iterator[tuple[Any, torch.Tensor]]:
+    def _gathered_here(self, run: "_CallerThreadEpoch") -> Iterator[tuple[Any, torch.Tensor]]:
         """The CPU path's epoch: each block of batches gathered in this thread when the
         first of them is asked for, then each batch handed out (``transform`` applied)."""
         size = self.batch_size
@@ -701,7 +709,7 @@ class DeviceLoader:
                 self._position += n
                 yield batch, indices[start:start + n]
 
-    def _handed_over(self, run: "_Run") -> Iterator[tuple[Any, torch.Tensor]]:
+    def _handed_over(self, run: "_ProducerThreadEpoch") -> Iterator[tuple[Any, torch.Tensor]]:
         """A CUDA path's epoch: the batches the loader's thread gathers (``_produce``), taken
         from its queue."""
         while True:

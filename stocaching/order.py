@@ -16,22 +16,21 @@ where the base order put it::
 misses an epoch has; with a :class:`~stocaching.Prefetcher` (``prefetch.py``, which uses this
 order when given a ``window``) the order gives the loads lead time. See docs/order.md.
 
-This module imports only public names of ``stocaching``, so it also works copied next to
-``stocaching.py``; ``prefetch.py`` needs it beside it.
+This module imports only public names of ``stocaching`` and what the opt-in modules share in
+``_common.py`` (internal), so it also works copied next to ``stocaching.py`` and
+``_common.py``; ``prefetch.py`` needs it beside them.
 
-Contents: 1. the rule (``ready_first_order``), 2. one epoch's iteration and what a resume
-needs of the base order, 3. under trainers, 4. the sampler (``ReadyFirstSampler``).
+Contents: 1. the rule (``ready_first_order``), 2. one epoch's iteration, 3. the sampler
+(``ReadyFirstSampler``). What a resume needs of the base order, and the samplers under
+trainers, are in ``_common.py``, shared with the prefetcher.
 """
 
 from __future__ import annotations
 
 __all__ = ["ReadyFirstSampler", "WIDE_WINDOW_PART", "ready_first_order"]
 
-import hashlib
 import inspect
-import itertools
 import logging
-import sys
 import time
 import warnings
 from typing import Any, Callable, Iterator, Mapping
@@ -40,8 +39,18 @@ import numpy as np
 import torch
 
 try:  # inside the package
+    from ._common import (_GENERATOR_FIELDS, _base_of, _check_in_range,
+                          _checked_generator_state, _digest, _generator_state,
+                          _level_outside_stocaching, _order_differs, _OverDistributed,
+                          _RecordingSampler, _set_generator_state, _warn_unseeded,
+                          _wrapped_by_lightning)
     from .stocaching import BaseCache, check_int, dealt_by_accelerate, in_lightnings_wrapper
-except ImportError:  # copied beside stocaching.py
+except ImportError:  # copied beside stocaching.py and _common.py
+    from _common import (_GENERATOR_FIELDS, _base_of,  # type: ignore[no-redef]
+                         _check_in_range, _checked_generator_state, _digest, _generator_state,
+                         _level_outside_stocaching, _order_differs, _OverDistributed,
+                         _RecordingSampler, _set_generator_state, _warn_unseeded,
+                         _wrapped_by_lightning)
     from stocaching import (BaseCache, check_int,  # type: ignore[no-redef]
                             dealt_by_accelerate, in_lightnings_wrapper)
 
@@ -173,7 +182,7 @@ def ready_first_order(ready: Any, window: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. One epoch's iteration, and what a resume needs of the base order
+# 2. One epoch's iteration
 # ----------------------------------------------------------------------------------------------
 
 
@@ -234,268 +243,9 @@ class _Epoch:
         return bits
 
 
-def _digest(indices: np.ndarray) -> str:
-    return hashlib.blake2b(indices.astype("<i8", copy=False).tobytes(),
-                           digest_size=16).hexdigest()
-
-
-# A base that draws each epoch from a torch.Generator of its own (RandomSampler,
-# SubsetRandomSampler, WeightedRandomSampler with generator=...) gives as epoch k the generator's
-# k-th draw: its order is a function of the generator's state, not of a seed and an epoch
-# number, and a fresh sampler made with the same seed gives the first epoch's order again. A
-# resume therefore restores the generator's state: the one at the epoch's start (the epoch is
-# drawn again and the generator ends where it did), or, when the resumed epoch is not iterated
-# again (set_epoch of another epoch discards the position), the one after the epoch's draw.
-# States saved before these fields existed lack them: nothing is restored then.
-_GENERATOR_FIELDS = ("generator", "generator_after")
-
-
-def _generator_of(base: Any) -> torch.Generator | None:
-    """The ``torch.Generator`` the base order draws its epochs from, or None."""
-    generator = getattr(base, "generator", None)
-    return generator if isinstance(generator, torch.Generator) else None
-
-
-def _generator_state(base: Any) -> bytes | None:
-    """The state of the base's generator now, or None if it has none."""
-    generator = _generator_of(base)
-    return None if generator is None else generator.get_state().numpy().tobytes()
-
-
-def _checked_generator_state(base: Any, state: Mapping[str, Any], field: str
-                             ) -> torch.Tensor | None:
-    """``state[field]`` (a ``_generator_state``; None or absent: nothing to restore) as the
-    state of the base's generator; a ValueError where it cannot be one."""
-    value = state.get(field)
-    if value is None:
-        return None
-    generator = _generator_of(base)
-    if generator is None:
-        raise ValueError(f"state['{field}'] is the state of the base sampler's generator, but "
-                         f"this base sampler ({type(base).__name__}) has no torch.Generator: "
-                         f"make it as it was saved, with generator=torch.Generator()")
-    size = generator.get_state().numel()
-    if not isinstance(value, (bytes, bytearray)) or len(value) != size:
-        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else \
-            f"type {type(value).__name__}"
-        raise ValueError(f"state['{field}'] should be the {size} bytes of the state of the base "
-                         f"sampler's generator, but got {got}")
-    return torch.frombuffer(bytearray(value), dtype=torch.uint8)
-
-
-_GLOBAL_RNG_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
-                        torch.utils.data.WeightedRandomSampler)
-
-
-def _users_base(base: Any) -> Any:
-    """The user's sampler behind ``base`` (a prefetcher's order reads it through a _Tap)."""
-    return base.base if isinstance(base, _Tap) else base
-
-
-def _unseeded(base: Any) -> str:
-    """Why a mid-epoch state of ``base`` cannot be resumed, if its order comes from torch's
-    global generator (a ``RandomSampler`` made without a ``generator``); else ''."""
-    base = _users_base(base)
-    if isinstance(base, _GLOBAL_RNG_SAMPLERS) and base.generator is None:
-        return (f"the base sampler ({type(base).__name__}) has no generator, so it draws each "
-                f"epoch's order from torch's global generator, which the state does not hold; "
-                f"make it with generator=torch.Generator().manual_seed(seed) to resume mid-epoch")
-    return ""
-
-
-def _warn_unseeded(base: Any, warned: set[str]) -> None:
-    """Warn once (per sampler: ``warned``) that a mid-epoch state saved now will be refused
-    on resume, pointing at the first caller outside these modules (a ``state_dict`` may be
-    called by a ``Prefetcher`` or a ``DeviceLoader``)."""
-    why = _unseeded(base)
-    if why and "unseeded" not in warned:
-        warned.add("unseeded")
-        warnings.warn(f"this state cannot resume the epoch: {why}",
-                      stacklevel=_level_outside_stocaching())
-
-
-# The modules' names when they are copied side by side into a project, without the package.
-_COPIED_MODULES = ("stocaching", "order", "prefetch", "device", "samplers", "mixtures")
-
-
-def _level_outside_stocaching() -> int:
-    """The ``stacklevel`` of ``warnings.warn``, called by the caller of this function, that
-    names the first frame outside stocaching's modules (the package's, or the modules copied
-    side by side into a project)."""
-    package = __name__.rpartition(".")[0]
-    frame, level = sys._getframe(1), 1  # level 1: the frame that calls warnings.warn
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        ours = name.startswith(package + ".") if package else name in _COPIED_MODULES
-        if not ours:
-            return level
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _order_differs(epoch: Any, base: Any) -> ValueError:
-    """The refusal of a resume whose base order is not the saved one."""
-    why = _unseeded(base) or (f"the base sampler ({type(_users_base(base)).__name__}) "
-                              f"should give the same order for the same seed and epoch "
-                              f"(set_epoch): load its seed and epoch as saved (and each rank "
-                              f"its own state)")
-    return ValueError(f"the base order of epoch {epoch} differs from the one the loaded state "
-                      f"was saved from: {why}")
-
-
-def _set_generator_state(base: Any, value: torch.Tensor | None) -> None:
-    """Set the base's generator to ``value`` (from ``_checked_generator_state``), if any."""
-    if value is not None:
-        _generator_of(base).set_state(value)  # type: ignore[union-attr]
-
-
-class _Tap:
-    """Passes a sampler through and keeps the order of its latest epoch, which the
-    prefetcher reads ahead in; other attributes are the sampler's."""
-
-    def __init__(self, base: Any, dataset_len: int) -> None:
-        if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
-            raise TypeError(f"sampler should be a Sampler or an iterable of ints with a length, "
-                            f"but got sampler of type {type(base).__name__}")
-        self.base, self.dataset_len = base, dataset_len
-        self.order = np.zeros(0, dtype=np.int64)
-        # Whether the base records a position (its state_dict takes consumed), and else its
-        # state when the latest epoch started (None without state_dict).
-        state_dict = getattr(base, "state_dict", None)
-        try:
-            self.positional = state_dict is not None and \
-                "consumed" in inspect.signature(state_dict).parameters
-        except (TypeError, ValueError):
-            self.positional = False
-        self.start_state: Any = None
-        # The state of its generator (see _generator_of) before and after the latest epoch's
-        # order was drawn.
-        self.generators: tuple[bytes | None, bytes | None] = (None, None)
-        self._digest: str | None = None
-        # Under accelerate's prepare(): the positions of the epoch this process reads (bool),
-        # which alone it passes on; the whole epoch's order; whether take() has listed an
-        # epoch that __iter__ has not passed on yet.
-        self.keep: np.ndarray | None = None
-        self.full = self.order
-        self._taken = False
-
-    def __len__(self) -> int:
-        return len(self.base) if self.keep is None else int(np.count_nonzero(self.keep))
-
-    def take(self) -> None:
-        """List the base's epoch now; the next ``__iter__`` passes it on."""
-        self.start_state = self.state_now()
-        before = _generator_state(self.base)
-        order = np.asarray(list(self.base), dtype=np.int64)
-        self.generators = (before, _generator_state(self.base))
-        _check_in_range("sampler", order, self.dataset_len)
-        if self.keep is not None and order.size != self.keep.size:
-            raise ValueError(f"sampler should yield len(sampler)={self.keep.size} indices per "
-                             f"epoch, but it yielded {order.size}")
-        self.full = order
-        self.order = order if self.keep is None else order[self.keep]
-        self._digest, self._taken = None, True
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.epoch().tolist())
-
-    def epoch(self) -> np.ndarray:
-        """The order that ``__iter__`` passes on, as an array (listed now, unless ``take``
-        did it already)."""
-        if not self._taken:
-            self.take()
-        self._taken = False
-        return self.order
-
-    def state_now(self) -> Any:
-        """The base's own state now (None if it has none, or records a position)."""
-        state_dict = getattr(self.base, "state_dict", None)
-        return None if state_dict is None or self.positional else state_dict()
-
-    @property
-    def digest(self) -> str:
-        """Fingerprint of the latest epoch's order."""
-        if self._digest is None:
-            self._digest = _digest(self.order)
-        return self._digest
-
-    def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
-        return getattr(self.__dict__["base"], name)
-
 
 # ----------------------------------------------------------------------------------------------
-# 3. Under trainers: a DistributedSampler over one, the positions accelerate deals a process
-# ----------------------------------------------------------------------------------------------
-
-#: What a sampler over a ``DistributedSampler`` shows of it, to be one too.
-_MIRRORED = ("dataset", "num_replicas", "rank", "shuffle", "seed", "drop_last", "num_samples",
-             "total_size")
-
-
-class _OverDistributed(torch.utils.data.DistributedSampler):
-    """What makes a sampler over a ``DistributedSampler`` one too: the base's arguments and
-    attributes (``_MIRRORED``), read from it, so that trainers which replace any sampler that
-    is not distributed (Lightning's ``use_distributed_sampler=True``) leave it as it is.
-    ``DistributedSampler.__init__`` is not called: the base has done what it does. The
-    subclass says where its base is (``_distributed_base``)."""
-
-    def _distributed_base(self) -> torch.utils.data.DistributedSampler:
-        raise NotImplementedError
-
-
-def _mirror(name: str) -> property:
-    return property(lambda self: getattr(self._distributed_base(), name),
-                    doc=f"The base sampler's ``{name}``.")
-
-
-for _name in _MIRRORED:
-    setattr(_OverDistributed, _name, _mirror(_name))
-del _name
-
-
-def _base_of(args: tuple, kwargs: dict, keyword: str) -> Any:
-    """The first argument of a constructor, given by position or as ``keyword``."""
-    return args[0] if args else kwargs.get(keyword)
-
-
-def _positions_dealt(shard: Any, sampler: Any, n: int) -> np.ndarray | None:
-    """Which of the ``n`` positions of ``sampler``'s epoch the process of ``shard`` (accelerate's
-    ``BatchSamplerShard``) reads, as a bool mask: found by running a shard like it over the
-    positions themselves, so that accelerate's own rules (batches dealt in turn or split, the
-    last round evened out or dropped) decide. None unless the shard's batches are a torch
-    ``BatchSampler`` drawing from ``sampler`` itself (positions of anything else are unknown)."""
-    inner = shard.batch_sampler
-    if not isinstance(inner, torch.utils.data.BatchSampler) or inner.sampler is not sampler \
-            or inner.batch_size is None:
-        return None
-    positions = torch.utils.data.BatchSampler(range(n), inner.batch_size, inner.drop_last)
-    like = type(shard)(positions, num_processes=shard.num_processes,
-                       process_index=shard.process_index, split_batches=shard.split_batches,
-                       even_batches=shard.even_batches)
-    read = np.fromiter(itertools.chain.from_iterable(like), dtype=np.int64)
-    # Positions come in increasing order until even_batches fills the last round with the
-    # epoch's first indices again: those the shard takes from batches already drawn.
-    back = np.flatnonzero(np.diff(read) <= 0)
-    mine = np.zeros(n, dtype=bool)
-    mine[read[:back[0] + 1] if back.size else read] = True
-    return mine
-
-
-def _wrapped_by_lightning(what: str, base: Any, cost: str = "") -> str:
-    """The warning of a sampler that Lightning's default wrapped: what it costs, the fix."""
-    split = ", of this rank's share, already split over the ranks" \
-        if getattr(base, "num_replicas", 1) > 1 else ""
-    return (f"Lightning (use_distributed_sampler=True) put this {what} inside a "
-            f"DistributedSampler of its own, since its base sampler ({type(base).__name__}) is "
-            f"not one: that wrapper lists the whole epoch at its start{cost} and trains each "
-            f"rank on a share of the list{split}. Give the {what} a DistributedSampler or a "
-            f"CacheAwareSampler as its base (for a WeightedMixtureSampler: "
-            f"CacheAwareSampler(dataset, batch_size=..., order=it)): the {what} is then a "
-            f"DistributedSampler too, which Lightning leaves alone")
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. The sampler: ReadyFirstSampler
+# 3. The sampler: ReadyFirstSampler
 # ----------------------------------------------------------------------------------------------
 
 
@@ -522,13 +272,6 @@ def _warn_wide_window_over_first_indices(ready: Any, window: int, length: int) -
         f"which can wreck training. Make the cache with random_subset=True, or keep window <= "
         f"{length // WIDE_WINDOW_PART} (see 'Which samples are cached' in docs/order.md)",
         stacklevel=_level_outside_stocaching())
-
-
-def _check_in_range(name: str, indices: np.ndarray, dataset_len: int) -> None:
-    """Raise unless every index that ``name`` yielded is in ``[0, dataset_len)``."""
-    if indices.size and (indices.min() < 0 or indices.max() >= dataset_len):
-        raise ValueError(f"{name} should yield indices in [0, {dataset_len}) (the cache's "
-                         f"dataset_len), but it yielded {indices.min()}..{indices.max()}")
 
 
 class ReadyFirstSampler(torch.utils.data.Sampler[int]):
@@ -804,7 +547,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         state["emitted"] = np.packbits(ep.emitted_before(consumed, lo, hi)).tobytes()
         if self.mode == "fixed":
             state["ready"] = np.packbits(ep.mask[lo:]).tobytes()
-        if consumed < n and not isinstance(self.base, _Tap):  # (a prefetcher's: it warns)
+        # (not a prefetcher's order: the prefetcher warns)
+        if consumed < n and not isinstance(self.base, _RecordingSampler):
             _warn_unseeded(self.base, self._warned)
         return state
 

@@ -24,12 +24,15 @@ Reordering cannot change how many misses an epoch has ((1 - f) * N with a fracti
 dataset cached); the prefetcher hides their latency, and the order gives it lead time and
 routes around misses that are not loaded yet. See docs/prefetch.md and docs/order.md.
 
-This module imports only public names of ``stocaching`` and the order's module, so it also
-works copied next to ``stocaching.py`` and ``order.py``.
+This module imports only public names of ``stocaching`` and the order's module, and what the
+opt-in modules share in ``_common.py`` (internal), so it also works copied next to
+``stocaching.py``, ``_common.py`` and ``order.py``.
 
 Contents: 1. its error and how loader processes start, 2. standing aside (measuring the
-loads), 3. the ``Prefetcher``, 4. staged samples given back, 5. an epoch's loads and a load,
-6. the loaders in threads, 7. the loaders in processes.
+loads), 3. the ``Prefetcher``, which holds one collaborator per concern: 4. staging (its staged
+samples, given back however an epoch ends), 5. what a cache of open sizes refused, 6. its own
+resume over a base that cannot record a position; then 7. an epoch's loads and a load, 8. the
+loaders in threads, 9. the loaders in processes.
 """
 
 from __future__ import annotations
@@ -58,17 +61,19 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .order import (ReadyFirstSampler, _base_of, _checked_generator_state, _generator_state,
-                        _order_differs, _OverDistributed, _positions_dealt, _set_generator_state,
-                        _Tap, _warn_unseeded, _wrapped_by_lightning)
-    from .stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache, check_int,
-                             dealt_by_accelerate, in_lightnings_wrapper)
-except ImportError:  # copied beside stocaching.py and order.py
-    from order import (ReadyFirstSampler, _base_of,  # type: ignore[no-redef]
-                       _checked_generator_state, _generator_state, _order_differs,
-                       _OverDistributed, _positions_dealt, _set_generator_state, _Tap,
-                       _warn_unseeded, _wrapped_by_lightning)
-    from stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache,  # type: ignore[no-redef]
+    from ._common import (_base_of, _checked_generator_state, _generator_state, _order_differs,
+                          _OverDistributed, _positions_dealt, _RecordingSampler,
+                          _set_generator_state, _warn_unseeded, _wrapped_by_lightning)
+    from .order import ReadyFirstSampler
+    from .stocaching import (MAX_STAGE_TAG, BaseCache, check_int, dealt_by_accelerate,
+                             in_lightnings_wrapper)
+except ImportError:  # copied beside stocaching.py, _common.py and order.py
+    from _common import (_base_of, _checked_generator_state,  # type: ignore[no-redef]
+                         _generator_state, _order_differs, _OverDistributed, _positions_dealt,
+                         _RecordingSampler, _set_generator_state, _warn_unseeded,
+                         _wrapped_by_lightning)
+    from order import ReadyFirstSampler  # type: ignore[no-redef]
+    from stocaching import (MAX_STAGE_TAG, BaseCache,  # type: ignore[no-redef]
                             check_int, dealt_by_accelerate, in_lightnings_wrapper)
 
 logger = logging.getLogger("stocaching")
@@ -125,9 +130,7 @@ _CPU_BOUND_WAIT_SHARE = 0.25
 # While the loads are CPU-bound, one miss in this many is still loaded, to keep measuring.
 _PROBE_EVERY = 16
 # Once the loads are measured and not CPU-bound, one load in this many is timed; probes, and
-# loads before the verdict, always are. (Reading the scheduler statistics twice cost a loader
-# thread about 50 us of CPU a load on 2 busy cores, 3 us when idle: docs/design.md,
-# "Where a miss's CPU goes on 2 cores".)
+# loads before the verdict, always are. See docs/design.md, "Where a miss's CPU goes on 2 cores".
 _TIME_EVERY = 8
 
 
@@ -175,7 +178,7 @@ class _WaitMeter:
             self._fd = -1
 
 
-class _ReadyOrAside:
+class _ReadyUnlessCpuBound:
     """The ready bits of the adaptive order under a prefetcher: the cache's, but every index
     while the loads are CPU-bound. A miss left to the ``DataLoader`` then costs its workers
     the same CPU at any position, so putting ready samples first saves nothing; it only
@@ -237,6 +240,64 @@ class _LoadTimes:
         return (f"{bound} of the latest {len(recent)} timed loads were, and they waited "
                 f"{sum(r[0] for r in recent) / n / 1e6:.2f} ms a load for "
                 f"{sum(r[1] for r in recent) / n / 1e6:.2f} ms of CPU")
+
+
+class _EpochMeasuring:
+    """One epoch's measuring of the loads, for standing aside: the measuring throttle while
+    the first loads are measured (:meth:`throttled`), which loads are timed
+    (:meth:`submitted`), and the probes while standing aside (:meth:`stands_aside`). The
+    verdict is the prefetcher's :class:`_LoadTimes`, over epochs; the counts here are this
+    epoch's."""
+
+    __slots__ = ("times", "stand_aside", "on", "submitted", "finished_before",
+                 "in_flight_while_measuring", "aside")
+
+    times: _LoadTimes  # the prefetcher's, written by its loaders
+    stand_aside: bool  # the prefetcher's stand_aside
+    on: bool  # measuring at all: stand_aside, where the loads can be timed (_WaitMeter.WORKS)
+    submitted: int  # loads submitted this epoch
+    finished_before: int  # loads finished before this epoch (times.seen at its start)
+    in_flight_while_measuring: int  # loads in flight at most while measuring
+    aside: int  # misses seen while standing aside, probes included
+
+    def __init__(self, times: _LoadTimes, *, stand_aside: bool,
+                 in_flight_while_measuring: int) -> None:
+        self.times, self.stand_aside = times, stand_aside
+        self.on = stand_aside and _WaitMeter.WORKS
+        self.submitted, self.finished_before = 0, times.seen
+        self.in_flight_while_measuring = in_flight_while_measuring
+        self.aside = 0
+
+    def cpu_bound(self) -> bool:
+        """Whether the prefetcher stands aside now: the loads are CPU-bound."""
+        return self.stand_aside and self.times.cpu_bound()
+
+    def stands_aside(self) -> bool:
+        """With CPU-bound loads, whether the next miss is left to the DataLoader: all but one
+        miss in ``_PROBE_EVERY``, which is still loaded, to measure."""
+        self.aside += 1
+        return bool(self.aside % _PROBE_EVERY)
+
+    def throttled(self, bound: bool) -> bool:
+        """Whether no load may be submitted now: the measuring throttle.
+
+        Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and until
+        then, and while standing aside (``bound``: the probes), one load a loader process
+        runs at a time (each job goes to the least busy; two with threads): loads that share
+        a GIL wait for it, which would count as waiting on storage and hide CPU-bound loads.
+        See docs/design.md, "The measuring throttle"."""
+        known = self.times.known()
+        return self.on and (bound or not known) and (
+            (not known and self.submitted >= 2 * _LoadTimes.KEEP) or
+            self.submitted - (self.times.seen - self.finished_before) >=
+            self.in_flight_while_measuring)
+
+    def submitted_one(self, bound: bool) -> bool:
+        """Count a load submitted; whether its loader times it (see ``_TIME_EVERY``)."""
+        timed = self.on and (bound or not self.times.known() or
+                             self.submitted % _TIME_EVERY == 0)
+        self.submitted += 1
+        return timed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,6 +412,40 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             (``stand_aside``), over all epochs.
     """
 
+    # configuration (checked arguments)
+    cache: BaseCache
+    load: Callable[[int], Any]
+    window: int | None
+    threads: int
+    processes: int
+    lookahead: int
+    timeout: float
+    stand_aside: bool
+    _mp_context: Any
+    # the order: the user's sampler recorded as it passes, and the order iterated over it
+    _recording: _RecordingSampler
+    _order: Any  # _recording itself, or a ReadyFirstSampler over it
+    # collaborators, one concern each
+    _load_times: _LoadTimes  # standing aside: the latest timed loads, over epochs
+    _tag: int  # this prefetcher's number in the cache (its staged samples, read_tags)
+    _staging: _Staging  # its staged samples, given back however an epoch ends
+    _refusals: _ArenaRefusals  # what a cache of open sizes did not keep
+    _resume_by_skipping: _ResumeBySkipping  # its own resume, over a base without a position
+    _give_back: weakref.finalize  # gives back every staged sample when the prefetcher goes
+    # the loaders: threads of the running epoch, or processes for every epoch
+    _pool: "_LoaderPool | None"
+    _procs: "_ProcessLoaderPool | None"
+    _running: dict[int, "_Job"]  # loads running in a loader thread, over epochs
+    _lock: threading.Lock  # guards _running and the counters
+    # counters, over all epochs
+    loaded: int
+    dropped: int
+    left: int
+    # the position: [start, yielded] of the latest iterator of this epoch, the latest set_epoch
+    _progress: list | None
+    _epoch: int | None
+    _warned: set[str]  # the trainers it warned about
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "Prefetcher":
         if cls is Prefetcher and isinstance(_base_of(args, kwargs, "sampler"),
                                             torch.utils.data.DistributedSampler):
@@ -388,46 +483,35 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self.stand_aside = stand_aside
         self._mp_context = _start_context(multiprocessing_context)
         self.cache, self.load = cache, load
-        self._tap = _Tap(sampler, cache.dataset_len)
+        self._recording = _RecordingSampler(sampler, cache.dataset_len)
         self.window = None if window is None else check_int("window", window, low=1)
         self._load_times = _LoadTimes()
-        # The adaptive order serves the base order while standing aside (see _ReadyOrAside);
-        # the fixed one stays a function of the cache state at the epoch's start.
+        # The adaptive order serves the base order while standing aside (see
+        # _ReadyUnlessCpuBound); the fixed one stays a function of the cache state at the
+        # epoch's start.
         ready = cache if mode == "fixed" or not stand_aside else \
-            _ReadyOrAside(cache, self._load_times)
-        self._order: Any = self._tap if window is None else \
-            ReadyFirstSampler(self._tap, ready, window=self.window, mode=mode)
-        lws = cache.world.local_world_size
-        self._stage_ahead = cache.staging_slots // (2 * lws)
-        # What this prefetcher staged is tagged with a number of its own, so that it gives
-        # back only its own samples (another rank's prefetcher may stage the same index).
+            _ReadyUnlessCpuBound(cache, self._load_times)
+        self._order = self._recording if window is None else \
+            ReadyFirstSampler(self._recording, ready, window=self.window, mode=mode)
         self._tag = secrets.randbelow(MAX_STAGE_TAG + 1)
-        self._staged = _Staged()  # what this prefetcher staged, and the stages under way
-        self._staging_slots = cache.staging_slots
-        self._pool: _LoaderPool | None = None  # the loader threads of the running epoch
-        # Indices whose loaded sample the cache did not keep (open sizes, arena full; a byte
-        # an index), and the most of the arena seen in use: see __iter__.
-        self._may_refuse = cache.may_refuse  # a cache of open sizes
-        self._refused = np.zeros(cache.dataset_len if self._may_refuse else 0, dtype=bool)
-        self._arena_used = 0
+        self._staging = _Staging(cache, self._tag)
+        self._refusals = _ArenaRefusals(cache)
+        self._resume_by_skipping = _ResumeBySkipping(self._recording)
         # Given back when the prefetcher goes: another rank's prefetcher does not take them
         # (each counts only its own tag as ready), so they would hold staging slots.
-        self._give_back = weakref.finalize(self, _give_back_staged, cache, self._tag,
-                                           self._staged)
-        # Loads running in a loader thread, over epochs: an epoch abandoned mid-load leaves
-        # its loads running, and the next epoch waits for those instead of starting again.
-        self._running: dict[int, _Job] = {}
-        self._lock = threading.Lock()  # guards the two above and the counters
-        self.loaded = 0  # loads finished, over all epochs: what the benchmark reports
-        self.dropped = 0  # loads whose sample found no free staging slot in time, all epochs
+        self._give_back = weakref.finalize(self, self._staging.give_back_all)
+        self._pool = None
+        # An epoch abandoned mid-load leaves its loads running, and the next epoch waits for
+        # those instead of starting again.
+        self._running = {}
+        self._lock = threading.Lock()
+        self.loaded = 0  # loads finished: what the benchmark reports
+        self.dropped = 0  # loads whose sample found no free staging slot in time
         self.left = 0  # misses left to the DataLoader while the loads were CPU-bound
-        self._procs: _ProcessLoaderPool | None = None  # with processes=N
-        # What the latest iterator of this epoch yielded: [the position it started from,
-        # indices yielded], the default position of state_dict(); None before one started.
-        self._progress: list | None = None
-        self._epoch: int | None = None  # the latest set_epoch
-        self._skip_loaded: dict | None = None  # see _skip_state
-        self._warned: set[str] = set()  # the trainers it warned about
+        self._procs = None
+        self._progress = None  # (the default position of state_dict(); None before one ran)
+        self._epoch = None
+        self._warned = set()
         if self.processes:
             self._procs = self._start_processes()
         # This rank's workers read this rank's copies only: with epochs that drift apart, two
@@ -436,8 +520,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         cache.read_tags = cache.read_tags | {self._tag}
 
     def _start_processes(self) -> "_ProcessLoaderPool":
-        flags = 4 * ((self.window or 0) + self.lookahead) + 64  # > jobs alive, as a rule
-        return _ProcessLoaderPool(self, flags, self._mp_context, tag=self._tag,
+        flags = 4 * self.loads_ahead + 64  # > jobs alive, as a rule
+        return _ProcessLoaderPool(self, self.cache, self.load, self.processes, self.threads,
+                                  flags, self._mp_context, tag=self._tag,
                                   settled=weakref.WeakMethod(self._settled))
 
     def _settled(self, idx: int, kind: str, times: tuple[int, int] | None) -> None:
@@ -445,15 +530,15 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         'refused' (no room for an open size), 'staged' or 'dropped'), measured by
         ``times`` (see :class:`_WaitMeter`)."""
         self._load_times.add(times)
+        if kind == "refused":
+            self._refusals.add(idx)
+        if kind == "staged":
+            self._staging.add(idx)
         with self._lock:
-            if kind != "dropped":
-                self.loaded += 1
-            if kind == "refused" and self._may_refuse:
-                self._refused[idx] = True
-            if kind == "staged":
-                self._staged.add(idx)
             if kind == "dropped":
                 self.dropped += 1
+            else:
+                self.loaded += 1
 
     def close(self) -> None:
         """Stop the loads (the loader threads of a running epoch, whose iterator then raises
@@ -467,26 +552,26 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         if self._procs is not None:
             self._procs.close()
             self._procs = None
-        _give_back_staged(self.cache, self._tag, self._staged, final=False)
+        self._staging.give_back_all(final=False)
 
     def __len__(self) -> int:
-        return len(self._tap.base)
+        return len(self._recording.base)
 
     @property
     def base(self) -> Any:
         """The base order, ``sampler``."""
-        return self._tap.base
+        return self._recording.base
 
     @property
     def generator(self) -> Any:
         """The base sampler's ``generator`` (an AttributeError if it has none): accelerate's
         ``prepare()`` shares it between its processes, as for a ``RandomSampler`` of its own,
         so that every process draws the same order."""
-        return self._tap.base.generator
+        return self._recording.base.generator
 
     @generator.setter
     def generator(self, value: Any) -> None:
-        self._tap.base.generator = value
+        self._recording.base.generator = value
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the order (and so to the base sampler, if it has one)."""
@@ -494,21 +579,20 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             self._order.set_epoch(epoch)
         if epoch != self._epoch:  # (the same epoch again keeps the position)
             self._progress = None
-            loaded, self._skip_loaded = self._skip_loaded, None
-            if loaded is not None and 0 < loaded["consumed"] < loaded["len"]:
-                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
-                              f"epoch {loaded['epoch']} ({loaded['consumed']} of "
-                              f"{loaded['len']} indices consumed)", stacklevel=2)
-            if loaded is not None:  # the loaded epoch is not drawn again: go on from after it
-                _set_generator_state(self._tap.base, _checked_generator_state(
-                    self._tap.base, loaded, "generator_after"))  # (checked when loaded)
+            self._resume_by_skipping.discard(epoch)
         self._epoch = epoch
 
     @property
     def stage_ahead(self) -> int:
         """The most samples this prefetcher keeps staged ahead of what it has yielded: half
         of the cache's staging slots, shared among its local ranks."""
-        return self._stage_ahead
+        return self._staging.most_ahead
+
+    @property
+    def loads_ahead(self) -> int:
+        """The most positions of the base order past the one the ``DataLoader`` is at that
+        this prefetcher keeps loading: ``window`` (0 without one) plus ``lookahead``."""
+        return (self.window or 0) + self.lookahead
 
     @property
     def position(self) -> int:
@@ -546,97 +630,36 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         progress = self._progress
         if consumed is None and progress is not None:
             consumed = progress[0] + progress[1]
-        if self.window is None and not self._tap.positional:
-            state = self._skip_state(consumed)
+        if self.window is None and not self._recording.positional:
+            state = self._resume_by_skipping.state(self._epoch, consumed, progress is not None)
         elif consumed is None:  # no iterator of this epoch has started: the order knows
             state = self._order.state_dict()
         else:
             state = self._order.state_dict(consumed=consumed)
         # (not state["consumed"]: a base's own state need not have it; and under accelerate's
-        # prepare(), consumed counts this process's positions: len(self._tap))
-        if progress is not None and consumed < len(self._tap):
-            _warn_unseeded(self._tap, self._warned)
+        # prepare(), consumed counts this process's positions: len(self._recording))
+        if progress is not None and consumed < len(self._recording):
+            _warn_unseeded(self._recording, self._warned)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``, a dict from ``state_dict()``: the next iterator yields
         the rest of its epoch."""
-        if self.window is None and not self._tap.positional:
-            self._load_skip_state(state)
+        if self.window is None and not self._recording.positional:
+            self._resume_by_skipping.load(state)
         else:
             self._order.load_state_dict(state)
         self._progress = None
         self._epoch = state.get("epoch")  # a set_epoch of this epoch keeps the position
 
-    # A base that cannot record a position (no state_dict(consumed=...)), without a window:
-    # the prefetcher's own state says how many indices of the epoch's base order were used,
-    # with a fingerprint of that order, and a resume takes the base's epoch again and skips
-    # them (the base's epoch must be reproducible: seeded, set_epoch, or its generator's state
-    # restored, see _generator_of; another order is refused). The generator fields are not
-    # required: older states lack them.
-    _SKIP_FIELDS = ("epoch", "consumed", "len", "base", "order_digest")
-
-    def _skip_state(self, consumed: int | None) -> dict[str, Any]:
-        n, loaded = len(self), self._skip_loaded
-        if consumed is not None:
-            consumed = check_int("consumed", consumed, low=0, high=n)
-        if self._progress is None:  # no iterator of this epoch has started
-            if loaded is not None:
-                if consumed is not None and consumed != loaded["consumed"]:
-                    raise ValueError(f"consumed should be {loaded['consumed']} (the position "
-                                     f"loaded by load_state_dict; no iterator has run since), "
-                                     f"but got consumed={consumed}")
-                return dict(loaded)
-            if consumed:
-                raise ValueError(f"consumed should be 0: no iterator of this epoch has run, "
-                                 f"but got consumed={consumed}")
-            return {"epoch": self._epoch, "consumed": 0, "len": n,
-                    "base": self._tap.state_now(), "order_digest": None,
-                    "generator": _generator_state(self._tap.base), "generator_after": None}
-        before, after = self._tap.generators
-        return {"epoch": self._epoch, "consumed": consumed, "len": n,
-                "base": self._tap.start_state, "order_digest": self._tap.digest,
-                "generator": before, "generator_after": after}
-
-    def _load_skip_state(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict from Prefetcher.state_dict(), but got "
-                            f"{type(state).__name__}")
-        missing = sorted(set(self._SKIP_FIELDS) - set(state))
-        if missing:
-            raise ValueError(f"state should be a dict from Prefetcher.state_dict() (without a "
-                             f"window, over {type(self._tap.base).__name__}), but it lacks "
-                             f"{missing}")
-        n = len(self)
-        if state["len"] != n:
-            raise ValueError(f"state['len'] should be this prefetcher's len={n}, but got "
-                             f"state['len']={state['len']!r}")
-        consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
-        epoch = state["epoch"]
-        if epoch is not None:
-            epoch = check_int("state['epoch']", epoch, low=0)
-        digest = state["order_digest"]
-        if digest is not None and not isinstance(digest, str) or digest is None and consumed:
-            raise ValueError(f"state['order_digest'] should be a str for consumed={consumed}, "
-                             f"but got state['order_digest']={digest!r}")
-        base = self._tap.base
-        generator = _checked_generator_state(base, state, "generator")
-        _checked_generator_state(base, state, "generator_after")
-        if state["base"] is not None and hasattr(base, "load_state_dict"):
-            base.load_state_dict(state["base"])
-        elif epoch is not None and hasattr(base, "set_epoch"):
-            base.set_epoch(epoch)
-        _set_generator_state(base, generator)
-        self._skip_loaded = dict(state, consumed=consumed, epoch=epoch) if digest else None
-
     def __iter__(self) -> Iterator[int]:
         if "lightning" not in self._warned and in_lightnings_wrapper():
             self._warned.add("lightning")
             warnings.warn(_wrapped_by_lightning(
-                "Prefetcher", self._tap.base, " (the prefetcher loads every sample of it before "
-                "the first batch)"), stacklevel=2)
+                "Prefetcher", self._recording.base, " (the prefetcher loads every sample of it "
+                "before the first batch)"), stacklevel=2)
         mine = self._dealt_positions()
-        self._tap.keep = mine
+        self._recording.keep = mine
         if mine is None:
             for block in self._iter_loaded(1):
                 yield block[0]
@@ -644,10 +667,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # Under accelerate's prepare(): every position is yielded, this process's once loaded,
         # in the order of the loads (the window reorders them among themselves); the others,
         # which the shard passes over here, at once.
-        self._tap.take()
+        self._recording.take()
         loaded = self._iter_loaded(1)
         try:
-            for idx, ours in zip(self._tap.full.tolist(), mine.tolist()):
+            for idx, ours in zip(self._recording.full.tolist(), mine.tolist()):
                 yield next(loaded)[0] if ours else idx
         finally:
             loaded.close()
@@ -660,7 +683,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         per index (see "The batch path's costs" in docs/design.md). Not under accelerate's
         ``prepare()``."""
         batch_size = check_int("batch_size", batch_size, low=1)
-        self._tap.keep = None
+        self._recording.keep = None
         return self._iter_loaded(batch_size, arrays=True)
 
     def _dealt_positions(self) -> np.ndarray | None:
@@ -670,7 +693,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         shard = dealt_by_accelerate(self)
         if shard is None:
             return None
-        base = self._tap.base
+        base = self._recording.base
         # (a base with for_accelerate(), a CacheAwareSampler, says so itself)
         if getattr(base, "num_replicas", 1) > 1 and not hasattr(base, "for_accelerate") and \
                 "accelerate" not in self._warned:
@@ -688,27 +711,21 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         """The epoch's indices of this process (all of them, but under ``prepare()``), in
         lists of ``block`` positions (int64 arrays if ``arrays``), each yielded once its
         samples are loaded: refill the window ahead, wait for the loads now due, yield."""
-        self._give_back_unread()
-        # A miss whose sample the cache refused (open sizes, the arena full) is left to the
-        # workers from the next epoch on: loaded ahead, it would be refused again and the
-        # worker would load it a second time. A clear(), the only way the arena's use goes
-        # down, gives room back: they are loaded ahead again. (Seen as less in use than the
-        # most seen at an epoch's start or end: a clear() whose arena filled up again past
-        # that before the next epoch's start goes unseen, and those stay with the workers.)
-        self._note_arena(clear_refused=True)
+        self._staging.give_back_unread()
+        self._refusals.note_arena(clear_refused=True)  # (a clear() gives room back)
         # Without a window, iterating yields the base order from ``pos`` on: it is sliced.
         sliced = arrays and self.window is None
         if sliced:
-            self._tap.epoch()  # the base order is taken now
+            self._recording.epoch()  # the base order is taken now
             order_it: Iterator[int] = iter(())
         else:
-            order_it = iter(self._order)  # (by the tap)
+            order_it = iter(self._order)  # (recorded by self._recording)
         order_it, start, pos, skip = self._resume(order_it)
         progress = self._progress = [start, 0]
-        run = _EpochLoads(self._tap.order, pos, skip, (self.window or 0) + self.lookahead,
-                          self._loaders(), dropped=self.dropped, left=self.left,
-                          measuring=self.stand_aside and _WaitMeter.WORKS,
-                          measured=self._load_times.seen, careful=self.processes or 2)
+        measuring = _EpochMeasuring(self._load_times, stand_aside=self.stand_aside,
+                                    in_flight_while_measuring=self.processes or 2)
+        run = _EpochLoads(self._recording.order, pos, skip, self.loads_ahead, self._loaders(),
+                          measuring, dropped=self.dropped, left=self.left)
         half, pool = run.span // 2, run.pool
         try:
             while True:
@@ -720,7 +737,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                     break
                 due = run.pos + len(ids)  # the positions [pos, due) are yielded now
                 # Refill half a span at a time: one ready_mask call per chunk.
-                if run.nxt - (due - 1) <= half:
+                if run.refill_from - (due - 1) <= half:
                     self._refill(run, due)
                 pool.flush()  # the jobs of this refill go out together
                 if run.pending:
@@ -731,20 +748,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         finally:
             self._end_epoch(run)
 
-    def _give_back_unread(self) -> None:
-        """Give back what this prefetcher staged last epoch, yielded and never read."""
-        staged = self._staged.take()
-        if staged:
-            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
-            for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self._tag)].tolist():
-                self.cache.unstage(idx, tag=self._tag)
-
     def _resume(self, order_it: Iterator[int]
                 ) -> tuple[Iterator[int], int, int, np.ndarray]:
         """The resume skip: the epoch's order from where this iterator starts, the position
-        of the epoch it starts from, the same in the base order (``_Tap.order``), and which
-        base positions from 0 on were yielded before it (not loaded again)."""
-        base = self._tap.order
+        of the epoch it starts from, the same in the base order (``_RecordingSampler.order``),
+        and which base positions from 0 on were yielded before it (not loaded again)."""
+        base = self._recording.order
         if self.window is not None:
             # A resumed ReadyFirstSampler yields from step ``start`` on; base positions it
             # emitted before are not loaded again.
@@ -753,11 +762,11 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         else:
             # The position this iterator starts from: a resumed base yields only the rest,
             # and one that cannot resume is skipped to the loaded position.
-            start, pos, skip = len(self._tap) - len(base), 0, np.zeros(0, dtype=bool)
-        loaded, self._skip_loaded = self._skip_loaded, None
+            start, pos, skip = len(self._recording) - len(base), 0, np.zeros(0, dtype=bool)
+        loaded = self._resume_by_skipping.take()
         if loaded is not None and self.window is None:
-            if base.size != loaded["len"] or self._tap.digest != loaded["order_digest"]:
-                raise _order_differs(loaded["epoch"], self._tap)
+            if base.size != loaded["len"] or self._recording.digest != loaded["order_digest"]:
+                raise _order_differs(loaded["epoch"], self._recording)
             pos = start = loaded["consumed"]
             skip = np.ones(pos, dtype=bool)
             order_it = itertools.islice(order_it, pos, None)
@@ -776,78 +785,51 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         return self._pool
 
     def _refill(self, run: "_EpochLoads", due: int) -> None:
-        """Submit the misses among the base positions from ``run.nxt`` up to a span past the
-        last position due, in order; stop early where the measuring throttle
-        (``_throttled``) or the staging limit says so."""
+        """Submit the misses among the base positions from ``run.refill_from`` up to a span
+        past the last position due, in order; stop early where the measuring throttle
+        (``_EpochMeasuring.throttled``) or the staging limit says so."""
         end = min(run.base.size, due - 1 + run.span)
-        nxt = run.nxt
-        if nxt >= end:
+        first = run.refill_from
+        if first >= end:
             return
-        if not self._load_times.known() and self._throttled(run, False):
+        measuring = run.measuring
+        if measuring.throttled(False):
             # While the first loads are measured, none may go before one ends: what the
             # loop below would do, without looking at the chunk (once a position, then).
-            run.nxt = max(nxt, due)
+            run.refill_from = max(first, due)
             return
-        chunk = run.base[nxt:end]
+        chunk = run.base[first:end]
         need = ~self.cache.ready_mask(chunk, tag=self._tag)
-        if nxt < run.skip.size:
-            need[:run.skip.size - nxt] &= ~run.skip[nxt:end]
+        if first < run.skip.size:
+            need[:run.skip.size - first] &= ~run.skip[first:end]
         oob = ~self.cache.slot_mask(chunk)
         for j in np.flatnonzero(need):
             i, staged = int(chunk[j]), bool(oob[j])
             if i in run.pending or self._left_to_workers(i, staged):
                 continue
-            bound = self.stand_aside and self._load_times.cpu_bound()
-            if bound and self._stands_aside(run, i):
+            bound = measuring.cpu_bound()
+            # (never one whose load is running already)
+            if bound and run.pool.live(i) is None and measuring.stands_aside():
+                self.left += 1  # the workers load it, as without a prefetcher
                 continue
-            if self._throttled(run, bound):
-                if nxt + j < due:  # due now: loaded here, the training thread
+            if measuring.throttled(bound):
+                if first + j < due:  # due now: loaded here, the training thread
                     continue  # would wait for it; the workers load it instead
-                end = nxt + int(j)  # first see whether loading ahead pays
+                end = first + int(j)  # first see whether loading ahead pays
                 break  # (never before due: a yielded index is not loaded)
             if staged:
-                if run.ahead >= self._stage_ahead:
-                    end = nxt + int(j)  # the staging area is the limit: stop here
+                if run.ahead >= self._staging.most_ahead:
+                    end = first + int(j)  # the staging area is the limit: stop here
                     break
                 run.ahead += 1
-            timed = run.measuring and (bound or not self._load_times.known() or
-                                       run.submitted % _TIME_EVERY == 0)
-            run.submitted += 1
+            timed = measuring.submitted_one(bound)
             run.pending[i] = (self._submit(run.pool, i, staged, timed), staged)
-        run.nxt = end
+        run.refill_from = end
 
     def _left_to_workers(self, idx: int, staged: bool) -> bool:
-        """Whether the miss ``idx`` is never loaded ahead: the DataLoader's workers load it."""
-        if staged and not self._stage_ahead:
-            return True  # no staging slots: the workers load it
-        # The cache refused it: the workers load it, once.
-        return self._may_refuse and bool(self._refused[idx])
-
-    def _stands_aside(self, run: "_EpochLoads", idx: int) -> bool:
-        """With CPU-bound loads, whether the miss ``idx`` is left to the DataLoader (counted
-        in ``left``): all but one miss in ``_PROBE_EVERY``, which is still loaded, to
-        measure; never one whose load is running already."""
-        if run.pool.live(idx) is not None:
-            return False
-        run.aside += 1
-        if run.aside % _PROBE_EVERY:
-            self.left += 1  # the workers load it, as without a prefetcher
-            return True
-        return False
-
-    def _throttled(self, run: "_EpochLoads", bound: bool) -> bool:
-        """Whether no load may be submitted now: the measuring throttle.
-
-        Until the loads are measured, at most 2 x _LoadTimes.KEEP are submitted; and until
-        then, and while standing aside (the probes), one load a loader process runs at a time
-        (each job goes to the least busy; two with threads): loads that share a GIL wait for
-        it, which would count as waiting on storage and hide CPU-bound loads (575 of 1,500
-        misses loaded before standing aside with 32 threads a process; and bursts of probes
-        turned a GIL-holding load's verdict back to "not CPU-bound")."""
-        known = self._load_times.known()
-        return run.measuring and (bound or not known) and (
-            (not known and run.submitted >= 2 * _LoadTimes.KEEP) or
-            run.submitted - (self._load_times.seen - run.measured0) >= run.careful_in_flight)
+        """Whether the miss ``idx`` is never loaded ahead: the DataLoader's workers load it
+        (once, where the cache of open sizes refused it)."""
+        return staged and not self._staging.most_ahead or idx in self._refusals
 
     def _wait_due(self, run: "_EpochLoads", ids: list[int]) -> None:
         """Wait for the loads of ``ids``, the positions yielded now, submitted ahead."""
@@ -868,13 +850,12 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         # Whatever was closed first (the cache, the prefetcher, the interpreter), the
         # clean-up is quiet; once the prefetcher's finalizer has run, nothing is left to
         # give back and the cache's descriptor may be gone.
-        self._staged.settle()  # no thread of this epoch stages after this
-        if not self._staged.closed:
+        self._staging.settle()  # no thread of this epoch stages after this
+        if not self._staging.closed:
             with contextlib.suppress(ValueError, OSError):  # the cache may be closed
-                self._note_arena(clear_refused=False)
-                for i, (_, staged) in run.pending.items():  # loaded ahead and never yielded
-                    if staged:
-                        self.cache.unstage(i, tag=self._tag)
+                self._refusals.note_arena(clear_refused=False)
+                self._staging.unstage(  # loaded ahead and never yielded
+                    i for i, (_, staged) in run.pending.items() if staged)
         if self.left > run.left_before:
             logger.info(
                 "stocaching: the prefetcher left %d misses of this epoch to the DataLoader: "
@@ -890,20 +871,7 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 "what the DataLoader holds; see 'Sizing staging_slots' in docs/prefetch.md: "
                 "2 x ranks x (1 - f) x max(window + lookahead, (num_workers x "
                 "prefetch_factor + 1) x batch_size)", self.dropped - run.dropped_before,
-                self._staging_slots, self.cache.world.local_world_size)
-
-    def _note_arena(self, clear_refused: bool) -> None:
-        """Keep the most of an open-size arena seen in use; with ``clear_refused``, forget
-        the refused indices if less is in use now (a clear())."""
-        if not self._may_refuse:
-            return
-        used = self.cache.arena_used
-        if clear_refused and used < self._arena_used:
-            with self._lock:
-                self._refused[:] = False
-            self._arena_used = used
-        else:
-            self._arena_used = max(self._arena_used, used)
+                self._staging.slots, self.cache.world.local_world_size)
 
     def _submit(self, pool: "_Loaders", idx: int, staged: bool, timed: bool) -> "_Job":
         """A load of ``idx``: the one still running from an earlier epoch, or a new one
@@ -924,15 +892,13 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         self._load_times.add(meter.since(t0))
         if not job.staged:
             self.cache.set_slot(idx, value, exist_ok=True)
-            if self._may_refuse and not self.cache.stored_mask([idx])[0]:  # no room
-                with self._lock:
-                    self._refused[idx] = True
+            self._refusals.add_unless_stored(idx)
         else:
             # Full: the DataLoader frees staging slots as its workers read what was
             # yielded. Once the index is due, waiting could only deadlock (the slots may
             # all be held by the batch being assembled): the workers load it instead.
             while True:
-                staged = self._staged.stage(self.cache, idx, value, self._tag, stop)
+                staged = self._staging.stage(idx, value, stop)
                 if staged is None:  # the epoch (or the prefetcher) is over: not staged
                     return
                 if staged:
@@ -987,35 +953,51 @@ class _DistributedPrefetcher(Prefetcher, _OverDistributed):
     """A ``Prefetcher`` over a ``DistributedSampler``: one too (see ``_OverDistributed``)."""
 
     def _distributed_base(self) -> torch.utils.data.DistributedSampler:
-        return self._tap.base
+        return self._recording.base
 
     @property
     def epoch(self) -> int:
         """The base sampler's ``epoch``."""
-        return self._tap.base.epoch
+        return self._recording.base.epoch
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Staged samples, given back however an epoch ends
+# 4. Staging: the samples a prefetcher staged, given back however an epoch ends
 # ----------------------------------------------------------------------------------------------
 
 
-class _Staged:
-    """The indices a prefetcher's loads staged, and how many stages are under way. A loader
+class _Staging:
+    """A prefetcher's use of the cache's staging slots: its tag, how many samples it may keep
+    staged ahead, the indices its loads staged, and how many stages are under way. A loader
     thread stages only while its epoch (``stop``) and the prefetcher (``closed``) go on, so
     that once both are over and :meth:`settle` has returned, nothing more is staged by a
-    thread and the give-back finds everything."""
+    thread and the give-back finds everything. What it staged is tagged with a number of its
+    own (``tag``), so that it gives back only its own samples (another rank's prefetcher may
+    stage the same index)."""
 
     SETTLE_S = 10.0  # a stage is a copy into shared memory: far less, unless the lock hangs
 
-    def __init__(self) -> None:
+    # configuration
+    cache: BaseCache
+    tag: int
+    most_ahead: int  # staged ahead of what was yielded at most: the prefetcher's stage_ahead
+    slots: int  # the cache's staging slots, shared by its local ranks
+    # what it staged, guarded by cond
+    cond: threading.Condition
+    indices: set[int]
+    busy: int  # stages under way
+    closed: bool  # the prefetcher is gone: no thread stages any more
+
+    def __init__(self, cache: BaseCache, tag: int) -> None:
+        self.cache, self.tag = cache, tag
+        self.slots = cache.staging_slots
+        self.most_ahead = self.slots // (2 * cache.world.local_world_size)
         self.cond = threading.Condition()
-        self.indices: set[int] = set()
+        self.indices = set()
         self.busy = 0
         self.closed = False
 
-    def stage(self, cache: SharedCache, idx: int, value: Any, tag: int,
-              stop: threading.Event) -> bool | None:
+    def stage(self, idx: int, value: Any, stop: threading.Event) -> bool | None:
         """``cache.stage``'s answer, or None (nothing staged) once the epoch or the
         prefetcher is over."""
         with self.cond:
@@ -1024,7 +1006,7 @@ class _Staged:
             self.busy += 1
         done = False
         try:
-            done = cache.stage(idx, value, tag=tag)
+            done = self.cache.stage(idx, value, tag=self.tag)
         finally:
             with self.cond:
                 self.busy -= 1
@@ -1034,6 +1016,7 @@ class _Staged:
         return done
 
     def add(self, idx: int) -> None:
+        """Count ``idx`` as staged (by a loader process)."""
         with self.cond:
             self.indices.add(idx)
 
@@ -1047,19 +1030,31 @@ class _Staged:
         with self.cond:
             self.cond.wait_for(lambda: self.busy == 0, self.SETTLE_S)
 
+    def give_back_unread(self) -> None:
+        """Give back what was staged last epoch, yielded and never read."""
+        staged = self.take()
+        if staged:
+            staged_idx = np.fromiter(staged, dtype=np.int64, count=len(staged))
+            for idx in staged_idx[self.cache.ready_mask(staged_idx, tag=self.tag)].tolist():
+                self.cache.unstage(idx, tag=self.tag)
 
-def _give_back_staged(cache: BaseCache, tag: int, staged: _Staged, final: bool = True
-                      ) -> None:
-    """Free every staging slot that holds a sample staged with ``tag`` (found in the staging
-    map, so that loads whose result has not been seen are included), once the stages under
-    way are done; with ``final`` (the prefetcher is gone, or the program ends), no loader
-    thread stages anything afterwards. Quiet whatever was closed first."""
-    if final:
-        with staged.cond:
-            staged.closed = True
-    staged.settle()
-    staged.take()
-    _unstage_tagged(cache, tag)
+    def unstage(self, indices: Iterator[int]) -> None:
+        """Give back the samples of ``indices`` (staged ahead and never yielded)."""
+        for idx in indices:
+            self.cache.unstage(idx, tag=self.tag)
+
+    def give_back_all(self, final: bool = True) -> None:
+        """Free every staging slot that holds a sample staged with this tag (found in the
+        staging map, so that loads whose result has not been seen are included), once the
+        stages under way are done; with ``final`` (the prefetcher is gone, or the program
+        ends), no loader thread stages anything afterwards. Quiet whatever was closed
+        first."""
+        if final:
+            with self.cond:
+                self.closed = True
+        self.settle()
+        self.take()
+        _unstage_tagged(self.cache, self.tag)
 
 
 def _unstage_tagged(cache: BaseCache, tag: int) -> None:
@@ -1072,36 +1067,195 @@ def _unstage_tagged(cache: BaseCache, tag: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. An epoch's loads, and a load
+# 5. What a cache of open sizes refused
+# ----------------------------------------------------------------------------------------------
+
+
+class _ArenaRefusals:
+    """The indices whose loaded sample a cache of open sizes did not keep (its arena full),
+    which the prefetcher leaves to the DataLoader's workers from the next epoch on: loaded
+    ahead, each would be refused again and a worker would load it a second time. A
+    ``clear()``, the only way the arena's use goes down, gives room back: they are loaded
+    ahead again. (Seen as less in use than the most seen at an epoch's start or end: a
+    ``clear()`` whose arena filled up again past that before the next epoch's start goes
+    unseen, and those stay with the workers.) Nothing, for a cache of fixed sizes."""
+
+    cache: BaseCache
+    may_refuse: bool  # a cache of open sizes
+    refused: np.ndarray  # a bool an index (none for a cache of fixed sizes); guarded by lock
+    most_used: int  # the most of the arena seen in use
+    lock: threading.Lock
+
+    def __init__(self, cache: BaseCache) -> None:
+        self.cache, self.may_refuse = cache, cache.may_refuse
+        self.refused = np.zeros(cache.dataset_len if self.may_refuse else 0, dtype=bool)
+        self.most_used = 0
+        self.lock = threading.Lock()
+
+    def __contains__(self, idx: int) -> bool:
+        return self.may_refuse and bool(self.refused[idx])
+
+    def add(self, idx: int) -> None:
+        if self.may_refuse:
+            with self.lock:
+                self.refused[idx] = True
+
+    def add_unless_stored(self, idx: int) -> None:
+        """After ``set_slot(idx, ...)``: count ``idx`` if the cache did not keep it."""
+        if self.may_refuse and not self.cache.stored_mask([idx])[0]:  # no room
+            self.add(idx)
+
+    def note_arena(self, clear_refused: bool) -> None:
+        """Keep the most of the arena seen in use; with ``clear_refused``, forget the refused
+        indices if less is in use now (a clear())."""
+        if not self.may_refuse:
+            return
+        used = self.cache.arena_used
+        if clear_refused and used < self.most_used:
+            with self.lock:
+                self.refused[:] = False
+            self.most_used = used
+        else:
+            self.most_used = max(self.most_used, used)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The prefetcher's own resume, for a base that cannot record a position
+# ----------------------------------------------------------------------------------------------
+
+
+class _ResumeBySkipping:
+    """The resume of a base that cannot record a position (no ``state_dict(consumed=...)``),
+    without a window: the prefetcher's own state says how many indices of the epoch's base
+    order were used, with a fingerprint of that order, and a resume takes the base's epoch
+    again and skips them (the base's epoch must be reproducible: seeded, ``set_epoch``, or its
+    generator's state restored, see ``_generator_of``; another order is refused). The
+    generator fields are not required: older states lack them."""
+
+    FIELDS = ("epoch", "consumed", "len", "base", "order_digest")
+
+    recording: _RecordingSampler  # the prefetcher's base order
+    loaded: dict | None  # the state loaded, which the next iterator skips to
+
+    def __init__(self, recording: _RecordingSampler) -> None:
+        self.recording = recording
+        self.loaded = None
+
+    def take(self) -> dict | None:
+        """The state loaded, for the iterator that starts now (then forgotten)."""
+        loaded, self.loaded = self.loaded, None
+        return loaded
+
+    def discard(self, epoch: int) -> None:
+        """``set_epoch(epoch)`` of another epoch than the one loaded: its position is
+        discarded (with a warning, at the caller of ``set_epoch``, if it was mid-epoch), and
+        the base's generator goes on from after the loaded epoch."""
+        loaded = self.take()
+        if loaded is not None and 0 < loaded["consumed"] < loaded["len"]:
+            warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
+                          f"epoch {loaded['epoch']} ({loaded['consumed']} of "
+                          f"{loaded['len']} indices consumed)", stacklevel=3)
+        if loaded is not None:  # the loaded epoch is not drawn again: go on from after it
+            _set_generator_state(self.recording.base, _checked_generator_state(
+                self.recording.base, loaded, "generator_after"))  # (checked when loaded)
+
+    def state(self, epoch: int | None, consumed: int | None, started: bool
+              ) -> dict[str, Any]:
+        """The state at ``consumed`` of ``epoch``; ``started``: whether an iterator of this
+        epoch has started."""
+        n, loaded = len(self.recording.base), self.loaded
+        if consumed is not None:
+            consumed = check_int("consumed", consumed, low=0, high=n)
+        if not started:
+            if loaded is not None:
+                if consumed is not None and consumed != loaded["consumed"]:
+                    raise ValueError(f"consumed should be {loaded['consumed']} (the position "
+                                     f"loaded by load_state_dict; no iterator has run since), "
+                                     f"but got consumed={consumed}")
+                return dict(loaded)
+            if consumed:
+                raise ValueError(f"consumed should be 0: no iterator of this epoch has run, "
+                                 f"but got consumed={consumed}")
+            return {"epoch": epoch, "consumed": 0, "len": n,
+                    "base": self.recording.state_now(), "order_digest": None,
+                    "generator": _generator_state(self.recording.base),
+                    "generator_after": None}
+        before, after = self.recording.generators
+        return {"epoch": epoch, "consumed": consumed, "len": n,
+                "base": self.recording.start_state, "order_digest": self.recording.digest,
+                "generator": before, "generator_after": after}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Check ``state`` and set the base to the start of its epoch; the next iterator
+        skips to its position."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict from Prefetcher.state_dict(), but got "
+                            f"{type(state).__name__}")
+        base = self.recording.base
+        missing = sorted(set(self.FIELDS) - set(state))
+        if missing:
+            raise ValueError(f"state should be a dict from Prefetcher.state_dict() (without a "
+                             f"window, over {type(base).__name__}), but it lacks "
+                             f"{missing}")
+        n = len(base)
+        if state["len"] != n:
+            raise ValueError(f"state['len'] should be this prefetcher's len={n}, but got "
+                             f"state['len']={state['len']!r}")
+        consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
+        epoch = state["epoch"]
+        if epoch is not None:
+            epoch = check_int("state['epoch']", epoch, low=0)
+        digest = state["order_digest"]
+        if digest is not None and not isinstance(digest, str) or digest is None and consumed:
+            raise ValueError(f"state['order_digest'] should be a str for consumed={consumed}, "
+                             f"but got state['order_digest']={digest!r}")
+        generator = _checked_generator_state(base, state, "generator")
+        _checked_generator_state(base, state, "generator_after")
+        if state["base"] is not None and hasattr(base, "load_state_dict"):
+            base.load_state_dict(state["base"])
+        elif epoch is not None and hasattr(base, "set_epoch"):
+            base.set_epoch(epoch)
+        _set_generator_state(base, generator)
+        self.loaded = dict(state, consumed=consumed, epoch=epoch) if digest else None
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. An epoch's loads, and a load
 # ----------------------------------------------------------------------------------------------
 
 
 class _EpochLoads:
     """The state of one epoch's iterator (``Prefetcher._iter_loaded``): where it is in the
-    base order, the loads it submitted ahead, and its counts for the measuring throttle and
-    standing aside. Its steps are the prefetcher's (``_refill``, ``_wait_due``,
+    base order, the loads it submitted ahead, and its measuring of the loads
+    (:class:`_EpochMeasuring`). Its steps are the prefetcher's (``_refill``, ``_wait_due``,
     ``_end_epoch``)."""
 
-    __slots__ = ("base", "pos", "skip", "nxt", "span", "pool", "pending", "ahead",
-                 "submitted", "aside", "measuring", "measured0", "careful_in_flight",
-                 "dropped_before", "left_before")
+    __slots__ = ("base", "pos", "skip", "refill_from", "span", "pool", "pending", "ahead",
+                 "measuring", "dropped_before", "left_before")
+
+    # where it is in the base order
+    base: np.ndarray  # the epoch's base order (this process's positions)
+    pos: int  # the base position yielded next
+    skip: np.ndarray  # base positions [0, skip.size) yielded before a resume: not loaded again
+    refill_from: int  # the base position the next refill looks at first
+    span: int  # positions loaded ahead of the last one due: the prefetcher's loads_ahead
+    # its loads
+    pool: "_Loaders"
+    pending: dict[int, tuple["_Job", bool]]  # index -> (its load, staged or not)
+    ahead: int  # staged loads submitted and not yet yielded
+    measuring: _EpochMeasuring
+    # the prefetcher's counters at the start, for the epoch's log lines
+    dropped_before: int
+    left_before: int
 
     def __init__(self, base: np.ndarray, pos: int, skip: np.ndarray, span: int,
-                 pool: "_Loaders", *, dropped: int, left: int, measuring: bool,
-                 measured: int, careful: int) -> None:
-        self.base, self.span, self.pool = base, span, pool
-        self.pos = pos  # the base position yielded next
-        self.skip = skip  # base positions [0, skip.size) yielded before: not loaded again
-        # The base position the next refill looks at first.
-        self.nxt = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
-        self.pending: dict[int, tuple[_Job, bool]] = {}  # index -> (its load, staged or not)
-        self.ahead = 0  # staged loads submitted and not yet yielded
-        self.dropped_before, self.left_before = dropped, left  # the counters at the start
-        self.aside = 0  # misses seen while standing aside
-        # The measuring throttle (``Prefetcher._throttled``): on or not, loads submitted,
-        # loads finished before the epoch, loads a loader process runs at a time.
-        self.measuring, self.submitted = measuring, 0
-        self.measured0, self.careful_in_flight = measured, careful
+                 pool: "_Loaders", measuring: _EpochMeasuring, *, dropped: int,
+                 left: int) -> None:
+        self.base, self.pos, self.skip, self.span = base, pos, skip, span
+        self.refill_from = int(np.argmin(skip)) if skip.size and not skip.all() else skip.size
+        self.pool, self.pending, self.ahead = pool, {}, 0
+        self.measuring = measuring
+        self.dropped_before, self.left_before = dropped, left
 
 
 class _Job:
@@ -1111,8 +1265,8 @@ class _Job:
     ``due``, set (by ``mark_due``) once the iterator needs the index now. The iterator
     waits for it (``wait``); were two threads to wait at once (an abandoned epoch's iterator
     still waiting in another thread), one of them would see the end only at its timeout.
-    (Not a concurrent.futures.Future: making, ending and waiting for one cost about 10 us of
-    the training process's CPU a load, against 0.5 us.)"""
+    Not a concurrent.futures.Future: see docs/design.md, "The prefetcher's machinery per
+    load"."""
 
     __slots__ = ("idx", "staged", "timed", "outcome", "_waiter", "due", "flag", "due_flag")
 
@@ -1122,7 +1276,7 @@ class _Job:
         self.idx, self.staged, self.timed = idx, staged, timed
         self.outcome: Any = None
         self._waiter: threading.Lock | None = None  # held while the iterator waits
-        self.due = False  # (a plain flag: an Event per job cost about 30 us of CPU a load)
+        self.due = False  # (a plain flag: see docs/design.md, "The loaders' small shapes")
         # Tells a loader process too (set by _ProcessLoaderPool.submit when it has a flag).
         self.flag: Callable[[], None] | None = None
         self.due_flag = -1  # its entry in the due flags (processes=N); -1: none, or given back
@@ -1160,7 +1314,7 @@ class _Job:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. The loaders: threads
+# 8. The loaders: threads
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1223,8 +1377,7 @@ class _LoaderPool(_Loaders):
         self._fetch = fetch
         self._running, self._lock = running, lock
         # Started one per job submitted, up to n: an epoch whose samples are all cached
-        # starts none (starting 16 took 26 ms an epoch on 2 busy cores, 4 us a sample of a
-        # 6,000-sample epoch, more than the DeviceLoader's whole gather of a small sample).
+        # starts none. See docs/design.md, "The loaders' small shapes".
         self._most = n
         self._threads: list[threading.Thread] = []
         # At interpreter exit, stop the threads and wait for their current loads: a daemon
@@ -1290,7 +1443,7 @@ class _LoaderPool(_Loaders):
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. The loaders: processes
+# 9. The loaders: processes
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1308,22 +1461,25 @@ class _ProcessLoaderPool(_Loaders):
     until the index is due). Jobs and results travel in batches: ``submit`` collects jobs and
     ``flush`` sends each to the least busy live process, one message to each; in a process, one
     thread hands them to the loader threads and another sends back, in one message, every
-    result that is ready. (One message per job cost about 200 us of CPU a load on this
-    project's 2-core machine, as much as a decode.) A thread of this process turns results
-    into the jobs' outcomes. Jobs of an abandoned epoch that no process has started are
-    cancelled (an epoch counter in shared memory); the processes stay for the next epoch."""
+    result that is ready (see docs/design.md, "The loaders' small shapes"). A thread of this
+    process turns results into the jobs' outcomes. Jobs of an abandoned epoch that no process
+    has started are cancelled (an epoch counter in shared memory); the processes stay for the
+    next epoch."""
 
-    def __init__(self, owner: "Prefetcher", flags: int, ctx: Any, *, tag: int,
+    def __init__(self, owner: "Prefetcher", cache: BaseCache, load: Callable[[int], Any],
+                 processes: int, threads: int, flags: int, ctx: Any, *, tag: int,
                  settled: Callable[[], Callable[[int, str, Any], None] | None]) -> None:
+        """``processes`` loader processes of ``threads`` threads each, running ``load`` and
+        storing into ``cache``; they end with ``owner`` (or ``close()``)."""
         if ctx.get_start_method() != "fork":  # refused before anything starts (queues, too)
             try:
-                multiprocessing.reduction.ForkingPickler.dumps(owner.load)
+                multiprocessing.reduction.ForkingPickler.dumps(load)
             except (pickle.PicklingError, AttributeError, TypeError) as e:
-                raise _unpicklable_load(owner.load, ctx, e) from e
-        self._jobs = [ctx.SimpleQueue() for _ in range(owner.processes)]  # one a process
+                raise _unpicklable_load(load, ctx, e) from e
+        self._jobs = [ctx.SimpleQueue() for _ in range(processes)]  # one a process
         self._results = ctx.SimpleQueue()
         self._batch: list[tuple] = []  # submitted, not sent yet
-        self._busy = [0] * owner.processes  # jobs sent to each process, results not back
+        self._busy = [0] * processes  # jobs sent to each process, results not back
         # A live job's "due now" flag, one entry each: an entry is taken at submit and given
         # back when the job's last message has come (its process reads it no more by then).
         # A job submitted while all are taken gets none and counts as due from the start.
@@ -1337,11 +1493,11 @@ class _ProcessLoaderPool(_Loaders):
         self._lock = threading.Lock()
         self._settled = settled  # the prefetcher's counts of a result, while it lives
         self._procs = [ctx.Process(target=_load_in_process, name=f"stocaching-prefetch-{k}",
-                                   args=(owner.cache, owner.load, tag, self._jobs[k],
+                                   args=(cache, load, tag, self._jobs[k],
                                          self._results, self._due, self._started,
-                                         self._epoch, owner.threads, os.getpid(), k),
+                                         self._epoch, threads, os.getpid(), k),
                                    daemon=True)
-                       for k in range(owner.processes)]
+                       for k in range(processes)]
         try:
             for p in self._procs:
                 p.start()
@@ -1352,7 +1508,7 @@ class _ProcessLoaderPool(_Loaders):
                     p.join()
             if ctx.get_start_method() == "fork":
                 raise
-            raise _unpicklable_load(owner.load, ctx, e) from e
+            raise _unpicklable_load(load, ctx, e) from e
         self._reader = threading.Thread(target=self._read, name="stocaching-prefetch-results",
                                         daemon=True)
         self._reader.start()

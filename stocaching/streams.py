@@ -41,8 +41,8 @@ of its own); with a cache of a random subset (``random_subset=True``) most shard
 uncached sample and are still read.
 
 An opt-in part of stocaching: it imports only public names of the core module
-(``stocaching.py``) and the wrapper's rules for values (``wrapper.py``), so copying the three
-files side by side into a project also works. See docs/sources.md.
+(``stocaching.py``) and the rules for values it shares with ``wrapper.py`` in ``_common.py``
+(internal), so copying the three files side by side into a project also works. See docs/sources.md.
 """
 
 from __future__ import annotations
@@ -56,16 +56,13 @@ import numpy as np
 import torch
 
 try:  # inside the package
+    from ._common import (_PART, _as_fields, _as_tensors, _check_options, _dims_and_dtypes,
+                          _same, _unfit_value)
     from .stocaching import BaseCache, SharedCache, check_int
-except ImportError:  # copied beside stocaching.py
+except ImportError:  # copied beside stocaching.py and _common.py
+    from _common import (_PART, _as_fields, _as_tensors,  # type: ignore[no-redef]
+                         _check_options, _dims_and_dtypes, _same, _unfit_value)
     from stocaching import BaseCache, SharedCache, check_int  # type: ignore[no-redef]
-
-try:  # the values a cache can hold: the wrapper's rules, shared
-    from .wrapper import (_PART, _as_tensors, _check_options, _dims_and_dtypes, _same,
-                          _unfit_value)
-except ImportError:  # copied beside stocaching.py and wrapper.py
-    from wrapper import (_PART, _as_tensors, _check_options,  # type: ignore[no-redef]
-                         _dims_and_dtypes, _same, _unfit_value)
 
 
 class CachedStream(torch.utils.data.IterableDataset):
@@ -288,7 +285,7 @@ class CachedStream(torch.utils.data.IterableDataset):
                                             index - int(self._offsets[k]), None))
             value = self._decoded(raw)
             if self._as_tuple:
-                value = {_PART.format(k): v for k, v in enumerate(value)}
+                value = _as_fields(value)
             try:
                 self.cache.set_slot(index, value)
             except (ValueError, TypeError) as e:  # not what the cache was made for

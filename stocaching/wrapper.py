@@ -25,7 +25,8 @@ the cache itself (``set_slot`` refuses a different value), and their error is gi
 explanation.
 
 An opt-in part of stocaching: it imports only public names of the core module
-(``stocaching.py``), so copying the two files side by side into a project also works.
+(``stocaching.py``) and the rules for values it shares with ``streams.py`` in ``_common.py``
+(internal), so copying the three files side by side into a project also works.
 See docs/sources.md.
 """
 
@@ -33,20 +34,19 @@ from __future__ import annotations
 
 __all__ = ["CachedDataset"]
 
-import inspect
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
 try:  # inside the package
+    from ._common import (_PART, _as_fields, _as_tensors, _check_options, _dims_and_dtypes,
+                          _same, _unfit_value)
     from .stocaching import BaseCache, SharedCache, check_int
-except ImportError:  # copied beside stocaching.py
+except ImportError:  # copied beside stocaching.py and _common.py
+    from _common import (_PART, _as_fields, _as_tensors,  # type: ignore[no-redef]
+                         _check_options, _dims_and_dtypes, _same, _unfit_value)
     from stocaching import BaseCache, SharedCache, check_int  # type: ignore[no-redef]
-
-# The field names a tuple item's parts get in a cache of fields (names must be identifiers).
-_PART = "item{}"
 
 
 class CachedDataset(torch.utils.data.Dataset):
@@ -212,81 +212,3 @@ class CachedDataset(torch.utils.data.Dataset):
                 f"inside {type(self.base).__name__} or decode would be frozen into the cache "
                 "(the same crop every epoch). Move the random part after the cache: give "
                 "the base dataset no random transform, and pass it as transform=")
-
-
-def _as_tensors(value: Any, what: str, nested: bool = False) -> Any:
-    """``value`` with numpy arrays and Python numbers made tensors (a Python float a float32
-    one, as torch makes it), a list made a tuple; a TypeError for what a cache cannot hold:
-    other types, tuples or dicts inside tuples or dicts, dict keys that are not identifiers,
-    a bare number."""
-    if isinstance(value, torch.Tensor):
-        tensor = value
-    elif isinstance(value, (np.ndarray, np.generic)):
-        tensor = torch.from_numpy(np.array(value, order="C"))  # (a copy: 0-d stays 0-d)
-    elif isinstance(value, (bool, int, float)):
-        tensor = torch.as_tensor(value)
-    elif isinstance(value, (Mapping, tuple, list)) and not nested:
-        if isinstance(value, Mapping):
-            for k in value:
-                if not (isinstance(k, str) and k.isascii() and k.isidentifier()):
-                    raise TypeError(f"{what} should have keys that are Python identifiers (the "
-                                    f"cache's field names), but got the key {k!r}: rename it in "
-                                    "decode")
-            return {k: _as_tensors(v, f"{what}[{k!r}]", True) for k, v in value.items()}
-        return tuple(_as_tensors(v, f"{what}[{k}]", True) for k, v in enumerate(value))
-    else:
-        raise TypeError(f"{what} should be made of tensors, numpy arrays or numbers (a tuple or "
-                        f"dict of them, not nested), which the cache can hold, but got "
-                        f"{type(value).__name__}: pass decode= turning each item into that "
-                        "(for an image, its uint8 pixels)")
-    if tensor.dim() == 0 and not nested:
-        raise TypeError(f"{what} should be a tensor with at least one dimension, or a tuple or "
-                        f"dict, but got a single number ({value!r}): return it as a tensor of "
-                        "shape (1,), or in a tuple with the rest of the item")
-    return tensor
-
-
-def _unfit_value(error: Exception, where: str, what: str, first: str) -> Exception:
-    """The cache's refusal of a value (another shape or dtype than the first item's), with
-    what it means here."""
-    return type(error)(
-        f"{where}: {what} gave a value the cache cannot hold ({error}). The cache was made "
-        f"for the shapes and dtypes of {first}: items of other sizes need a decode that makes "
-        "them one size (resize, crop), or a cache made for them passed as cache= (an "
-        "OpenSizeCache for sizes that vary)")
-
-
-def _as_fields(value: tuple) -> dict:
-    return {_PART.format(k): v for k, v in enumerate(value)}
-
-
-def _dims_and_dtypes(value: Any) -> tuple[Any, Any]:
-    """The ``data_dims`` and ``dtype`` of a cache holding values like ``value``."""
-    if isinstance(value, tuple):
-        value = _as_fields(value)
-    if isinstance(value, dict):
-        return ({k: tuple(v.shape) for k, v in value.items()},
-                {k: v.dtype for k, v in value.items()})
-    return tuple(value.shape), value.dtype
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and \
-            bool(torch.equal(a, b) or (a.is_floating_point() and
-                                        torch.equal(a.isnan(), b.isnan()) and
-                                        torch.equal(a.nan_to_num(), b.nan_to_num())))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
-
-
-def _check_options(options: Mapping[str, Any], who: str) -> None:
-    """A keyword that is neither the caller's nor ``SharedCache``'s is named as the caller's
-    mistake (not as one of SharedCache's, which the user did not call)."""
-    known = set(inspect.signature(SharedCache.__init__).parameters) - {
-        "self", "size_limit_gib", "dataset_len", "data_dims", "dtype"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"{who} got an unexpected keyword argument {unknown[0]!r} (neither "
-                        f"one of its own nor one of SharedCache's: {', '.join(sorted(known))})")

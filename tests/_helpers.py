@@ -30,6 +30,8 @@ It provides
   rank trained on, written as JSON; ``run_bounded``, a launcher run whose whole process group
   is killed past its timeout; ``assert_ended_well``, its exit checked, with the one abort of
   torch's gloo backend that follows a program's last line (see there);
+* the copied layout: ``run_copied(folder, files, code)``, a program run beside modules of the
+  package copied into a folder, as a user copies them;
 * leak probes that read /proc: which names are left in a directory (``named``), who maps or
   holds a file of it (``mappers``, ``holders``, both: ``users``; ``mapped_segments``, which
   segments one process maps), and how much of a tmpfs is still in use (``used_bytes``).
@@ -47,11 +49,13 @@ import multiprocessing as mp
 import os
 import re
 import select
+import shutil
 import queue
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -865,3 +869,17 @@ def run_container_child(spec: dict, *, cgroup: MemoryCgroup | None = None,
                        preexec_fn=None if cgroup is None else cgroup.enter)
     said = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     return r, said
+
+
+def run_copied(folder: Path, files: tuple[str, ...], code: str) -> str:
+    """What ``code`` (dedented) prints, run by a fresh interpreter in ``folder`` beside
+    ``files`` of the package (``stocaching/<file>``) copied into it, as a user copies them,
+    with the package off the path (the environment is this one's, so /dev/shm is the test's);
+    asserts that it exits 0."""
+    for name in files:
+        shutil.copy(REPO / "stocaching" / name, folder / name)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=folder,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr
+    return r.stdout

@@ -3,6 +3,7 @@ shows the command CI runs, and every relative link points at a file that exists.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -113,31 +114,86 @@ def test_the_readme_example_runs_on_the_core_copied_alone(launch, tmp_path, shm_
     assert [f for f in os.listdir(shm_dir) if f.startswith("stocaching")] == []
 
 
-def test_opt_in_modules_import_only_the_cores_public_names():
-    """samplers.py, order.py, prefetch.py, mixtures.py, device.py, wrapper.py and streams.py
-    import from the core only names in its ``__all__``, so that copying the core plus them
-    keeps working."""
+# Who may import what, for test_opt_in_modules_import_only_the_cores_public_names. Every module
+# of the package is one of these (found by globbing stocaching/*.py):
+# - the core: the file a user copies, and its feature modules, whose rule is their own
+#   (test_feature_modules_import_only_the_cores_public_names_and_its_seam); from them other
+#   modules import only their __all__ (and the core's __getattr__ names);
+CORE = {"stocaching", *FEATURES}
+# - the internal module the opt-in modules share, which says so in its docstring's first line:
+#   they may import anything from it, and it imports from the core only;
+INTERNAL = {"_common"}
+# - the package's own entry points, which re-export every module's names or run the CLI;
+ENTRY_POINTS = {"__init__", "__main__"}
+# - and the opt-in modules, every other one: from the core and from each other they import only
+#   names in __all__.
+
+
+def package_imports(module: str) -> dict[tuple[str, bool], set[str]]:
+    """The names ``stocaching/<module>.py`` imports from its sibling modules, by (sibling,
+    whether the import is relative: the package's branch, or else the copied layout's)."""
     import ast
 
-    import stocaching.stocaching as core
-    for module in ("samplers", "order", "prefetch", "mixtures", "device", "wrapper", "streams"):
-        tree = ast.parse(read("stocaching", f"{module}.py"))
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                    and node.module in ("stocaching", "stocaching.stocaching")
-                    or (isinstance(node, ast.ImportFrom) and node.level == 1
-                        and node.module == "stocaching")
-                    for alias in node.names}
-        assert imported, module
-        public = set(core.__all__) | set(core._PUBLIC_IN_FEATURES)  # (the core's __getattr__)
-        assert imported <= public, (module, sorted(imported - public))
+    siblings = {os.path.basename(p)[:-3]
+                for p in glob.glob(os.path.join(ROOT, "stocaching", "*.py"))}
+    found: dict[tuple[str, bool], set[str]] = {}
+    for node in ast.walk(ast.parse(read("stocaching", f"{module}.py"))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        name = node.module or ""
+        if node.level == 0 and name.startswith("stocaching."):
+            name = name.partition(".")[2]  # the package's module by its full name
+        elif node.level > 1 or node.level == 0 and name not in siblings:
+            continue  # another package (torch, numpy, ...)
+        assert name in siblings, f"{module}.py imports from the package as a whole ({name!r})"
+        found.setdefault((name, node.level == 1), set()).update(a.name for a in node.names)
+    return found
+
+
+def test_opt_in_modules_import_only_the_cores_public_names():
+    """Every module of the package but the core's imports from the core only names in its
+    ``__all__``, from another opt-in module only names in that one's ``__all__``, and from the
+    internal module (``_common.py``, which says it is one) anything; that module imports from
+    the core only. Each imports the same names in the package (relative imports) as copied
+    beside the others (absolute ones), so that copying the core plus them keeps working."""
+    import importlib
+
+    modules = sorted(os.path.basename(p)[:-3]
+                     for p in glob.glob(os.path.join(ROOT, "stocaching", "*.py")))
+    opt_ins = [m for m in modules if m not in CORE | INTERNAL | ENTRY_POINTS]
+    assert {"order", "prefetch", "device", "wrapper", "streams"} <= set(opt_ins), modules
+    for internal in INTERNAL:
+        doc = importlib.import_module(f"stocaching.{internal}").__doc__
+        assert doc.startswith("An internal module shared by the opt-in modules: not public"), \
+            internal
+    wrong = []
+    for module in opt_ins + sorted(INTERNAL):
+        imports = package_imports(module)
+        assert any(name in CORE for name, _ in imports), f"{module}.py imports nothing of the core"
+        for (name, relative), names in imports.items():
+            if relative:  # both layouts import the same
+                assert imports.get((name, False)) == names, (module, name)
+            else:
+                assert (name, True) in imports, (module, name)
+            if name in INTERNAL and module not in INTERNAL:
+                continue  # anything
+            if module in INTERNAL and name not in CORE:
+                wrong.append((module, name, "the internal module imports from the core only"))
+                continue
+            public = set(importlib.import_module(f"stocaching.{name}").__all__)
+            if name == "stocaching":
+                public |= set(core._PUBLIC_IN_FEATURES)  # (served by the core's __getattr__)
+            if not names <= public:
+                wrong.append((module, name, sorted(names - public)))
+    assert not wrong, f"imports of names that are not their module's public ones: {wrong}"
 
 
 def test_feature_modules_import_only_the_cores_public_names_and_its_seam():
     """Each feature module (disk_tier.py, saved.py, ...) imports from the core only names of
     its ``__all__`` and of ``_SEAM``, and from another feature module only that one's
-    ``__all__`` and ``_SEAM`` (cli.py reads saved files and arenas); every name of ``_SEAM`` is used by one; the core imports no feature module at its
-    top (it loads them through ``_feature``), and every module beside it is a feature module
-    the seam knows or an opt-in module."""
+    ``__all__`` and ``_SEAM`` (cli.py reads saved files and arenas); every name of ``_SEAM``
+    is used by one; the core imports no feature module at its top (it loads them through
+    ``_feature``), and the seam knows every feature module."""
     import ast
 
     used = set()

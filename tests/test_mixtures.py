@@ -7,18 +7,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import re
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import CHILDREN, REPO, CachedDataset, budget_for, free_port, rank_env
+from _helpers import CHILDREN, CachedDataset, budget_for, free_port, rank_env, run_copied
 from stocaching import (CacheAwareSampler, CacheLayout, MixtureDataset, Prefetcher,
                         ReadyFirstSampler, SharedCache, WeightedMixtureSampler, World)
 
@@ -738,16 +736,11 @@ def test_torchrun_two_ranks_cover_the_mixture_and_resume_from_rank_1(shm_dir, tm
 
 
 def test_mixtures_py_works_copied_next_to_stocaching_py(tmp_path):
-    for name in ("stocaching.py", "mixtures.py"):
-        shutil.copy(REPO / "stocaching" / name, tmp_path / name)
-    code = textwrap.dedent("""
+    out = run_copied(tmp_path, ("stocaching.py", "mixtures.py"), """
         import os, mixtures, stocaching
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
         assert mixtures.BaseCache is stocaching.BaseCache
         s = mixtures.WeightedMixtureSampler([3, 2], num_replicas=1, rank=0)
         print(sorted(s))
     """)
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[0, 1, 2, 3, 4]"
+    assert out.strip() == "[0, 1, 2, 3, 4]"

@@ -2,11 +2,6 @@
 
 import io
 import math
-import os
-import shutil
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -15,14 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from _helpers import run_copied
 from stocaching import CacheAwareSampler, CacheLayout, SharedCache, World
 from stocaching.order import ReadyFirstSampler, ready_first_order
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
 MODES = ["fixed", "adaptive"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 # ------------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------------
@@ -615,11 +608,10 @@ def test_base_that_yields_less_than_its_length_is_refused():
 
 @pytest.mark.parametrize("module", ["order", "prefetch"])
 def test_the_order_works_copied_next_to_stocaching_py(module, tmp_path):
-    """order.py copied beside stocaching.py, and prefetch.py beside both: the copies import
-    each other, not the package."""
-    for name in ("stocaching.py", "order.py", *(["prefetch.py"] if module == "prefetch" else [])):
-        shutil.copy(os.path.join(ROOT, "stocaching", name), tmp_path / name)
-    code = textwrap.dedent(f"""
+    """order.py copied beside stocaching.py and _common.py, and prefetch.py beside them: the
+    copies import each other, not the package."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "order.py",
+                                *(["prefetch.py"] if module == "prefetch" else [])), f"""
         import os, order, stocaching, {module} as m
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
         assert os.path.dirname(m.__file__) == os.getcwd()
@@ -627,10 +619,7 @@ def test_the_order_works_copied_next_to_stocaching_py(module, tmp_path):
         s = m.ReadyFirstSampler(list(range(6)), lambda i: i == 4, window=3)
         print(list(s))
     """)
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[0, 4, 1, 2, 3, 5]"
+    assert out.strip() == "[0, 4, 1, 2, 3, 5]"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import named, value_of
+from _helpers import named, run_copied, value_of
 from stocaching import CachedStream, SharedCache, World, list_segments
 
 wds = pytest.importorskip("webdataset")
@@ -265,3 +265,18 @@ def _frames(tb):
     while tb is not None:
         yield tb
         tb = tb.tb_next
+
+
+def test_the_stream_works_copied_next_to_stocaching_py(shm_dir, tmp_path):
+    """streams.py copied beside stocaching.py and _common.py, without wrapper.py: the copies
+    import each other, not the package."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "streams.py"), """
+        import os, stocaching, streams, torch
+        assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
+        assert streams.SharedCache is stocaching.SharedCache
+        ds = streams.CachedStream([0, 1], lambda k: [torch.full((2,), 2 * k + j) for j in (0, 1)],
+                                  shard_lengths=[2, 2], shuffle_buffer=1, size_limit_gib=0.001)
+        print(sorted(int(x[0]) for x in ds))
+        ds.close()
+    """)
+    assert out.strip() == "[0, 1, 2, 3]"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import CHILDREN, assert_no_leak, free_port, named, rank_env
+from _helpers import CHILDREN, assert_no_leak, free_port, named, rank_env, run_copied
 from stocaching import (CacheAwareSampler, CachedDataset, DeviceLoader, OpenSizeCache,
                         Prefetcher, SharedCache)
 
@@ -398,3 +398,18 @@ def test_a_resume_mid_epoch_is_exact(shm_dir):
     after = [s for b in again for s in labels_and_firsts(b)]
     assert before + after == whole and len(whole) == N
     ds.close()
+
+
+def test_the_wrapper_works_copied_next_to_stocaching_py(shm_dir, tmp_path):
+    """wrapper.py copied beside stocaching.py and _common.py: the copies import each other,
+    not the package."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "wrapper.py"), """
+        import os, _common, stocaching, torch, wrapper
+        assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
+        assert wrapper.SharedCache is stocaching.SharedCache
+        assert wrapper._as_tensors is _common._as_tensors
+        with wrapper.CachedDataset([(torch.full((2,), i), i) for i in range(4)],
+                                   size_limit_gib=0.001) as ds:
+            print([(x.tolist(), y.item()) for x, y in (ds[i] for i in range(4))])
+    """)
+    assert out.strip() == "[([0, 0], 0), ([1, 1], 1), ([2, 2], 2), ([3, 3], 3)]"

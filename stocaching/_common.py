@@ -1,0 +1,401 @@
+"""An internal module shared by the opt-in modules: not public API.
+
+Nothing here is for users, and any of it may change without notice. It holds what two opt-in
+modules share and neither offers its users: the order as a prefetcher reads it ahead, and
+what a resume needs of it (``order.py`` and ``prefetch.py``); a sampler over a
+``DistributedSampler`` that is one too, and what accelerate deals a process (the same two);
+the values a cache can hold (``wrapper.py`` and ``streams.py``). It imports only the core's
+public names, so it works copied beside ``stocaching.py``; an opt-in module that imports from
+it needs it copied beside it too.
+
+Each part has a banner of its own (``grep '^# .* ####' _common.py`` lists them): Orders shared
+by the prefetcher; Samplers under trainers; The values a cache can hold.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []  # (internal: nothing to import with *)
+
+import hashlib
+import inspect
+import itertools
+import sys
+import warnings
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+try:  # inside the package
+    from .stocaching import SharedCache
+except ImportError:  # copied beside stocaching.py
+    from stocaching import SharedCache  # type: ignore[no-redef]
+
+
+####################################################################################################
+# Orders shared by the prefetcher ##################################################################
+####################################################################################################
+# (order.py and prefetch.py: the base order as it passes, its fingerprint, the state of the
+# generator it draws from, and the refusal or warning of a resume that cannot continue it)
+
+
+def _digest(indices: np.ndarray) -> str:
+    return hashlib.blake2b(indices.astype("<i8", copy=False).tobytes(),
+                           digest_size=16).hexdigest()
+
+
+def _check_in_range(name: str, indices: np.ndarray, dataset_len: int) -> None:
+    """Raise unless every index that ``name`` yielded is in ``[0, dataset_len)``."""
+    if indices.size and (indices.min() < 0 or indices.max() >= dataset_len):
+        raise ValueError(f"{name} should yield indices in [0, {dataset_len}) (the cache's "
+                         f"dataset_len), but it yielded {indices.min()}..{indices.max()}")
+
+
+# A base that draws each epoch from a torch.Generator of its own (RandomSampler,
+# SubsetRandomSampler, WeightedRandomSampler with generator=...) gives as epoch k the generator's
+# k-th draw: its order is a function of the generator's state, not of a seed and an epoch
+# number, and a fresh sampler made with the same seed gives the first epoch's order again. A
+# resume therefore restores the generator's state: the one at the epoch's start (the epoch is
+# drawn again and the generator ends where it did), or, when the resumed epoch is not iterated
+# again (set_epoch of another epoch discards the position), the one after the epoch's draw.
+# States saved before these fields existed lack them: nothing is restored then.
+_GENERATOR_FIELDS = ("generator", "generator_after")
+
+
+def _generator_of(base: Any) -> torch.Generator | None:
+    """The ``torch.Generator`` the base order draws its epochs from, or None."""
+    generator = getattr(base, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
+
+
+def _generator_state(base: Any) -> bytes | None:
+    """The state of the base's generator now, or None if it has none."""
+    generator = _generator_of(base)
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+def _checked_generator_state(base: Any, state: Mapping[str, Any], field: str
+                             ) -> torch.Tensor | None:
+    """``state[field]`` (a ``_generator_state``; None or absent: nothing to restore) as the
+    state of the base's generator; a ValueError where it cannot be one."""
+    value = state.get(field)
+    if value is None:
+        return None
+    generator = _generator_of(base)
+    if generator is None:
+        raise ValueError(f"state['{field}'] is the state of the base sampler's generator, but "
+                         f"this base sampler ({type(base).__name__}) has no torch.Generator: "
+                         f"make it as it was saved, with generator=torch.Generator()")
+    size = generator.get_state().numel()
+    if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+        got = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray)) else \
+            f"type {type(value).__name__}"
+        raise ValueError(f"state['{field}'] should be the {size} bytes of the state of the base "
+                         f"sampler's generator, but got {got}")
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+
+
+_GLOBAL_RNG_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+                        torch.utils.data.WeightedRandomSampler)
+
+
+def _users_base(base: Any) -> Any:
+    """The user's sampler behind ``base`` (a prefetcher's order reads it through a
+    ``_RecordingSampler``)."""
+    return base.base if isinstance(base, _RecordingSampler) else base
+
+
+def _unseeded(base: Any) -> str:
+    """Why a mid-epoch state of ``base`` cannot be resumed, if its order comes from torch's
+    global generator (a ``RandomSampler`` made without a ``generator``); else ''."""
+    base = _users_base(base)
+    if isinstance(base, _GLOBAL_RNG_SAMPLERS) and base.generator is None:
+        return (f"the base sampler ({type(base).__name__}) has no generator, so it draws each "
+                f"epoch's order from torch's global generator, which the state does not hold; "
+                f"make it with generator=torch.Generator().manual_seed(seed) to resume mid-epoch")
+    return ""
+
+
+def _warn_unseeded(base: Any, warned: set[str]) -> None:
+    """Warn once (per sampler: ``warned``) that a mid-epoch state saved now will be refused
+    on resume, pointing at the first caller outside these modules (a ``state_dict`` may be
+    called by a ``Prefetcher`` or a ``DeviceLoader``)."""
+    why = _unseeded(base)
+    if why and "unseeded" not in warned:
+        warned.add("unseeded")
+        warnings.warn(f"this state cannot resume the epoch: {why}",
+                      stacklevel=_level_outside_stocaching())
+
+
+# The modules' names when they are copied side by side into a project, without the package.
+_COPIED_MODULES = ("stocaching", "_common", "order", "prefetch", "device", "samplers",
+                   "mixtures")
+
+
+def _level_outside_stocaching() -> int:
+    """The ``stacklevel`` of ``warnings.warn``, called by the caller of this function, that
+    names the first frame outside stocaching's modules (the package's, or the modules copied
+    side by side into a project)."""
+    package = __name__.rpartition(".")[0]
+    frame, level = sys._getframe(1), 1  # level 1: the frame that calls warnings.warn
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        ours = name.startswith(package + ".") if package else name in _COPIED_MODULES
+        if not ours:
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _order_differs(epoch: Any, base: Any) -> ValueError:
+    """The refusal of a resume whose base order is not the saved one."""
+    why = _unseeded(base) or (f"the base sampler ({type(_users_base(base)).__name__}) "
+                              f"should give the same order for the same seed and epoch "
+                              f"(set_epoch): load its seed and epoch as saved (and each rank "
+                              f"its own state)")
+    return ValueError(f"the base order of epoch {epoch} differs from the one the loaded state "
+                      f"was saved from: {why}")
+
+
+def _set_generator_state(base: Any, value: torch.Tensor | None) -> None:
+    """Set the base's generator to ``value`` (from ``_checked_generator_state``), if any."""
+    if value is not None:
+        _generator_of(base).set_state(value)  # type: ignore[union-attr]
+
+
+class _RecordingSampler:
+    """The user's sampler, passed through, with the order of its latest epoch recorded:
+    the prefetcher reads ahead in it (``order``), and a resume checks its fingerprint
+    (``digest``) and restores the base's state at its start. Other attributes are the
+    sampler's."""
+
+    def __init__(self, base: Any, dataset_len: int) -> None:
+        if not (hasattr(base, "__iter__") and hasattr(base, "__len__")):
+            raise TypeError(f"sampler should be a Sampler or an iterable of ints with a length, "
+                            f"but got sampler of type {type(base).__name__}")
+        self.base, self.dataset_len = base, dataset_len
+        self.order = np.zeros(0, dtype=np.int64)
+        # Whether the base records a position (its state_dict takes consumed), and else its
+        # state when the latest epoch started (None without state_dict).
+        state_dict = getattr(base, "state_dict", None)
+        try:
+            self.positional = state_dict is not None and \
+                "consumed" in inspect.signature(state_dict).parameters
+        except (TypeError, ValueError):
+            self.positional = False
+        self.start_state: Any = None
+        # The state of its generator (see _generator_of) before and after the latest epoch's
+        # order was drawn.
+        self.generators: tuple[bytes | None, bytes | None] = (None, None)
+        self._digest: str | None = None
+        # Under accelerate's prepare(): the positions of the epoch this process reads (bool),
+        # which alone it passes on; the whole epoch's order; whether take() has listed an
+        # epoch that __iter__ has not passed on yet.
+        self.keep: np.ndarray | None = None
+        self.full = self.order
+        self._taken = False
+
+    def __len__(self) -> int:
+        return len(self.base) if self.keep is None else int(np.count_nonzero(self.keep))
+
+    def take(self) -> None:
+        """List the base's epoch now; the next ``__iter__`` passes it on."""
+        self.start_state = self.state_now()
+        before = _generator_state(self.base)
+        order = np.asarray(list(self.base), dtype=np.int64)
+        self.generators = (before, _generator_state(self.base))
+        _check_in_range("sampler", order, self.dataset_len)
+        if self.keep is not None and order.size != self.keep.size:
+            raise ValueError(f"sampler should yield len(sampler)={self.keep.size} indices per "
+                             f"epoch, but it yielded {order.size}")
+        self.full = order
+        self.order = order if self.keep is None else order[self.keep]
+        self._digest, self._taken = None, True
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch().tolist())
+
+    def epoch(self) -> np.ndarray:
+        """The order that ``__iter__`` passes on, as an array (listed now, unless ``take``
+        did it already)."""
+        if not self._taken:
+            self.take()
+        self._taken = False
+        return self.order
+
+    def state_now(self) -> Any:
+        """The base's own state now (None if it has none, or records a position)."""
+        state_dict = getattr(self.base, "state_dict", None)
+        return None if state_dict is None or self.positional else state_dict()
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of the latest epoch's order."""
+        if self._digest is None:
+            self._digest = _digest(self.order)
+        return self._digest
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict, ... of the sampler
+        return getattr(self.__dict__["base"], name)
+
+
+####################################################################################################
+# Samplers under trainers ##########################################################################
+####################################################################################################
+# (order.py and prefetch.py: a DistributedSampler over one, the positions accelerate deals a
+# process, Lightning's wrapper)
+
+
+#: What a sampler over a ``DistributedSampler`` shows of it, to be one too.
+_MIRRORED = ("dataset", "num_replicas", "rank", "shuffle", "seed", "drop_last", "num_samples",
+             "total_size")
+
+
+class _OverDistributed(torch.utils.data.DistributedSampler):
+    """What makes a sampler over a ``DistributedSampler`` one too: the base's arguments and
+    attributes (``_MIRRORED``), read from it, so that trainers which replace any sampler that
+    is not distributed (Lightning's ``use_distributed_sampler=True``) leave it as it is.
+    ``DistributedSampler.__init__`` is not called: the base has done what it does. The
+    subclass says where its base is (``_distributed_base``)."""
+
+    def _distributed_base(self) -> torch.utils.data.DistributedSampler:
+        raise NotImplementedError
+
+
+def _mirror(name: str) -> property:
+    return property(lambda self: getattr(self._distributed_base(), name),
+                    doc=f"The base sampler's ``{name}``.")
+
+
+for _name in _MIRRORED:
+    setattr(_OverDistributed, _name, _mirror(_name))
+del _name
+
+
+def _base_of(args: tuple, kwargs: dict, keyword: str) -> Any:
+    """The first argument of a constructor, given by position or as ``keyword``."""
+    return args[0] if args else kwargs.get(keyword)
+
+
+def _positions_dealt(shard: Any, sampler: Any, n: int) -> np.ndarray | None:
+    """Which of the ``n`` positions of ``sampler``'s epoch the process of ``shard`` (accelerate's
+    ``BatchSamplerShard``) reads, as a bool mask: found by running a shard like it over the
+    positions themselves, so that accelerate's own rules (batches dealt in turn or split, the
+    last round evened out or dropped) decide. None unless the shard's batches are a torch
+    ``BatchSampler`` drawing from ``sampler`` itself (positions of anything else are unknown)."""
+    inner = shard.batch_sampler
+    if not isinstance(inner, torch.utils.data.BatchSampler) or inner.sampler is not sampler \
+            or inner.batch_size is None:
+        return None
+    positions = torch.utils.data.BatchSampler(range(n), inner.batch_size, inner.drop_last)
+    like = type(shard)(positions, num_processes=shard.num_processes,
+                       process_index=shard.process_index, split_batches=shard.split_batches,
+                       even_batches=shard.even_batches)
+    read = np.fromiter(itertools.chain.from_iterable(like), dtype=np.int64)
+    # Positions come in increasing order until even_batches fills the last round with the
+    # epoch's first indices again: those the shard takes from batches already drawn.
+    back = np.flatnonzero(np.diff(read) <= 0)
+    mine = np.zeros(n, dtype=bool)
+    mine[read[:back[0] + 1] if back.size else read] = True
+    return mine
+
+
+def _wrapped_by_lightning(what: str, base: Any, cost: str = "") -> str:
+    """The warning of a sampler that Lightning's default wrapped: what it costs, the fix."""
+    split = ", of this rank's share, already split over the ranks" \
+        if getattr(base, "num_replicas", 1) > 1 else ""
+    return (f"Lightning (use_distributed_sampler=True) put this {what} inside a "
+            f"DistributedSampler of its own, since its base sampler ({type(base).__name__}) is "
+            f"not one: that wrapper lists the whole epoch at its start{cost} and trains each "
+            f"rank on a share of the list{split}. Give the {what} a DistributedSampler or a "
+            f"CacheAwareSampler as its base (for a WeightedMixtureSampler: "
+            f"CacheAwareSampler(dataset, batch_size=..., order=it)): the {what} is then a "
+            f"DistributedSampler too, which Lightning leaves alone")
+
+
+####################################################################################################
+# The values a cache can hold ######################################################################
+####################################################################################################
+# (wrapper.py and streams.py: what a value becomes on its way into a cache)
+
+
+# The field names a tuple item's parts get in a cache of fields (names must be identifiers).
+_PART = "item{}"
+
+
+def _as_tensors(value: Any, what: str, nested: bool = False) -> Any:
+    """``value`` with numpy arrays and Python numbers made tensors (a Python float a float32
+    one, as torch makes it), a list made a tuple; a TypeError for what a cache cannot hold:
+    other types, tuples or dicts inside tuples or dicts, dict keys that are not identifiers,
+    a bare number."""
+    if isinstance(value, torch.Tensor):
+        tensor = value
+    elif isinstance(value, (np.ndarray, np.generic)):
+        tensor = torch.from_numpy(np.array(value, order="C"))  # (a copy: 0-d stays 0-d)
+    elif isinstance(value, (bool, int, float)):
+        tensor = torch.as_tensor(value)
+    elif isinstance(value, (Mapping, tuple, list)) and not nested:
+        if isinstance(value, Mapping):
+            for k in value:
+                if not (isinstance(k, str) and k.isascii() and k.isidentifier()):
+                    raise TypeError(f"{what} should have keys that are Python identifiers (the "
+                                    f"cache's field names), but got the key {k!r}: rename it in "
+                                    "decode")
+            return {k: _as_tensors(v, f"{what}[{k!r}]", True) for k, v in value.items()}
+        return tuple(_as_tensors(v, f"{what}[{k}]", True) for k, v in enumerate(value))
+    else:
+        raise TypeError(f"{what} should be made of tensors, numpy arrays or numbers (a tuple or "
+                        f"dict of them, not nested), which the cache can hold, but got "
+                        f"{type(value).__name__}: pass decode= turning each item into that "
+                        "(for an image, its uint8 pixels)")
+    if tensor.dim() == 0 and not nested:
+        raise TypeError(f"{what} should be a tensor with at least one dimension, or a tuple or "
+                        f"dict, but got a single number ({value!r}): return it as a tensor of "
+                        "shape (1,), or in a tuple with the rest of the item")
+    return tensor
+
+
+def _unfit_value(error: Exception, where: str, what: str, first: str) -> Exception:
+    """The cache's refusal of a value (another shape or dtype than the first item's), with
+    what it means here."""
+    return type(error)(
+        f"{where}: {what} gave a value the cache cannot hold ({error}). The cache was made "
+        f"for the shapes and dtypes of {first}: items of other sizes need a decode that makes "
+        "them one size (resize, crop), or a cache made for them passed as cache= (an "
+        "OpenSizeCache for sizes that vary)")
+
+
+def _as_fields(value: tuple) -> dict:
+    return {_PART.format(k): v for k, v in enumerate(value)}
+
+
+def _dims_and_dtypes(value: Any) -> tuple[Any, Any]:
+    """The ``data_dims`` and ``dtype`` of a cache holding values like ``value``."""
+    if isinstance(value, tuple):
+        value = _as_fields(value)
+    if isinstance(value, dict):
+        return ({k: tuple(v.shape) for k, v in value.items()},
+                {k: v.dtype for k, v in value.items()})
+    return tuple(value.shape), value.dtype
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and \
+            bool(torch.equal(a, b) or (a.is_floating_point() and
+                                        torch.equal(a.isnan(), b.isnan()) and
+                                        torch.equal(a.nan_to_num(), b.nan_to_num())))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
+
+
+def _check_options(options: Mapping[str, Any], who: str) -> None:
+    """A keyword that is neither the caller's nor ``SharedCache``'s is named as the caller's
+    mistake (not as one of SharedCache's, which the user did not call)."""
+    known = set(inspect.signature(SharedCache.__init__).parameters) - {
+        "self", "size_limit_gib", "dataset_len", "data_dims", "dtype"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{who} got an unexpected keyword argument {unknown[0]!r} (neither "
+                        f"one of its own nor one of SharedCache's: {', '.join(sorted(known))})")
