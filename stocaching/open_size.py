@@ -70,10 +70,8 @@ def _candidates(dataset_len: int, num_nodes: int, arena: int, mean: int | None) 
 
 
 # Samples of at least this many bytes are written into the arena through the segment's file
-# (pwrite) rather than through the mapping: a process's first store to a page of a mapping
-# takes a page fault, 4-5 us each in a VM here, 88 of them for a 359 KiB image (553 us to store
-# it, against 166 us once mapped, beside 5-6 ms to read and decode it), while the kernel
-# copies into the file's pages without mapping them (74-180 us). Smaller samples share pages.
+# (pwrite), not through the mapping: see docs/design.md, "Open-size samples written through
+# the file".
 _WRITE_THROUGH_FILE = 16384
 
 

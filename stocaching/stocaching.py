@@ -1798,10 +1798,10 @@ _COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default n
 
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14; an older kernel refuses it and nothing is done
-_POPULATE_NOW = 64 * BYTES_PER_MIB  # mapped during the attach (~10 ms): a job that reads at
-                                    # once would race the thread for the first pages
-_POPULATE_PIECE = 256 * BYTES_PER_MIB  # a close waits for one (~30 ms); between two the
-                                       # thread waits for the GIL, up to 5 ms
+# What the attach maps itself, and each piece the thread then maps: see docs/design.md,
+# "Populating the mapping at attach".
+_POPULATE_NOW = 64 * BYTES_PER_MIB
+_POPULATE_PIECE = 256 * BYTES_PER_MIB
 
 
 def _madvise_populate(addr: int, nbytes: int) -> bool:
@@ -3190,8 +3190,8 @@ class BaseCache:
         if self._staging_slots:
             staged = self._staging.staged_indices(() if tag is None else (tag,))
             if staged.size:
-                # Binary search in the sorted staged indices (a few hundred): np.isin sorts
-                # both arrays on every call, 0.5 ms per prefetcher chunk in a profile.
+                # A binary search in the sorted staged indices, not np.isin: see
+                # docs/design.md, "The staged indices in ready_mask".
                 pos = np.minimum(np.searchsorted(staged, idx), staged.size - 1)
                 ready |= staged[pos] == idx
         return ready
