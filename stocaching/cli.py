@@ -31,7 +31,8 @@ try:  # inside the package
                              _PERSISTENT_JOB_KEY, _POINTER, _STATS_COLS, _STATS_ROWS,
                              _auto_is_anonymous, _auto_room, _budget_for_slots, _check_dims,
                              _check_dtype, _check_fields, _check_positive, _fmt_bytes, _free_bytes,
-                             _is_stale_file, _memory_room, _parse_segment_name, _pointer_of,
+                             _is_stale_file, _memory_room, _open_to_look, _parse_segment_name,
+                             _pointer_of,
                              _read_header, _read_key, _segment_offsets, _shm_headroom, _slot_bytes,
                              _slots_fitting, _slots_for_budget)
 except ImportError:  # copied beside stocaching.py
@@ -40,17 +41,16 @@ except ImportError:  # copied beside stocaching.py
                             _PERSISTENT_JOB_KEY, _POINTER, _STATS_COLS, _STATS_ROWS,
                             _auto_is_anonymous, _auto_room, _budget_for_slots, _check_dims,
                             _check_dtype, _check_fields, _check_positive, _fmt_bytes, _free_bytes,
-                            _is_stale_file, _memory_room, _parse_segment_name, _pointer_of,
+                            _is_stale_file, _memory_room, _open_to_look, _parse_segment_name,
+                            _pointer_of,
                             _read_header, _read_key, _segment_offsets, _shm_headroom, _slot_bytes,
                             _slots_fitting, _slots_for_budget)
-try:
-    from .open_size import (_ARENA_ALIGN, _arena_bytes)
-except ImportError:
-    from open_size import (_ARENA_ALIGN, _arena_bytes)
-try:
-    from .saved import (describe_saved_file, _SAVE_BLOCK, _SAVE_MAGIC)
-except ImportError:
-    from saved import (describe_saved_file, _SAVE_BLOCK, _SAVE_MAGIC)
+try:  # the arenas and saved files it plans and inspects (their _SEAM)
+    from .open_size import _ARENA_ALIGN, _arena_bytes
+    from .saved import describe_saved_file, _SAVE_BLOCK, _SAVE_MAGIC
+except ImportError:  # copied beside stocaching.py, open_size.py and saved.py
+    from open_size import _ARENA_ALIGN, _arena_bytes
+    from saved import describe_saved_file, _SAVE_BLOCK, _SAVE_MAGIC
 
 
 def _mapped_segments(shm_dir: str) -> dict[int, dict]:
@@ -134,9 +134,8 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
 
 def _read_pointer(path: str) -> tuple[int, int, int, int, int] | None:
     """``_pointer_of`` the file at ``path``; None where it cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    fd = _open_to_look(path)
+    if fd is None:
         return None
     try:
         return _pointer_of(fd)
@@ -147,9 +146,8 @@ def _read_pointer(path: str) -> tuple[int, int, int, int, int] | None:
 def _describe_persistent(path: str, name: str) -> dict:
     """What ``list_segments`` says of a persistent cache: its name, key, fill and age."""
     out: dict = {"name": name, "key": None, "filled": None, "slots": None, "age_s": None}
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    fd = _open_to_look(path)
+    if fd is None:
         return out
     try:
         st = os.fstat(fd)

@@ -1612,16 +1612,22 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
+def _open_to_look(path: str) -> int | None:
+    """A read-only descriptor of ``path`` to look at it (no link followed, never blocking), or
+    None where it cannot be opened."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
 def _is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> bool:
     """True when no live process holds the segment at ``path``; optionally remove it then.
     Files of other users, links, files younger than ``min_age`` seconds (a segment being
     made is open for an instant before its maker locks it) and files of this process's own
     caches are never stale."""
-    if _held_here(path):
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    fd = None if _held_here(path) else _open_to_look(path)
+    if fd is None:
         return False
     try:
         st = os.fstat(fd)
@@ -2109,11 +2115,11 @@ _SEAM = frozenset({
     "_check_keys", "_check_out", "_check_positive", "_checked_indices", "_checked_value",
     "_claim_stats_row", "_close_fd", "_closed_error", "_finalize_segment", "_fmt_bytes",
     "_free_bytes", "_fs_type", "_has_open_size", "_is_int", "_is_stale_file", "_key_hash",
-    "_memory_room", "_more_room", "_names", "_open_existing", "_open_leaders_file", "_pack",
-    "_parse_segment_name", "_pointer_of", "_pwrite_all", "_read_header", "_read_key",
-    "_segment_offsets", "_shm_headroom", "_slot_array", "_slot_bytes", "_slot_lock_offset",
-    "_slots_fitting", "_slots_for_budget", "_torch_of", "_try_stale", "_unlink_if_same",
-    "_what_fits"
+    "_memory_room", "_more_room", "_names", "_open_existing", "_open_leaders_file",
+    "_open_to_look", "_pack", "_parse_segment_name", "_pointer_of", "_pwrite_all",
+    "_read_header", "_read_key", "_segment_offsets", "_shm_headroom", "_slot_array",
+    "_slot_bytes", "_slot_lock_offset", "_slots_fitting", "_slots_for_budget", "_torch_of",
+    "_try_stale", "_unlink_if_same", "_what_fits"
 })
 
 
