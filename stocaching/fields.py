@@ -1,5 +1,5 @@
-"""Samples of several fields (``SharedCache(..., data_dims={"image": (3, 256, 256), "label": ()})``):
-the cache whose slot holds the fields packed one after the other.
+"""Samples of several fields (``SharedCache(..., data_dims={"image": (3, 256, 256),
+"label": ()})``): the cache whose slot holds the fields packed one after the other.
 
 A feature module of stocaching (see the core's section "The seam"): ``SharedCache.__new__``
 makes a ``_FieldsCache`` for a dict ``data_dims``. The field table of the segment's header is

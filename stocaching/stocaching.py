@@ -3250,7 +3250,8 @@ class BaseCache:
         reads = counts["hits"] + counts["misses"]
         return {**counts, **disk, "filled": int(np.count_nonzero(self._index_states_np == SET)),
                 "slots": len(self), "dataset_len": self._dataset_len, "bytes": self._segment.size,
-                "staging_slots": self._staging_slots, "staged": self._staging.count() if self._staging_slots else 0,
+                "staging_slots": self._staging_slots,
+                "staged": self._staging.count() if self._staging_slots else 0,
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
                 "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
                                  if p)}
