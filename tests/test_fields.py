@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from _helpers import (FIELD_DTYPES, FIELDS, BatchedDataset, CachedDataset, assert_no_leak,
+from _helpers import (FIELD_DTYPES, FIELDS, BatchedDataset, TwoLineDataset, assert_no_leak,
                       assert_the_killed_write_is_a_miss, budget_for, fields_of,
                       ranks_with_a_killed_writer)
 from stocaching import (BYTES_PER_GIB, CacheConfigError, Prefetcher, SharedCache, World, plan)
@@ -316,7 +316,7 @@ def test_the_prefetcher_stages_and_stores_dicts(shm_dir):
     """The Prefetcher stores whatever ``load`` returns with set_slot or stage, so a cache of
     fields works with it as it is (threads here)."""
     with fields_cache(shm_dir, slots=24, staging_slots=8) as c:
-        ds = CachedDataset(c, N, fields_of)
+        ds = TwoLineDataset(c, N, fields_of)
         sampler = Prefetcher(RandomSampler(ds, generator=torch.Generator().manual_seed(0)), c,
                              fields_of, window=8, mode="adaptive", stand_aside=False)
         try:
@@ -338,7 +338,7 @@ def test_the_prefetcher_stages_and_stores_dicts(shm_dir):
 def test_dataloader_workers_share_a_fields_cache(tmpfs, method, batched):
     n = 48
     with SharedCache(budget(40, n), n, FIELDS, FIELD_DTYPES, shm_dir=tmpfs) as c:
-        ds = (BatchedDataset if batched else CachedDataset)(c, n, fields_of)
+        ds = (BatchedDataset if batched else TwoLineDataset)(c, n, fields_of)
         dl = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
                         multiprocessing_context=method, generator=torch.Generator().manual_seed(0))
         for epoch in range(2):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, Subset
 
-from _helpers import (CHILDREN, CachedDataset, assert_no_leak, budget_for, free_port, named,
+from _helpers import (CHILDREN, TwoLineDataset, assert_no_leak, budget_for, free_port, named,
                       rank_env, run_child, value_of)
 from stocaching import (BYTES_PER_GIB, C_DTYPES, CacheAwareSampler, SharedCache, SlotState,
                         World)
@@ -167,7 +167,7 @@ def test_a_leader_waits_for_missing_ranks_only_while_one_may_come(tmpfs, sibling
 def cached(shm_dir):
     cache = SharedCache(budget_for(50, (3, 8, 8), dataset_len=100), 100, (3, 8, 8),
                         shm_dir=shm_dir, world=World())
-    yield CachedDataset(cache, 100)
+    yield TwoLineDataset(cache, 100)
     cache.close()
 
 
@@ -203,7 +203,7 @@ def test_a_subset_of_a_cached_dataset_is_routed_by_the_index_behind_it(shm_dir):
                         shm_dir=shm_dir, world=world)
     try:
         behind = np.random.default_rng(0).permutation(100)[:60]
-        subset = Subset(CachedDataset(cache, 100), behind.tolist())
+        subset = Subset(TwoLineDataset(cache, 100), behind.tolist())
         held = set(cache.cached_indices().tolist())
         with warnings.catch_warnings():  # rank 1 is on node 1, this cache on node 0
             warnings.simplefilter("ignore")
