@@ -79,8 +79,8 @@ SLOW = {
     "test_ending_in_any_order_is_quiet_and_frees_the_staging_area",  # 24 s (10 cells)
     "tests/test_prefetch_processes.py::"
     "test_sigkill_of_the_trainer_takes_its_loader_processes_along",  # 17 s
-    "tests/test_variable.py::test_a_writer_killed_mid_write_leaves_a_miss",  # 8 s
-    "tests/test_variable.py::test_writers_and_clears_never_give_a_torn_sample",  # 4 s
+    "tests/test_open_size.py::test_a_writer_killed_mid_write_leaves_a_miss",  # 8 s
+    "tests/test_open_size.py::test_writers_and_clears_never_give_a_torn_sample",  # 4 s
     # trainers: Lightning, Hugging Face, Accelerate, Ray Train and their examples in the docs
     "tests/test_trainers.py::"
     "test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches",  # 20 s
