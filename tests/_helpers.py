@@ -16,7 +16,11 @@ It provides
   ``__getitems__`` recipe; ``fields_of(i)`` (a ``load`` for them) for a cache of several
   fields a sample; ``outcome``, ``bits`` and ``same``, how the fuzz tests compare results;
 * sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots (and
-  staging slots);
+  staging slots); ``FIELDS_ROW``, the bytes of a packed row of ``FIELDS``;
+* saved files: ``saved_cache`` and ``saved_file`` (a cache of ``SAVED_DIMS`` samples saved to
+  a file, as ``tests/children/saved.py`` makes them);
+* launchers: ``LAUNCHERS``, the variables of each launcher and the ``World`` they mean, and
+  ``RAY_2_PLUS_1``, Ray Train's of an uneven placement;
 * references: ``load_ref``, stocaching 0.2.1 imported beside the one under test, and
   ``ideal_hit_rate``, the best per-node hit rate a sampler can reach;
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
@@ -152,6 +156,7 @@ def same(a, b) -> bool:
 
 FIELDS = {"image": (3, 8, 8), "label": (), "box": (4,)}
 FIELD_DTYPES = {"image": torch.uint8, "label": torch.int64, "box": torch.float32}
+FIELDS_ROW = 216  # image 192 B at 0, label 8 B at 192, box 16 B at 200 (tests/test_fields.py)
 
 
 def fields_of(i: int, dims=FIELDS) -> dict:
@@ -189,6 +194,29 @@ def rerun(shm_dir: str, job_key: str, name: str, n: int, d: int, local_world_siz
     finally:
         for c in caches:
             c.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Saved files: a cache saved to a file, as tests/children/saved.py makes them too
+# ----------------------------------------------------------------------------------------------
+
+SAVED_DIMS = (4, 32, 32)  # 4 KiB a sample
+
+
+def saved_cache(shm_dir, path, n=64, **kw):
+    args = dict(size_limit_gib=n * 4200 / 2**30, dataset_len=n, data_dims=SAVED_DIMS,
+                name="saved", load_from=path, key="k1", shm_dir=shm_dir)
+    args.update(kw)
+    return SharedCache(**args)
+
+
+def saved_file(shm_dir, tmp_path) -> str:
+    path = str(tmp_path / "c.stc")
+    with saved_cache(shm_dir, path) as c:
+        for i in range(0, 64, 2):
+            c.set_slot(i, value_of(i, SAVED_DIMS))
+        c.save(path)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,6 +356,40 @@ def age(paths, seconds: float = 10.0) -> None:
     t = time.time() - seconds
     for p in paths:
         os.utime(p, (t, t), follow_symlinks=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: the variables each sets, and the World they mean
+# ----------------------------------------------------------------------------------------------
+
+LAUNCHERS = {
+    # name: (variables as the launcher sets them, the World they mean)
+    "torchrun, 2 nodes": (dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                               GROUP_RANK="1", GROUP_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x"),
+                          World(rank=3, world_size=4, local_rank=1, local_world_size=2,
+                                node_rank=1, num_nodes=2)),
+    "accelerate launch (torchrun's variables)": (
+        dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+             ACCELERATE_MIXED_PRECISION="no"),
+        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
+    "srun": (dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_NODEID="1",
+                  SLURM_NNODES="2", SLURM_JOB_ID="77"),
+             World(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
+                   num_nodes=2)),
+    "Lightning (LOCAL_RANK, NODE_RANK, WORLD_SIZE; no RANK)": (
+        dict(LOCAL_RANK="1", NODE_RANK="0", WORLD_SIZE="2"),
+        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
+    "none": ({}, World()),
+}
+
+# What Ray Train 2.60 set in three workers it placed 2 + 1 on two Ray nodes
+# (tests/test_ray.py's test_ray_places_three_workers_2_plus_1_... records it again on every
+# run), by world rank.
+RAY_2_PLUS_1 = {
+    0: dict(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", NODE_RANK="0"),
+    1: dict(RANK="1", WORLD_SIZE="3", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", NODE_RANK="0"),
+    2: dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="1"),
+}
 
 
 # ----------------------------------------------------------------------------------------------

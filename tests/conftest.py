@@ -133,13 +133,14 @@ SLOW = {
     "tests/test_benchmark.py::test_run_with_a_tiered_arm_checks_it_against_both_caches",  # 4 s
     "tests/test_benchmark.py::test_run_with_the_device_loader",  # 3 s
     "tests/test_docs.py::test_module_runs_as_a_copied_single_file",  # 3 s
-    "tests/test_launchers.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
-    "tests/test_launchers.py::test_cli_output_into_a_closed_pipe_ends_quietly",  # 3 s
-    "tests/test_launchers.py::"
+    "tests/test_cli.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
+    "tests/test_cli.py::test_cli_output_into_a_closed_pipe_ends_quietly",  # 3 s
+    "tests/test_cli.py::"
     "test_cli_plan_takes_torch_dtypes_and_says_when_it_does_not_fit",  # 10 s
-    "tests/test_launchers.py::test_the_help_of_every_option_is_written",  # 8 s
-    "tests/test_lifecycle.py::test_cli_info_lists_live_segments",  # 2 s
-    "tests/test_lifecycle.py::test_cli_plan",  # 5 s
+    "tests/test_cli.py::test_the_help_of_every_option_is_written",  # 8 s
+    "tests/test_cli.py::test_cli_info_lists_live_segments",  # 2 s
+    "tests/test_cli.py::test_cli_plan",  # 5 s
+    "tests/test_cli.py::test_the_cli_inspects_saved_files_and_says_which_are_damaged",  # 6 s
     "tests/test_lifecycle.py::test_startup_leftover_is_removed_by_clean",  # 4 s
     "tests/test_mixtures.py::test_mixtures_py_works_copied_next_to_stocaching_py",  # 2 s
     "tests/test_order.py::test_the_order_works_copied_next_to_stocaching_py",  # 8 s
@@ -147,7 +148,6 @@ SLOW = {
     "tests/test_persistent.py::test_clean_removes_a_persistent_cache_only_by_name_or_flag",  # 3 s
     "tests/test_persistent.py::test_the_next_job_attaches_with_every_filled_slot_a_hit",  # 2 s
     "tests/test_saved.py::test_a_saved_cache_loads_in_a_new_process_with_the_same_samples",  # 4 s
-    "tests/test_saved.py::test_the_cli_inspects_saved_files_and_says_which_are_damaged",  # 6 s
     "tests/test_sending.py::test_every_kind_of_cache_goes_through_a_pool",  # 7 s
     "tests/test_sending.py::test_torch_multiprocessing_pool_queue_and_process",  # 3 s
     # the others over 1.5 s
@@ -174,7 +174,7 @@ KEEP = {
     # the file's only test
     "tests/test_fuzz_samples.py::test_fields_and_open_sizes_match_model",  # 15 s
     # `python -m stocaching` (stocaching/__main__.py) in a fresh interpreter
-    "tests/test_lifecycle.py::test_cli_info_lists_live_segments",  # 2 s
+    "tests/test_cli.py::test_cli_info_lists_live_segments",  # 2 s
 }
 
 FAST_BUDGET_S = 5.0  # a test in the fast loop that takes longer is listed at the end
