@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import multiprocessing as mp
 import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import arguments as A
 
@@ -226,7 +227,7 @@ def _latency_note(lats: Sequence[float]) -> str | None:
             f"local-disk numbers.")
 
 
-def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _run(args: argparse.Namespace, argv: Sequence[str], say: Callable[[str], None]) -> int:
     from stocaching import World
 
     from . import plot, report
@@ -260,41 +261,41 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         if note:
-            _say(note)
+            say(note)
     done: list[dict[str, Any]] = []
 
     def on_group(rows: list[dict[str, Any]]) -> None:
         done.extend(rows)
         report.write_csv(done, out / f"{stem}.csv")  # a partial sweep is still usable
-        _say(f"\n== {report.group_title(rows)}")
-        _say(report.format_table(rows))
-        _say("target checks (measured, not asserted):")
-        _say(report.format_checks(report.check_targets(rows)))
-        _say("")
+        say(f"\n== {report.group_title(rows)}")
+        say(report.format_table(rows))
+        say("target checks (measured, not asserted):")
+        say(report.format_checks(report.check_targets(rows)))
+        say("")
 
-    res = R.run_grid(opts, setups, specs, args.threads, _say, on_group)
+    res = R.run_grid(opts, setups, specs, args.threads, say, on_group)
     if not res["is_main"]:
         return 0
     rows = res["rows"]  # already in the CSV: on_group wrote it after every group
-    _say("/dev/shm (rank 0's node; statvfs deltas around construction, cache.stats()['bytes']):")
-    _say(R.describe_shm(res) or "  (no cache configuration)")
+    say("/dev/shm (rank 0's node; statvfs deltas around construction, cache.stats()['bytes']):")
+    say(R.describe_shm(res) or "  (no cache configuration)")
     bad = R.stats_consistency(rows)
     if bad:
-        _say("WARNING: cache.stats() disagrees with what the Dataset saw:")
+        say("WARNING: cache.stats() disagrees with what the Dataset saw:")
         for b in bad:
-            _say(f"  {b}")
+            say(f"  {b}")
     elif any(r["kind"] == "cache" for r in rows):
-        _say("cache.stats() agrees with the Dataset's own hit count in every epoch.")
+        say("cache.stats() agrees with the Dataset's own hit count in every epoch.")
     cores = os.cpu_count() or 1
     busy = res["loadavg_before"] > 0.5 * cores
     others = res["others_cpu_cores"]
     busy_during = others > 0.25
-    _say(f"1-minute load average when the benchmark started: {res['loadavg_before']:.2f} "
-         f"({cores} cores); other programs used {others:.2f} cores on average during the run"
-         + ("; other processes were using the CPU, so expect noisy wall times (compare the "
-            "CPU seconds, or use --repeats 3)" if busy or busy_during else ""))
+    say(f"1-minute load average when the benchmark started: {res['loadavg_before']:.2f} "
+        f"({cores} cores); other programs used {others:.2f} cores on average during the run"
+        + ("; other processes were using the CPU, so expect noisy wall times (compare the "
+           "CPU seconds, or use --repeats 3)" if busy or busy_during else ""))
     if note:
-        _say(note)
+        say(note)
     plots = plot.make_plots(rows, out) if args.plot else []
     report.write_json({
         "command": " ".join(shlex.quote(a) for a in ["python", "-m", "benchmark", *argv]),
@@ -308,49 +309,39 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "rows": rows,
     }, out / f"{stem}.json")
     files = [out / f"{stem}.csv", out / f"{stem}.json", *plots]
-    _say(f"wrote {', '.join(str(f) for f in files)} ({res['elapsed_s']:.0f} s of runs)")
+    say(f"wrote {', '.join(str(f) for f in files)} ({res['elapsed_s']:.0f} s of runs)")
     return 0
 
 
-def _analyze(args: argparse.Namespace) -> int:
+def _analyze(args: argparse.Namespace, argv: Sequence[str], say: Callable[[str], None]) -> int:
     from . import plot
 
     paths, text = plot.analyze(args.csv, args.out)
-    _say(text)
-    _say("wrote " + ", ".join(str(p) for p in paths))
+    say(text)
+    say("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+#: A scenario's entry: ``main(args, argv, say) -> int``, the exit status. ``args`` are its
+#: parsed options, ``argv`` the command line after ``python -m benchmark`` (recorded with the
+#: results, so that a run can be repeated), ``say`` prints a line of the report.
+Entry = Callable[[argparse.Namespace, Sequence[str], Callable[[str], None]], int]
+
+
+def _entry(command: str) -> Entry:
+    """The entry of the subcommand ``command``: ``run``, ``sweep`` and ``analyze`` are here, every
+    other scenario is the ``main`` of its module (``benchmark/<command>.py``)."""
+    if command in ("run", "sweep"):
+        return _run
+    if command == "analyze":
+        return _analyze
+    return importlib.import_module(f".{command}", __package__).main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
-    if args.command == "analyze":
-        return _analyze(args)
-    if args.command == "latency":
-        from . import latency
-        return latency.main(args, argv, _say)
-    if args.command == "quality":
-        from . import quality
-        return quality.main(args, argv, _say)
-    if args.command == "mixture":
-        from . import mixture
-        return mixture.main(args, argv, _say)
-    if args.command == "device":
-        from . import device
-        return device.main(args, _say)
-    if args.command == "persistent":
-        from . import persistent
-        return persistent.main(args, argv, _say)
-    if args.command == "tier":
-        from . import tier
-        return tier.main(args, argv, _say)
-    if args.command == "stream":
-        from . import stream
-        return stream.main(args, _say)
-    if args.command == "peers":
-        from . import peers
-        return peers.main(args, _say)
-    return _run(args, argv)
+    return _entry(args.command)(args, argv, _say)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
+from .two_lines import TwoLineDataset
+
 #: Bumped whenever the synthetic images change, so old dataset directories are not reused.
 GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
@@ -343,8 +345,9 @@ class BatchAugment:
 # ----------------------------------------------------------------------------------------------
 
 
-class JpegDataset(torch.utils.data.Dataset):
-    """Reads, decodes and resizes one JPEG per sample, through the cache when there is one.
+class JpegDataset(TwoLineDataset):
+    """Reads, decodes and resizes one JPEG per sample, through the cache when there is one
+    (:class:`benchmark.two_lines.TwoLineDataset`: the README's two lines).
 
     ``__getitem__`` returns ``(image float32 (3, D, D), label int, hit bool)``; ``hit`` says the
     decoded sample came from the cache (the benchmark counts hits per rank with it). With
@@ -388,15 +391,7 @@ class JpegDataset(torch.utils.data.Dataset):
             data = f.read()
         return decode(data, self.decoded_size)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, bool]:
-        x = None
-        if self.cache is not None:
-            x = self.cache.get_slot(index) if self.copy else self.cache.get_slot(index, copy=False)
-        hit = x is not None
-        if x is None:
-            x = self.load(index)
-            if self.cache is not None:
-                self.cache.set_slot(index, x)  # a no-op when index has no slot
+    def item(self, index: int, x: torch.Tensor, hit: bool) -> tuple[torch.Tensor, int, bool]:
         return self.augment(x), label_of(index, self.num_classes), hit
 
 

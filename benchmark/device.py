@@ -38,7 +38,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -314,7 +314,8 @@ def _check(name: str, got: float, want: float, detail: str) -> str:
     return f"[{'PASS' if got >= want else 'MISS'}] {name}: {got:.2f} x (target >= {want:g} x; {detail})"
 
 
-def main(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+def main(args: argparse.Namespace, argv: Sequence[str],
+         say: Callable[[str], None] = print) -> int:
     from stocaching import SharedCache
 
     cuda = torch.cuda.is_available()

@@ -29,17 +29,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from stocaching import MixtureDataset, SharedCache, WeightedMixtureSampler
 
 from . import arguments as A
+from .two_lines import TwoLineDataset
 
 BYTES_PER_GIB = 1024**3
 TARGET_S = 1.0
 
 
-class Synthetic(Dataset):
+class Synthetic(TwoLineDataset):
     """Sub-dataset ``tag``: the README's two-line pattern around a computed sample."""
 
     def __init__(self, tag: int, n: int, dims: tuple[int, ...], fraction: float) -> None:
@@ -54,17 +55,10 @@ class Synthetic(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def decode(self, i: int) -> torch.Tensor:
+    def load(self, i: int) -> torch.Tensor:
         k = int(np.prod(self.dims))
         return ((torch.arange(k) * 7 + i * 13 + self.tag * 29) % 251).to(torch.uint8) \
             .reshape(self.dims)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        x = self.cache.get_slot(i)
-        if x is None:
-            x = self.decode(i)
-            self.cache.set_slot(i, x)
-        return x
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

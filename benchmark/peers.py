@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from . import arguments as A
 
@@ -734,7 +734,8 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def main(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
+def main(args: argparse.Namespace, argv: Sequence[str],
+         say: Callable[[str], None] = print) -> int:
     import torch
 
     from .data import build_in_ram, default_data_dir, ensure_dataset, label_of
@@ -784,7 +785,7 @@ def main(args: argparse.Namespace, say: Callable[[str], None] = print) -> int:
     if args.plot:
         files.append(make_plot(results, out / "peers.png"))
     (out / "results.json").write_text(json.dumps({
-        "command": "python -m benchmark peers " + " ".join(sys.argv[2:]),
+        "command": "python -m benchmark peers " + " ".join(argv[1:]),
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "data_dir": str(root), "decode_s": decode_s, "versions": _versions(),
         "loadavg_before": load_before, "loadavg_after": load_after, "cores": os.cpu_count(),

@@ -57,6 +57,7 @@ import stocaching
 from . import arguments as A
 from . import latency as L
 from . import report
+from .two_lines import TwoLineDataset
 
 DIVERSITY_TOL = 0.01
 DOCS_WINDOW = 256  # the README's Prefetcher example
@@ -108,7 +109,7 @@ def load_digits_sorted(test_fraction: float = 0.25, split_seed: int = 0
     return xtr[order], ytr[order], xte, yte
 
 
-class Digits(torch.utils.data.Dataset):
+class Digits(TwoLineDataset):
     """The two-line cached dataset: ``get_slot``, else ``load`` + ``set_slot``. Returns
     ``(float image / 16, label)``. ``load`` sleeps ``delays[i]`` first (EMULATED latency)."""
 
@@ -124,12 +125,7 @@ class Digits(torch.utils.data.Dataset):
             time.sleep(float(self.delays[i]))
         return self.x[i].clone()
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        x = self.cache.get_slot(i) if self.cache is not None else None
-        if x is None:
-            x = self.load(i)
-            if self.cache is not None:
-                self.cache.set_slot(i, x)
+    def item(self, i: int, x: torch.Tensor, hit: bool) -> tuple[torch.Tensor, int]:
         return x.float().div_(16.0), int(self.y[i])
 
 

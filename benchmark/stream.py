@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from . import arguments as A
 
@@ -122,7 +122,8 @@ def run_epochs(loader: Any, epochs: int, log: ReadLog, set_epoch: Any) -> list[t
     return out
 
 
-def main(args: argparse.Namespace, say: Any = print) -> int:
+def main(args: argparse.Namespace, argv: Sequence[str],
+         say: Callable[[str], None] = print) -> int:
     import torch
     import webdataset as wds
 

@@ -128,7 +128,8 @@ def _compare(say: Callable[[str], None], label: str, cache: Any, path: str, orde
     return b, t
 
 
-def main(args: argparse.Namespace, argv: Sequence[str], say: Callable[[str], None]) -> int:
+def main(args: argparse.Namespace, argv: Sequence[str],
+         say: Callable[[str], None] = print) -> int:
     import torch
 
     from stocaching import SharedCache, clean_segments

@@ -18,14 +18,34 @@ import socket
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import torch
+
+from .two_lines import TwoLineDataset
+
+
+class _Filled(TwoLineDataset):
+    """The two lines over samples of ``dims`` filled with ``i % 256`` (the "decode"); an item
+    is its index."""
+
+    def __init__(self, cache: Any, n: int, dims: tuple[int, ...]) -> None:
+        self.cache, self.n, self.dims = cache, n, dims
+
+    def __len__(self) -> int:
+        return self.n
+
+    def load(self, i: int) -> torch.Tensor:
+        return torch.full(self.dims, i % 256, dtype=torch.uint8)
+
+    def item(self, i: int, x: torch.Tensor, hit: bool) -> int:
+        return i
 
 
 def _worker(args: argparse.Namespace) -> None:
     """One rank: build the cache of its node, run the epochs, report per-epoch stats."""
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+    from torch.utils.data import DataLoader, DistributedSampler
 
     from stocaching import CacheAwareSampler, SharedCache, World
 
@@ -35,19 +55,7 @@ def _worker(args: argparse.Namespace) -> None:
     slot_bytes = 3 * 16 * 16
     gib = (int(args.fraction * args.dataset_len) * slot_bytes + args.dataset_len) / 2**30
     cache = SharedCache(gib, args.dataset_len, dims, name="twonodes", layout_seed=args.seed)
-
-    class DS(Dataset):
-        def __len__(self) -> int:
-            return args.dataset_len
-
-        def __getitem__(self, i: int):
-            x = cache.get_slot(i)
-            if x is None:
-                x = torch.full(dims, i % 256, dtype=torch.uint8)  # the "decode"
-                cache.set_slot(i, x)
-            return i
-
-    ds = DS()
+    ds = _Filled(cache, args.dataset_len, dims)
     if args.sampler == "cache-aware":
         sampler = CacheAwareSampler(cache, batch_size=args.batch_size, seed=args.seed)
     else:

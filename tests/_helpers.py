@@ -5,18 +5,24 @@ Not a test module: pytest collects ``test_*.py`` only. Who imports it from where
 * test modules and conftest.py: pytest puts ``tests/`` on ``sys.path`` (it has no
   ``__init__.py``, so its rootdir-relative folder is prepended);
 * DataLoader workers started with spawn or forkserver: multiprocessing hands the parent's
-  ``sys.path`` to its children, so what they unpickle (``CachedDataset``) is found here;
+  ``sys.path`` to its children, so what they unpickle (``TwoLineDataset``) is found here;
 * the child programs in ``tests/children/``: ``rank_env()`` puts the checkout and ``tests/``
   on their ``PYTHONPATH``.
 
 It provides
 
 * values: ``value_of(i, dims)``, the sample of index ``i`` in every process,
-  ``CachedDataset``, the README's two-line pattern, and ``BatchedDataset``, its
+  ``TwoLineDataset``, the README's two-line pattern, and ``BatchedDataset``, its
   ``__getitems__`` recipe; ``fields_of(i)`` (a ``load`` for them) for a cache of several
   fields a sample; ``outcome``, ``bits`` and ``same``, how the fuzz tests compare results;
 * sizes: ``budget_for``, the ``size_limit_gib`` that gives exactly ``n_slots`` slots (and
-  staging slots);
+  staging slots); ``FIELDS_ROW``, the bytes of a packed row of ``FIELDS``;
+* saved files: ``saved_cache`` and ``saved_file`` (a cache of ``SAVED_DIMS`` samples saved to
+  a file, as ``tests/children/saved.py`` makes them);
+* launchers: ``LAUNCHERS``, the variables of each launcher and the ``World`` they mean, and
+  ``RAY_2_PLUS_1``, Ray Train's of an uneven placement;
+* references: ``load_ref``, stocaching 0.2.1 imported beside the one under test, and
+  ``ideal_hit_rate``, the best per-node hit rate a sampler can reach;
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
   ``run_child``/``start_child`` for a program of ``tests/children/``,
   ``spawn_without_launcher`` (ranks of ``torch.multiprocessing.spawn`` as its tutorial runs
@@ -43,6 +49,7 @@ The prefetcher's tests have a few more of their own, beside their child programs
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -84,7 +91,7 @@ def value_of(i: int, dims=(3, 8, 8)) -> torch.Tensor:
     return ((torch.arange(n) * 13 + i * 7 + 1) % 251).to(torch.uint8).reshape(dims)
 
 
-class CachedDataset(torch.utils.data.Dataset):
+class TwoLineDataset(torch.utils.data.Dataset):
     """The two-line pattern of the README over ``load`` (a module-level function of the index,
     so spawn workers can pickle it; default: ``value_of(i, cache.data_dims)``): items are
     ``(i, sample, hit)``, where hit says whether the cache had it."""
@@ -107,10 +114,10 @@ class CachedDataset(torch.utils.data.Dataset):
         return i, x, hit
 
 
-class BatchedDataset(CachedDataset):
-    """The README's ``__getitems__`` recipe on top of ``CachedDataset``: a whole batch with one
+class BatchedDataset(TwoLineDataset):
+    """The README's ``__getitems__`` recipe on top of ``TwoLineDataset``: a whole batch with one
     ``get_batch`` (a tensor, or a dict of them for a cache of fields), the misses loaded and
-    stored one by one; items as ``CachedDataset``'s."""
+    stored one by one; items as ``TwoLineDataset``'s."""
 
     def __getitems__(self, indices):
         batch, hit = self.cache.get_batch(indices)
@@ -153,6 +160,7 @@ def same(a, b) -> bool:
 
 FIELDS = {"image": (3, 8, 8), "label": (), "box": (4,)}
 FIELD_DTYPES = {"image": torch.uint8, "label": torch.int64, "box": torch.float32}
+FIELDS_ROW = 216  # image 192 B at 0, label 8 B at 192, box 16 B at 200 (tests/test_fields.py)
 
 
 def fields_of(i: int, dims=FIELDS) -> dict:
@@ -190,6 +198,56 @@ def rerun(shm_dir: str, job_key: str, name: str, n: int, d: int, local_world_siz
     finally:
         for c in caches:
             c.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Saved files: a cache saved to a file, as tests/children/saved.py makes them too
+# ----------------------------------------------------------------------------------------------
+
+SAVED_DIMS = (4, 32, 32)  # 4 KiB a sample
+
+
+def saved_cache(shm_dir, path, n=64, **kw):
+    args = dict(size_limit_gib=n * 4200 / 2**30, dataset_len=n, data_dims=SAVED_DIMS,
+                name="saved", load_from=path, key="k1", shm_dir=shm_dir)
+    args.update(kw)
+    return SharedCache(**args)
+
+
+def saved_file(shm_dir, tmp_path) -> str:
+    path = str(tmp_path / "c.stc")
+    with saved_cache(shm_dir, path) as c:
+        for i in range(0, 64, 2):
+            c.set_slot(i, value_of(i, SAVED_DIMS))
+        c.save(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# References: what a result is checked against
+# ----------------------------------------------------------------------------------------------
+
+
+def load_ref(ref_dir: str):
+    """Import the stocaching installed in ``ref_dir`` (``pip install --target ref_dir
+    stocaching==0.2.1``) as the module ``stocaching_ref``, beside the stocaching under test."""
+    spec = importlib.util.spec_from_file_location(
+        "stocaching_ref", os.path.join(ref_dir, "stocaching", "__init__.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ideal_hit_rate(num_nodes: int, fraction: float, node_batch: int) -> float:
+    """E[min(B, X)] / B for X ~ Binomial(num_nodes * B, fraction), B = ``node_batch``, from the
+    binomial pmf (computed in log space: the binomial coefficients overflow floats)."""
+    m = num_nodes * node_batch
+    if fraction <= 0.0 or fraction >= 1.0:
+        return min(max(fraction, 0.0), 1.0)
+    log_f, log_1f, log_m = math.log(fraction), math.log1p(-fraction), math.lgamma(m + 1)
+    return sum(min(node_batch, x) * math.exp(log_m - math.lgamma(x + 1) - math.lgamma(m - x + 1)
+                                             + x * log_f + (m - x) * log_1f)
+               for x in range(m + 1)) / node_batch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,6 +360,40 @@ def age(paths, seconds: float = 10.0) -> None:
     t = time.time() - seconds
     for p in paths:
         os.utime(p, (t, t), follow_symlinks=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers: the variables each sets, and the World they mean
+# ----------------------------------------------------------------------------------------------
+
+LAUNCHERS = {
+    # name: (variables as the launcher sets them, the World they mean)
+    "torchrun, 2 nodes": (dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                               GROUP_RANK="1", GROUP_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x"),
+                          World(rank=3, world_size=4, local_rank=1, local_world_size=2,
+                                node_rank=1, num_nodes=2)),
+    "accelerate launch (torchrun's variables)": (
+        dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+             ACCELERATE_MIXED_PRECISION="no"),
+        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
+    "srun": (dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_NODEID="1",
+                  SLURM_NNODES="2", SLURM_JOB_ID="77"),
+             World(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
+                   num_nodes=2)),
+    "Lightning (LOCAL_RANK, NODE_RANK, WORLD_SIZE; no RANK)": (
+        dict(LOCAL_RANK="1", NODE_RANK="0", WORLD_SIZE="2"),
+        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
+    "none": ({}, World()),
+}
+
+# What Ray Train 2.60 set in three workers it placed 2 + 1 on two Ray nodes
+# (tests/test_ray.py's test_ray_places_three_workers_2_plus_1_... records it again on every
+# run), by world rank.
+RAY_2_PLUS_1 = {
+    0: dict(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", NODE_RANK="0"),
+    1: dict(RANK="1", WORLD_SIZE="3", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", NODE_RANK="0"),
+    2: dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="1"),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,7 +572,7 @@ def training_data(kind: str, *, for_accelerate: bool = False):
         n = TRAIN_LEN
         name = "train" if kind == "cache" else kind.replace(" ", "-")
         # (with a window, the documented cache: a random subset, not the first indices)
-        ds = CachedDataset(SharedCache(budget_for(n // 3, dims, dataset_len=n), n, dims,
+        ds = TwoLineDataset(SharedCache(budget_for(n // 3, dims, dataset_len=n), n, dims,
                                        name=name, timeout=60,
                                        random_subset=bool(PREFETCH_KINDS.get(kind))), n)
         if kind == "random prefetch":
@@ -493,7 +585,7 @@ def training_data(kind: str, *, for_accelerate: bool = False):
                                              window=PREFETCH_KINDS[kind]), plan
         return WithIndex(ds), base, plan
     if kind in ("mixture", "bare mixture"):
-        parts = [CachedDataset(SharedCache(budget_for(n // 2, dims, dataset_len=n), n, dims,
+        parts = [TwoLineDataset(SharedCache(budget_for(n // 2, dims, dataset_len=n), n, dims,
                                            name=f"mix{k}", timeout=60), n)
                  for k, n in enumerate(_MIX_LENGTHS)]
         mix = MixtureDataset(parts)

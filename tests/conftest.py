@@ -79,8 +79,8 @@ SLOW = {
     "test_ending_in_any_order_is_quiet_and_frees_the_staging_area",  # 24 s (10 cells)
     "tests/test_prefetch_processes.py::"
     "test_sigkill_of_the_trainer_takes_its_loader_processes_along",  # 17 s
-    "tests/test_variable.py::test_a_writer_killed_mid_write_leaves_a_miss",  # 8 s
-    "tests/test_variable.py::test_writers_and_clears_never_give_a_torn_sample",  # 4 s
+    "tests/test_open_size.py::test_a_writer_killed_mid_write_leaves_a_miss",  # 8 s
+    "tests/test_open_size.py::test_writers_and_clears_never_give_a_torn_sample",  # 4 s
     # trainers: Lightning, Hugging Face, Accelerate, Ray Train and their examples in the docs
     "tests/test_trainers.py::"
     "test_accelerate_prepare_deals_each_rank_its_own_cache_aware_batches",  # 20 s
@@ -134,13 +134,14 @@ SLOW = {
     "tests/test_benchmark.py::test_run_with_the_device_loader",  # 3 s
     "tests/test_docs.py::test_module_runs_as_a_copied_single_file",  # 3 s
     "tests/test_docs.py::test_the_readme_example_runs_on_the_core_copied_alone",  # 7 s
-    "tests/test_launchers.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
-    "tests/test_launchers.py::test_cli_output_into_a_closed_pipe_ends_quietly",  # 3 s
-    "tests/test_launchers.py::"
+    "tests/test_cli.py::test_cli_errors_name_its_own_flags_in_one_line",  # 11 s
+    "tests/test_cli.py::test_cli_output_into_a_closed_pipe_ends_quietly",  # 3 s
+    "tests/test_cli.py::"
     "test_cli_plan_takes_torch_dtypes_and_says_when_it_does_not_fit",  # 10 s
-    "tests/test_launchers.py::test_the_help_of_every_option_is_written",  # 8 s
-    "tests/test_lifecycle.py::test_cli_info_lists_live_segments",  # 2 s
-    "tests/test_lifecycle.py::test_cli_plan",  # 5 s
+    "tests/test_cli.py::test_the_help_of_every_option_is_written",  # 8 s
+    "tests/test_cli.py::test_cli_info_lists_live_segments",  # 2 s
+    "tests/test_cli.py::test_cli_plan",  # 5 s
+    "tests/test_cli.py::test_the_cli_inspects_saved_files_and_says_which_are_damaged",  # 6 s
     "tests/test_lifecycle.py::test_startup_leftover_is_removed_by_clean",  # 4 s
     "tests/test_mixtures.py::test_mixtures_py_works_copied_next_to_stocaching_py",  # 2 s
     "tests/test_order.py::test_the_order_works_copied_next_to_stocaching_py",  # 8 s
@@ -150,7 +151,6 @@ SLOW = {
     "tests/test_persistent.py::test_clean_removes_a_persistent_cache_only_by_name_or_flag",  # 3 s
     "tests/test_persistent.py::test_the_next_job_attaches_with_every_filled_slot_a_hit",  # 2 s
     "tests/test_saved.py::test_a_saved_cache_loads_in_a_new_process_with_the_same_samples",  # 4 s
-    "tests/test_saved.py::test_the_cli_inspects_saved_files_and_says_which_are_damaged",  # 6 s
     "tests/test_sending.py::test_every_kind_of_cache_goes_through_a_pool",  # 7 s
     "tests/test_sending.py::test_torch_multiprocessing_pool_queue_and_process",  # 3 s
     # the others over 1.5 s
@@ -177,7 +177,7 @@ KEEP = {
     # the file's only test
     "tests/test_fuzz_samples.py::test_fields_and_open_sizes_match_model",  # 15 s
     # `python -m stocaching` (stocaching/__main__.py) in a fresh interpreter
-    "tests/test_lifecycle.py::test_cli_info_lists_live_segments",  # 2 s
+    "tests/test_cli.py::test_cli_info_lists_live_segments",  # 2 s
 }
 
 FAST_BUDGET_S = 5.0  # a test in the fast loop that takes longer is listed at the end

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import stocaching
-from _helpers import budget_for, named, run_child, value_of
-from benchmark.microbench import load_ref
+from _helpers import budget_for, load_ref, named, run_child, value_of
 from stocaching import CacheConfigError, SharedCache, World
 
 REF_DIR = os.environ.get("STOCACHING_REF_DIR", os.path.join(os.path.dirname(__file__), "..",

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import (CHILDREN, CachedDataset, age, assert_no_leak, budget_for, fields_of,
+from _helpers import (CHILDREN, TwoLineDataset, age, assert_no_leak, budget_for, fields_of,
                       free_port, named, rank_env, run_bounded, value_of)
 from stocaching import CacheLayout, OpenSizeCache, SharedCache, World, clean_segments
 from stocaching.cli import main
@@ -167,9 +167,9 @@ def _collate(batch):
 
 
 def _hits_per_epoch(cache, method: str) -> dict[int, int]:
-    """Two epochs of a DataLoader with two workers over ``CachedDataset``: every value checked,
+    """Two epochs of a DataLoader with two workers over ``TwoLineDataset``: every value checked,
     the hits of each epoch counted. (Returns no tensor: those of the workers hold /dev/shm.)"""
-    loader = torch.utils.data.DataLoader(CachedDataset(cache, N), batch_size=4, num_workers=2,
+    loader = torch.utils.data.DataLoader(TwoLineDataset(cache, N), batch_size=4, num_workers=2,
                                          multiprocessing_context=method, collate_fn=_collate)
     hits = {0: 0, 1: 0}
     for epoch in range(2):

@@ -33,7 +33,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import CachedDataset, assert_no_leak, holders, mappers, used_bytes, value_of
+from _helpers import TwoLineDataset, assert_no_leak, holders, mappers, used_bytes, value_of
 from stocaching import SharedCache
 
 N, DIMS = 512, (3, 32, 32)
@@ -72,7 +72,7 @@ def _probe(cache: SharedCache) -> dict:
 
 def _run(ctx: str, epochs: int, shm: str) -> tuple[list[dict], dict]:
     cache = SharedCache(1, N, DIMS, name=f"endure{ctx}", shm_dir=shm)
-    ds = CachedDataset(cache, N)
+    ds = TwoLineDataset(cache, N)
     marks = []
     for epoch in range(epochs):
         loader = DataLoader(ds, batch_size=32, num_workers=WORKERS, persistent_workers=False,

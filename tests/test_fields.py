@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
 import os
 
 import numpy as np
@@ -14,20 +13,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from _helpers import (FIELD_DTYPES, FIELDS, BatchedDataset, CachedDataset, assert_no_leak,
-                      assert_the_killed_write_is_a_miss, budget_for, fields_of,
+from _helpers import (FIELD_DTYPES, FIELDS, FIELDS_ROW, BatchedDataset, TwoLineDataset,
+                      assert_no_leak, assert_the_killed_write_is_a_miss, budget_for, fields_of,
                       ranks_with_a_killed_writer)
-from stocaching import (BYTES_PER_GIB, CacheConfigError, Prefetcher, SharedCache, World, plan)
-from stocaching import cli
+from stocaching import CacheConfigError, Prefetcher, SharedCache, World, plan
 from stocaching import stocaching as core
 
 N = 40
-ROW = 216  # image 192 B at 0, label 8 B at 192, box 16 B at 200 (see the first test)
 
 
 def budget(slots: int, n: int = N, staging: int = 0) -> float:
-    """size_limit_gib that buys exactly ``slots`` slots of FIELDS (rows of ROW bytes)."""
-    return budget_for(slots, (ROW,), staging=staging, dataset_len=n)
+    """size_limit_gib that buys exactly ``slots`` slots of FIELDS (rows of FIELDS_ROW bytes)."""
+    return budget_for(slots, (FIELDS_ROW,), staging=staging, dataset_len=n)
 
 
 def fields_cache(shm_dir, slots=30, n=N, **kw) -> SharedCache:
@@ -317,7 +314,7 @@ def test_the_prefetcher_stages_and_stores_dicts(shm_dir):
     """The Prefetcher stores whatever ``load`` returns with set_slot or stage, so a cache of
     fields works with it as it is (threads here)."""
     with fields_cache(shm_dir, slots=24, staging_slots=8) as c:
-        ds = CachedDataset(c, N, fields_of)
+        ds = TwoLineDataset(c, N, fields_of)
         sampler = Prefetcher(RandomSampler(ds, generator=torch.Generator().manual_seed(0)), c,
                              fields_of, window=8, mode="adaptive", stand_aside=False)
         try:
@@ -339,7 +336,7 @@ def test_the_prefetcher_stages_and_stores_dicts(shm_dir):
 def test_dataloader_workers_share_a_fields_cache(tmpfs, method, batched):
     n = 48
     with SharedCache(budget(40, n), n, FIELDS, FIELD_DTYPES, shm_dir=tmpfs) as c:
-        ds = (BatchedDataset if batched else CachedDataset)(c, n, fields_of)
+        ds = (BatchedDataset if batched else TwoLineDataset)(c, n, fields_of)
         dl = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
                         multiprocessing_context=method, generator=torch.Generator().manual_seed(0))
         for epoch in range(2):
@@ -367,24 +364,6 @@ def test_a_writer_of_a_fields_sample_killed_mid_write_leaves_a_miss(tmpfs, child
                                       late=late, FT_FIELDS="1")
     assert_the_killed_write_is_a_miss(lead, n, probes=("check", "batch"))
     assert_no_leak(tmpfs)
-
-
-def test_the_command_line_plans_a_fields_cache(shm_dir, capsys):
-    gib = budget(30)
-    assert cli.main(["--shm-dir", shm_dir, "plan", "--dataset-len", str(N),
-                      "--field", "image=3x8x8", "--field", "label=:int64",
-                      "--field", "box=4:float32", "--size-gib", repr(gib)]) == 0
-    assert capsys.readouterr().out.startswith(f"30 of {N} samples of image=3x8x8 + "
-                                              "label=:int64 + box=4:float32 fit")
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "--dataset-len", "10", "--field", "image=3x0"])
-    assert "--field image should be a tuple of positive ints or None" in \
-        capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "--dataset-len", "10", "--dims", "3", "--field", "a=3"])
-    assert "either --dims" in capsys.readouterr().err
-    assert math.isclose(plan(N, FIELDS, FIELD_DTYPES, size_limit_gib=gib)["dataset_gib"],
-                        N * (ROW + 1) / BYTES_PER_GIB)
 
 
 def test_random_operations_on_a_fields_cache_match_a_model(shm_dir):

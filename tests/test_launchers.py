@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, Subset
 
-from _helpers import (CHILDREN, CachedDataset, assert_no_leak, budget_for, free_port, named,
-                      rank_env, run_child, value_of)
+from _helpers import (CHILDREN, LAUNCHERS, TwoLineDataset, assert_no_leak, budget_for, free_port,
+                      named, rank_env, run_child, value_of)
 from stocaching import (BYTES_PER_GIB, C_DTYPES, CacheAwareSampler, SharedCache, SlotState,
                         World)
 from stocaching.stocaching import _job_key
@@ -27,44 +27,6 @@ from stocaching.stocaching import _job_key
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-
-LAUNCHERS = {
-    # name: (variables as the launcher sets them, the World they mean)
-    "torchrun, 2 nodes": (dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
-                               GROUP_RANK="1", GROUP_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x"),
-                          World(rank=3, world_size=4, local_rank=1, local_world_size=2,
-                                node_rank=1, num_nodes=2)),
-    "accelerate launch (torchrun's variables)": (
-        dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
-             ACCELERATE_MIXED_PRECISION="no"),
-        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
-    "srun": (dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_NODEID="1",
-                  SLURM_NNODES="2", SLURM_JOB_ID="77"),
-             World(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
-                   num_nodes=2)),
-    "Lightning (LOCAL_RANK, NODE_RANK, WORLD_SIZE; no RANK)": (
-        dict(LOCAL_RANK="1", NODE_RANK="0", WORLD_SIZE="2"),
-        World(rank=1, world_size=2, local_rank=1, local_world_size=2)),
-    "none": ({}, World()),
-}
-
-
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_each_launchers_variables_give_its_world(launcher):
-    env, want = LAUNCHERS[launcher]
-    assert World.from_env(env) == want
-    assert World.discover(env) == want  # no process group here: the variables decide
-
-
-def test_a_process_group_overrules_variables_that_disagree_with_it(process_group_of_one):
-    # SLURM variables of a task that was not started by srun (python train.py inside an
-    # allocation of 8 tasks) say rank 5 of 8; the process group says rank 0 of 1.
-    slurm = LAUNCHERS["srun"][0]
-    assert World.discover(slurm) == World()
-    # Complete variables that agree with the group are used as they are, without a collective.
-    agree = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    assert World.discover(agree) == World()
-    assert World.from_process_group() == World()
 
 
 @pytest.mark.parametrize("launcher", ["torchrun, 2 nodes", "srun", "none"])
@@ -167,7 +129,7 @@ def test_a_leader_waits_for_missing_ranks_only_while_one_may_come(tmpfs, sibling
 def cached(shm_dir):
     cache = SharedCache(budget_for(50, (3, 8, 8), dataset_len=100), 100, (3, 8, 8),
                         shm_dir=shm_dir, world=World())
-    yield CachedDataset(cache, 100)
+    yield TwoLineDataset(cache, 100)
     cache.close()
 
 
@@ -203,7 +165,7 @@ def test_a_subset_of_a_cached_dataset_is_routed_by_the_index_behind_it(shm_dir):
                         shm_dir=shm_dir, world=world)
     try:
         behind = np.random.default_rng(0).permutation(100)[:60]
-        subset = Subset(CachedDataset(cache, 100), behind.tolist())
+        subset = Subset(TwoLineDataset(cache, 100), behind.tolist())
         held = set(cache.cached_indices().tolist())
         with warnings.catch_warnings():  # rank 1 is on node 1, this cache on node 0
             warnings.simplefilter("ignore")
@@ -313,53 +275,3 @@ def test_stats_since_gives_the_rate_of_an_interval(shm_dir):
 # ----------------------------------------------------------------------------------------------
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "stocaching", *args], capture_output=True,
-                          text=True, env=rank_env(), timeout=60)
-
-
-def test_cli_errors_name_its_own_flags_in_one_line():
-    r = _cli("--shm-dir", "/no/such/dir")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "--shm-dir should be an existing directory" in r.stderr.splitlines()[-1]
-    r = _cli("plan", "--dataset-len", "10", "--dims", "3,4", "--size-gib", "-1")
-    assert "--size-gib should be a positive finite number" in r.stderr and "Traceback" not in \
-        r.stderr
-    r = _cli("plan", "--dataset-len", "10", "--dims", "3,a")
-    assert "--dims should be ints" in r.stderr
-
-
-def test_cli_plan_takes_torch_dtypes_and_says_when_it_does_not_fit(shm_dir):
-    r = _cli("--shm-dir", shm_dir, "plan", "--dataset-len", "100", "--dims", "4",
-             "--dtype", "torch.float16")
-    assert r.returncode == 0 and "100 of 100 samples" in r.stdout and "warning" not in r.stdout
-    free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize / BYTES_PER_GIB
-    r = _cli("--shm-dir", shm_dir, "plan", "--dataset-len", str(int(2 * free * 1024) + 1024),
-             "--dims", "1024,1024", "--size-gib", str(2 * free + 1))  # 1 MiB samples
-    # the cache would refuse to start: an error, and a status a script can test
-    assert r.returncode == 1 and "error: the segment" in r.stdout and \
-        "the cache would refuse to start" in r.stdout
-
-
-def test_cli_output_into_a_closed_pipe_ends_quietly(shm_dir):
-    # `python -m stocaching plan ... | head -2`: the reader may be gone before the output is
-    # written. Here it is gone before the process starts writing, so every run meets it.
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        r = subprocess.run([sys.executable, "-m", "stocaching", "--shm-dir", shm_dir, "plan",
-                            "--dataset-len", "100", "--dims", "4"], stdout=write,
-                           stderr=subprocess.PIPE, text=True, env=rank_env(), timeout=60)
-    finally:
-        os.close(write)
-    assert (r.returncode, r.stderr) == (0, "")
-
-
-def test_the_help_of_every_option_is_written():
-    for args in (("--help",), ("plan", "--help"), ("clean", "--help")):
-        lines = _cli(*args).stdout.splitlines()
-        for k, line in enumerate(lines):
-            if re.match(r"^\s+--[\w-]+( [A-Z_]+)?\s*$", line):  # help, if any, on the next line
-                nxt = lines[k + 1] if k + 1 < len(lines) else ""
-                assert nxt.strip() and not nxt.strip().startswith("-"), \
-                    f"{line.strip()} has no help in `python -m stocaching {' '.join(args)}`"

@@ -1,6 +1,7 @@
 """Lifecycle: nothing stays in /dev/shm after any kind of exit, start-up leftovers are reclaimed
-by the command line, only the creator removes a name, and the command line. (The capacity check
-and stale-against-live segments are in test_capacity_security.py.)"""
+by the command line, and only the creator removes a name. (The capacity check and
+stale-against-live segments are in test_capacity_security.py, the command line itself in
+test_cli.py.)"""
 
 from __future__ import annotations
 
@@ -68,35 +69,6 @@ def test_startup_leftover_is_removed_by_clean(shm_dir):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and f"removed {path}" in r.stdout
     assert named(shm_dir) == []
-
-
-@pytest.mark.timeout(300)
-def test_cli_info_lists_live_segments(shm_dir):
-    c = SharedCache(1e-3, 64, (16,), shm_dir=shm_dir, name="shown")
-    r = subprocess.run([sys.executable, "-m", "stocaching", "--shm-dir", shm_dir],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "free" in r.stdout and "RAM:" in r.stdout
-    line = [ln for ln in r.stdout.splitlines() if "_shown" in ln]
-    assert len(line) == 1 and "live" in line[0] and str(os.getpid()) in line[0] \
-        and "(unlinked)" in line[0]
-    # shown under the segment's name, not the leader's temporary one (<name>.<pid>.<hex>.init)
-    assert line[0].endswith(f" {c._path} (unlinked)") and ".init" not in line[0]
-    c.close()
-
-
-@pytest.mark.timeout(300)
-def test_cli_plan(shm_dir):
-    r = subprocess.run([sys.executable, "-m", "stocaching", "plan", "--dataset-len", "1000",
-                        "--dims", "3,32,32", "--size-gib", "0.001"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("349 of 1000 samples") and "34.9% of the dataset" in r.stdout
-    assert stocaching.plan(1000, (3, 32, 32), size_limit_gib=0.001)["slots"] == \
-        len(SharedCache(0.001, 1000, (3, 32, 32), shm_dir=shm_dir))
-    bad = subprocess.run([sys.executable, "-m", "stocaching", "plan", "--dataset-len", "0",
-                          "--dims", "3,32"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--dataset-len should be a positive int" in bad.stderr
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import CHILDREN, CachedDataset, budget_for, free_port, rank_env, run_copied
+from _helpers import CHILDREN, TwoLineDataset, budget_for, free_port, rank_env, run_copied
 from stocaching import (CacheAwareSampler, CacheLayout, MixtureDataset, Prefetcher,
                         ReadyFirstSampler, SharedCache, WeightedMixtureSampler, World)
 
@@ -450,13 +450,13 @@ def test_mixture_dataset_maps_global_indices_and_refuses_bad_input(shm_dir):
 
 
 def cached_parts(sizes, slots):
-    """One CachedDataset per sub-dataset, each with a KiB-sized cache of ``slots[k]`` slots."""
+    """One TwoLineDataset per sub-dataset, each with a KiB-sized cache of ``slots[k]`` slots."""
     parts = []
     for k, (n, m) in enumerate(zip(sizes, slots)):
         cache = SharedCache(budget_for(m, DIMS, dataset_len=n) if m < n else 1e-4, n, DIMS,
                             name=f"sub{k}")
         assert len(cache) == m
-        parts.append(CachedDataset(cache, n))
+        parts.append(TwoLineDataset(cache, n))
     return parts
 
 
@@ -655,7 +655,7 @@ def test_cache_aware_refuses_an_order_over_other_sub_datasets(shm_dir):
     caches = [SharedCache(budget_for(n, DIMS, dataset_len=n), n, DIMS, name=f"o{k}")
               for k, n in enumerate((300, 200))]
     try:
-        mix = MixtureDataset([CachedDataset(c, len(c)) for c in caches])
+        mix = MixtureDataset([TwoLineDataset(c, len(c)) for c in caches])
         CacheAwareSampler(mix, 1, 0, batch_size=8, order=sampler((300, 200)))
         with pytest.raises(ValueError, match=r"order should draw from the sub-datasets of "
                                              r"dataset, of lengths \[300, 200\], but its "
@@ -678,7 +678,7 @@ def test_cache_aware_routes_over_one_cache_per_sub_dataset(shm_dir):
     caches = [SharedCache(budget_for(n // 2, DIMS, dataset_len=n), n, DIMS, name=f"m{k}",
                           world=world) for k, n in enumerate(sizes)]
     try:
-        mix = MixtureDataset([CachedDataset(c, n) for c, n in zip(caches, sizes)])
+        mix = MixtureDataset([TwoLineDataset(c, n) for c, n in zip(caches, sizes)])
         owners = np.concatenate([c.layout.owners() for c in caches], axis=1)
         assert owners.shape == (2, 600) and (owners.sum(axis=0) == 1).all()  # halves, disjoint
         rs = [CacheAwareSampler(mix, R, r, batch_size=B, local_world_size=1,
@@ -700,8 +700,8 @@ def test_cache_aware_routes_over_one_cache_per_sub_dataset(shm_dir):
                                              r"num_nodes, but got num_nodes \[1, 2\]"):
             one = SharedCache(1e-4, 10, DIMS, name="one")
             try:
-                CacheAwareSampler(MixtureDataset([CachedDataset(caches[2], 100),
-                                                  CachedDataset(one, 10)]), R, 0, batch_size=B)
+                CacheAwareSampler(MixtureDataset([TwoLineDataset(caches[2], 100),
+                                                  TwoLineDataset(one, 10)]), R, 0, batch_size=B)
             finally:
                 one.close()
     finally:

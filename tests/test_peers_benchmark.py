@@ -34,10 +34,10 @@ def test_defaults():
 def test_every_arm_runs_or_says_how_to_install_it(tmp_path, shm_dir):
     out = tmp_path / "out"
     lines: list[str] = []
-    rc = peers.main(_args("--num-images", "64", "--image-size", "64", "--decoded-size", "32",
-                          "--batch-size", "16", "--workers", "1", "--repeats", "1", "--min-seconds", "0",
-                          "--data-dir", str(tmp_path / "jpegs"), "--out", str(out)),
-                    lines.append)
+    argv = ["--num-images", "64", "--image-size", "64", "--decoded-size", "32", "--batch-size",
+            "16", "--workers", "1", "--repeats", "1", "--min-seconds", "0", "--data-dir",
+            str(tmp_path / "jpegs"), "--out", str(out)]
+    rc = peers.main(_args(*argv), ["peers", *argv], lines.append)
     assert rc == 0
     text = "\n".join(lines)
     rows = {m[0]: m[1] for m in re.findall(r"^\| (\w+) \| (.*) \|$", text, re.M)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import (CHILDREN, CachedDataset, free_port, mappers, named, rank_env, run_child,
+from _helpers import (CHILDREN, TwoLineDataset, free_port, mappers, named, rank_env, run_child,
                       start_child, value_of)
 from stocaching import SharedCache
 
@@ -24,7 +24,7 @@ N = 64
 @pytest.mark.parametrize("persistent", [False, True])
 def test_dataloader_workers_share_one_cache(shm_dir, method, persistent):
     cache = SharedCache(1, N, (3, 8, 8), shm_dir=shm_dir)
-    ds = CachedDataset(cache, N)
+    ds = TwoLineDataset(cache, N)
     dl = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=method,
                     persistent_workers=persistent, generator=torch.Generator().manual_seed(0))
     epochs = []

@@ -1,6 +1,7 @@
-"""Ray Train (tested with ray 2.60.0): what its workers' variables tell a rank about the
-nodes, the sampler on an uneven placement, a cache inside a pickle, and real TorchTrainer runs
-on this machine's CPUs (``tests/children/ray_train.py``), skipped where ray is not installed.
+"""Ray Train (tested with ray 2.60.0): the sampler on an uneven placement, a cache inside a
+pickle, and real TorchTrainer runs on this machine's CPUs (``tests/children/ray_train.py``),
+skipped where ray is not installed. What its workers' variables tell a rank about the nodes,
+and how the process group reconciles them, is in test_world.py.
 
 Ray Train 2.60 sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and NODE_RANK in each worker
 before it initialises the process group (``ray/train/torch/config.py``,
@@ -11,159 +12,19 @@ one machine for Ray's variables, and host identities given by hand for the proce
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import pickle
 import socket
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-import stocaching.stocaching as core
-from _helpers import (CHILDREN, assert_ended_well, assert_no_leak, free_port, named, rank_env,
+from _helpers import (CHILDREN, RAY_2_PLUS_1, assert_ended_well, assert_no_leak, named, rank_env,
                       run_bounded, value_of)
 from stocaching import CacheAwareSampler, SharedCache, World, list_segments
 
 DIMS = (3, 8, 8)
-
-# What Ray Train 2.60 set in three workers it placed 2 + 1 on two Ray nodes
-# (test_ray_places_three_workers_2_plus_1_... records it again on every run), by world rank.
-RAY_2_PLUS_1 = {
-    0: dict(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", NODE_RANK="0"),
-    1: dict(RANK="1", WORLD_SIZE="3", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", NODE_RANK="0"),
-    2: dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="1"),
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# Launcher variables
-# ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("rank", range(4))
-def test_rays_variables_of_an_even_placement_give_each_rank_its_world(rank):
-    env = dict(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
-               NODE_RANK=str(rank // 2))
-    assert World.from_env(env) == World(rank=rank, world_size=4, local_rank=rank % 2,
-                                        local_world_size=2, node_rank=rank // 2, num_nodes=2)
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_on_the_node_of_two_in_a_2_plus_1_placement_the_variables_refuse_to_count_the_nodes(
-        rank):
-    with pytest.raises(ValueError, match=r"WORLD_SIZE should be a multiple of LOCAL_WORLD_SIZE, "
-                                         r"but got WORLD_SIZE=3, LOCAL_WORLD_SIZE=2, "
-                                         rf"LOCAL_RANK={rank}, NODE_RANK=0: the number of "
-                                         r"nodes cannot be derived from this node's variables "
-                                         r"\(the ranks may be spread unevenly.*after "
-                                         r"init_process_group"):
-        World.from_env(RAY_2_PLUS_1[rank])
-
-
-def test_on_the_node_of_one_in_a_2_plus_1_placement_the_variables_cannot_tell():
-    """Its own variables are those of an even placement of three nodes: nothing in them can
-    be refused, and the other node derives one node. That is why ``discover`` asks the
-    process group under Ray."""
-    assert World.from_env(RAY_2_PLUS_1[2]).num_nodes == 3
-
-
-@pytest.mark.parametrize("env, match", [
-    (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
-          GROUP_WORLD_SIZE="2"),
-     r"LOCAL_WORLD_SIZE \+ GROUP_WORLD_SIZE - 1 should be at most WORLD_SIZE \(each other node "
-     r"runs a rank at least\), but got WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, GROUP_WORLD_SIZE=2"),
-    (dict(LOCAL_RANK="0", NODE_RANK="1", WORLD_SIZE="4"),  # Lightning's, node 1, no group yet
-     r"the node rank should be below WORLD_SIZE // LOCAL_WORLD_SIZE = 1 \(with no "
-     r"LOCAL_WORLD_SIZE, every rank is on this node\), but got WORLD_SIZE=4, LOCAL_RANK=0, "
-     r"NODE_RANK=1"),
-    (dict(SLURM_PROCID="2", SLURM_NTASKS="3", SLURM_LOCALID="0", SLURM_NODEID="1",
-          SLURM_NNODES="2"),
-     r"SLURM_NTASKS should be a multiple of SLURM_NNODES, but got SLURM_NTASKS=3, "
-     r"SLURM_NNODES=2, SLURM_NODEID=1: the tasks on this node cannot be derived"),
-], ids=["GROUP_WORLD_SIZE too many", "NODE_RANK past the nodes", "SLURM tasks uneven"])
-def test_variables_that_contradict_each_other_raise_naming_them(env, match):
-    with pytest.raises(ValueError, match=match):
-        World.from_env(env)
-    with pytest.raises(ValueError, match=match):
-        World.discover(env)  # no process group here: the variables decide
-
-
-def test_torchrun_with_other_ranks_per_node_names_its_nodes_and_is_read_as_it_is():
-    """torchrun may run another --nproc-per-node on each node; GROUP_WORLD_SIZE names the
-    nodes then, and nothing has to be derived."""
-    env = dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="1",
-               GROUP_WORLD_SIZE="2")
-    assert World.from_env(env) == World(rank=2, world_size=3, local_rank=0, local_world_size=1,
-                                        node_rank=1, num_nodes=2)
-
-
-# ----------------------------------------------------------------------------------------------
-# The process group
-# ----------------------------------------------------------------------------------------------
-
-
-def _discover_as(rank: int, host: str, port: int, out) -> None:
-    """One rank of a gloo group of three in a forked process, on the host it is told."""
-    try:
-        core._host_identity = lambda: host  # two machines cannot run here: see the test
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=3)
-        w = World.discover(RAY_2_PLUS_1[rank])
-        out.put((rank, [w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank,
-                        w.num_nodes]))
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        out.put((rank, f"{type(e).__name__}: {e}"))
-
-
-@pytest.mark.timeout(120)
-def test_ranks_placed_2_plus_1_on_two_hosts_agree_on_the_nodes_through_the_process_group():
-    """Three real gloo ranks with Ray's variables of a 2 + 1 placement. Their host identities
-    are given by hand (ranks 0 and 1 on host A, rank 2 on host B): two machines cannot run
-    here, and the exchange itself is real. Every rank finds two nodes, and its own."""
-    ctx, port = mp.get_context("fork"), free_port()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_discover_as, args=(r, "AAB"[r], port, out)) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(out.get(timeout=90) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert got == {0: [0, 3, 0, 2, 0, 2], 1: [1, 3, 1, 2, 0, 2], 2: [2, 3, 0, 1, 1, 2]}
-
-
-class Discovering(Dataset):
-    """Each item is what ``World.discover`` says in the process that reads it."""
-
-    def __len__(self) -> int:
-        return 1
-
-    def __getitem__(self, i: int) -> str:
-        try:
-            return repr(World.discover(dict(RAY_2_PLUS_1[0], WORLD_SIZE="1",
-                                            LOCAL_WORLD_SIZE="1")))
-        except RuntimeError as e:
-            return str(e)
-
-
-@pytest.mark.timeout(120)
-def test_a_forked_dataloader_worker_is_refused_the_process_groups_collective(
-        process_group_of_one):
-    """A forked worker inherits the group, but a collective from it would run over the
-    training process's connections; under Ray's variables the world needs one."""
-    assert Discovering()[0] == repr(World())  # in the training process: asked the group
-    loader = DataLoader(Discovering(), batch_size=None, num_workers=1,
-                        multiprocessing_context="fork")
-    (said,) = list(loader)
-    assert said.startswith("a cache constructed in DataLoader worker 0 would have to ask the "
-                           "process group"), said
-    assert "construct the cache in the training process before the DataLoader starts" in said
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from _helpers import CachedDataset
-from benchmark.sampler_hit_rate import ideal_hit_rate
+from _helpers import TwoLineDataset, ideal_hit_rate
 from stocaching import CacheAwareSampler, CacheLayout, World
 
 SETTINGS = settings(max_examples=40)  # derandomized, no deadline: conftest.py
@@ -480,7 +479,7 @@ def test_defaults_come_from_the_cache_world():
     world = World(rank=5, world_size=6, local_rank=2, local_world_size=3, node_rank=1,
                   num_nodes=2)
     cache = fake_cache(CacheLayout(100, 30, 2), world)
-    for source in (cache, CachedDataset(cache, 100)):
+    for source in (cache, TwoLineDataset(cache, 100)):
         s = CacheAwareSampler(source, batch_size=4)
         assert (s.num_replicas, s.rank, s.local_world_size, s.node_rank) == (6, 5, 3, 1)
 
@@ -529,7 +528,7 @@ POSITIVE = r"should be a positive int, but got"
     (dict(source=object()), TypeError,
      r"dataset should be a Dataset with a \.cache attribute \(a cache or None\), a Subset of "
      r"one, a cache \(SharedCache, OpenSizeCache\) or a CacheLayout, but got object"),
-    (dict(source=CachedDataset(fake_cache(LAYOUT, World()), 99)), ValueError,
+    (dict(source=TwoLineDataset(fake_cache(LAYOUT, World()), 99)), ValueError,
      r"len\(dataset\) should be its cache's dataset_len=100, but got len\(dataset\)=99"),
 ])
 def test_bad_arguments_name_the_parameter_and_the_value(kwargs, error, match):

@@ -15,19 +15,10 @@ import sys
 import pytest
 import torch
 
-from _helpers import (CHILDREN, FIELD_DTYPES, FIELDS, fields_of, free_port, rank_env,
-                      used_bytes, value_of)
+from _helpers import (CHILDREN, FIELD_DTYPES, FIELDS, SAVED_DIMS, fields_of, free_port,
+                      rank_env, saved_cache, saved_file, used_bytes, value_of)
 from stocaching import (CacheCapacityError, CacheConfigError, CacheFileError, OpenSizeCache,
                         SharedCache, World, describe_saved_file)
-
-DIMS = (4, 32, 32)  # tests/children/saved.py's
-
-
-def _cache(shm_dir, path, n=64, **kw):
-    args = dict(size_limit_gib=n * 4200 / 2**30, dataset_len=n, data_dims=DIMS, name="saved",
-                load_from=path, key="k1", shm_dir=shm_dir)
-    args.update(kw)
-    return SharedCache(**args)
 
 
 def _job(shm_dir, path, steps, n=64, slow_mib=0, **kw):
@@ -48,7 +39,7 @@ def _holds(c: SharedCache, filled) -> None:
     for i in range(c.dataset_len):
         got = c.get_slot(i)
         assert (got is not None) == (i in filled), i
-        assert got is None or torch.equal(got, value_of(i, DIMS))
+        assert got is None or torch.equal(got, value_of(i, SAVED_DIMS))
 
 
 @pytest.mark.timeout(120)
@@ -59,7 +50,7 @@ def test_a_saved_cache_loads_in_a_new_process_with_the_same_samples(shm_dir, tmp
     assert os.listdir(shm_dir) == []  # a plain cache: nothing is left in shared memory
     out = _run(shm_dir, path, "load,check")
     assert "LOADED 22" in out and "CHECKED 22" in out and "WRONG" not in out
-    with _cache(shm_dir, path) as c:
+    with saved_cache(shm_dir, path) as c:
         _holds(c, set(range(0, 64, 3)))
         assert c.stats()["filled"] == 22
 
@@ -116,25 +107,16 @@ def test_a_save_killed_mid_write_leaves_the_previous_file_loadable(shm_dir, tmp_
         assert path.read_bytes() == before  # the new file was never renamed over it
     else:
         assert path.stat().st_size > len(before)  # rows appended past the committed end
-    with _cache(shm_dir, path, n=n) as c:
+    with saved_cache(shm_dir, path, n=n) as c:
         assert c.stats()["filled"] == 100  # the previous save, and nothing of the killed one
         _holds(c, set(range(100)))
         assert c.save(path)["rewritten"] is False  # the file is its own again: appended to
-        c.set_slot(200, value_of(200, DIMS))
+        c.set_slot(200, value_of(200, SAVED_DIMS))
         assert c.save(path)["samples"] == 1
-    with _cache(shm_dir, None, key="", n=n) as c:
-        c.set_slot(0, value_of(0, DIMS))
+    with saved_cache(shm_dir, None, key="", n=n) as c:
+        c.set_slot(0, value_of(0, SAVED_DIMS))
         assert c.save(path)["rewritten"]  # a new file, and the dead save's temporary goes
     assert sorted(os.listdir(tmp_path)) == ["c.stc"]
-
-
-def _saved_file(shm_dir, tmp_path) -> str:
-    path = str(tmp_path / "c.stc")
-    with _cache(shm_dir, path) as c:
-        for i in range(0, 64, 2):
-            c.set_slot(i, value_of(i, DIMS))
-        c.save(path)
-    return path
 
 
 @pytest.mark.parametrize("damage,match", [
@@ -146,7 +128,7 @@ def _saved_file(shm_dir, tmp_path) -> str:
 ])
 def test_a_truncated_or_damaged_file_is_refused_and_nothing_is_loaded(shm_dir, tmp_path,
                                                                        damage, match):
-    path = _saved_file(shm_dir, tmp_path)
+    path = saved_file(shm_dir, tmp_path)
     data = bytearray(open(path, "rb").read())
     rows_at = 3 * 4096  # superblocks, config, then the first chunk's samples
     if damage == "truncate":
@@ -161,7 +143,7 @@ def test_a_truncated_or_damaged_file_is_refused_and_nothing_is_loaded(shm_dir, t
         data = bytearray(b"#!/bin/sh\n" * 2000)
     open(path, "wb").write(data)
     with pytest.raises(CacheFileError, match=match) as e:
-        _cache(shm_dir, path)
+        saved_cache(shm_dir, path)
     assert e.value.path == path and "remove it" in str(e.value).lower()
     assert os.listdir(shm_dir) == []  # nothing made
 
@@ -176,23 +158,23 @@ def test_a_truncated_or_damaged_file_is_refused_and_nothing_is_loaded(shm_dir, t
 def test_a_file_of_other_data_is_refused_by_name_or_ignored_when_asked(shm_dir, tmp_path,
                                                                         caplog, kw, field,
                                                                         match):
-    path = _saved_file(shm_dir, tmp_path)
+    path = saved_file(shm_dir, tmp_path)
     with pytest.raises(CacheConfigError, match=match) as e:
-        _cache(shm_dir, path, **kw)
+        saved_cache(shm_dir, path, **kw)
     assert e.value.field == field and "on_mismatch='replace'" in str(e.value)
     assert os.listdir(shm_dir) == []
     with caplog.at_level(logging.WARNING, "stocaching"):
-        with _cache(shm_dir, path, on_mismatch="replace", **kw) as c:
+        with saved_cache(shm_dir, path, on_mismatch="replace", **kw) as c:
             assert c.stats()["filled"] == 0
             assert c.save(path)["rewritten"]  # never appended to a file of other data
     assert f"ignored the saved file {path}" in caplog.text
     with pytest.raises(CacheConfigError):  # the file is the new cache's now
-        _cache(shm_dir, path)
+        saved_cache(shm_dir, path)
 
 
 def test_saving_an_unchanged_cache_writes_nothing(shm_dir, tmp_path):
-    path = _saved_file(shm_dir, tmp_path)
-    with _cache(shm_dir, path) as c:  # loaded from the file: its saves append to it
+    path = saved_file(shm_dir, tmp_path)
+    with saved_cache(shm_dir, path) as c:  # loaded from the file: its saves append to it
         st = os.stat(path)
         for _ in range(3):
             assert c.save(path) == {"path": path, "samples": 0, "emptied": 0, "bytes": 0,
@@ -200,23 +182,23 @@ def test_saving_an_unchanged_cache_writes_nothing(shm_dir, tmp_path):
         after = os.stat(path)
         assert (after.st_size, after.st_mtime_ns, after.st_ino) == \
             (st.st_size, st.st_mtime_ns, st.st_ino)
-        c.set_slot(1, value_of(1, DIMS))
+        c.set_slot(1, value_of(1, SAVED_DIMS))
         out = c.save(path)  # one sample: its row, its index, a trailer and a superblock
         assert (out["samples"], out["rewritten"]) == (1, False)
         assert out["bytes"] <= 2 * 4096 + 128
         c.clear()
         assert c.save(path)["emptied"] == 33
         assert c.save(path)["bytes"] == 0
-    with _cache(shm_dir, path) as c:
+    with saved_cache(shm_dir, path) as c:
         assert c.stats()["filled"] == 0
 
 
 def test_only_the_local_leader_saves_and_each_node_names_its_file(shm_dir, tmp_path):
     worlds = [World(rank=r, world_size=2, local_rank=r, local_world_size=2) for r in range(2)]
     path = str(tmp_path / "n{node}.stc")
-    lead = _cache(shm_dir, path, world=worlds[0], timeout=60)
-    other = _cache(shm_dir, path, world=worlds[1], timeout=60)
-    other.set_slot(5, value_of(5, DIMS))
+    lead = saved_cache(shm_dir, path, world=worlds[0], timeout=60)
+    other = saved_cache(shm_dir, path, world=worlds[1], timeout=60)
+    other.set_slot(5, value_of(5, SAVED_DIMS))
     assert other.save(path) == {"path": str(tmp_path / "n0.stc"), "samples": 0, "emptied": 0,
                                 "bytes": 0, "rewritten": False, "saved": False}
     assert not os.path.exists(tmp_path / "n0.stc")
@@ -226,24 +208,24 @@ def test_only_the_local_leader_saves_and_each_node_names_its_file(shm_dir, tmp_p
 
 
 def test_a_persistent_cache_is_filled_from_the_file_only_when_made(shm_dir, tmp_path):
-    path = _saved_file(shm_dir, tmp_path)
+    path = saved_file(shm_dir, tmp_path)
     kw = dict(name="kept", persistent=True)
-    with _cache(shm_dir, path, **kw) as c:
+    with saved_cache(shm_dir, path, **kw) as c:
         assert c.stats()["filled"] == 32
-        c.set_slot(1, value_of(1, DIMS))
+        c.set_slot(1, value_of(1, SAVED_DIMS))
         assert c.save(path)["samples"] == 1  # it loaded the file: appends to it
-    with _cache(shm_dir, None, **kw) as c:  # attached: the segment as it was
+    with saved_cache(shm_dir, None, **kw) as c:  # attached: the segment as it was
         assert c.stats()["filled"] == 33
 
 
 def test_bad_arguments_and_open_sizes_are_refused(shm_dir, tmp_path):
     with pytest.raises(TypeError, match=r"load_from should be the path .* load_from=3"):
-        _cache(shm_dir, 3)
+        saved_cache(shm_dir, 3)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'load_from'"):
         OpenSizeCache(1e-3, 10, (None, 3), shm_dir=shm_dir, load_from=str(tmp_path / "x"))
     with OpenSizeCache(1e-3, 10, (None, 3), shm_dir=shm_dir) as c:
         assert not hasattr(c, "save")  # a file holds rows of one size
-    with _cache(shm_dir, None, key="") as c:
+    with saved_cache(shm_dir, None, key="") as c:
         with pytest.raises(TypeError, match=r"path should be a str or os.PathLike"):
             c.save(None)
     assert os.listdir(tmp_path) == []
@@ -262,7 +244,7 @@ def test_two_local_ranks_under_torchrun_load_once(shm_dir, tmp_path):
     assert r.stdout.count("LOADED 32") == 2 and r.stdout.count("CHECKED 32") == 2, r.stdout
     assert r.stdout.count("SAVED 0 0 False") == 1, r.stdout  # the leader alone: unchanged
     assert r.stdout.count("stocaching: loaded 32 samples") == 1, r.stdout  # it alone loads
-    with _cache(shm_dir, path) as c:
+    with saved_cache(shm_dir, path) as c:
         _holds(c, set(range(0, 64, 2)))
 
 
@@ -278,32 +260,32 @@ def test_rows_load_in_pieces_straight_or_scattered_and_a_bad_row_anywhere_is_ref
     monkeypatch.setattr(saved, "_SAVE_IO", 3 * 4096)
     path = str(tmp_path / "c.stc")
     filled = set(range(40)) | {41, 45, 50, 51, 52, 53}
-    with _cache(shm_dir, path) as c:  # (no file yet: it starts empty)
+    with saved_cache(shm_dir, path) as c:  # (no file yet: it starts empty)
         for i in range(40):
-            c.set_slot(i, value_of(i, DIMS))
+            c.set_slot(i, value_of(i, SAVED_DIMS))
         appended_at = c.save(path)["bytes"]  # (the end of the first chunk)
         for i in sorted(filled - set(range(40))):
-            c.set_slot(i, value_of(i, DIMS))
+            c.set_slot(i, value_of(i, SAVED_DIMS))
         assert c.save(path)["samples"] == 6
-    with _cache(shm_dir, path) as c:
+    with saved_cache(shm_dir, path) as c:
         _holds(c, filled)
     data = bytearray(open(path, "rb").read())
     data[appended_at + 4096 + 100] ^= 1  # the second appended row: slot 45's
     open(path, "wb").write(data)
     with pytest.raises(CacheFileError, match=rf"record at byte {appended_at} fail their check"):
-        _cache(shm_dir, path)
+        saved_cache(shm_dir, path)
     assert os.listdir(shm_dir) == []
 
 
 def test_staged_samples_are_not_saved(shm_dir, tmp_path):
     path = str(tmp_path / "c.stc")
     kw = dict(size_limit_gib=(8 * 4096 + 4 * 4096 + 64) / 2**30, dataset_len=64,
-              data_dims=DIMS, staging_slots=4, random_subset=True, shm_dir=shm_dir)
+              data_dims=SAVED_DIMS, staging_slots=4, random_subset=True, shm_dir=shm_dir)
     with SharedCache(**kw) as c:
         held = c.cached_indices()
         outside = sorted(set(range(64)) - set(held.tolist()))[:2]
-        c.set_slot(int(held[0]), value_of(int(held[0]), DIMS))
-        assert all(c.stage(i, value_of(i, DIMS)) for i in outside)
+        c.set_slot(int(held[0]), value_of(int(held[0]), SAVED_DIMS))
+        assert all(c.stage(i, value_of(i, SAVED_DIMS)) for i in outside)
         assert c.save(path)["samples"] == 1
     with SharedCache(**kw, load_from=path) as c:
         assert c.stats()["filled"] == 1 and not c.ready_mask(outside).any()
@@ -313,8 +295,8 @@ def test_staged_samples_are_not_saved(shm_dir, tmp_path):
 def test_a_loaded_segment_is_reserved_whole_once_loaded(shm_dir, tmp_path):
     """The copy by sendfile allocates the pages of the slots it fills; the rest (here the
     empty slots) is reserved before the cache is handed out, as for any new cache."""
-    path = _saved_file(shm_dir, tmp_path)  # every other slot filled
-    with _cache(shm_dir, path) as c:
+    path = saved_file(shm_dir, tmp_path)  # every other slot filled
+    with saved_cache(shm_dir, path) as c:
         st = os.fstat(c._segment.fd)
         assert st.st_blocks * 512 >= st.st_size == c.stats()["bytes"]
 
@@ -353,20 +335,20 @@ def test_a_load_that_finds_the_tmpfs_full_fails_clearly_and_leaves_nothing(
 
 
 def test_a_saved_file_is_described_without_loading_it(shm_dir, tmp_path):
-    path = _saved_file(shm_dir, tmp_path)  # 32 samples, one save
-    with _cache(shm_dir, path) as c:
-        c.set_slot(1, value_of(1, DIMS))
-        c.set_slot(0, value_of(0, DIMS), allow_overwrite=True)  # (a row replaced)
+    path = saved_file(shm_dir, tmp_path)  # 32 samples, one save
+    with saved_cache(shm_dir, path) as c:
+        c.set_slot(1, value_of(1, SAVED_DIMS))
+        c.set_slot(0, value_of(0, SAVED_DIMS), allow_overwrite=True)  # (a row replaced)
         c.save(path)
         c.clear()
         c.save(path)  # (every index emptied: nothing to load)
-        c.set_slot(3, value_of(3, DIMS))
+        c.set_slot(3, value_of(3, SAVED_DIMS))
         c.save(path)
     os.utime(path, (os.path.getatime(path), os.path.getmtime(path) - 3600))
     d = describe_saved_file(path, verify=True)
     age_s = d.pop("age_s")
     assert 3600 <= age_s < 3700 and d == {
-        "path": path, "key": "k1", "dataset_len": 64, "data_dims": DIMS, "dtype": "uint8",
+        "path": path, "key": "k1", "dataset_len": 64, "data_dims": SAVED_DIMS, "dtype": "uint8",
         "node_rank": 0, "num_nodes": 1, "samples": 1, "rows": 35, "saves": 4,
         "bytes": os.path.getsize(path), "verified": True}
     assert os.listdir(shm_dir) == []  # nothing loaded
@@ -382,30 +364,3 @@ def test_a_saved_file_is_described_without_loading_it(shm_dir, tmp_path):
         describe_saved_file(3)
 
 
-def _inspect(*args):
-    return subprocess.run([sys.executable, "-m", "stocaching", "inspect", *map(str, args)],
-                          capture_output=True, text=True, env=rank_env(), timeout=60)
-
-
-def test_the_cli_inspects_saved_files_and_says_which_are_damaged(shm_dir, tmp_path):
-    path = _saved_file(shm_dir, tmp_path)
-    (tmp_path / "notes.txt").write_text("not a cache\n" * 1000)
-    r = _inspect(tmp_path)  # a directory: its saved files (3 blocks of header, 32 rows of
-    # 4 KiB, then their indices and the trailer in one more block: 144 KiB)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == (f"{path}: 144.0 KiB, saved 0.0 h ago\n"
-                        f"  key='k1' dataset_len=64 data_dims=(4, 32, 32) dtype=uint8 node 0 "
-                        f"of 1\n  32 samples to load (32 rows in 1 save)\n")
-    data = bytearray(open(path, "rb").read())
-    data[3 * 4096 + 4096 * 7 + 100] ^= 1  # a sample byte: only --verify reads it
-    open(path, "wb").write(data)
-    assert _inspect(path).returncode == 0
-    r = _inspect("--verify", path, tmp_path / "notes.txt", tmp_path / "gone.stc")
-    assert r.returncode == 1 and r.stdout.splitlines() == [
-        f"{path}: {path} is damaged: the samples of the save record at byte 12288 fail their "
-        "check; nothing of the file was loaded. Remove it (the next save writes it anew)",
-        f"{tmp_path / 'notes.txt'}: not a file saved by SharedCache.save, or its header is "
-        "damaged",
-        f"{tmp_path / 'gone.stc'}: No such file or directory"]
-    r = _inspect(shm_dir)
-    assert r.returncode == 0 and r.stdout == f"{shm_dir}: no saved files\n"

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from _helpers import (CHILDREN, PREFETCH_KINDS, REPO, TRAIN_BATCH, TRAIN_EPOCHS, TRAIN_LEN,
-                      CachedDataset, WithIndex, budget_for, free_port, named, rank_env,
+                      TwoLineDataset, WithIndex, budget_for, free_port, named, rank_env,
                       assert_ended_well, read_records, run_bounded, value_of)
 from stocaching import (CacheAwareSampler, CacheLayout, Prefetcher, ReadyFirstSampler,
                         SharedCache, WeightedMixtureSampler, World)
@@ -229,7 +229,7 @@ def test_a_loader_prepared_for_two_processes_reads_what_each_rank_planned_or_war
     (prepare's split_batches=True, the per-rank sampler itself) warn once over two epochs."""
     data_loader = pytest.importorskip("accelerate.data_loader")
     cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
-    ds = CachedDataset(cache, 40)
+    ds = TwoLineDataset(cache, 40)
     for r in range(2):
         sampler = CacheAwareSampler(ds, 2, r, batch_size=4)
         order = sampler.for_accelerate() if use == "for_accelerate" else sampler
@@ -259,7 +259,7 @@ def test_a_prefetcher_prepared_for_two_processes_loads_and_reads_only_its_own_po
     indices it reads. No warning."""
     data_loader = pytest.importorskip("accelerate.data_loader")
     cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
-    ds = CachedDataset(cache, 40)
+    ds = TwoLineDataset(cache, 40)
     read = []
     for r in range(2):
         loads: list[int] = []
@@ -310,7 +310,7 @@ def test_a_sampler_over_a_distributed_sampler_is_one_with_its_attributes(make, s
     DistributedSampler with the base's arguments, so Lightning's default leaves it alone;
     over a RandomSampler it is not one. The same sampler, the same indices."""
     cache = SharedCache(budget_for(13, (3, 8, 8), dataset_len=40), 40, (3, 8, 8), world=World())
-    ds = CachedDataset(cache, 40)
+    ds = TwoLineDataset(cache, 40)
     base = CacheAwareSampler(ds, 2, 1, shuffle=True, seed=5, drop_last=True, batch_size=4)
     wrap = (lambda b: ReadyFirstSampler(b, cache, window=4)) if make == "ReadyFirstSampler" \
         else (lambda b: Prefetcher(sampler=b, cache=cache, load=value_of, threads=2))

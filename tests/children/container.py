@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from _helpers import CachedDataset, value_of
+from _helpers import TwoLineDataset, value_of
 from stocaching import CacheCapacityError, SharedCache, plan
 
 
@@ -51,7 +51,7 @@ def main() -> None:
                 say(warning=w.category.__name__, message=str(w.message))
     if len(caches) == len(spec["caches"]):
         cache, n = caches[-1], spec["caches"][-1]["n"]
-        ds = CachedDataset(cache, n)
+        ds = TwoLineDataset(cache, n)
         if spec.get("fill"):
             for i in range(n):
                 cache.set_slot(i, value_of(i, cache.data_dims))

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _helpers import CachedDataset, spawn_without_launcher
+from _helpers import TwoLineDataset, spawn_without_launcher
 from stocaching import SharedCache
 
 DIMS = (3, 128, 128)
@@ -23,7 +23,7 @@ def rank_main(rank: int, port: int, n: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     cache = SharedCache("auto", n, DIMS, name="auto")
-    ds = CachedDataset(cache, n)
+    ds = TwoLineDataset(cache, n)
     sampler = torch.utils.data.DistributedSampler(ds, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler, num_workers=2)
     hits, seen = [], []

@@ -16,7 +16,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from _helpers import CachedDataset, budget_for
+from _helpers import TwoLineDataset, budget_for
 from stocaching import MixtureDataset, SharedCache, WeightedMixtureSampler
 
 SIZES, SLOTS, DIMS, CONSUMED = (24, 40, 16), (24, 20, 4), (4,), 5
@@ -24,7 +24,7 @@ SIZES, SLOTS, DIMS, CONSUMED = (24, 40, 16), (24, 20, 4), (4,), 5
 out = sys.argv[1]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-parts = [CachedDataset(SharedCache(budget_for(m, DIMS, dataset_len=n) if m < n else 1e-4, n,
+parts = [TwoLineDataset(SharedCache(budget_for(m, DIMS, dataset_len=n) if m < n else 1e-4, n,
                                    DIMS, name=f"sub{k}", timeout=120), n)
          for k, (n, m) in enumerate(zip(SIZES, SLOTS))]
 mix = MixtureDataset(parts)

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from _helpers import value_of
+from _helpers import SAVED_DIMS as DIMS, value_of
 import stocaching.saved as saved
 from stocaching import SharedCache
 
@@ -31,7 +31,6 @@ def say(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
-DIMS = (4, 32, 32)  # 4 KiB a sample
 path, n, slow_mib = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 
 if os.environ.get("SAVED_LOG"):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from _helpers import CachedDataset, spawn_without_launcher, value_of
+from _helpers import TwoLineDataset, spawn_without_launcher, value_of
 from stocaching import CacheAwareSampler, SharedCache, list_segments
 
 N = 100
@@ -25,7 +25,7 @@ def rank_main(rank: int, shm_dir: str, port: int) -> None:
         cache.set_slot(7, value_of(7))
     dist.barrier()
     seen = cache.get_slot(7)
-    ds = CachedDataset(cache, N)
+    ds = TwoLineDataset(cache, N)
     ours = list(CacheAwareSampler(ds, batch_size=8))
     theirs = list(DistributedSampler(ds))
     every = [None, None]

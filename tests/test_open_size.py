@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from _helpers import (CachedDataset, assert_no_leak, assert_the_killed_write_is_a_miss,
+from _helpers import (TwoLineDataset, assert_no_leak, assert_the_killed_write_is_a_miss,
                       racing_writers, ranks_with_a_killed_writer, value_of)
 from stocaching import (BYTES_PER_GIB, BaseCache, CacheCapacityError, CacheConfigError,
                         OpenSizeCache, SharedCache, World, plan)
@@ -381,7 +381,7 @@ def keep_list(batch):
 def test_dataloader_workers_share_a_cache_of_open_sizes(tmpfs, method):
     arena = sum(-(-cloud(i).numel() * 4 // 16) * 16 for i in range(N - 6))  # all but 6 fit
     with OpenSizeCache(limit_for(arena), N, (None, 3), torch.float32, shm_dir=tmpfs) as c:
-        dl = DataLoader(CachedDataset(c, N, cloud), batch_size=4, num_workers=2,
+        dl = DataLoader(TwoLineDataset(c, N, cloud), batch_size=4, num_workers=2,
                         collate_fn=keep_list, multiprocessing_context=method)
         stored = 0
         for epoch in range(2):
