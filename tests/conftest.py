@@ -143,6 +143,7 @@ SLOW = {
     "tests/test_lifecycle.py::test_startup_leftover_is_removed_by_clean",  # 4 s
     "tests/test_mixtures.py::test_mixtures_py_works_copied_next_to_stocaching_py",  # 2 s
     "tests/test_order.py::test_the_order_works_copied_next_to_stocaching_py",  # 8 s
+    "tests/test_sampler.py::test_samplers_py_works_copied_next_to_stocaching_py",  # 2 s
     "tests/test_persistent.py::test_a_persistent_cache_goes_to_spawned_processes_too",  # 5 s
     "tests/test_persistent.py::test_clean_removes_a_persistent_cache_only_by_name_or_flag",  # 3 s
     "tests/test_persistent.py::test_the_next_job_attaches_with_every_filled_slot_a_hit",  # 2 s

@@ -738,7 +738,7 @@ def test_torchrun_two_ranks_cover_the_mixture_and_resume_from_rank_1(shm_dir, tm
 
 
 def test_mixtures_py_works_copied_next_to_stocaching_py(tmp_path):
-    for name in ("stocaching.py", "mixtures.py"):
+    for name in ("stocaching.py", "_common.py", "mixtures.py"):
         shutil.copy(REPO / "stocaching" / name, tmp_path / name)
     code = textwrap.dedent("""
         import os, mixtures, stocaching
