@@ -16,8 +16,9 @@ where the base order put it::
 misses an epoch has; with a :class:`~stocaching.Prefetcher` (``prefetch.py``, which uses this
 order when given a ``window``) the order gives the loads lead time. See docs/order.md.
 
-This module imports only public names of ``stocaching``, so it also works copied next to
-``stocaching.py``; ``prefetch.py`` needs it beside it.
+This module imports only public names of ``stocaching`` and the opt-ins' internal module
+(``_common.py``), so it also works copied next to ``stocaching.py`` and ``_common.py``;
+``prefetch.py`` needs it beside them.
 
 Contents: 1. the rule (``ready_first_order``), 2. one epoch's iteration and what a resume
 needs of the base order, 3. under trainers, 4. the sampler (``ReadyFirstSampler``).
@@ -40,8 +41,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
+    from ._common import check_state_fields, refuse_changed_fields, warn_position_discarded
     from .stocaching import BaseCache, check_int, dealt_by_accelerate, in_lightnings_wrapper
-except ImportError:  # copied beside stocaching.py
+except ImportError:  # copied beside stocaching.py and _common.py
+    from _common import (check_state_fields,  # type: ignore[no-redef]
+                         refuse_changed_fields, warn_position_discarded)
     from stocaching import (BaseCache, check_int,  # type: ignore[no-redef]
                             dealt_by_accelerate, in_lightnings_wrapper)
 
@@ -667,10 +671,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         """
         epoch = check_int("epoch", epoch, low=0)
         if epoch != self.epoch and self._loaded is not None:
-            if 0 < self._loaded["consumed"] < self._loaded["len"]:
-                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
-                              f"epoch {self.epoch} ({self._loaded['consumed']} of "
-                              f"{self._loaded['len']} indices consumed)", stacklevel=2)
+            warn_position_discarded(epoch, self.epoch, self._loaded["consumed"],
+                                    self._loaded["len"])
             # The loaded epoch is not drawn again: its base goes on from after it.
             _set_generator_state(self.base, _checked_generator_state(
                 self.base, self._loaded, "generator_after"))  # (checked when loaded)
@@ -823,19 +825,10 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         Args:
             state: a dict from ``state_dict()`` of a sampler of the same rank.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
-                            f"got {type(state).__name__}")
-        mine = self._state(0, None)
-        missing = sorted(set(mine) - set(state) - set(_GENERATOR_FIELDS))
-        if missing:
-            raise ValueError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
-                             f"it lacks {missing}")
-        for field in ("window", "mode", "len"):
-            if state[field] != mine[field]:
-                raise ValueError(f"state['{field}'] should be this sampler's {field}="
-                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}")
-        n = mine["len"]
+        own = self._state(0, None)
+        check_state_fields(state, "ReadyFirstSampler", set(own) - set(_GENERATOR_FIELDS))
+        refuse_changed_fields(state, own, ("window", "mode", "len"))
+        n = own["len"]
         epoch = check_int("state['epoch']", state["epoch"], low=0)
         consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
         loaded = dict(state)

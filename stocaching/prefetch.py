@@ -24,8 +24,9 @@ Reordering cannot change how many misses an epoch has ((1 - f) * N with a fracti
 dataset cached); the prefetcher hides their latency, and the order gives it lead time and
 routes around misses that are not loaded yet. See docs/prefetch.md and docs/order.md.
 
-This module imports only public names of ``stocaching`` and the order's module, so it also
-works copied next to ``stocaching.py`` and ``order.py``.
+This module imports only public names of ``stocaching``, the order's module and the opt-ins'
+internal module (``_common.py``), so it also works copied next to ``stocaching.py``,
+``order.py`` and ``_common.py``.
 
 Contents: 1. its error and how loader processes start, 2. standing aside (measuring the
 loads), 3. the ``Prefetcher``, 4. staged samples given back, 5. an epoch's loads and a load,
@@ -58,12 +59,15 @@ import numpy as np
 import torch
 
 try:  # inside the package
+    from ._common import check_state_fields, refuse_changed_fields, warn_position_discarded
     from .order import (ReadyFirstSampler, _base_of, _checked_generator_state, _generator_state,
                         _order_differs, _OverDistributed, _positions_dealt, _set_generator_state,
                         _Tap, _warn_unseeded, _wrapped_by_lightning)
     from .stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache, check_int,
                              dealt_by_accelerate, in_lightnings_wrapper)
-except ImportError:  # copied beside stocaching.py and order.py
+except ImportError:  # copied beside stocaching.py, order.py and _common.py
+    from _common import (check_state_fields,  # type: ignore[no-redef]
+                         refuse_changed_fields, warn_position_discarded)
     from order import (ReadyFirstSampler, _base_of,  # type: ignore[no-redef]
                        _checked_generator_state, _generator_state, _order_differs,
                        _OverDistributed, _positions_dealt, _set_generator_state, _Tap,
@@ -495,11 +499,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         if epoch != self._epoch:  # (the same epoch again keeps the position)
             self._progress = None
             loaded, self._skip_loaded = self._skip_loaded, None
-            if loaded is not None and 0 < loaded["consumed"] < loaded["len"]:
-                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
-                              f"epoch {loaded['epoch']} ({loaded['consumed']} of "
-                              f"{loaded['len']} indices consumed)", stacklevel=2)
             if loaded is not None:  # the loaded epoch is not drawn again: go on from after it
+                warn_position_discarded(epoch, loaded["epoch"], loaded["consumed"],
+                                        loaded["len"])
                 _set_generator_state(self._tap.base, _checked_generator_state(
                     self._tap.base, loaded, "generator_after"))  # (checked when loaded)
         self._epoch = epoch
@@ -599,18 +601,10 @@ class Prefetcher(torch.utils.data.Sampler[int]):
                 "generator": before, "generator_after": after}
 
     def _load_skip_state(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict from Prefetcher.state_dict(), but got "
-                            f"{type(state).__name__}")
-        missing = sorted(set(self._SKIP_FIELDS) - set(state))
-        if missing:
-            raise ValueError(f"state should be a dict from Prefetcher.state_dict() (without a "
-                             f"window, over {type(self._tap.base).__name__}), but it lacks "
-                             f"{missing}")
+        check_state_fields(state, "Prefetcher", self._SKIP_FIELDS,
+                           detail=f" (without a window, over {type(self._tap.base).__name__})")
         n = len(self)
-        if state["len"] != n:
-            raise ValueError(f"state['len'] should be this prefetcher's len={n}, but got "
-                             f"state['len']={state['len']!r}")
+        refuse_changed_fields(state, {"len": n}, ("len",), owner="prefetcher")
         consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
         epoch = state["epoch"]
         if epoch is not None:

@@ -615,9 +615,10 @@ def test_base_that_yields_less_than_its_length_is_refused():
 
 @pytest.mark.parametrize("module", ["order", "prefetch"])
 def test_the_order_works_copied_next_to_stocaching_py(module, tmp_path):
-    """order.py copied beside stocaching.py, and prefetch.py beside both: the copies import
-    each other, not the package."""
-    for name in ("stocaching.py", "order.py", *(["prefetch.py"] if module == "prefetch" else [])):
+    """order.py copied beside stocaching.py and _common.py, and prefetch.py beside them: the
+    copies import each other, not the package."""
+    for name in ("stocaching.py", "_common.py", "order.py",
+                 *(["prefetch.py"] if module == "prefetch" else [])):
         shutil.copy(os.path.join(ROOT, "stocaching", name), tmp_path / name)
     code = textwrap.dedent(f"""
         import os, order, stocaching, {module} as m
