@@ -40,8 +40,9 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "CacheFileError", "CacheTimeoutError", "World", "CacheLayout", "SlotState", "plan",
       "get_shm_size", "describe_saved_file", "list_segments", "clean_segments")),
     ("The opt-in parts",
-     "Modules beside the core that import only its public names, so that each also works "
-     "copied next to `stocaching.py`: {modules}.",
+     "Modules beside the core that import only its public names (and the opt-ins' internal "
+     "module, `stocaching/_common.py`), so that each also works copied next to `stocaching.py`, "
+     "with whichever of `_common.py` and the other opt-ins it imports: {modules}.",
      ("CacheAwareSampler", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
       "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader",
       "CachedDataset", "CachedStream")),
