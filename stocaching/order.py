@@ -457,9 +457,16 @@ for _name in _MIRRORED:
 del _name
 
 
-def _base_of(args: tuple, kwargs: dict, keyword: str) -> Any:
-    """The first argument of a constructor, given by position or as ``keyword``."""
-    return args[0] if args else kwargs.get(keyword)
+def _class_over_base(cls: type, public: type, over_distributed: type, args: tuple, kwargs: dict,
+                     keyword: str) -> type:
+    """The class that ``cls(*args, **kwargs)`` makes, for the ``__new__`` of ``public`` (a
+    sampler over a base sampler): ``over_distributed``, its subclass that is a
+    ``DistributedSampler`` too, when the base (the first argument, by position or as
+    ``keyword``) is a ``DistributedSampler``; else ``cls`` (a user's subclass stays itself)."""
+    base = args[0] if args else kwargs.get(keyword)
+    if cls is public and isinstance(base, torch.utils.data.DistributedSampler):
+        return over_distributed
+    return cls
 
 
 def _positions_dealt(shard: Any, sampler: Any, n: int) -> np.ndarray | None:
@@ -621,10 +628,9 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "ReadyFirstSampler":
-        if cls is ReadyFirstSampler and isinstance(_base_of(args, kwargs, "base"),
-                                                   torch.utils.data.DistributedSampler):
-            cls = _DistributedReadyFirstSampler
-        return super().__new__(cls)
+        return super().__new__(_class_over_base(cls, ReadyFirstSampler,
+                                                _DistributedReadyFirstSampler, args, kwargs,
+                                                "base"))
 
     def __init__(self, base: Any, ready: BaseCache | ReadyFn, *, window: int,
                  mode: str = "fixed", refresh_every: int | None = None) -> None:

@@ -60,18 +60,18 @@ import torch
 
 try:  # inside the package
     from ._common import check_state_fields, refuse_changed_fields, warn_position_discarded
-    from .order import (ReadyFirstSampler, _base_of, _checked_generator_state, _generator_state,
-                        _order_differs, _OverDistributed, _positions_dealt, _set_generator_state,
-                        _Tap, _warn_unseeded, _wrapped_by_lightning)
+    from .order import (ReadyFirstSampler, _checked_generator_state, _class_over_base,
+                        _generator_state, _order_differs, _OverDistributed, _positions_dealt,
+                        _set_generator_state, _Tap, _warn_unseeded, _wrapped_by_lightning)
     from .stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache, check_int,
                              dealt_by_accelerate, in_lightnings_wrapper)
 except ImportError:  # copied beside stocaching.py, order.py and _common.py
     from _common import (check_state_fields,  # type: ignore[no-redef]
                          refuse_changed_fields, warn_position_discarded)
-    from order import (ReadyFirstSampler, _base_of,  # type: ignore[no-redef]
-                       _checked_generator_state, _generator_state, _order_differs,
-                       _OverDistributed, _positions_dealt, _set_generator_state, _Tap,
-                       _warn_unseeded, _wrapped_by_lightning)
+    from order import (ReadyFirstSampler, _checked_generator_state,  # type: ignore[no-redef]
+                       _class_over_base, _generator_state, _order_differs, _OverDistributed,
+                       _positions_dealt, _set_generator_state, _Tap, _warn_unseeded,
+                       _wrapped_by_lightning)
     from stocaching import (MAX_STAGE_TAG, BaseCache, SharedCache,  # type: ignore[no-redef]
                             check_int, dealt_by_accelerate, in_lightnings_wrapper)
 
@@ -356,10 +356,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Prefetcher":
-        if cls is Prefetcher and isinstance(_base_of(args, kwargs, "sampler"),
-                                            torch.utils.data.DistributedSampler):
-            cls = _DistributedPrefetcher
-        return super().__new__(cls)
+        return super().__new__(_class_over_base(cls, Prefetcher, _DistributedPrefetcher, args,
+                                                kwargs, "sampler"))
 
     def __init__(self, sampler: Any, cache: BaseCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "fixed", threads: int = 16,
