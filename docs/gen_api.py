@@ -40,9 +40,9 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "CacheFileError", "CacheTimeoutError", "World", "CacheLayout", "SlotState", "plan",
       "get_shm_size", "describe_saved_file", "list_segments", "clean_segments")),
     ("The opt-in parts",
-     "Modules beside the core that import only its public names (and what some of them share "
-     "in `stocaching/_common.py`, an internal module), so that each also works copied next to "
-     "`stocaching.py` (with `_common.py` where it needs it, see the README): {modules}.",
+     "Modules beside the core that import only its public names (and the internal module they "
+     "share, `stocaching/_common.py`), so that each also works copied next to `stocaching.py`, "
+     "with `_common.py` and the other opt-ins it imports (see the README): {modules}.",
      ("CacheAwareSampler", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
       "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader",
       "CachedDataset", "CachedStream")),

@@ -23,7 +23,8 @@ Example::
         print(sampler.shares(epoch), [s["hit_rate"] for s in mix.stats(since=before)])
 
 An opt-in part of stocaching: it imports only public names of the core module
-(``stocaching.py``), so copying the two files side by side into a project also works.
+(``stocaching.py``) and the opt-ins' internal module (``_common.py``), so copying the three
+files side by side into a project also works.
 See docs/mixtures.md.
 """
 
@@ -42,8 +43,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
+    from ._common import EpochPosition, check_state_fields, refuse_changed_fields
     from .stocaching import BaseCache, World, check_int, in_lightnings_wrapper
-except ImportError:  # copied beside stocaching.py
+except ImportError:  # copied beside stocaching.py and _common.py
+    from _common import (EpochPosition, check_state_fields,  # type: ignore[no-redef]
+                         refuse_changed_fields)
     from stocaching import (BaseCache, World,  # type: ignore[no-redef]
                             check_int, in_lightnings_wrapper)
 
@@ -369,9 +373,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         # The recipe (weights, num_samples) of an epoch loaded from a state saved with others.
         self._saved: tuple[int, tuple[float, ...], int] | None = None
-        self._resume = 0  # indices of self.epoch to skip at the next __iter__
-        self._it: Iterator[int] | None = None  # the latest iterator, and what it covers:
-        self._it_epoch = self._it_start = self._it_len = 0
+        self._position = EpochPosition()
         self._warned_wrapped = False
 
     # -- what an epoch is ----------------------------------------------------------------------
@@ -465,11 +467,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         """
         epoch = check_int("epoch", epoch, low=0)
         if epoch != self.epoch:
-            if 0 < self._resume < len(self):
-                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for epoch "
-                              f"{self.epoch} ({self._resume} of {len(self)} indices consumed)",
-                              stacklevel=2)
-            self._resume = 0
+            self._position.leave_epoch(epoch, self.epoch, len(self))
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
@@ -484,27 +482,9 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
                 f"CacheAwareSampler(dataset, batch_size=..., order=this sampler), a "
                 f"DistributedSampler that Lightning leaves alone, or pass "
                 f"Trainer(use_distributed_sampler=False)", stacklevel=2)
-        start, self._resume = self._resume, 0
-        if self._it is not None and self._it_epoch == self.epoch:
-            if self._consumed() == self._it_start:
-                # The latest iterator yielded nothing: this one replaces it (loaders such as
-                # torchdata's StatefulDataLoader create one, then load a state, then another).
-                start = self._it_start
-            else:
-                warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
-                              f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
-        indices = self.epoch_indices(self.epoch)[start:].tolist()
-        self._it = iter(indices)
-        self._it_epoch, self._it_start, self._it_len = self.epoch, start, len(indices)
-        return self._it
+        return self._position.iterate(self.epoch, self.epoch_indices)
 
     # -- resume --------------------------------------------------------------------------------
-
-    def _consumed(self) -> int:
-        if self._it is None or self._it_epoch != self.epoch:
-            return self._resume
-        # A list iterator's length hint is exactly the number of items it has left.
-        return self._it_start + self._it_len - self._it.__length_hint__()  # type: ignore
 
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with everything that fixes the order.
@@ -518,7 +498,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
             ``drop_last``, ``lengths``, ``weights`` and ``num_samples`` (those the epoch is
             built with), and ``rank`` (informative: any rank's state fits every rank).
         """
-        consumed = self._consumed() if consumed is None else \
+        consumed = self._position.consumed(self.epoch) if consumed is None else \
             check_int("consumed", consumed, low=0, high=len(self))
         weights, total = self._recipe(self.epoch)
         return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
@@ -536,22 +516,13 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         Args:
             state: a dict from ``state_dict()``.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict from WeightedMixtureSampler.state_dict(), "
-                            f"but got {type(state).__name__}")
-        mine = self.state_dict(consumed=0)
-        missing = sorted(set(mine) - set(state))
-        if missing:
-            raise ValueError(f"state should be a dict from WeightedMixtureSampler.state_dict(), "
-                             f"but it lacks {missing}")
-        for field in ("seed", "num_replicas", "drop_last"):
-            if state[field] != mine[field]:
-                raise ValueError(f"state['{field}'] should be this sampler's {field}="
-                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}; "
-                                 f"the rest of the epoch would differ")
-        if list(state["lengths"]) != mine["lengths"]:
+        own = self.state_dict(consumed=0)
+        check_state_fields(state, "WeightedMixtureSampler", own)
+        refuse_changed_fields(state, own, ("seed", "num_replicas", "drop_last"),
+                              consequence="; the rest of the epoch would differ")
+        if list(state["lengths"]) != own["lengths"]:
             raise ValueError(f"state['lengths'] should be this sampler's sub-dataset lengths "
-                             f"{mine['lengths']} (the same sub-datasets in the same order), but "
+                             f"{own['lengths']} (the same sub-datasets in the same order), but "
                              f"got state['lengths']={list(state['lengths'])!r}")
         epoch = check_int("state['epoch']", state["epoch"], low=0)
         weights = _check_weights(state["weights"], len(self.lengths))
@@ -565,7 +536,8 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
             self._saved = (epoch, weights, total)
         else:
             self._saved = None
-        self.epoch, self._resume, self._it = epoch, consumed, None
+        self.epoch = epoch
+        self._position.load(consumed)
 
 
 def _locate(offsets: np.ndarray, indices: Any) -> tuple[np.ndarray, np.ndarray]:

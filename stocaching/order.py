@@ -39,18 +39,19 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from ._common import (_GENERATOR_FIELDS, _base_of, _check_in_range,
-                          _checked_generator_state, _digest, _generator_state,
-                          _level_outside_stocaching, _order_differs, _OverDistributed,
-                          _RecordingSampler, _set_generator_state, _warn_unseeded,
-                          _wrapped_by_lightning)
+    from ._common import (_GENERATOR_FIELDS, _check_in_range, _checked_generator_state,
+                          _class_over_base, _digest, _generator_state, _level_outside_stocaching,
+                          _order_differs, _OverDistributed, _RecordingSampler,
+                          _set_generator_state, _warn_unseeded, _wrapped_by_lightning,
+                          check_state_fields, refuse_changed_fields, warn_position_discarded)
     from .stocaching import BaseCache, check_int, dealt_by_accelerate, in_lightnings_wrapper
 except ImportError:  # copied beside stocaching.py and _common.py
-    from _common import (_GENERATOR_FIELDS, _base_of,  # type: ignore[no-redef]
-                         _check_in_range, _checked_generator_state, _digest, _generator_state,
+    from _common import (_GENERATOR_FIELDS, _check_in_range,  # type: ignore[no-redef]
+                         _checked_generator_state, _class_over_base, _digest, _generator_state,
                          _level_outside_stocaching, _order_differs, _OverDistributed,
                          _RecordingSampler, _set_generator_state, _warn_unseeded,
-                         _wrapped_by_lightning)
+                         _wrapped_by_lightning, check_state_fields, refuse_changed_fields,
+                         warn_position_discarded)
     from stocaching import (BaseCache, check_int,  # type: ignore[no-redef]
                             dealt_by_accelerate, in_lightnings_wrapper)
 
@@ -360,10 +361,9 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "ReadyFirstSampler":
-        if cls is ReadyFirstSampler and isinstance(_base_of(args, kwargs, "base"),
-                                                   torch.utils.data.DistributedSampler):
-            cls = _DistributedReadyFirstSampler
-        return super().__new__(cls)
+        return super().__new__(_class_over_base(cls, ReadyFirstSampler,
+                                                _DistributedReadyFirstSampler, args, kwargs,
+                                                "base"))
 
     def __init__(self, base: Any, ready: BaseCache | ReadyFn, *, window: int,
                  mode: str = "fixed", refresh_every: int | None = None) -> None:
@@ -410,10 +410,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         """
         epoch = check_int("epoch", epoch, low=0)
         if epoch != self.epoch and self._loaded is not None:
-            if 0 < self._loaded["consumed"] < self._loaded["len"]:
-                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
-                              f"epoch {self.epoch} ({self._loaded['consumed']} of "
-                              f"{self._loaded['len']} indices consumed)", stacklevel=2)
+            warn_position_discarded(epoch, self.epoch, self._loaded["consumed"],
+                                    self._loaded["len"])
             # The loaded epoch is not drawn again: its base goes on from after it.
             _set_generator_state(self.base, _checked_generator_state(
                 self.base, self._loaded, "generator_after"))  # (checked when loaded)
@@ -567,19 +565,10 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         Args:
             state: a dict from ``state_dict()`` of a sampler of the same rank.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
-                            f"got {type(state).__name__}")
-        mine = self._state(0, None)
-        missing = sorted(set(mine) - set(state) - set(_GENERATOR_FIELDS))
-        if missing:
-            raise ValueError(f"state should be a dict from ReadyFirstSampler.state_dict(), but "
-                             f"it lacks {missing}")
-        for field in ("window", "mode", "len"):
-            if state[field] != mine[field]:
-                raise ValueError(f"state['{field}'] should be this sampler's {field}="
-                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}")
-        n = mine["len"]
+        own = self._state(0, None)
+        check_state_fields(state, "ReadyFirstSampler", set(own) - set(_GENERATOR_FIELDS))
+        refuse_changed_fields(state, own, ("window", "mode", "len"))
+        n = own["len"]
         epoch = check_int("state['epoch']", state["epoch"], low=0)
         consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
         loaded = dict(state)

@@ -61,17 +61,19 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from ._common import (_base_of, _checked_generator_state, _generator_state, _order_differs,
-                          _OverDistributed, _positions_dealt, _RecordingSampler,
-                          _set_generator_state, _warn_unseeded, _wrapped_by_lightning)
+    from ._common import (_checked_generator_state, _class_over_base, _generator_state,
+                          _order_differs, _OverDistributed, _positions_dealt, _RecordingSampler,
+                          _set_generator_state, _warn_unseeded, _wrapped_by_lightning,
+                          check_state_fields, refuse_changed_fields, warn_position_discarded)
     from .order import ReadyFirstSampler
     from .stocaching import (MAX_STAGE_TAG, BaseCache, check_int, dealt_by_accelerate,
                              in_lightnings_wrapper)
 except ImportError:  # copied beside stocaching.py, _common.py and order.py
-    from _common import (_base_of, _checked_generator_state,  # type: ignore[no-redef]
-                         _generator_state, _order_differs, _OverDistributed, _positions_dealt,
-                         _RecordingSampler, _set_generator_state, _warn_unseeded,
-                         _wrapped_by_lightning)
+    from _common import (_checked_generator_state,  # type: ignore[no-redef]
+                         _class_over_base, _generator_state, _order_differs, _OverDistributed,
+                         _positions_dealt, _RecordingSampler, _set_generator_state,
+                         _warn_unseeded, _wrapped_by_lightning, check_state_fields,
+                         refuse_changed_fields, warn_position_discarded)
     from order import ReadyFirstSampler  # type: ignore[no-redef]
     from stocaching import (MAX_STAGE_TAG, BaseCache,  # type: ignore[no-redef]
                             check_int, dealt_by_accelerate, in_lightnings_wrapper)
@@ -447,10 +449,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
     _warned: set[str]  # the trainers it warned about
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Prefetcher":
-        if cls is Prefetcher and isinstance(_base_of(args, kwargs, "sampler"),
-                                            torch.utils.data.DistributedSampler):
-            cls = _DistributedPrefetcher
-        return super().__new__(cls)
+        return super().__new__(_class_over_base(cls, Prefetcher, _DistributedPrefetcher, args,
+                                                kwargs, "sampler"))
 
     def __init__(self, sampler: Any, cache: BaseCache, load: Callable[[int], Any], *,
                  window: int | None = None, mode: str = "fixed", threads: int = 16,
@@ -1151,11 +1151,9 @@ class _ResumeBySkipping:
         discarded (with a warning, at the caller of ``set_epoch``, if it was mid-epoch), and
         the base's generator goes on from after the loaded epoch."""
         loaded = self.take()
-        if loaded is not None and 0 < loaded["consumed"] < loaded["len"]:
-            warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for "
-                          f"epoch {loaded['epoch']} ({loaded['consumed']} of "
-                          f"{loaded['len']} indices consumed)", stacklevel=3)
         if loaded is not None:  # the loaded epoch is not drawn again: go on from after it
+            warn_position_discarded(epoch, loaded["epoch"], loaded["consumed"], loaded["len"],
+                                    stacklevel=3)
             _set_generator_state(self.recording.base, _checked_generator_state(
                 self.recording.base, loaded, "generator_after"))  # (checked when loaded)
 
@@ -1188,19 +1186,11 @@ class _ResumeBySkipping:
     def load(self, state: Mapping[str, Any]) -> None:
         """Check ``state`` and set the base to the start of its epoch; the next iterator
         skips to its position."""
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict from Prefetcher.state_dict(), but got "
-                            f"{type(state).__name__}")
         base = self.recording.base
-        missing = sorted(set(self.FIELDS) - set(state))
-        if missing:
-            raise ValueError(f"state should be a dict from Prefetcher.state_dict() (without a "
-                             f"window, over {type(base).__name__}), but it lacks "
-                             f"{missing}")
+        check_state_fields(state, "Prefetcher", self.FIELDS,
+                           detail=f" (without a window, over {type(base).__name__})")
         n = len(base)
-        if state["len"] != n:
-            raise ValueError(f"state['len'] should be this prefetcher's len={n}, but got "
-                             f"state['len']={state['len']!r}")
+        refuse_changed_fields(state, {"len": n}, ("len",), owner="prefetcher")
         consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
         epoch = state["epoch"]
         if epoch is not None:

@@ -1,7 +1,8 @@
 """Samplers that read a cache's layout: ``CacheAwareSampler`` for several nodes.
 
 An opt-in part of stocaching. It imports only the public names of the core module
-(``stocaching.py``), so copying the two files side by side into a project also works.
+(``stocaching.py``) and the opt-ins' internal module (``_common.py``), so copying the three
+files side by side into a project also works.
 
 Example::
 
@@ -29,9 +30,12 @@ import numpy as np
 import torch
 
 try:  # inside the package
+    from ._common import EpochPosition, check_state_fields, refuse_changed_fields
     from .stocaching import (CacheLayout, World, accelerate_epoch, check_int,
                              dealt_by_accelerate)
-except ImportError:  # copied beside stocaching.py
+except ImportError:  # copied beside stocaching.py and _common.py
+    from _common import (EpochPosition, check_state_fields,  # type: ignore[no-redef]
+                         refuse_changed_fields)
     from stocaching import (CacheLayout, World,  # type: ignore[no-redef]
                             accelerate_epoch, check_int, dealt_by_accelerate)
 
@@ -195,9 +199,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             if self._positions is not None:
                 rows = (row[self._positions] for row in rows)
             self._router = _BatchRouter(rows)
-        self._resume = 0  # indices of self.epoch to skip at the next __iter__
-        self._it: Iterator[int] | None = None  # the latest iterator, and what it covers:
-        self._it_epoch = self._it_start = self._it_len = 0
+        self._position = EpochPosition()
         self._warned_dealt = False
 
     @staticmethod
@@ -255,11 +257,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         """
         epoch = check_int("epoch", epoch, low=0)
         if epoch != self.epoch:
-            if 0 < self._resume < self.num_samples:
-                warnings.warn(f"set_epoch({epoch}) discards the resume position loaded for epoch "
-                              f"{self.epoch} ({self._resume} of {self.num_samples} indices "
-                              f"consumed)", stacklevel=2)
-            self._resume = 0
+            self._position.leave_epoch(epoch, self.epoch, self.num_samples)
         self.epoch = epoch
         if self.order is not None and hasattr(self.order, "set_epoch"):
             self.order.set_epoch(epoch)  # so that its state_dict is the epoch's
@@ -275,19 +273,8 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 f"1/{self.num_replicas} of its share. Build the loader with "
                 f"sampler=sampler.for_accelerate(), or a Prefetcher over it "
                 f"(see docs/distributed.md)", stacklevel=2)
-        start, self._resume = self._resume, 0
-        if self._it is not None and self._it_epoch == self.epoch:
-            if self._consumed() == self._it_start:
-                # The latest iterator yielded nothing: this one replaces it (loaders such as
-                # torchdata's StatefulDataLoader create one, then load a state, then another).
-                start = self._it_start
-            elif self.shuffle:
-                warnings.warn(f"epoch {self.epoch} is iterated again, in the same order; call "
-                              f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
-        indices = self.epoch_indices(self.epoch)[start:].tolist()
-        self._it = iter(indices)
-        self._it_epoch, self._it_start, self._it_len = self.epoch, start, len(indices)
-        return self._it
+        # (without a shuffle every epoch is the same order: iterating one again is no mistake)
+        return self._position.iterate(self.epoch, self.epoch_indices, warn_again=self.shuffle)
 
     def epoch_indices(self, epoch: int) -> np.ndarray:
         """This rank's indices for ``epoch`` (int64, ``len(self)`` of them), without changing
@@ -372,12 +359,6 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         """
         return _AccelerateOrder(self)
 
-    def _consumed(self) -> int:
-        if self._it is None or self._it_epoch != self.epoch:
-            return self._resume
-        # A list iterator's length hint is exactly the number of items it has left.
-        return self._it_start + self._it_len - self._it.__length_hint__()  # type: ignore
-
     def state_dict(self, *, consumed: int | None = None) -> dict[str, Any]:
         """The position in the current epoch, with everything that fixes the order: the
         global order's fields, this rank's place, and the cache layout the epoch was routed
@@ -387,7 +368,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             consumed: indices of this epoch this rank has used. Default: the number the
                 latest iterator has yielded (plus the resumed position it started from).
         """
-        consumed = self._consumed() if consumed is None else \
+        consumed = self._position.consumed(self.epoch) if consumed is None else \
             check_int("consumed", consumed, low=0, high=self.num_samples)
         layout = self.layout
         return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
@@ -420,36 +401,28 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         Args:
             state: a dict from ``state_dict()``.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
-                            f"got {type(state).__name__}")
-        mine = self.state_dict()
-        missing = sorted(set(mine) - set(state) - {"order", "random_subset"})
-        if missing:
-            raise ValueError(f"state should be a dict from CacheAwareSampler.state_dict(), but "
-                             f"it lacks {missing}")
+        own = self.state_dict()
+        # (states saved before order= or random_subset existed lack them)
+        check_state_fields(state, "CacheAwareSampler", set(own) - {"order", "random_subset"})
         consumed = check_int("state['consumed']", state["consumed"], low=0,
                               high=self.num_samples)
         at_boundary = consumed % self.batch_size == 0 or consumed == self.num_samples
         layout_fields = () if at_boundary else ("local_world_size", "num_nodes", "slots",
                                                 "layout_seed", "random_subset")
-        for field in ("seed", "shuffle", "drop_last", "dataset_len", "num_replicas",
-                      "batch_size", *layout_fields):
-            if field in state and state[field] != mine[field]:  # (older: no random_subset)
-                raise ValueError(f"state['{field}'] should be this sampler's {field}="
-                                 f"{mine[field]!r}, but got state['{field}']={state[field]!r}; "
-                                 f"the rest of the epoch would differ")
+        refuse_changed_fields(state, own, ("seed", "shuffle", "drop_last", "dataset_len",
+                                           "num_replicas", "batch_size", *layout_fields),
+                              consequence="; the rest of the epoch would differ")
         epoch = check_int("state['epoch']", state["epoch"], low=0)
-        saved_order = state.get("order")  # states saved before order= existed have none
-        if (saved_order is None) != (mine["order"] is None):
-            expect = "None" if mine["order"] is None else \
+        saved_order = state.get("order")
+        if (saved_order is None) != (own["order"] is None):
+            expect = "None" if own["order"] is None else \
                 f"a state of this sampler's order ({type(self.order).__name__})"
             raise ValueError(f"state['order'] should be {expect}, but got state['order'] of "
                              f"type {type(saved_order).__name__}")
         if saved_order is not None:
             self.order.load_state_dict(saved_order)  # may refuse; nothing changed yet
         self.epoch = epoch
-        self._resume, self._it = consumed, None
+        self._position.load(consumed)
 
 
 

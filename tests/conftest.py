@@ -145,6 +145,7 @@ SLOW = {
     "tests/test_lifecycle.py::test_startup_leftover_is_removed_by_clean",  # 4 s
     "tests/test_mixtures.py::test_mixtures_py_works_copied_next_to_stocaching_py",  # 2 s
     "tests/test_order.py::test_the_order_works_copied_next_to_stocaching_py",  # 8 s
+    "tests/test_sampler.py::test_samplers_py_works_copied_next_to_stocaching_py",  # 2 s
     "tests/test_streams.py::test_the_stream_works_copied_next_to_stocaching_py",  # 3 s
     "tests/test_wrapper.py::test_the_wrapper_works_copied_next_to_stocaching_py",  # 3 s
     "tests/test_persistent.py::test_a_persistent_cache_goes_to_spawned_processes_too",  # 5 s

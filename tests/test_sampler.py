@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from _helpers import TwoLineDataset, ideal_hit_rate
+from _helpers import TwoLineDataset, ideal_hit_rate, run_copied
 from stocaching import CacheAwareSampler, CacheLayout, World
 
 SETTINGS = settings(max_examples=40)  # derandomized, no deadline: conftest.py
@@ -602,3 +602,27 @@ def test_the_sampler_never_builds_the_owner_matrix(monkeypatch):
     rows = CacheAwareSampler(lay, batch_size=8, num_replicas=6, rank=2, seed=1)
     for epoch in (0, 1):
         assert np.array_equal(full.epoch_indices(epoch), rows.epoch_indices(epoch))
+
+
+# ------------------------------------------------------------------------------------------------
+# Copied next to stocaching.py
+# ------------------------------------------------------------------------------------------------
+
+
+def test_samplers_py_works_copied_next_to_stocaching_py(tmp_path):
+    """samplers.py copied beside stocaching.py and _common.py imports the copies, not the
+    package, and resumes an epoch from a state."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "samplers.py"), """
+        import os, samplers, stocaching
+        assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
+        assert samplers.CacheLayout is stocaching.CacheLayout
+        layout = stocaching.CacheLayout(dataset_len=12, slots=6, num_nodes=2)
+        make = lambda: samplers.CacheAwareSampler(layout, batch_size=2, num_replicas=2, rank=0)
+        first = make()
+        it = iter(first)
+        head = [next(it) for _ in range(2)]
+        second = make()
+        second.load_state_dict(first.state_dict())
+        print(head + list(second) == list(make()))
+    """)
+    assert out.strip() == "True"

@@ -401,9 +401,9 @@ def test_a_resume_mid_epoch_is_exact(shm_dir):
 
 
 def test_the_wrapper_works_copied_next_to_stocaching_py(shm_dir, tmp_path):
-    """wrapper.py copied beside stocaching.py and _common.py: the copies import each other,
-    not the package."""
-    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "wrapper.py"), """
+    """wrapper.py copied beside stocaching.py and _common.py (and fields.py: tuple items make
+    a cache of fields): the copies import each other, not the package."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "fields.py", "wrapper.py"), """
         import os, _common, stocaching, torch, wrapper
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
         assert wrapper.SharedCache is stocaching.SharedCache
