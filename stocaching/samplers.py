@@ -24,7 +24,7 @@ import logging
 import math
 import time
 import warnings
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -200,6 +200,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 rows = (row[self._positions] for row in rows)
             self._router = _BatchRouter(rows)
         self._position = EpochPosition()
+        self._epoch_rest = None
         self._warned_dealt = False
 
     @staticmethod
@@ -258,6 +259,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         epoch = check_int("epoch", epoch, low=0)
         if epoch != self.epoch:
             self._position.leave_epoch(epoch, self.epoch, self.num_samples)
+            self._epoch_rest = None  # (the rest of a resumed epoch is that epoch's)
         self.epoch = epoch
         if self.order is not None and hasattr(self.order, "set_epoch"):
             self.order.set_epoch(epoch)  # so that its state_dict is the epoch's
@@ -303,7 +305,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             order = torch.randperm(self.dataset_len, generator=g).numpy()
         else:
             order = np.arange(self.dataset_len, dtype=np.int64)
-        order = np.resize(order, self.total_size)  # repeats from the start, or truncates
+        order = self._epoch_sequence(epoch, order)
         if self._router is None:  # no cache: DistributedSampler's split
             return [order[r::self.num_replicas] for r in ranks]
 
@@ -322,6 +324,20 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                          "%.3f s", epoch, self.rank, self.num_samples, 100 * hit[here].mean(),
                          self.node_rank, time.perf_counter() - t0)
         return [dealt[r // self.local_world_size][r % self.local_world_size] for r in ranks]
+
+    def _epoch_sequence(self, epoch: int, order: np.ndarray) -> np.ndarray:
+        """The global sequence that ``epoch``'s ranks split: the epoch's order padded (from
+        its start) or truncated to ``total_size``, as DistributedSampler pads it. After a
+        resume on another world (``load_state_dict``), the rest of the saved world's
+        sequence, padded from its own start or truncated to a multiple of this world's
+        ``num_replicas``: the indices that world did not consume, each once."""
+        rest = self._epoch_rest
+        if rest is None or rest.epoch != epoch:
+            return np.resize(order, self.total_size)  # repeats from the start, or truncates
+        left = np.resize(order, rest.total)[rest.done:]
+        per_rank = left.size // self.num_replicas if self.drop_last else \
+            -(-left.size // self.num_replicas)
+        return np.resize(left, per_rank * self.num_replicas) if left.size else left
 
     def _deal(self, mine: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """A node's samples, in node blocks of batch_size * local_world_size (the last one
@@ -380,7 +396,15 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 "slots": layout.slots if layout is not None else 0,
                 "layout_seed": layout.seed if layout is not None else 0,
                 "random_subset": layout.random_subset if layout is not None else False,
-                "order": self._order_state()}
+                "order": self._order_state(), **self._sequence_state()}
+
+    def _sequence_state(self) -> dict[str, int]:
+        """The current epoch's global sequence: its length, and the positions consumed before
+        this world took it over (0 unless it resumed a state of another world)."""
+        rest = self._epoch_rest
+        if rest is None or rest.epoch != self.epoch:
+            return {"epoch_total": self.total_size, "epoch_done": 0}
+        return {"epoch_total": rest.total, "epoch_done": rest.done}
 
     def _order_state(self) -> Any:
         sd = getattr(self.order, "state_dict", None)
@@ -389,29 +413,38 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``: the next iterator yields the rest of its epoch.
 
-        The fields that fix the global batches (seed, shuffle, drop_last, dataset_len,
-        num_replicas, batch_size) must match. The node layout (local_world_size, num_nodes,
-        slots, layout_seed, random_subset: a cache made differently) may differ when
-        ``consumed`` is at a batch boundary: then only the split of the remaining global
-        batches over ranks changes. ``rank`` is not checked. A state saved before
-        ``random_subset`` was recorded loads without that check.
+        The fields that fix the epoch's global order (seed, shuffle, drop_last, dataset_len)
+        must match. The world may differ: another ``num_replicas``, ``batch_size``,
+        ``local_world_size`` or cache layout (num_nodes, slots, layout_seed, random_subset),
+        when ``consumed`` is at a batch boundary of the saved sampler (or the end of its
+        epoch), as a checkpoint of one job resumed by a job of another size is. Then every
+        index the saved epoch had not yet given to any rank comes once, split over this
+        sampler's ranks (padded as DistributedSampler pads, or cut with ``drop_last``), and
+        the next epochs are this world's. Mid-batch, only the same world resumes. ``rank``
+        is not checked: any rank's state serves every rank. A state saved before
+        ``random_subset`` (or ``epoch_total``) was recorded loads without that check.
         With an ``order``, its saved state is loaded into it (a ``WeightedMixtureSampler``
         checks its own fields, and finishes the saved epoch with the saved weights).
 
         Args:
-            state: a dict from ``state_dict()``.
+            state: a dict from ``state_dict()``, of this sampler or of the same sampler in
+                another world.
         """
         own = self.state_dict()
-        # (states saved before order= or random_subset existed lack them)
-        check_state_fields(state, "CacheAwareSampler", set(own) - {"order", "random_subset"})
-        consumed = check_int("state['consumed']", state["consumed"], low=0,
-                              high=self.num_samples)
-        at_boundary = consumed % self.batch_size == 0 or consumed == self.num_samples
-        layout_fields = () if at_boundary else ("local_world_size", "num_nodes", "slots",
-                                                "layout_seed", "random_subset")
-        refuse_changed_fields(state, own, ("seed", "shuffle", "drop_last", "dataset_len",
-                                           "num_replicas", "batch_size", *layout_fields),
+        # (states saved before order=, random_subset or epoch_total existed lack them)
+        check_state_fields(state, "CacheAwareSampler",
+                           set(own) - {"order", "random_subset", "epoch_total", "epoch_done"})
+        refuse_changed_fields(state, own, ("seed", "shuffle", "drop_last", "dataset_len"),
                               consequence="; the rest of the epoch would differ")
+        saved = _SavedEpoch.of(state, self.drop_last, self.dataset_len)
+        consumed = check_int("state['consumed']", state["consumed"], low=0,
+                              high=saved.per_rank)
+        if consumed % saved.batch_size and consumed != saved.per_rank:
+            refuse_changed_fields(
+                state, own, ("num_replicas", "batch_size", "local_world_size", "num_nodes",
+                             "slots", "layout_seed", "random_subset"),
+                consequence="; the rest of the epoch would differ (another world resumes "
+                            "a state saved at a batch boundary only)")
         epoch = check_int("state['epoch']", state["epoch"], low=0)
         saved_order = state.get("order")
         if (saved_order is None) != (own["order"] is None):
@@ -422,8 +455,47 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         if saved_order is not None:
             self.order.load_state_dict(saved_order)  # may refuse; nothing changed yet
         self.epoch = epoch
-        self._position.load(consumed)
+        if saved.num_replicas == self.num_replicas and saved.batch_size == self.batch_size:
+            # The same global batches: each rank goes on at the saved position.
+            fresh = saved.done == 0 and saved.total == self.total_size
+            self._epoch_rest = None if fresh else _EpochRest(epoch, saved.total, saved.done)
+            self._position.load(consumed)
+        else:  # another world: the positions no rank consumed, dealt anew
+            done = saved.total if consumed == saved.per_rank else \
+                min(saved.total, saved.done + consumed * saved.num_replicas)
+            self._epoch_rest = _EpochRest(epoch, saved.total, done)
+            self._position.load(0)
 
+
+class _EpochRest(NamedTuple):
+    """The epoch a sampler resumed on another world: its global sequence as the world that
+    began it padded it (``total`` positions), of which the first ``done`` were consumed."""
+
+    epoch: int
+    total: int
+    done: int
+
+
+class _SavedEpoch(NamedTuple):
+    """The world a state was saved in, as far as the rest of its epoch depends on it."""
+
+    num_replicas: int
+    batch_size: int
+    total: int  # the epoch's global sequence: its positions
+    done: int  # ... consumed before the saved world took the epoch over (a resume)
+    per_rank: int  # indices each rank of the saved world iterates in the epoch
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any], drop_last: bool, dataset_len: int) -> "_SavedEpoch":
+        replicas = check_int("state['num_replicas']", state["num_replicas"], low=1)
+        batch = check_int("state['batch_size']", state["batch_size"], low=1)
+        whole = dataset_len // replicas if drop_last else -(-dataset_len // replicas)
+        total = check_int("state['epoch_total']", state.get("epoch_total", whole * replicas),
+                          low=0)
+        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0, high=total)
+        left = total - done
+        per_rank = left // replicas if drop_last else -(-left // replicas)
+        return cls(replicas, batch, total, done, per_rank)
 
 
 class _AccelerateOrder(torch.utils.data.Sampler[int]):
@@ -467,7 +539,7 @@ class _AccelerateOrder(torch.utils.data.Sampler[int]):
                     "split_batches at its default, False", stacklevel=2)
         per_rank = np.stack(s._ranks_indices(s.epoch, range(s.num_replicas)))
         b = s.batch_size
-        full = s.num_samples // b * b
+        full = per_rank.shape[1] // b * b  # (after a resume on another world: the rest)
         turns = per_rank[:, :full].reshape(s.num_replicas, -1, b).transpose(1, 0, 2).ravel()
         return iter(np.concatenate([turns, per_rank[:, full:].ravel()]).tolist())
 

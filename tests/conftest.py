@@ -114,6 +114,8 @@ SLOW = {
     "tests/test_mixtures.py::"
     "test_torchrun_two_ranks_cover_the_mixture_and_resume_from_rank_1",  # 6 s
     "tests/test_prefetch.py::test_ddp_two_ranks_one_cache_each_index_once",  # 6 s
+    "tests/test_sampler.py::"
+    "test_a_torchrun_job_resumed_on_another_number_of_ranks_gives_every_index_once",  # 20 s
     "tests/test_processes.py::test_mismatched_configuration_is_named",  # 6 s
     "tests/test_processes.py::test_real_torchrun_two_local_ranks",  # 4 s
     "tests/test_processes.py::test_two_local_ranks_share_one_segment",  # 9 s

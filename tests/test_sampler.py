@@ -1,8 +1,12 @@
 """CacheAwareSampler: ranks simulated in one process with explicit rank and num_replicas."""
 
+import collections
 import dataclasses
 import itertools
+import json
 import math
+import os
+import sys
 import types
 
 import numpy as np
@@ -12,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from _helpers import TwoLineDataset, ideal_hit_rate, run_copied
+from _helpers import (CHILDREN, TwoLineDataset, assert_ended_well, ideal_hit_rate, rank_env,
+                      run_bounded, run_copied)
 from stocaching import CacheAwareSampler, CacheLayout, World
 
 SETTINGS = settings(max_examples=40)  # derandomized, no deadline: conftest.py
@@ -410,9 +415,106 @@ def test_load_state_from_another_setup_names_the_field(field, value):
         return CacheAwareSampler(CacheLayout(dataset_len, 100, 2), num_replicas=num_replicas,
                                  rank=0, local_world_size=num_replicas // 2, **kwargs)
 
-    state = sampler(**changed).state_dict(consumed=4)
+    # (mid-batch for both batch sizes: another world resumes only at a batch boundary)
+    state = sampler(**changed).state_dict(consumed=3)
     with pytest.raises(ValueError, match=rf"state\['{field}'\] should be this sampler's {field}"):
         sampler(**setup).load_state_dict(state)
+
+
+# Worlds: (num_nodes, local_world_size, batch_size) of a job, then of the job that resumes it.
+RESIZES = [((2, 2, 8), (1, 2, 8)),    # 4 ranks resumed on 2
+           ((1, 2, 8), (2, 4, 4)),    # 2 ranks on 8, each with half the batch
+           ((2, 2, 8), (3, 1, 16))]   # 4 ranks on 3 nodes of one
+
+
+def interrupted(world, *, epoch, batches, drop_last=False, state=None):
+    """Samplers of ``world`` over a cache of 1000 indices, each rank's indices of ``epoch``
+    taken up to ``batches`` batches (all of them for None), after loading ``state`` if given;
+    returns (taken indices of every rank, rank 0's state then)."""
+    nodes, lws, batch = world
+    samplers = make_samplers(CacheLayout(1000, 300, nodes, seed=2), batch, lws, seed=5,
+                             drop_last=drop_last)
+    taken = []
+    for s in samplers:
+        if state is not None:
+            s.load_state_dict(state)
+        s.set_epoch(epoch)  # the training loop's call keeps the position
+        it = iter(s)
+        taken += list(it) if batches is None else list(itertools.islice(it, batches * batch))
+    return taken, samplers[0].state_dict(consumed=None if batches is None else
+                                         batches * batch)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("before, after", RESIZES)
+def test_a_state_resumes_on_another_world_with_every_index_of_the_epoch_once(
+        before, after, drop_last):
+    """A job of one world interrupted after 5 batches, resumed from rank 0's state by a job
+    of another (other num_replicas, nodes, batch_size): over both, every index of the epoch
+    comes once; the only repeats are the new world's padding (fewer than its ranks), or with
+    drop_last, none, and fewer indices missing than the two worlds' ranks. The next epoch is
+    whole on the new world."""
+    first, state = interrupted(before, epoch=2, batches=5, drop_last=drop_last)
+    assert state["consumed"] == 5 * before[2] and state["epoch_done"] == 0
+    rest, _ = interrupted(after, epoch=2, batches=None, drop_last=drop_last, state=state)
+    both = collections.Counter(first + rest)
+    ranks = before[0] * before[1], after[0] * after[1]
+    if drop_last:
+        assert max(both.values()) == 1 and 1000 - len(both) < sum(ranks)
+    else:
+        assert set(both) == set(range(1000)) and sum(both.values()) - 1000 < ranks[1]
+    nxt, _ = interrupted(after, epoch=3, batches=None, drop_last=drop_last, state=state)
+    assert len(set(nxt)) == len(nxt) if drop_last else set(nxt) == set(range(1000))
+
+
+def test_a_job_resized_twice_in_one_epoch_gives_every_index_once():
+    """2 nodes, then 3, then 2 again, interrupted within one epoch each time: the second
+    resume takes the rest of the rest (the state says how much of the epoch's sequence the
+    world before had taken), and the three jobs give every index once but the last padding."""
+    two, three = (2, 2, 8), (3, 2, 8)
+    first, state = interrupted(two, epoch=1, batches=4)
+    second, state = interrupted(three, epoch=1, batches=3, state=state)
+    assert state["epoch_done"] == 4 * 8 * 4 and state["consumed"] == 3 * 8
+    third, _ = interrupted(two, epoch=1, batches=None, state=state)
+    both = collections.Counter(first + second + third)
+    assert set(both) == set(range(1000)) and sum(both.values()) - 1000 < 4
+
+
+def test_another_world_mid_batch_is_refused_naming_the_field():
+    """A position inside a batch is not a prefix of the epoch's global sequence: another
+    world cannot resume it, and the error says so, naming num_replicas and both values."""
+    _, state = interrupted((2, 2, 8), epoch=0, batches=None)
+    state = {**state, "consumed": 13}
+    fresh = make_samplers(CacheLayout(1000, 300, 1, seed=2), 8, 2, seed=5)[0]
+    with pytest.raises(ValueError, match=r"state\['num_replicas'\] should be this sampler's "
+                                         r"num_replicas=2, but got state\['num_replicas'\]=4;.*"
+                                         r"batch boundary only"):
+        fresh.load_state_dict(state)
+    assert list(fresh) == fresh.epoch_indices(0).tolist()  # nothing was changed
+
+
+@pytest.mark.timeout(600)
+def test_a_torchrun_job_resumed_on_another_number_of_ranks_gives_every_index_once(tmp_path,
+                                                                                  shm_dir):
+    """Real torchrun: 2 ranks take 5 batches of epoch 1 and save rank 0's state; 3 ranks
+    load it and finish the epoch. Every index of the 600 comes once over both jobs, but the
+    padding of the second (fewer than its 3 ranks); each job cleans up after itself."""
+    out = str(tmp_path / "got")
+
+    def job(ranks, state_in, state_out, batches):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}", str(CHILDREN / "resized_job.py"), state_in,
+               state_out, batches, f"{out}{ranks}"]
+        assert_ended_well(run_bounded(cmd, env=rank_env(shm_dir), timeout=300))
+        return [i for r in range(ranks)
+                for i in json.load(open(f"{out}{ranks}.rank{r}"))]
+
+    first = job(2, "-", str(tmp_path / "state2"), "5")
+    assert len(first) == 2 * 5 * 8
+    rest = job(3, str(tmp_path / "state2"), str(tmp_path / "state3"), "all")
+    both = collections.Counter(first + rest)
+    assert set(both) == set(range(600)) and sum(both.values()) - 600 < 3
+    assert [f for f in os.listdir(shm_dir) if f.startswith("stocaching")] == []
 
 
 def test_cache_layout_may_change_only_at_a_batch_boundary():
