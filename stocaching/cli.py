@@ -30,27 +30,21 @@ try:  # inside the package
                              SEGMENT_PREFIX, SET, check_int, clean_segments, _HEADER_BYTES,
                              _PERSISTENT_JOB_KEY, _POINTER, _STATS_COLS, _STATS_ROWS,
                              _auto_is_anonymous, _auto_room, _budget_for_slots, _check_dims,
-                             _check_dtype, _check_fields, _check_positive, _fmt_bytes, _free_bytes,
-                             _is_stale_file, _memory_room, _open_to_look, _parse_segment_name,
-                             _pointer_of,
-                             _read_header, _read_key, _segment_offsets, _shm_headroom, _slot_bytes,
-                             _slots_fitting, _slots_for_budget)
+                             _check_dtype, _check_fields, _check_positive, _feature, _fmt_bytes,
+                             _free_bytes, _is_stale_file, _memory_room, _open_to_look,
+                             _parse_segment_name, _pointer_of, _read_header, _read_key,
+                             _segment_offsets, _shm_headroom, _slot_bytes, _slots_fitting,
+                             _slots_for_budget)
 except ImportError:  # copied beside stocaching.py
     from stocaching import (BYTES_PER_GIB, CacheFileError, CacheLayout, DEFAULT_SHM_DIR,
                             SEGMENT_PREFIX, SET, check_int, clean_segments, _HEADER_BYTES,
                             _PERSISTENT_JOB_KEY, _POINTER, _STATS_COLS, _STATS_ROWS,
                             _auto_is_anonymous, _auto_room, _budget_for_slots, _check_dims,
-                            _check_dtype, _check_fields, _check_positive, _fmt_bytes, _free_bytes,
-                            _is_stale_file, _memory_room, _open_to_look, _parse_segment_name,
-                            _pointer_of,
-                            _read_header, _read_key, _segment_offsets, _shm_headroom, _slot_bytes,
-                            _slots_fitting, _slots_for_budget)
-try:  # the arenas and saved files it plans and inspects (their _SEAM)
-    from .open_size import _ARENA_ALIGN, _arena_bytes
-    from .saved import describe_saved_file, _SAVE_BLOCK, _SAVE_MAGIC
-except ImportError:  # copied beside stocaching.py, open_size.py and saved.py
-    from open_size import _ARENA_ALIGN, _arena_bytes
-    from saved import describe_saved_file, _SAVE_BLOCK, _SAVE_MAGIC
+                            _check_dtype, _check_fields, _check_positive, _feature, _fmt_bytes,
+                            _free_bytes, _is_stale_file, _memory_room, _open_to_look,
+                            _parse_segment_name, _pointer_of, _read_header, _read_key,
+                            _segment_offsets, _shm_headroom, _slot_bytes, _slots_fitting,
+                            _slots_for_budget)
 
 
 def _mapped_segments(shm_dir: str) -> dict[int, dict]:
@@ -255,11 +249,13 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
     else:  # the whole segment in its room: header, stats and page rounding come on top
         limit = max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 - 2 * mmap.PAGESIZE
                     ) / BYTES_PER_GIB
-    arena = _arena_bytes(limit, dataset_len, words)
-    slots = min(dataset_len, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
+    open_size = _feature("open_size")  # (its _SEAM: the arena's rules)
+    arena = open_size._arena_bytes(limit, dataset_len, words)
+    align = open_size._ARENA_ALIGN
+    slots = min(dataset_len, arena // (-(-mean // align) * align))
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "arena_gib": arena / BYTES_PER_GIB,
-            "dataset_gib": (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN * dataset_len + meta) /
+            "dataset_gib": (-(-mean // align) * align * dataset_len + meta) /
             BYTES_PER_GIB,
             "segment_gib": (arena + meta + _HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 +
                             mmap.PAGESIZE) / BYTES_PER_GIB, **room}
@@ -269,13 +265,14 @@ def _saved_files_in(path: str) -> list[str]:
     """``path`` if it is not a directory, else the files in it that start as a saved file."""
     if not os.path.isdir(path):
         return [path]
-    found = []
+    found, saved = [], _feature("saved")  # (its _SEAM: how a saved file starts)
+    block, magic = saved._SAVE_BLOCK, saved._SAVE_MAGIC
     for fname in sorted(os.listdir(path)):
         full = os.path.join(path, fname)
         with contextlib.suppress(OSError):
             with open(full, "rb") as f:  # (the superblock in force is the first or second)
-                head = f.read(_SAVE_BLOCK + len(_SAVE_MAGIC)) if os.path.isfile(full) else b""
-            if _SAVE_MAGIC in (head[:len(_SAVE_MAGIC)], head[_SAVE_BLOCK:]):
+                head = f.read(block + len(magic)) if os.path.isfile(full) else b""
+            if magic in (head[:len(magic)], head[block:]):
                 found.append(full)
     return found
 
@@ -290,7 +287,7 @@ def _inspect_saved_files(paths: Sequence[str], verify: bool,
             out(f"{p}: no saved files\n")
     for path in files:
         try:
-            d = describe_saved_file(path, verify=verify)
+            d = _feature("saved").describe_saved_file(path, verify=verify)
         except OSError as e:
             out(f"{path}: {e.strerror}\n")
             failed = True

@@ -2113,13 +2113,13 @@ _SEAM = frozenset({
     "_STATS_ROWS", "_Segment", "_WRITES", "_alive", "_auto_is_anonymous", "_auto_room",
     "_budget_for_slots", "_check_dims", "_check_dtype", "_check_fields", "_check_key",
     "_check_keys", "_check_out", "_check_positive", "_checked_indices", "_checked_value",
-    "_claim_stats_row", "_close_fd", "_closed_error", "_finalize_segment", "_fmt_bytes",
-    "_free_bytes", "_fs_type", "_has_open_size", "_is_int", "_is_stale_file", "_key_hash",
-    "_memory_room", "_more_room", "_names", "_open_existing", "_open_leaders_file",
-    "_open_to_look", "_pack", "_parse_segment_name", "_pointer_of", "_pwrite_all",
-    "_read_header", "_read_key", "_segment_offsets", "_shm_headroom", "_slot_array",
-    "_slot_bytes", "_slot_lock_offset", "_slots_fitting", "_slots_for_budget", "_torch_of",
-    "_try_stale", "_unlink_if_same", "_what_fits"
+    "_claim_stats_row", "_close_fd", "_closed_error", "_feature", "_finalize_segment",
+    "_fmt_bytes", "_free_bytes", "_fs_type", "_has_open_size", "_is_int", "_is_stale_file",
+    "_key_hash", "_memory_room", "_more_room", "_names", "_open_existing",
+    "_open_leaders_file", "_open_to_look", "_pack", "_parse_segment_name", "_pointer_of",
+    "_pwrite_all", "_read_header", "_read_key", "_segment_offsets", "_shm_headroom",
+    "_slot_array", "_slot_bytes", "_slot_lock_offset", "_slots_fitting", "_slots_for_budget",
+    "_torch_of", "_try_stale", "_unlink_if_same", "_what_fits"
 })
 
 

@@ -191,7 +191,7 @@ def test_opt_in_modules_import_only_the_cores_public_names():
 def test_feature_modules_import_only_the_cores_public_names_and_its_seam():
     """Each feature module (disk_tier.py, saved.py, ...) imports from the core only names of
     its ``__all__`` and of ``_SEAM``, and from another feature module only that one's
-    ``__all__`` and ``_SEAM`` (cli.py reads saved files and arenas); every name of ``_SEAM``
+    ``__all__`` and ``_SEAM``; every name of ``_SEAM``
     is used by one; the core imports no feature module at its top (it loads them through
     ``_feature``), and the seam knows every feature module."""
     import ast
