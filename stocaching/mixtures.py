@@ -43,11 +43,12 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from ._common import EpochPosition, check_state_fields, refuse_changed_fields
+    from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
+                          refuse_changed_fields)
     from .stocaching import BaseCache, World, check_int, in_lightnings_wrapper
 except ImportError:  # copied beside stocaching.py and _common.py
-    from _common import (EpochPosition, check_state_fields,  # type: ignore[no-redef]
-                         refuse_changed_fields)
+    from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
+                         SavedEpoch, check_state_fields, refuse_changed_fields)
     from stocaching import (BaseCache, World,  # type: ignore[no-redef]
                             check_int, in_lightnings_wrapper)
 
@@ -374,6 +375,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         # The recipe (weights, num_samples) of an epoch loaded from a state saved with others.
         self._saved: tuple[int, tuple[float, ...], int] | None = None
         self._position = EpochPosition()
+        self._epoch_rest: EpochRest | None = None  # a resume of another world's state
         self._warned_wrapped = False
 
     # -- what an epoch is ----------------------------------------------------------------------
@@ -443,6 +445,10 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
             epoch: the epoch number, an int >= 0.
         """
         order = self.global_order(epoch)
+        rest = self._epoch_rest
+        if rest is not None and rest.epoch == epoch:  # another world's state: its rest
+            return rest.sequence(order, self.num_replicas, self.drop_last)[
+                self.rank::self.num_replicas].astype(np.int64)
         per_rank = self._per_rank(order.size)
         # position rank + j * num_replicas of the order repeated from its start (padding), or
         # cut (drop_last), as DistributedSampler does
@@ -468,6 +474,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         epoch = check_int("epoch", epoch, low=0)
         if epoch != self.epoch:
             self._position.leave_epoch(epoch, self.epoch, len(self))
+            self._epoch_rest = None  # (the rest of a resumed epoch is that epoch's)
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
@@ -496,29 +503,41 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         Returns:
             A dict of plain values: ``epoch``, ``consumed``, ``seed``, ``num_replicas``,
             ``drop_last``, ``lengths``, ``weights`` and ``num_samples`` (those the epoch is
-            built with), and ``rank`` (informative: any rank's state fits every rank).
+            built with), ``epoch_total`` and ``epoch_done`` (the epoch's global sequence, and
+            what a world before this one consumed of it), and ``rank`` (informative: any
+            rank's state fits every rank).
         """
         consumed = self._position.consumed(self.epoch) if consumed is None else \
             check_int("consumed", consumed, low=0, high=len(self))
         weights, total = self._recipe(self.epoch)
+        rest = self._epoch_rest
+        sequence = (rest.total, rest.done) if rest is not None and rest.epoch == self.epoch \
+            else (self._per_rank(total) * self.num_replicas, 0)
         return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
                 "num_replicas": self.num_replicas, "drop_last": self.drop_last,
                 "lengths": list(self.lengths), "weights": list(weights),
-                "num_samples": total, "rank": self.rank}
+                "num_samples": total, "epoch_total": sequence[0], "epoch_done": sequence[1],
+                "rank": self.rank}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (of any rank): the next iterator yields the rest of its epoch.
 
-        ``seed``, ``num_replicas``, ``drop_last`` and ``lengths`` must match this sampler's.
-        ``weights`` and ``num_samples`` may differ: the saved epoch finishes with the saved
-        ones, later epochs use this sampler's. Nothing changes when the state is refused.
+        ``seed``, ``drop_last`` and ``lengths`` must match this sampler's. ``weights`` and
+        ``num_samples`` may differ: the saved epoch finishes with the saved ones, later epochs
+        use this sampler's. ``num_replicas`` may differ too (a job resumed by one of another
+        size): each rank's indices are every ``num_replicas``-th position of the epoch's
+        sequence, so what the saved ranks consumed is a prefix of it, and the rest is split
+        over this sampler's ranks, each index once (padded, or cut with ``drop_last``).
+        Nothing changes when the state is refused.
 
         Args:
             state: a dict from ``state_dict()``.
         """
         own = self.state_dict(consumed=0)
-        check_state_fields(state, "WeightedMixtureSampler", own)
-        refuse_changed_fields(state, own, ("seed", "num_replicas", "drop_last"),
+        # (states saved before epoch_total existed lack it and epoch_done)
+        check_state_fields(state, "WeightedMixtureSampler",
+                           set(own) - {"epoch_total", "epoch_done"})
+        refuse_changed_fields(state, own, ("seed", "drop_last"),
                               consequence="; the rest of the epoch would differ")
         if list(state["lengths"]) != own["lengths"]:
             raise ValueError(f"state['lengths'] should be this sampler's sub-dataset lengths "
@@ -527,8 +546,9 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         epoch = check_int("state['epoch']", state["epoch"], low=0)
         weights = _check_weights(state["weights"], len(self.lengths))
         total = check_int("state['num_samples']", state["num_samples"], low=1)
+        saved = SavedEpoch.of(state, self.drop_last, total)
         consumed = check_int("state['consumed']", state["consumed"], low=0,
-                             high=self._per_rank(total))
+                             high=saved.per_rank)
         if weights != self.weights or total != self.num_samples:
             logger.info("resuming epoch %d with its saved weights %s and num_samples %d; the "
                         "new weights %s and num_samples %d apply from epoch %d", epoch,
@@ -537,7 +557,13 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         else:
             self._saved = None
         self.epoch = epoch
-        self._position.load(consumed)
+        if saved.num_replicas == self.num_replicas:
+            fresh = saved.done == 0 and saved.total == self._per_rank(total) * self.num_replicas
+            self._epoch_rest = None if fresh else EpochRest(epoch, saved.total, saved.done)
+            self._position.load(consumed)
+        else:  # another world: the positions no rank consumed, split anew
+            self._epoch_rest = saved.rest_after(epoch, consumed)
+            self._position.load(0)
 
 
 def _locate(offsets: np.ndarray, indices: Any) -> tuple[np.ndarray, np.ndarray]:

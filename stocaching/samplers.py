@@ -24,18 +24,19 @@ import logging
 import math
 import time
 import warnings
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 try:  # inside the package
-    from ._common import EpochPosition, check_state_fields, refuse_changed_fields
+    from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
+                          refuse_changed_fields)
     from .stocaching import (CacheLayout, World, accelerate_epoch, check_int,
                              dealt_by_accelerate)
 except ImportError:  # copied beside stocaching.py and _common.py
-    from _common import (EpochPosition, check_state_fields,  # type: ignore[no-redef]
-                         refuse_changed_fields)
+    from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
+                         SavedEpoch, check_state_fields, refuse_changed_fields)
     from stocaching import (CacheLayout, World,  # type: ignore[no-redef]
                             accelerate_epoch, check_int, dealt_by_accelerate)
 
@@ -334,10 +335,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         rest = self._epoch_rest
         if rest is None or rest.epoch != epoch:
             return np.resize(order, self.total_size)  # repeats from the start, or truncates
-        left = np.resize(order, rest.total)[rest.done:]
-        per_rank = left.size // self.num_replicas if self.drop_last else \
-            -(-left.size // self.num_replicas)
-        return np.resize(left, per_rank * self.num_replicas) if left.size else left
+        return rest.sequence(order, self.num_replicas, self.drop_last)
 
     def _deal(self, mine: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """A node's samples, in node blocks of batch_size * local_world_size (the last one
@@ -436,10 +434,10 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                            set(own) - {"order", "random_subset", "epoch_total", "epoch_done"})
         refuse_changed_fields(state, own, ("seed", "shuffle", "drop_last", "dataset_len"),
                               consequence="; the rest of the epoch would differ")
-        saved = _SavedEpoch.of(state, self.drop_last, self.dataset_len)
+        saved = SavedEpoch.of(state, self.drop_last, self.dataset_len)
         consumed = check_int("state['consumed']", state["consumed"], low=0,
                               high=saved.per_rank)
-        if consumed % saved.batch_size and consumed != saved.per_rank:
+        if not saved.at_boundary(consumed):
             refuse_changed_fields(
                 state, own, ("num_replicas", "batch_size", "local_world_size", "num_nodes",
                              "slots", "layout_seed", "random_subset"),
@@ -458,44 +456,11 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         if saved.num_replicas == self.num_replicas and saved.batch_size == self.batch_size:
             # The same global batches: each rank goes on at the saved position.
             fresh = saved.done == 0 and saved.total == self.total_size
-            self._epoch_rest = None if fresh else _EpochRest(epoch, saved.total, saved.done)
+            self._epoch_rest = None if fresh else EpochRest(epoch, saved.total, saved.done)
             self._position.load(consumed)
         else:  # another world: the positions no rank consumed, dealt anew
-            done = saved.total if consumed == saved.per_rank else \
-                min(saved.total, saved.done + consumed * saved.num_replicas)
-            self._epoch_rest = _EpochRest(epoch, saved.total, done)
+            self._epoch_rest = saved.rest_after(epoch, consumed)
             self._position.load(0)
-
-
-class _EpochRest(NamedTuple):
-    """The epoch a sampler resumed on another world: its global sequence as the world that
-    began it padded it (``total`` positions), of which the first ``done`` were consumed."""
-
-    epoch: int
-    total: int
-    done: int
-
-
-class _SavedEpoch(NamedTuple):
-    """The world a state was saved in, as far as the rest of its epoch depends on it."""
-
-    num_replicas: int
-    batch_size: int
-    total: int  # the epoch's global sequence: its positions
-    done: int  # ... consumed before the saved world took the epoch over (a resume)
-    per_rank: int  # indices each rank of the saved world iterates in the epoch
-
-    @classmethod
-    def of(cls, state: Mapping[str, Any], drop_last: bool, dataset_len: int) -> "_SavedEpoch":
-        replicas = check_int("state['num_replicas']", state["num_replicas"], low=1)
-        batch = check_int("state['batch_size']", state["batch_size"], low=1)
-        whole = dataset_len // replicas if drop_last else -(-dataset_len // replicas)
-        total = check_int("state['epoch_total']", state.get("epoch_total", whole * replicas),
-                          low=0)
-        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0, high=total)
-        left = total - done
-        per_rank = left // replicas if drop_last else -(-left // replicas)
-        return cls(replicas, batch, total, done, per_rank)
 
 
 class _AccelerateOrder(torch.utils.data.Sampler[int]):

@@ -225,14 +225,23 @@ class CachedStream(torch.utils.data.IterableDataset):
     # -- the epoch --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, skip = self._epoch, 0
-        if self._resume is not None:
-            epoch, skip = self._resume["epoch"], self._resume["yielded"]
-            self._resume = None
-        self._epoch = epoch + 1  # (a persistent worker's next epoch)
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         world = self.cache.world
+        here = {"ranks": world.world_size, "workers": workers}
+        epoch, skip = self._epoch, 0
+        if self._resume is not None:
+            resume, self._resume = self._resume, None
+            saved = {k: resume[k] for k in here if k in resume}  # (older states lack them)
+            if saved and saved != here:
+                raise ValueError(
+                    f"state should be one of a job with this one's {here['ranks']} ranks and "
+                    f"{here['workers']} DataLoader workers, but got a state of "
+                    f"{saved.get('ranks')} ranks and {saved.get('workers')} workers: a stream's "
+                    "position is a count of its worker's samples, which another world deals "
+                    "otherwise; resume it on the same world (see docs/interruptions.md)")
+            epoch, skip = resume["epoch"], resume["yielded"]
+        self._epoch = epoch + 1  # (a persistent worker's next epoch)
         order = self._order(epoch)
         mine = _share(order, world.rank, world.world_size, worker, workers)
         entries: Iterable[tuple[int, Any]] = self._entries(mine)
@@ -245,12 +254,12 @@ class CachedStream(torch.utils.data.IterableDataset):
                 entries = itertools.chain(entries, itertools.islice(self._entries(again),
                                                                     extra))
         rng = np.random.default_rng([self.seed, epoch, world.rank, worker])
-        self._position = {"epoch": epoch, "yielded": skip}
+        self._position = {"epoch": epoch, "yielded": skip, **here}
         for n, (index, raw) in enumerate(_shuffled(entries, self.shuffle_buffer, rng)):
             if n < skip:
                 continue  # (resumed: already yielded before the state was saved)
             value = self._value(index, raw)
-            self._position = {"epoch": epoch, "yielded": n + 1}
+            self._position = {"epoch": epoch, "yielded": n + 1, **here}
             yield value
 
     def _entries(self, shards: Iterable[int]) -> Iterator[tuple[int, Any]]:
@@ -320,17 +329,22 @@ class CachedStream(torch.utils.data.IterableDataset):
     # -- resuming (torchdata's StatefulDataLoader calls these in each worker) ----------------
 
     def state_dict(self) -> dict:
-        """Where this process's iteration is: its epoch and how many samples it yielded."""
+        """Where this process's iteration is: its epoch, how many samples it yielded, and the
+        world it ran in (``ranks``, DataLoader ``workers``: another one is refused)."""
         return dict(self._position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state_dict()``: the next iterator runs that epoch and skips what was
         yielded (without decoding it)."""
-        if not isinstance(state, Mapping) or set(state) != {"epoch", "yielded"}:
+        if not isinstance(state, Mapping) or not {"epoch", "yielded"} <= set(state) or \
+                not set(state) <= {"epoch", "yielded", "ranks", "workers"}:
             raise ValueError(f"state should be a dict from CachedStream.state_dict() with "
                              f"'epoch' and 'yielded', but got state={state!r}")
         self._resume = {"epoch": check_int("state['epoch']", state["epoch"], low=0),
                         "yielded": check_int("state['yielded']", state["yielded"], low=0)}
+        for k in ("ranks", "workers"):  # (where the state says: checked by the iterator)
+            if k in state:
+                self._resume[k] = check_int(f"state['{k}']", state[k], low=1)
 
 
 _NOTHING = object()

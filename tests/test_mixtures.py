@@ -4,6 +4,8 @@ rank split, resume from any rank, weight changes, bad input, the caches of the s
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import math
 import os
@@ -294,7 +296,7 @@ def test_changed_weights_finish_the_saved_epoch_then_apply():
     assert new.state_dict()["weights"] == [1.0, 5.0, 1.0]
 
 
-@pytest.mark.parametrize("field, value", [("seed", 2), ("num_replicas", 4), ("drop_last", True),
+@pytest.mark.parametrize("field, value", [("seed", 2), ("drop_last", True),
                                           ("lengths", [20, 30]), ("lengths", [20, 31, 10])])
 def test_a_state_of_another_setup_is_refused_and_changes_nothing(field, value):
     lengths = (20, 30, 10)
@@ -307,6 +309,62 @@ def test_a_state_of_another_setup_is_refused_and_changes_nothing(field, value):
                        re.escape(f", but got state['{field}']={value!r}")):
         s.load_state_dict(state)
     assert s.state_dict() == before
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("before, after", [(4, 2), (2, 3), (3, 8)])
+def test_a_state_resumes_on_another_number_of_ranks_with_every_position_once(before, after,
+                                                                            drop_last):
+    """Ranks of one world take 5 indices of epoch 2 each; ranks of another (another
+    num_replicas) load rank 0's state and finish the epoch: together they give every
+    position of the epoch's order once (a mixture's order may hold an index twice), but the
+    new world's padding (fewer than its ranks), or with drop_last none, fewer missing than
+    the two worlds' ranks; the next epoch is the new world's, whole. A second resume, back
+    on the first world, takes the rest of the rest."""
+    lengths, weights = (20, 30, 10), (1, 2, 1)
+    old = ranks(lengths, weights, num_replicas=before, seed=4, drop_last=drop_last)
+    taken = []
+    for s in old:
+        s.set_epoch(2)
+        taken += list(itertools.islice(iter(s), 5))
+    state = json.loads(json.dumps(old[0].state_dict()))
+    assert state["consumed"] == 5 and state["epoch_done"] == 0
+    new = ranks(lengths, weights, num_replicas=after, seed=4, drop_last=drop_last)
+    rest = []
+    for s in new:
+        s.load_state_dict(state)
+        s.set_epoch(2)
+        rest += list(s)
+    want, got = collections.Counter(old[0].global_order(2).tolist()), \
+        collections.Counter(taken + rest)
+    if drop_last:
+        assert not got - want and sum((want - got).values()) < before + after
+    else:
+        assert not want - got and sum((got - want).values()) < after
+    for s in new:  # the next epoch: the new world's own split of its order
+        s.set_epoch(3)
+        assert list(s) == sampler(lengths, weights, num_replicas=after, rank=s.rank, seed=4,
+                                  drop_last=drop_last).epoch_indices(3).tolist()
+
+    # the new world interrupted too (2 indices each), resumed by the first world
+    again = ranks(lengths, weights, num_replicas=after, seed=4, drop_last=drop_last)
+    second = []
+    for s in again:
+        s.load_state_dict(state)
+        s.set_epoch(2)
+        second += list(itertools.islice(iter(s), 2))
+    state2 = again[0].state_dict()
+    assert state2["epoch_done"] == 5 * before
+    last = []
+    for s in ranks(lengths, weights, num_replicas=before, seed=4, drop_last=drop_last):
+        s.load_state_dict(state2)
+        s.set_epoch(2)
+        last += list(s)
+    got = collections.Counter(taken + second + last)
+    if drop_last:
+        assert not got - want and sum((want - got).values()) < 2 * before + after
+    else:
+        assert not want - got and sum((got - want).values()) < before
 
 
 @pytest.mark.parametrize("state, exc, match", [

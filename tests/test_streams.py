@@ -172,6 +172,28 @@ def test_a_resume_mid_epoch_is_exact(shm_dir, shards):
     ds.cache.close()
 
 
+@pytest.mark.parametrize("world", [{"ranks": 1, "workers": 2}, {"ranks": 2, "workers": 1}])
+def test_a_state_of_another_world_is_refused(shm_dir, shards, world):
+    """A stream's position is a count of one worker's samples, which another number of ranks
+    or DataLoader workers deals otherwise: a state saved in another world (here: of 2
+    workers, or of 2 ranks, loaded where the stream runs alone) is refused, naming both
+    worlds, before anything is read; a state without the world (saved before it was
+    recorded) loads. (torchdata's StatefulDataLoader refuses another num_workers itself.)"""
+    urls, open_shard = shards
+    with CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
+                      size_limit_gib=1, seed=3) as ds:
+        ds.load_state_dict({"epoch": 1, "yielded": 3, **world})
+        opened = ds.shards_opened  # (the construction's check of decode opened one)
+        with pytest.raises(ValueError, match=rf"state should be one of a job with this one's 1 "
+                                             rf"ranks and 1 DataLoader workers, but got a state "
+                                             rf"of {world['ranks']} ranks and "
+                                             rf"{world['workers']} workers"):
+            next(iter(ds))
+        assert ds.shards_opened == opened
+        ds.load_state_dict({"epoch": 1, "yielded": 2})  # an older state: no world to check
+        assert len(list(ds)) == SHARDS * PER - 2
+
+
 def test_a_random_decode_is_caught_at_construction(shm_dir, shards):
     urls, open_shard = shards
 
@@ -208,7 +230,7 @@ def test_a_loaded_state_gives_way_to_another_epoch(shm_dir, shards):
         ds.set_epoch(1)
         assert len(list(ds)) == SHARDS * PER
         state = ds.state_dict()
-        assert state == {"epoch": 1, "yielded": SHARDS * PER}
+        assert state == {"epoch": 1, "yielded": SHARDS * PER, "ranks": 1, "workers": 1}
         ds.load_state_dict(state)
         assert list(ds) == []  # the saved epoch was over
         ds.load_state_dict(state)
