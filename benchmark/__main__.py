@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fraction of the dataset cached, with no-cache and in-RAM baselines.",
         epilog="Without a subcommand, 'run' is assumed.  Under torchrun every rank runs the same "
                "command; rank 0 prints and writes the results.")
-    sub = parser.add_subparsers(dest="command", metavar="{run,sweep,analyze,latency,quality,mixture,persistent,device,"
-                                                  "tier}")
+    sub = parser.add_subparsers(dest="command",
+                                metavar="{run,sweep,analyze,latency,quality,mixture,persistent,"
+                                        "device,tier,stream,peers}")
     run = sub.add_parser("run", help="one loader setup, a few cache fractions (the default)",
                          description="One loader setup: no cache, each cache fraction, in-RAM.")
     _add_common(run, sweep=False)

@@ -386,18 +386,18 @@ class EpochPosition:
 
 class EpochRest(NamedTuple):
     """The epoch a sampler resumed from a state of another world (another ``num_replicas``,
-    say): the epoch's global sequence as the world that began it padded it (``total``
-    positions), of which the first ``done`` were consumed by the ranks of the worlds before."""
+    say): the first ``done`` positions of the epoch's order were consumed by the ranks of the
+    worlds before; the rest is this world's."""
 
     epoch: int
-    total: int
     done: int
 
     def sequence(self, order: np.ndarray, num_replicas: int, drop_last: bool) -> np.ndarray:
         """What this world's ranks split of the epoch's ``order``: the positions not yet
         consumed, padded from their own start (or cut, with ``drop_last``) to a multiple of
-        ``num_replicas``, as DistributedSampler pads an epoch."""
-        left = np.resize(order, self.total)[self.done:]
+        ``num_replicas``, as DistributedSampler pads an epoch (the padding of the worlds
+        before is not repeated)."""
+        left = order[self.done:]
         per_rank = left.size // num_replicas if drop_last else -(-left.size // num_replicas)
         return np.resize(left, per_rank * num_replicas) if left.size else left
 
@@ -407,35 +407,34 @@ class SavedEpoch(NamedTuple):
 
     num_replicas: int
     batch_size: int  # 1 for a sampler that deals its ranks index by index
-    total: int  # the epoch's global sequence: its positions
+    length: int  # the epoch's order: its positions (before any padding)
     done: int  # ... consumed before the saved world took the epoch over
     per_rank: int  # indices each rank of the saved world iterates in the epoch
 
     @classmethod
     def of(cls, state: Mapping[str, Any], drop_last: bool, length: int) -> "SavedEpoch":
-        """The saved world of ``state`` (of an epoch of ``length`` indices before padding);
-        a state saved before ``epoch_total`` was recorded began its epoch itself."""
+        """The saved world of ``state``, whose epoch's order has ``length`` positions; a
+        state saved before ``epoch_done`` was recorded began its epoch itself."""
         replicas = check_int("state['num_replicas']", state["num_replicas"], low=1)
         batch = check_int("state['batch_size']", state.get("batch_size", 1), low=1)
-        whole = length // replicas if drop_last else -(-length // replicas)
-        total = check_int("state['epoch_total']", state.get("epoch_total", whole * replicas),
-                          low=0)
-        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0, high=total)
-        left = total - done
-        return cls(replicas, batch, total, done,
+        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0,
+                         high=length)
+        left = length - done
+        return cls(replicas, batch, length, done,
                    left // replicas if drop_last else -(-left // replicas))
 
     def at_boundary(self, consumed: int) -> bool:
-        """Whether ``consumed`` indices of each rank are a prefix of the sequence: whole
-        global batches, or the whole epoch."""
+        """Whether ``consumed`` indices of each rank are a prefix of the order: whole global
+        batches, or the whole epoch."""
         return consumed % self.batch_size == 0 or consumed == self.per_rank
 
     def rest_after(self, epoch: int, consumed: int) -> EpochRest:
         """The rest of ``epoch`` once each rank of the saved world consumed ``consumed`` (at
-        a boundary)."""
-        done = self.total if consumed == self.per_rank else \
-            min(self.total, self.done + consumed * self.num_replicas)
-        return EpochRest(epoch, self.total, done)
+        a boundary): none once it finished its epoch (with ``drop_last``, what it cut stays
+        cut)."""
+        done = self.length if consumed == self.per_rank else \
+            min(self.length, self.done + consumed * self.num_replicas)
+        return EpochRest(epoch, done)
 
 
 def warn_position_discarded(new_epoch: int, loaded_epoch: int, consumed: int, length: int, *,

@@ -503,21 +503,19 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         Returns:
             A dict of plain values: ``epoch``, ``consumed``, ``seed``, ``num_replicas``,
             ``drop_last``, ``lengths``, ``weights`` and ``num_samples`` (those the epoch is
-            built with), ``epoch_total`` and ``epoch_done`` (the epoch's global sequence, and
-            what a world before this one consumed of it), and ``rank`` (informative: any
-            rank's state fits every rank).
+            built with), ``epoch_done`` (the positions of the epoch's order that a world
+            before this one consumed), and ``rank`` (informative: any rank's state fits every
+            rank).
         """
         consumed = self._position.consumed(self.epoch) if consumed is None else \
             check_int("consumed", consumed, low=0, high=len(self))
         weights, total = self._recipe(self.epoch)
         rest = self._epoch_rest
-        sequence = (rest.total, rest.done) if rest is not None and rest.epoch == self.epoch \
-            else (self._per_rank(total) * self.num_replicas, 0)
+        done = rest.done if rest is not None and rest.epoch == self.epoch else 0
         return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
                 "num_replicas": self.num_replicas, "drop_last": self.drop_last,
                 "lengths": list(self.lengths), "weights": list(weights),
-                "num_samples": total, "epoch_total": sequence[0], "epoch_done": sequence[1],
-                "rank": self.rank}
+                "num_samples": total, "epoch_done": done, "rank": self.rank}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (of any rank): the next iterator yields the rest of its epoch.
@@ -534,9 +532,8 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
             state: a dict from ``state_dict()``.
         """
         own = self.state_dict(consumed=0)
-        # (states saved before epoch_total existed lack it and epoch_done)
-        check_state_fields(state, "WeightedMixtureSampler",
-                           set(own) - {"epoch_total", "epoch_done"})
+        # (states saved before epoch_done existed lack it)
+        check_state_fields(state, "WeightedMixtureSampler", set(own) - {"epoch_done"})
         refuse_changed_fields(state, own, ("seed", "drop_last"),
                               consequence="; the rest of the epoch would differ")
         if list(state["lengths"]) != own["lengths"]:
@@ -558,8 +555,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
             self._saved = None
         self.epoch = epoch
         if saved.num_replicas == self.num_replicas:
-            fresh = saved.done == 0 and saved.total == self._per_rank(total) * self.num_replicas
-            self._epoch_rest = None if fresh else EpochRest(epoch, saved.total, saved.done)
+            self._epoch_rest = None if saved.done == 0 else EpochRest(epoch, saved.done)
             self._position.load(consumed)
         else:  # another world: the positions no rank consumed, split anew
             self._epoch_rest = saved.rest_after(epoch, consumed)

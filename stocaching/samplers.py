@@ -329,9 +329,9 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
     def _epoch_sequence(self, epoch: int, order: np.ndarray) -> np.ndarray:
         """The global sequence that ``epoch``'s ranks split: the epoch's order padded (from
         its start) or truncated to ``total_size``, as DistributedSampler pads it. After a
-        resume on another world (``load_state_dict``), the rest of the saved world's
-        sequence, padded from its own start or truncated to a multiple of this world's
-        ``num_replicas``: the indices that world did not consume, each once."""
+        resume on another world (``load_state_dict``), the positions of the order that no
+        rank consumed, each once, padded from their own start or truncated to a multiple of
+        this world's ``num_replicas``."""
         rest = self._epoch_rest
         if rest is None or rest.epoch != epoch:
             return np.resize(order, self.total_size)  # repeats from the start, or truncates
@@ -397,12 +397,10 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 "order": self._order_state(), **self._sequence_state()}
 
     def _sequence_state(self) -> dict[str, int]:
-        """The current epoch's global sequence: its length, and the positions consumed before
-        this world took it over (0 unless it resumed a state of another world)."""
+        """The positions of the current epoch's order consumed before this world took it
+        over (0 unless it resumed a state of another world)."""
         rest = self._epoch_rest
-        if rest is None or rest.epoch != self.epoch:
-            return {"epoch_total": self.total_size, "epoch_done": 0}
-        return {"epoch_total": rest.total, "epoch_done": rest.done}
+        return {"epoch_done": 0 if rest is None or rest.epoch != self.epoch else rest.done}
 
     def _order_state(self) -> Any:
         sd = getattr(self.order, "state_dict", None)
@@ -420,7 +418,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         sampler's ranks (padded as DistributedSampler pads, or cut with ``drop_last``), and
         the next epochs are this world's. Mid-batch, only the same world resumes. ``rank``
         is not checked: any rank's state serves every rank. A state saved before
-        ``random_subset`` (or ``epoch_total``) was recorded loads without that check.
+        ``random_subset`` (or ``epoch_done``) was recorded loads without that check.
         With an ``order``, its saved state is loaded into it (a ``WeightedMixtureSampler``
         checks its own fields, and finishes the saved epoch with the saved weights).
 
@@ -429,9 +427,9 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 another world.
         """
         own = self.state_dict()
-        # (states saved before order=, random_subset or epoch_total existed lack them)
+        # (states saved before order=, random_subset or epoch_done existed lack them)
         check_state_fields(state, "CacheAwareSampler",
-                           set(own) - {"order", "random_subset", "epoch_total", "epoch_done"})
+                           set(own) - {"order", "random_subset", "epoch_done"})
         refuse_changed_fields(state, own, ("seed", "shuffle", "drop_last", "dataset_len"),
                               consequence="; the rest of the epoch would differ")
         saved = SavedEpoch.of(state, self.drop_last, self.dataset_len)
@@ -455,8 +453,8 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         self.epoch = epoch
         if saved.num_replicas == self.num_replicas and saved.batch_size == self.batch_size:
             # The same global batches: each rank goes on at the saved position.
-            fresh = saved.done == 0 and saved.total == self.total_size
-            self._epoch_rest = None if fresh else EpochRest(epoch, saved.total, saved.done)
+            fresh = saved.done == 0
+            self._epoch_rest = None if fresh else EpochRest(epoch, saved.done)
             self._position.load(consumed)
         else:  # another world: the positions no rank consumed, dealt anew
             self._epoch_rest = saved.rest_after(epoch, consumed)

@@ -2091,14 +2091,14 @@ def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: 
 # and _staging, a segment filled by saved._SavedFileReader).
 
 _FEATURES = {  # module: what uses it (the error when its file is missing says so)
-    "batches": "get_batch, locate, confirm, rows and unpack_rows",
-    "cli": "the command line, plan and list_segments",
-    "disk_tier": "disk_tier=",
-    "fields": "a dict data_dims (samples of several fields)",
+    "batches": "reading batches (get_batch, locate, confirm, rows, unpack_rows)",
+    "cli": "the command line (python stocaching.py, plan, list_segments)",
+    "disk_tier": "a disk tier (disk_tier=)",
+    "fields": "a cache of several fields a sample (a dict data_dims)",
     "open_size": "OpenSizeCache (samples of open sizes, a None in data_dims)",
-    "persistent": "persistent=True",
-    "saved": "save, load_from= and describe_saved_file",
-    "staging": "staging_slots= and stage",
+    "persistent": "a persistent cache (persistent=True)",
+    "saved": "saving or loading a cache (save, load_from=, describe_saved_file)",
+    "staging": "staging (staging_slots=, stage)",
 }
 _PUBLIC_IN_FEATURES = {"OpenSizeCache": "open_size", "describe_saved_file": "saved",
                        "list_segments": "cli", "plan": "cli"}

@@ -427,12 +427,12 @@ RESIZES = [((2, 2, 8), (1, 2, 8)),    # 4 ranks resumed on 2
            ((2, 2, 8), (3, 1, 16))]   # 4 ranks on 3 nodes of one
 
 
-def interrupted(world, *, epoch, batches, drop_last=False, state=None):
-    """Samplers of ``world`` over a cache of 1000 indices, each rank's indices of ``epoch``
+def interrupted(world, *, epoch, batches, drop_last=False, state=None, n=1000):
+    """Samplers of ``world`` over a cache of ``n`` indices, each rank's indices of ``epoch``
     taken up to ``batches`` batches (all of them for None), after loading ``state`` if given;
     returns (taken indices of every rank, rank 0's state then)."""
     nodes, lws, batch = world
-    samplers = make_samplers(CacheLayout(1000, 300, nodes, seed=2), batch, lws, seed=5,
+    samplers = make_samplers(CacheLayout(n, 300, nodes, seed=2), batch, lws, seed=5,
                              drop_last=drop_last)
     taken = []
     for s in samplers:
@@ -445,39 +445,42 @@ def interrupted(world, *, epoch, batches, drop_last=False, state=None):
                                          batches * batch)
 
 
+@pytest.mark.parametrize("n", [1000, 1003])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("before, after", RESIZES)
 def test_a_state_resumes_on_another_world_with_every_index_of_the_epoch_once(
-        before, after, drop_last):
+        before, after, drop_last, n):
     """A job of one world interrupted after 5 batches, resumed from rank 0's state by a job
     of another (other num_replicas, nodes, batch_size): over both, every index of the epoch
-    comes once; the only repeats are the new world's padding (fewer than its ranks), or with
-    drop_last, none, and fewer indices missing than the two worlds' ranks. The next epoch is
-    whole on the new world."""
-    first, state = interrupted(before, epoch=2, batches=5, drop_last=drop_last)
+    comes once; the only repeats are the new world's padding (fewer than its ranks: the first
+    world's padding, where n does not divide, is not repeated), or with drop_last none, and
+    fewer indices missing than the new world's ranks. The next epoch is whole on the new
+    world."""
+    first, state = interrupted(before, epoch=2, batches=5, drop_last=drop_last, n=n)
     assert state["consumed"] == 5 * before[2] and state["epoch_done"] == 0
-    rest, _ = interrupted(after, epoch=2, batches=None, drop_last=drop_last, state=state)
+    rest, _ = interrupted(after, epoch=2, batches=None, drop_last=drop_last, state=state, n=n)
     both = collections.Counter(first + rest)
-    ranks = before[0] * before[1], after[0] * after[1]
+    ranks = after[0] * after[1]
     if drop_last:
-        assert max(both.values()) == 1 and 1000 - len(both) < sum(ranks)
+        assert max(both.values()) == 1 and n - len(both) < ranks
     else:
-        assert set(both) == set(range(1000)) and sum(both.values()) - 1000 < ranks[1]
-    nxt, _ = interrupted(after, epoch=3, batches=None, drop_last=drop_last, state=state)
-    assert len(set(nxt)) == len(nxt) if drop_last else set(nxt) == set(range(1000))
+        assert set(both) == set(range(n)) and sum(both.values()) - n < ranks
+    nxt, _ = interrupted(after, epoch=3, batches=None, drop_last=drop_last, state=state, n=n)
+    assert len(set(nxt)) == len(nxt) if drop_last else set(nxt) == set(range(n))
 
 
-def test_a_job_resized_twice_in_one_epoch_gives_every_index_once():
+@pytest.mark.parametrize("n", [1000, 1001])
+def test_a_job_resized_twice_in_one_epoch_gives_every_index_once(n):
     """2 nodes, then 3, then 2 again, interrupted within one epoch each time: the second
-    resume takes the rest of the rest (the state says how much of the epoch's sequence the
-    world before had taken), and the three jobs give every index once but the last padding."""
+    resume takes the rest of the rest (the state says how much of the epoch's order the
+    worlds before had taken), and the three jobs give every index once but the last padding."""
     two, three = (2, 2, 8), (3, 2, 8)
-    first, state = interrupted(two, epoch=1, batches=4)
-    second, state = interrupted(three, epoch=1, batches=3, state=state)
+    first, state = interrupted(two, epoch=1, batches=4, n=n)
+    second, state = interrupted(three, epoch=1, batches=3, state=state, n=n)
     assert state["epoch_done"] == 4 * 8 * 4 and state["consumed"] == 3 * 8
-    third, _ = interrupted(two, epoch=1, batches=None, state=state)
+    third, _ = interrupted(two, epoch=1, batches=None, state=state, n=n)
     both = collections.Counter(first + second + third)
-    assert set(both) == set(range(1000)) and sum(both.values()) - 1000 < 4
+    assert set(both) == set(range(n)) and sum(both.values()) - n < 4
 
 
 def test_another_world_mid_batch_is_refused_naming_the_field():
