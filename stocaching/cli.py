@@ -244,19 +244,19 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
     words = 4 + opened
     meta = dataset_len * (1 + 8 * words)
     room, free = _plan_room(shm_dir)
+    open_size = _feature("open_size")  # (its _SEAM: the arena's rules)
+    align = open_size._ARENA_ALIGN
+    need = (-(-mean // align) * align * dataset_len + meta) / BYTES_PER_GIB
     if size_limit_gib is not None:
         limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
-    else:  # the whole segment in its room: header, stats and page rounding come on top
-        limit = max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 - 2 * mmap.PAGESIZE
-                    ) / BYTES_PER_GIB
-    open_size = _feature("open_size")  # (its _SEAM: the arena's rules)
+    else:  # what the dataset needs, if the segment fits its room (header, stats and page
+        # rounding come on top), as for samples of a fixed size; else that room
+        limit = min(need, max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 -
+                              2 * mmap.PAGESIZE) / BYTES_PER_GIB)
     arena = open_size._arena_bytes(limit, dataset_len, words)
-    align = open_size._ARENA_ALIGN
     slots = min(dataset_len, arena // (-(-mean // align) * align))
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
-            "arena_gib": arena / BYTES_PER_GIB,
-            "dataset_gib": (-(-mean // align) * align * dataset_len + meta) /
-            BYTES_PER_GIB,
+            "arena_gib": arena / BYTES_PER_GIB, "dataset_gib": need,
             "segment_gib": (arena + meta + _HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 +
                             mmap.PAGESIZE) / BYTES_PER_GIB, **room}
 

@@ -313,6 +313,16 @@ def test_plan_sizes_from_a_mean_and_matches_the_cache(shm_dir):
     assert out == 0
 
 
+def test_plan_without_a_budget_proposes_what_the_dataset_needs(shm_dir):
+    """Without size_limit_gib, plan proposes the budget that holds every sample at the mean
+    size (found by a newcomer's try: it proposed all of /dev/shm, 20 GiB for a 1.4 GiB
+    dataset, which an arena would reserve whole); a room smaller than that is the limit."""
+    p = plan(10_000, (3, None, None), mean_sample_bytes=150_000, shm_dir=shm_dir)
+    assert p["slots"] == 10_000 and p["size_limit_gib"] == p["dataset_gib"] < 1.5
+    big = plan(10**6, (3, None, None), mean_sample_bytes=10**9 // 2, shm_dir=shm_dir)
+    assert big["size_limit_gib"] < big["dataset_gib"] and big["slots"] < 10**6
+
+
 def test_a_deep_copy_is_private_and_equal(shm_dir):
     with OpenSizeCache(0.001, N, (None, 3), torch.float32, shm_dir=shm_dir) as c:
         for i in range(5):
