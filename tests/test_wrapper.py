@@ -4,6 +4,7 @@ DataLoader workers, torchrun ranks, the samplers and loaders of stocaching."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -337,9 +338,12 @@ def test_set_transform_with_a_random_part_is_caught(shm_dir, tmp_path):
     make_pngs(str(tmp_path), n=8)
     base = hf_imagefolder(str(tmp_path))
 
+    shifts = itertools.count(1)  # a new shift at every call: as a random crop, but two calls
+    # never draw the same one (torch.randint(1, 9) did, 1 time in 8, and the test failed)
+
     def random_crop_inside(batch):  # the wrong place: HF's set_transform, before the cache
-        return {"image": [torch.roll(torch.as_tensor(np.array(im)), int(torch.randint(1, 9, ())),
-                                     1) for im in batch["image"]], "label": batch["label"]}
+        return {"image": [torch.roll(torch.as_tensor(np.array(im)), next(shifts) % 8 + 1, 1)
+                          for im in batch["image"]], "label": batch["label"]}
 
     base.set_transform(random_crop_inside)
     with pytest.raises(RuntimeError, match=r"not deterministic.*inside Dataset or decode"):
