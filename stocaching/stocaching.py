@@ -2129,17 +2129,24 @@ def _feature(module: str) -> types.ModuleType:
     Raises ImportError naming the file to copy when it is not there."""
     name = f"{__package__}.{module}" if __package__ else module
     found = sys.modules.get(name)
-    if found is not None:
-        return found
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        raise ImportError(
-            f"{_FEATURES[module]} needs {module}.py beside stocaching.py (in "
-            f"{os.path.dirname(os.path.abspath(__file__))}): copy it there from the stocaching "
-            "package, which has one file per feature", name=name) from None
+    here = os.path.dirname(os.path.abspath(__file__))
+    if found is None:
+        try:
+            found = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            raise ImportError(
+                f"{_FEATURES[module]} needs {module}.py beside stocaching.py (in {here}): copy "
+                "it there from the stocaching package, which has one file per feature",
+                name=name) from None
+    path = getattr(found, "__file__", None)
+    if path is not None and os.path.dirname(os.path.abspath(path)) != here:
+        raise ImportError(  # (a module of the project's own, of the same name)
+            f"{_FEATURES[module]} needs stocaching's {module}.py beside stocaching.py (in "
+            f"{here}), but the module {name} is {path}: copy stocaching's files into a folder "
+            "of their own (a package) so that their names are theirs", name=name)
+    return found
 
 
 class _FromFeature:

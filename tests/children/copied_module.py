@@ -39,6 +39,20 @@ if sys.argv[1] == "core":
     refused(lambda: c.save("x.stc"), "saved.py")
     refused(lambda: stocaching.plan(10, (4,)), "cli.py")
     assert not os.path.exists("x.stc")
+    # A module of the project's own with a feature's name is not taken for the feature's
+    os.makedirs("other", exist_ok=True)
+    with open(os.path.join("other", "fields.py"), "w") as f:
+        f.write("NAME = 'a module of the project, not stocaching'\n")
+    sys.path.append("other")
+    try:
+        stocaching.SharedCache(1e-4, 10, {"x": (2,)})
+    except ImportError as e:
+        assert "needs stocaching's fields.py beside stocaching.py" in str(e) and \
+            os.path.join("other", "fields.py") in str(e), str(e)
+    else:
+        raise AssertionError("the project's fields.py was taken for stocaching's")
+    sys.path.remove("other")
+    del sys.modules["fields"]
     left = [f for f in os.listdir(os.environ["STOCACHING_SHM_DIR"]) if f.startswith("stocaching")]
     assert left == [c._path.rsplit("/", 1)[1]] or left == [], left  # only c's (a name, or none)
 else:
