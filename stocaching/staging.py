@@ -214,7 +214,7 @@ def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
     two-line pattern never needs it.
 
     Args:
-        idx: dataset index without a slot here (``aux_array[idx] == 2``).
+        idx: dataset index without a slot here (``slot_mask([idx])`` is False).
         value: as for ``set_slot``.
         tag: who stages it, an int in ``[0, MAX_STAGE_TAG]``, for ``unstage(idx,
             tag=...)``; staging an index already staged with the same tag keeps the
