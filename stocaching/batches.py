@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (BatchRows, OOB, SET, _MISSES, _OOB_MISSES, _check_out,
-                             _checked_indices)
+    from .stocaching import (BatchRows, OOB, SET, _MISSES, _OOB_MISSES, _check_out, _is_int,
+                             _is_integer_dtype)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BatchRows, OOB, SET, _MISSES, _OOB_MISSES, _check_out,
-                            _checked_indices)
+    from stocaching import (BatchRows, OOB, SET, _MISSES, _OOB_MISSES, _check_out, _is_int,
+                            _is_integer_dtype)
 
 
 def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
@@ -164,3 +164,45 @@ def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
 
 def _put_row(self, batch: Any, k: int, row: Any) -> None:
     batch[k] = row
+
+
+def _checked_indices(indices: Any, dataset_len: int) -> np.ndarray:
+    """``indices`` of ``get_batch`` (and ``locate``) as a 1-D int64 array in
+    ``[0, dataset_len)``, or raise naming them."""
+    expect = ("a sequence or 1-D array of dataset indices "
+              f"(ints in [0, {dataset_len - 1}])")
+    if isinstance(indices, torch.Tensor):
+        if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
+            raise TypeError(f"indices should be {expect}, but got a tensor of shape "
+                            f"{tuple(indices.shape)} and dtype {indices.dtype}")
+        idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
+    elif isinstance(indices, np.ndarray):
+        if indices.ndim != 1 or indices.dtype.kind not in "iu":
+            raise TypeError(f"indices should be {expect}, but got an array of shape "
+                            f"{indices.shape} and dtype {indices.dtype}")
+        idx = indices.astype(np.int64, copy=False)
+    elif isinstance(indices, (list, tuple, range)):
+        if not all(type(i) is int for i in indices):
+            for k, i in enumerate(indices):
+                if not _is_int(i):
+                    raise TypeError(f"indices should be {expect}, but got "
+                                    f"indices[{k}]={i!r} (type {type(i).__name__})")
+            indices = [int(i) for i in indices]
+        try:
+            idx = np.array(indices, dtype=np.int64)
+        except OverflowError:  # an int past int64: out of range whatever the dataset
+            k = next(k for k, i in enumerate(indices) if not -2**63 <= i < 2**63)
+            raise IndexError(f"indices should be dataset indices in "
+                             f"[0, {dataset_len - 1}], but got "
+                             f"indices[{k}]={indices[k]}") from None
+        if idx.ndim != 1:  # an empty nested sequence
+            raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
+    else:
+        raise TypeError(f"indices should be {expect}, but got indices={indices!r} "
+                        f"(type {type(indices).__name__})")
+    bad = np.flatnonzero((idx < 0) | (idx >= dataset_len))
+    if bad.size:
+        k = int(bad[0])
+        raise IndexError(f"indices should be dataset indices in "
+                         f"[0, {dataset_len - 1}], but got indices[{k}]={int(idx[k])}")
+    return idx

@@ -45,12 +45,13 @@ import torch
 try:  # inside the package
     from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
                           refuse_changed_fields)
-    from .stocaching import BaseCache, World, check_int, in_lightnings_wrapper
-except ImportError:  # copied beside stocaching.py and _common.py
+    from .stocaching import BaseCache, World, check_int
+    from .trainers import in_lightnings_wrapper
+except ImportError:  # copied beside stocaching.py, _common.py and trainers.py
     from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
                          SavedEpoch, check_state_fields, refuse_changed_fields)
-    from stocaching import (BaseCache, World,  # type: ignore[no-redef]
-                            check_int, in_lightnings_wrapper)
+    from stocaching import BaseCache, World, check_int  # type: ignore[no-redef]
+    from trainers import in_lightnings_wrapper  # type: ignore[no-redef]
 
 logger = logging.getLogger("stocaching")
 

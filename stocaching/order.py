@@ -44,16 +44,17 @@ try:  # inside the package
                           _order_differs, _OverDistributed, _RecordingSampler,
                           _set_generator_state, _warn_unseeded, _wrapped_by_lightning,
                           check_state_fields, refuse_changed_fields, warn_position_discarded)
-    from .stocaching import BaseCache, check_int, dealt_by_accelerate, in_lightnings_wrapper
-except ImportError:  # copied beside stocaching.py and _common.py
+    from .stocaching import BaseCache, check_int
+    from .trainers import dealt_by_accelerate, in_lightnings_wrapper
+except ImportError:  # copied beside stocaching.py, _common.py and trainers.py
     from _common import (_GENERATOR_FIELDS, _check_in_range,  # type: ignore[no-redef]
                          _checked_generator_state, _class_over_base, _digest, _generator_state,
                          _level_outside_stocaching, _order_differs, _OverDistributed,
                          _RecordingSampler, _set_generator_state, _warn_unseeded,
                          _wrapped_by_lightning, check_state_fields, refuse_changed_fields,
                          warn_position_discarded)
-    from stocaching import (BaseCache, check_int,  # type: ignore[no-redef]
-                            dealt_by_accelerate, in_lightnings_wrapper)
+    from stocaching import BaseCache, check_int  # type: ignore[no-redef]
+    from trainers import dealt_by_accelerate, in_lightnings_wrapper  # type: ignore[no-redef]
 
 logger = logging.getLogger("stocaching")
 

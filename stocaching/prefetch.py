@@ -66,17 +66,17 @@ try:  # inside the package
                           _set_generator_state, _warn_unseeded, _wrapped_by_lightning,
                           check_state_fields, refuse_changed_fields, warn_position_discarded)
     from .order import ReadyFirstSampler
-    from .stocaching import (MAX_STAGE_TAG, BaseCache, check_int, dealt_by_accelerate,
-                             in_lightnings_wrapper)
-except ImportError:  # copied beside stocaching.py, _common.py and order.py
+    from .stocaching import MAX_STAGE_TAG, BaseCache, check_int
+    from .trainers import dealt_by_accelerate, in_lightnings_wrapper
+except ImportError:  # copied beside stocaching.py, _common.py, trainers.py and order.py
     from _common import (_checked_generator_state,  # type: ignore[no-redef]
                          _class_over_base, _generator_state, _order_differs, _OverDistributed,
                          _positions_dealt, _RecordingSampler, _set_generator_state,
                          _warn_unseeded, _wrapped_by_lightning, check_state_fields,
                          refuse_changed_fields, warn_position_discarded)
     from order import ReadyFirstSampler  # type: ignore[no-redef]
-    from stocaching import (MAX_STAGE_TAG, BaseCache,  # type: ignore[no-redef]
-                            check_int, dealt_by_accelerate, in_lightnings_wrapper)
+    from stocaching import MAX_STAGE_TAG, BaseCache, check_int  # type: ignore[no-redef]
+    from trainers import dealt_by_accelerate, in_lightnings_wrapper  # type: ignore[no-redef]
 
 logger = logging.getLogger("stocaching")
 

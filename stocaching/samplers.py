@@ -32,13 +32,13 @@ import torch
 try:  # inside the package
     from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
                           refuse_changed_fields)
-    from .stocaching import (CacheLayout, World, accelerate_epoch, check_int,
-                             dealt_by_accelerate)
-except ImportError:  # copied beside stocaching.py and _common.py
+    from .stocaching import CacheLayout, World, check_int
+    from .trainers import accelerate_epoch, dealt_by_accelerate
+except ImportError:  # copied beside stocaching.py, _common.py and trainers.py
     from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
                          SavedEpoch, check_state_fields, refuse_changed_fields)
-    from stocaching import (CacheLayout, World,  # type: ignore[no-redef]
-                            accelerate_epoch, check_int, dealt_by_accelerate)
+    from stocaching import CacheLayout, World, check_int  # type: ignore[no-redef]
+    from trainers import accelerate_epoch, dealt_by_accelerate  # type: ignore[no-redef]
 
 logger = logging.getLogger("stocaching")
 

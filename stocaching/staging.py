@@ -2,7 +2,8 @@
 prefetcher holds samples of indices without a slot until a read takes them.
 
 A feature module of stocaching (see the core's section "The seam"): the cache holds a
-``_StagingTable`` as its ``_staging``; ``stage`` and ``_take_staged`` are its methods
+``_StagingTable`` as its ``_staging``; ``stage``, ``_take_staged``, ``unstage`` and
+``read_tier`` (the reads of a loader that fills staging slots) are its methods
 (``SharedCache.stage = _FromFeature("staging")``).
 """
 
@@ -281,3 +282,29 @@ def _take_staged(self, idx: int) -> torch.Tensor | None:
     self._own_counters[_HITS] += 1
     self._own_counters[_STAGED_HITS] += 1
     return self._from_row(row)
+
+
+def read_tier(self, idx: int) -> Any:
+    """The sample of ``idx`` from the disk tier (a new tensor; with fields, a dict of
+    them), counted in ``disk_reads`` (not a hit: the read that takes it once staged is);
+    or None: the cache has no disk tier, or no row there for
+    ``idx``, or its row is not stored (or is being written). For loaders that fill
+    staging slots (the ``Prefetcher``): unlike ``get_slot``, it never takes a staged
+    sample.
+
+    Args:
+        idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
+    """
+    self._check_open()
+    return self._read_for_stager(self._index(idx))
+
+
+def unstage(self, idx: int, *, tag: int | None = None) -> bool:
+    """Free the staging slot of ``idx`` if it is staged (a prefetcher gives back what was
+    never read, e.g. after an epoch that stopped early); with a ``tag``, only if it was
+    staged (last) with that tag. Returns whether a staging slot was freed."""
+    self._check_open()
+    idx = self._index(idx)
+    if tag is not None:
+        tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
+    return bool(self._staging_slots) and self._staging.drop(idx, tag)

@@ -31,16 +31,14 @@ exits. Run ``python -m stocaching`` to see /dev/shm, RAM and the live caches.
 
 Contents (``grep -n "^# [0-9]*[.] " stocaching.py`` lists the sections with their lines):
 
- 1. Constants                            11. The cache contract: BaseCache
- 2. Argument checks                      12. Fixed-size rows: SharedCache (the hit path)
- 3. What a trainer did to a sampler      13. Staging slots: _StagingTable
- 4. Who am I: World                      14. Several fields a sample
- 5. Which indices each node caches       15. Open sizes: OpenSizeCache
- 6. Exceptions                           16. A disk tier behind the cache
- 7. The segment's layout and sizing      17. Saved files: the format
- 8. Segment files: names, listing        18. Saving and loading a cache
- 9. Processes: liveness, locks           19. Planning a cache, and the command line
-10. The segment, as a process holds it
+ 1. Constants                            7. Segment files: names, listing
+ 2. Argument checks                      8. Processes: liveness, locks
+ 3. Who am I: World                      9. The seam: features in modules beside this one
+ 4. Which indices each node caches      10. The segment, as a process holds it
+ 5. Exceptions                          11. The cache contract: BaseCache
+ 6. The segment's layout and sizing     12. Fixed-size rows: SharedCache (the hit path)
+
+Each advanced feature is a module beside this one, loaded when its keyword is used (section 9).
 """
 
 from __future__ import annotations
@@ -60,12 +58,9 @@ __all__ = [
     "SharedCache",
     "SlotState",
     "World",
-    "accelerate_epoch",
     "check_int",
     "clean_segments",
-    "dealt_by_accelerate",
     "get_shm_size",
-    "in_lightnings_wrapper",
 ]
 
 __version__ = "0.3.0"
@@ -533,123 +528,9 @@ def _slot_array(value: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     return value.numpy()
 
 
-def _checked_indices(indices: Any, dataset_len: int) -> np.ndarray:
-    """``indices`` of ``get_batch`` (and ``locate``) as a 1-D int64 array in
-    ``[0, dataset_len)``, or raise naming them."""
-    expect = ("a sequence or 1-D array of dataset indices "
-              f"(ints in [0, {dataset_len - 1}])")
-    if isinstance(indices, torch.Tensor):
-        if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
-            raise TypeError(f"indices should be {expect}, but got a tensor of shape "
-                            f"{tuple(indices.shape)} and dtype {indices.dtype}")
-        idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
-    elif isinstance(indices, np.ndarray):
-        if indices.ndim != 1 or indices.dtype.kind not in "iu":
-            raise TypeError(f"indices should be {expect}, but got an array of shape "
-                            f"{indices.shape} and dtype {indices.dtype}")
-        idx = indices.astype(np.int64, copy=False)
-    elif isinstance(indices, (list, tuple, range)):
-        if not all(type(i) is int for i in indices):
-            for k, i in enumerate(indices):
-                if not _is_int(i):
-                    raise TypeError(f"indices should be {expect}, but got "
-                                    f"indices[{k}]={i!r} (type {type(i).__name__})")
-            indices = [int(i) for i in indices]
-        try:
-            idx = np.array(indices, dtype=np.int64)
-        except OverflowError:  # an int past int64: out of range whatever the dataset
-            k = next(k for k, i in enumerate(indices) if not -2**63 <= i < 2**63)
-            raise IndexError(f"indices should be dataset indices in "
-                             f"[0, {dataset_len - 1}], but got "
-                             f"indices[{k}]={indices[k]}") from None
-        if idx.ndim != 1:  # an empty nested sequence
-            raise TypeError(f"indices should be {expect}, but got indices={indices!r}")
-    else:
-        raise TypeError(f"indices should be {expect}, but got indices={indices!r} "
-                        f"(type {type(indices).__name__})")
-    bad = np.flatnonzero((idx < 0) | (idx >= dataset_len))
-    if bad.size:
-        k = int(bad[0])
-        raise IndexError(f"indices should be dataset indices in "
-                         f"[0, {dataset_len - 1}], but got indices[{k}]={int(idx[k])}")
-    return idx
 
 # ----------------------------------------------------------------------------------------------
-# 3. What a trainer did to a sampler (public for the opt-in samplers, like check_int)
-# ----------------------------------------------------------------------------------------------
-
-
-def in_lightnings_wrapper() -> bool:
-    """True when the caller, a sampler's ``__iter__``, runs for Lightning's
-    ``_DatasetSamplerWrapper``, which lists a sampler that is not a ``DistributedSampler`` to
-    split it over the ranks again (its ``reset`` and ``__getitem__`` call ``list(sampler)``, so
-    it is the frame right above ``__iter__``). Lightning offers no other sign; if it changes,
-    this says False and only the warning is lost. The frame's code and module are read, never
-    its ``f_locals``: that builds a snapshot of the caller's locals which the frame keeps, so
-    an object the caller then deletes (a prefetcher, whose finalizer stops its loader
-    processes) would live on until the caller returns."""
-    try:
-        frame = sys._getframe(2)
-    except ValueError:  # __iter__ called from no Python frame
-        return False
-    code, module = frame.f_code, frame.f_globals.get("__name__", "")
-    del frame
-    name = getattr(code, "co_qualname", None)  # Python 3.11+
-    where = name.split(".")[0] == "_DatasetSamplerWrapper" if name is not None else \
-        code.co_name in ("reset", "__getitem__")
-    return where and module.startswith(("lightning", "pytorch_lightning"))
-
-
-def dealt_by_accelerate(sampler: Any) -> Any:
-    """The ``BatchSamplerShard`` of a loader prepared by ``accelerate`` that draws its batches
-    from ``sampler`` right now and deals them to its processes, else None. ``sampler`` may sit
-    inside the loader's sampler, as the ``base`` of a ``Prefetcher`` or a
-    ``ReadyFirstSampler``, and the shard inside wrappers of its own (the ``SkipBatchSampler``
-    of ``skip_first_batches``, which the Hugging Face ``Trainer`` puts around it to resume mid-
-    epoch). A prepared loader registers as the ``active_dataloader`` of accelerate's
-    ``GradientState`` before it starts drawing, which is when a sampler's ``__iter__`` runs.
-    Nothing is imported: without accelerate, None."""
-    found = _accelerate_deal(sampler)
-    return None if found is None else found[1]
-
-
-def accelerate_epoch(sampler: Any) -> int | None:
-    """The epoch of the loader prepared by ``accelerate`` that deals from ``sampler`` right now
-    (see ``dealt_by_accelerate``), else None: its ``iteration``, which the prepared loader
-    passes to ``set_epoch`` at every ``iter()``, also where that call cannot reach the sampler
-    (inside the ``SkipBatchSampler`` of a resumed epoch)."""
-    found = _accelerate_deal(sampler)
-    epoch = None if found is None else getattr(found[0], "iteration", None)
-    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
-
-
-def _accelerate_deal(sampler: Any) -> tuple[Any, Any] | None:
-    """(the prepared loader, its ``BatchSamplerShard``) when it deals from ``sampler``."""
-    state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
-    if state is None or loaders is None or not getattr(state.GradientState, "_shared_state", None):
-        return None
-    try:
-        active = state.GradientState().active_dataloader
-    except Exception:  # noqa: BLE001 - a state we do not understand is not a prepared loader
-        return None
-    shard = getattr(active, "batch_sampler", None)
-    for _ in range(4):  # down wrappers such as SkipBatchSampler to the shard
-        if isinstance(shard, loaders.BatchSamplerShard):
-            break
-        shard = getattr(shard, "batch_sampler", None)
-    if not isinstance(shard, loaders.BatchSamplerShard) or shard.num_processes < 2:
-        return None
-    inner = shard.batch_sampler
-    drawn = inner if inner is sampler else getattr(inner, "sampler", None)
-    for _ in range(8):  # down the wrappers' bases
-        if drawn is sampler:
-            return active, shard
-        drawn = getattr(drawn, "base", None)
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. Who am I: the world and rank description
+# 3. Who am I: the world and rank description
 # ----------------------------------------------------------------------------------------------
 
 
@@ -852,7 +733,7 @@ def _host_identity() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Which dataset indices each node caches
+# 4. Which dataset indices each node caches
 # ----------------------------------------------------------------------------------------------
 
 
@@ -947,7 +828,7 @@ class CacheLayout:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Exceptions (they cross DataLoader worker boundaries, so they pickle with their attributes)
+# 5. Exceptions (they cross DataLoader worker boundaries, so they pickle with their attributes)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1020,7 +901,7 @@ class CacheTimeoutError(TimeoutError):
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. The segment's layout, and how many slots a budget buys
+# 6. The segment's layout, and how many slots a budget buys
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1222,7 +1103,7 @@ def _auto_room(shm_free: int, headroom: int, memory: _MemoryRoom, anonymous: boo
 
 def _auto_is_anonymous(shm_dir: str) -> bool:
     """Whether ``size_limit_gib="auto"`` makes its segment anonymous (memfd_create): in
-    /dev/shm's filesystem, whose room the DataLoader's batches need (section 7)."""
+    /dev/shm's filesystem, whose room the DataLoader's batches need (section 6)."""
     return _shm_headroom(shm_dir) > 0
 
 
@@ -1416,7 +1297,7 @@ def get_shm_size(shm_dir: str = DEFAULT_SHM_DIR) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Segment files: names, the header, opening, listing and cleaning up
+# 7. Segment files: names, the header, opening, listing and cleaning up
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1517,7 +1398,7 @@ def _open_existing(path: str) -> int:
 
 def _pointer_of(fd: int) -> tuple[int, int, int, int, int] | None:
     """What the pointer file open at ``fd`` names (pid, process start, descriptor, st_dev,
-    st_ino: section 7), or None where the file is not a pointer (a segment, a disk tier)."""
+    st_ino: section 6), or None where the file is not a pointer (a segment, a disk tier)."""
     if os.fstat(fd).st_size != _POINTER.size:
         return None
     data = os.pread(fd, _POINTER.size, 0)
@@ -1729,7 +1610,7 @@ def _more_room(shm_dir: str, total: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Processes: liveness, the caches this process holds, sending, record locks
+# 8. Processes: liveness, the caches this process holds, sending, record locks
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2081,7 +1962,7 @@ def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: 
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. The seam: features in modules beside this one
+# 9. The seam: features in modules beside this one
 # ----------------------------------------------------------------------------------------------
 # Each capability that the two-line user does not need is a module beside this one (in the
 # package, or copied next to this file), loaded when its keyword is first used: see
@@ -2098,7 +1979,9 @@ _FEATURES = {  # module: what uses it (the error when its file is missing says s
     "open_size": "OpenSizeCache (samples of open sizes, a None in data_dims)",
     "persistent": "a persistent cache (persistent=True)",
     "saved": "saving or loading a cache (save, load_from=, describe_saved_file)",
-    "staging": "staging (staging_slots=, stage)",
+    "masks": "asking which indices a cache holds (slot_mask, stored_mask, ready_mask, "
+             "cached_indices, owner_rows)",
+    "staging": "staging (staging_slots=, stage, unstage, read_tier)",
 }
 _PUBLIC_IN_FEATURES = {"OpenSizeCache": "open_size", "describe_saved_file": "saved",
                        "list_segments": "cli", "plan": "cli"}
@@ -2108,18 +1991,18 @@ _SEAM = frozenset({
     "BYTES_PER_MIB", "DEFAULT_SHM_DIR", "EMPTY", "OOB", "SEGMENT_PREFIX", "SET", "WRITING",
     "logger", "_COPY_COUNTER", "_Closed", "_DTYPES", "_Field", "_HEADER_BYTES", "_HITS",
     "_KEY_OFF", "_LAYOUT_VERSION", "_LOCK_BASE", "_MEMORY_FILESYSTEMS", "_MISSES",
-    "_OOB_MISSES", "_PERSISTENT_JOB_KEY", "_POINTER", "_RecordLocks", "_STAGED_HITS",
-    "_STAGES", "_STAGE_INDEX_MASK", "_STAGE_LOCK", "_STAGE_TAG_SHIFT", "_STATS_COLS",
-    "_STATS_ROWS", "_Segment", "_WRITES", "_alive", "_auto_is_anonymous", "_auto_room",
-    "_budget_for_slots", "_check_dims", "_check_dtype", "_check_fields", "_check_key",
-    "_check_keys", "_check_out", "_check_positive", "_checked_indices", "_checked_value",
-    "_claim_stats_row", "_close_fd", "_closed_error", "_feature", "_finalize_segment",
-    "_fmt_bytes", "_free_bytes", "_fs_type", "_has_open_size", "_is_int", "_is_stale_file",
-    "_key_hash", "_memory_room", "_more_room", "_names", "_open_existing",
-    "_open_leaders_file", "_open_to_look", "_pack", "_parse_segment_name", "_pointer_of",
-    "_pwrite_all", "_read_header", "_read_key", "_segment_offsets", "_shm_headroom",
-    "_slot_array", "_slot_bytes", "_slot_lock_offset", "_slots_fitting", "_slots_for_budget",
-    "_torch_of", "_try_stale", "_unlink_if_same", "_what_fits"
+    "_OOB_MISSES", "_PERSISTENT_JOB_KEY", "_POINTER", "_RecordLocks", "_STAGED_HITS", "_STAGES",
+    "_STAGE_INDEX_MASK", "_STAGE_LOCK", "_STAGE_TAG_SHIFT", "_STATS_COLS", "_STATS_ROWS",
+    "_Segment", "_WRITES", "_alive", "_auto_is_anonymous", "_auto_room", "_budget_for_slots",
+    "_check_dims", "_check_dtype", "_check_fields", "_check_key", "_check_keys", "_check_out",
+    "_check_positive", "_checked_value", "_claim_stats_row", "_close_fd", "_closed_error",
+    "_feature", "_finalize_segment", "_fmt_bytes", "_free_bytes", "_fs_type", "_has_open_size",
+    "_is_int", "_is_integer_dtype", "_is_stale_file", "_key_hash", "_memory_room", "_more_room",
+    "_names", "_open_existing", "_open_leaders_file", "_open_to_look", "_pack",
+    "_parse_segment_name", "_pointer_of", "_pwrite_all", "_read_header", "_read_key",
+    "_segment_offsets", "_shm_headroom", "_slot_array", "_slot_bytes", "_slot_lock_offset",
+    "_slots_fitting", "_slots_for_budget", "_torch_of", "_try_stale", "_unlink_if_same",
+    "_what_fits"
 })
 
 
@@ -2180,7 +2063,7 @@ def __getattr__(name: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
+# 10. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2528,7 +2411,7 @@ class _Segment(_RecordLocks):
 
 
 # ----------------------------------------------------------------------------------------------
-# 12. The cache contract: BaseCache (construction, views, sending, the public API)
+# 11. The cache contract: BaseCache (construction, views, sending, the public API)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -2997,19 +2880,6 @@ class BaseCache:
     # arena can fill up): the fixed-size caches store every sample that has a slot.
     may_refuse: bool = False
 
-    def cached_indices(self) -> np.ndarray:
-        """Dataset indices that have a slot on this node, in slot order."""
-        return self._layout.indices(self._world.node_rank)
-
-    def owner_rows(self) -> Iterator[np.ndarray]:
-        """For each node in turn, which dataset indices it reads without loading them, as a
-        bool array of ``dataset_len``: those with a slot there (``layout.owner_rows()``) and,
-        with a disk tier, those with a row on that node's tier. ``CacheAwareSampler`` routes
-        each sample to a node whose row holds it."""
-        if self._disk_tier is not None:
-            return self._disk_tier.owner_rows(self._layout)
-        return self._layout.owner_rows()
-
     def __len__(self) -> int:
         return self._layout.slots
 
@@ -3077,20 +2947,6 @@ class BaseCache:
         with a disk tier looks there too."""
         return self._take_staged(idx) if self._staging_slots else None
 
-    def read_tier(self, idx: int) -> Any:
-        """The sample of ``idx`` from the disk tier (a new tensor; with fields, a dict of
-        them), counted in ``disk_reads`` (not a hit: the read that takes it once staged is);
-        or None: the cache has no disk tier, or no row there for
-        ``idx``, or its row is not stored (or is being written). For loaders that fill
-        staging slots (the ``Prefetcher``): unlike ``get_slot``, it never takes a staged
-        sample.
-
-        Args:
-            idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
-        """
-        self._check_open()
-        return self._read_for_stager(self._index(idx))
-
     def _read_tier(self, idx: int) -> Any:
         return None  # (a kind with a disk tier reads it here: get_slot's disk hits)
 
@@ -3148,66 +3004,16 @@ class BaseCache:
         slots reads them here; one without has nothing staged."""
         return None
 
-    def unstage(self, idx: int, *, tag: int | None = None) -> bool:
-        """Free the staging slot of ``idx`` if it is staged (a prefetcher gives back what was
-        never read, e.g. after an epoch that stopped early); with a ``tag``, only if it was
-        staged (last) with that tag. Returns whether a staging slot was freed."""
-        self._check_open()
-        idx = self._index(idx)
-        if tag is not None:
-            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        return bool(self._staging_slots) and self._staging.drop(idx, tag)
+    # -- in feature modules: which indices it holds (masks.py), and a stager's reads and
+    # give-backs (staging.py) --
 
-    def slot_mask(self, indices: Any = None) -> np.ndarray:
-        """True where the dataset index has a slot on this node (``set_slot`` can store its
-        sample; without one, only a staging slot can hold it), for ``indices`` (default:
-        every dataset index). Fixed for the cache's life.
-
-        Args:
-            indices: dataset indices. Default: None, every index.
-        """
-        self._check_open()
-        states = self._index_states_np
-        return states != OOB if indices is None else \
-            states[np.asarray(indices, dtype=np.int64)] != OOB
-
-    def stored_mask(self, indices: Any = None) -> np.ndarray:
-        """True where the index's slot holds its sample now (staged samples do not count:
-        see ``ready_mask``), for ``indices`` (default: every dataset index). A snapshot.
-
-        Args:
-            indices: dataset indices. Default: None, every index.
-        """
-        self._check_open()
-        states = self._index_states_np
-        return states == SET if indices is None else \
-            states[np.asarray(indices, dtype=np.int64)] == SET
-
-    def ready_mask(self, indices: Any = None, *, tag: int | None = None) -> np.ndarray:
-        """True where ``get_slot`` would return a sample now (its slot is set, or it is
-        staged), for ``indices`` (default: every dataset index). A snapshot: it may change
-        right after.
-
-        Args:
-            indices: dataset indices. Default: None, every index.
-            tag: when given, a staged sample counts only if it was staged with this tag (a
-                prefetcher asks what *it* staged: a sample another rank staged is that rank's
-                to read). Default: None, any staged sample.
-        """
-        if tag is not None:
-            tag = check_int("tag", tag, low=0, high=MAX_STAGE_TAG)
-        aux = self._index_states_np
-        idx = np.arange(self._dataset_len) if indices is None else \
-            np.asarray(indices, dtype=np.int64)
-        ready = aux[idx] == SET
-        if self._staging_slots:
-            staged = self._staging.staged_indices(() if tag is None else (tag,))
-            if staged.size:
-                # A binary search in the sorted staged indices, not np.isin: see
-                # docs/design.md, "The staged indices in ready_mask".
-                pos = np.minimum(np.searchsorted(staged, idx), staged.size - 1)
-                ready |= staged[pos] == idx
-        return ready
+    cached_indices = _FromFeature("masks")
+    owner_rows = _FromFeature("masks")
+    slot_mask = _FromFeature("masks")
+    stored_mask = _FromFeature("masks")
+    ready_mask = _FromFeature("masks")
+    read_tier = _FromFeature("staging")
+    unstage = _FromFeature("staging")
 
     def stats(self, *, since: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Counters summed over every process that used this cache on this node.
@@ -3313,7 +3119,7 @@ class BaseCache:
 
 
 # ----------------------------------------------------------------------------------------------
-# 13. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
+# 12. Fixed-size rows: SharedCache (the hit path, batches, writes, staging, saving)
 # ----------------------------------------------------------------------------------------------
 
 

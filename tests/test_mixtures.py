@@ -794,7 +794,8 @@ def test_torchrun_two_ranks_cover_the_mixture_and_resume_from_rank_1(shm_dir, tm
 
 
 def test_mixtures_py_works_copied_next_to_stocaching_py(tmp_path):
-    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "mixtures.py"), """
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "masks.py", "trainers.py",
+                                "mixtures.py"), """
         import os, mixtures, stocaching
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
         assert mixtures.BaseCache is stocaching.BaseCache

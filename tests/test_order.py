@@ -608,10 +608,11 @@ def test_base_that_yields_less_than_its_length_is_refused():
 
 @pytest.mark.parametrize("module", ["order", "prefetch"])
 def test_the_order_works_copied_next_to_stocaching_py(module, tmp_path):
-    """order.py copied beside stocaching.py and _common.py, and prefetch.py beside them: the
-    copies import each other, not the package."""
-    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "order.py",
-                                *(["prefetch.py"] if module == "prefetch" else [])), f"""
+    """order.py copied beside stocaching.py, _common.py, masks.py and trainers.py, and
+    prefetch.py beside them: the copies import each other, not the package."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "masks.py", "trainers.py",
+                                "order.py", *(["prefetch.py"] if module == "prefetch" else [])),
+                     f"""
         import os, order, stocaching, {module} as m
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
         assert os.path.dirname(m.__file__) == os.getcwd()

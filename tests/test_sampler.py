@@ -715,9 +715,10 @@ def test_the_sampler_never_builds_the_owner_matrix(monkeypatch):
 
 
 def test_samplers_py_works_copied_next_to_stocaching_py(tmp_path):
-    """samplers.py copied beside stocaching.py and _common.py imports the copies, not the
-    package, and resumes an epoch from a state."""
-    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "samplers.py"), """
+    """samplers.py copied beside stocaching.py, _common.py, masks.py and trainers.py imports the
+    copies, not the package, and resumes an epoch from a state."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "masks.py", "trainers.py",
+                                "samplers.py"), """
         import os, samplers, stocaching
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
         assert samplers.CacheLayout is stocaching.CacheLayout

@@ -290,9 +290,9 @@ def _frames(tb):
 
 
 def test_the_stream_works_copied_next_to_stocaching_py(shm_dir, tmp_path):
-    """streams.py copied beside stocaching.py and _common.py, without wrapper.py: the copies
-    import each other, not the package."""
-    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "streams.py"), """
+    """streams.py copied beside stocaching.py, _common.py and masks.py, without wrapper.py: the
+    copies import each other, not the package."""
+    out = run_copied(tmp_path, ("stocaching.py", "_common.py", "masks.py", "streams.py"), """
         import os, stocaching, streams, torch
         assert os.path.dirname(stocaching.__file__) == os.getcwd()  # the copy, not the package
         assert streams.SharedCache is stocaching.SharedCache

@@ -36,6 +36,8 @@ if sys.argv[1] == "core":
     refused(lambda: stocaching.SharedCache(1e-4, 10, (4,), persistent=True, name="p"),
             "persistent.py")
     refused(lambda: c.get_batch([1]), "batches.py")
+    refused(lambda: c.ready_mask([1]), "masks.py")
+    refused(lambda: c.unstage(1), "staging.py")
     refused(lambda: c.save("x.stc"), "saved.py")
     refused(lambda: stocaching.plan(10, (4,)), "cli.py")
     assert not os.path.exists("x.stc")
@@ -64,4 +66,5 @@ else:
     o.set_slot(0, torch.ones(3, 2, dtype=torch.uint8))
     assert tuple(o.get_slot(0).shape) == (3, 2)
     assert c.get_batch([1])[1].tolist() == [True]
+    assert c.ready_mask([0, 1]).tolist() == [False, True] and not c.unstage(1)
 print(int(c.get_slot(1).sum()), stocaching.__file__)
