@@ -2653,6 +2653,13 @@ class BaseCache:
 
     def _check_header(self, head: dict, size: int) -> None:
         want = self._expected_header()
+        # A node's share is the same in a world of another number of nodes, unless a layout is
+        # the first indices (one node, no random_subset): the segment of a job before a
+        # resize serves this one (docs/design.md, "A node's share across a resize").
+        prefix = head["num_nodes"] == 1 and (not head["random_subset"] or
+                                             head["slots"] == head["dataset_len"])
+        if not prefix and not self._layout.is_prefix:  # (several nodes: random_subset is moot)
+            want.update(num_nodes=head["num_nodes"], random_subset=head["random_subset"])
         # One of them has fields (and the same layout version): compare those first, in order.
         if (head["nfields"] or self._fields) and head["version"] == _LAYOUT_VERSION:
             theirs = [(n, d, t) for n, d, t, _ in head["fields"]]

@@ -89,6 +89,34 @@ def test_other_data_or_another_configuration_is_refused_by_name_or_replaced(shm_
     assert len(named(shm_dir)) == 1
 
 
+GIB_20 = (20 * 3 * 8 * 8 + 50) / 2**30  # 20 slots of DIMS for 50 samples
+
+
+def _node(node_rank, num_nodes):
+    return World(rank=node_rank, world_size=num_nodes, node_rank=node_rank, num_nodes=num_nodes)
+
+
+def test_a_job_on_another_number_of_nodes_finds_its_nodes_share_warm(shm_dir):
+    """Node 0's share of the layout is the same in a world of 2 nodes, 3 or one with
+    random_subset, so a job resized from 2 nodes to 3 (or 1) attaches to what node 0 cached; a
+    world of one node without random_subset caches the first indices instead, and is refused
+    by name."""
+    with _persistent(shm_dir, size_limit_gib=GIB_20, world=_node(0, 2)) as c:
+        share = c.cached_indices()
+        assert len(share) == 20
+        for i in share.tolist():
+            c.set_slot(i, value_of(i, DIMS))
+    for world, kw in ((_node(0, 3), {}), (World(), dict(random_subset=True))):
+        with _persistent(shm_dir, size_limit_gib=GIB_20, world=world, **kw) as c:
+            assert c.cached_indices().tolist() == share.tolist()
+            assert all(torch.equal(c.get_slot(i), value_of(i, DIMS)) for i in share.tolist())
+            assert c.stats()["filled"] == len(share)
+    with pytest.raises(CacheConfigError, match=r"holds num_nodes=2, but this job asked for "
+                                               r"num_nodes=1") as e:
+        _persistent(shm_dir, size_limit_gib=GIB_20, world=World())
+    assert e.value.field == "num_nodes"
+
+
 def test_a_cache_in_use_is_not_replaced(shm_dir):
     with _persistent(shm_dir):
         with pytest.raises(CacheConfigError, match="not replaced: another process uses it"):
