@@ -385,21 +385,95 @@ class EpochPosition:
 
 
 class EpochRest(NamedTuple):
-    """The epoch a sampler resumed from a state of another world (another ``num_replicas``,
-    say): the first ``done`` positions of the epoch's order were consumed by the ranks of the
-    worlds before; the rest is this world's."""
+    """What of an epoch's order the worlds before this one consumed (another ``num_replicas``,
+    say): its first ``done`` positions, and the positions ``taken`` after them (sorted; a
+    reordering sampler such as ``ReadyFirstSampler`` consumes positions out of order). The
+    positions left are this world's."""
 
     epoch: int
     done: int
+    taken: tuple[int, ...] = ()
 
-    def sequence(self, order: np.ndarray, num_replicas: int, drop_last: bool) -> np.ndarray:
-        """What this world's ranks split of the epoch's ``order``: the positions not yet
-        consumed, padded from their own start (or cut, with ``drop_last``) to a multiple of
-        ``num_replicas``, as DistributedSampler pads an epoch (the padding of the worlds
-        before is not repeated)."""
-        left = order[self.done:]
+    def left(self, length: int) -> np.ndarray:
+        """The positions of the epoch's order (of ``length`` positions) not consumed, in
+        order (int64)."""
+        keep = np.ones(max(0, length - self.done), dtype=bool)
+        keep[np.asarray(self.taken, dtype=np.int64) - self.done] = False
+        return self.done + np.flatnonzero(keep)
+
+    def positions(self, length: int, num_replicas: int, drop_last: bool) -> np.ndarray:
+        """The positions of the epoch's order (of ``length``) that this world's ranks split:
+        those not consumed, padded from their own start (or cut, with ``drop_last``) to a
+        multiple of ``num_replicas``, as DistributedSampler pads an epoch (the padding of the
+        worlds before is not repeated)."""
+        left = self.left(length)
         per_rank = left.size // num_replicas if drop_last else -(-left.size // num_replicas)
         return np.resize(left, per_rank * num_replicas) if left.size else left
+
+    def sequence(self, order: np.ndarray, num_replicas: int, drop_last: bool) -> np.ndarray:
+        """What this world's ranks split of the epoch's ``order``: ``order`` at
+        :meth:`positions`."""
+        return order[self.positions(order.size, num_replicas, drop_last)]
+
+    def per_rank(self, length: int, num_replicas: int, drop_last: bool) -> int:
+        """Indices each rank of this world iterates of the rest (of an order of ``length``)."""
+        left = max(0, length - self.done - len(self.taken))
+        return left // num_replicas if drop_last else -(-left // num_replicas)
+
+    def union(self, others: Iterable["EpochRest"], length: int) -> "EpochRest":
+        """The positions that this rest or any of ``others`` (of the same epoch) consumed."""
+        others = list(others)
+        done = min([self.done] + [o.done for o in others])
+        used = np.zeros(max(0, length - done), dtype=bool)
+        for rest in [self] + others:
+            used[:rest.done - done] = True
+            used[np.asarray(rest.taken, dtype=np.int64) - done] = True
+        return EpochRest.consumed(self.epoch, done, used)
+
+    def consume(self, positions: np.ndarray, length: int) -> "EpochRest":
+        """This rest with ``positions`` of the order consumed too."""
+        used = np.zeros(length, dtype=bool)
+        used[np.asarray(positions, dtype=np.int64)] = True
+        return self.union([EpochRest.consumed(self.epoch, 0, used)], length)
+
+    @classmethod
+    def consumed(cls, epoch: int, start: int, used: np.ndarray) -> "EpochRest":
+        """The rest after every position before ``start`` and ``start + i`` where ``used[i]``:
+        ``done`` is the first position not consumed."""
+        free = np.flatnonzero(~used)
+        first = int(free[0]) if free.size else used.size
+        return cls(epoch, start + first,
+                   tuple((start + first + 1 + np.flatnonzero(used[first + 1:])).tolist()))
+
+    def fields(self) -> dict[str, Any]:
+        """The state's fields for this rest: ``epoch_done`` (``done``) and ``epoch_taken``,
+        the ``taken`` positions as a list of ``[start, stop)`` runs (plain ints, so that a
+        state stays JSON; empty for a prefix)."""
+        taken = np.asarray(self.taken, dtype=np.int64)
+        cut = np.flatnonzero(np.diff(taken) != 1) + 1
+        starts, stops = np.r_[taken[:1], taken[cut]], np.r_[taken[cut - 1] + 1, taken[-1:] + 1]
+        return {"epoch_done": self.done,
+                "epoch_taken": [[int(a), int(b)] for a, b in zip(starts, stops)]}
+
+    @classmethod
+    def of_fields(cls, state: Mapping[str, Any], epoch: int, length: int) -> "EpochRest":
+        """The rest that ``state``'s ``epoch_done`` and ``epoch_taken`` say (checked; a state
+        saved before they were recorded began its epoch itself) for an order of ``length``."""
+        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0, high=length)
+        runs = state.get("epoch_taken") or []
+        taken: list[int] = []
+        low = done + 1
+        for run in runs if isinstance(runs, (list, tuple)) else [runs]:
+            if not (isinstance(run, (list, tuple)) and len(run) == 2 and
+                    all(isinstance(x, int) and not isinstance(x, bool) for x in run) and
+                    low <= run[0] < run[1] <= length):
+                raise ValueError(f"state['epoch_taken'] should be increasing [start, stop) runs "
+                                 f"of positions in [{done + 1}, {length}] (after "
+                                 f"state['epoch_done']={done}, in the epoch's order of "
+                                 f"{length}), but got the run {run!r}")
+            taken.extend(range(run[0], run[1]))
+            low = run[1] + 1
+        return cls(epoch, done, tuple(taken))
 
 
 class SavedEpoch(NamedTuple):
@@ -408,8 +482,9 @@ class SavedEpoch(NamedTuple):
     num_replicas: int
     batch_size: int  # 1 for a sampler that deals its ranks index by index
     length: int  # the epoch's order: its positions (before any padding)
-    done: int  # ... consumed before the saved world took the epoch over
+    before: EpochRest  # ... consumed before the saved world took the epoch over
     per_rank: int  # indices each rank of the saved world iterates in the epoch
+    drop_last: bool
 
     @classmethod
     def of(cls, state: Mapping[str, Any], drop_last: bool, length: int) -> "SavedEpoch":
@@ -417,11 +492,18 @@ class SavedEpoch(NamedTuple):
         state saved before ``epoch_done`` was recorded began its epoch itself."""
         replicas = check_int("state['num_replicas']", state["num_replicas"], low=1)
         batch = check_int("state['batch_size']", state.get("batch_size", 1), low=1)
-        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0,
-                         high=length)
-        left = length - done
-        return cls(replicas, batch, length, done,
-                   left // replicas if drop_last else -(-left // replicas))
+        before = EpochRest.of_fields(state, state.get("epoch", 0), length)
+        return cls(replicas, batch, length, before,
+                   before.per_rank(length, replicas, drop_last), drop_last)
+
+    @property
+    def done(self) -> int:
+        """Whether (non-zero) and how much of the epoch's order the worlds before consumed."""
+        return self.before.done + len(self.before.taken)
+
+    def rest_before(self, epoch: int) -> EpochRest | None:
+        """What the worlds before the saved one consumed of ``epoch`` (None: nothing)."""
+        return self.before._replace(epoch=epoch) if self.done else None
 
     def at_boundary(self, consumed: int) -> bool:
         """Whether ``consumed`` indices of each rank are a prefix of the order: whole global
@@ -430,11 +512,13 @@ class SavedEpoch(NamedTuple):
 
     def rest_after(self, epoch: int, consumed: int) -> EpochRest:
         """The rest of ``epoch`` once each rank of the saved world consumed ``consumed`` (at
-        a boundary): none once it finished its epoch (with ``drop_last``, what it cut stays
-        cut)."""
-        done = self.length if consumed == self.per_rank else \
-            min(self.length, self.done + consumed * self.num_replicas)
-        return EpochRest(epoch, done)
+        a boundary): the first ``consumed * num_replicas`` positions its ranks split; none
+        once it finished its epoch (with ``drop_last``, what it cut stays cut)."""
+        if consumed == self.per_rank:
+            return EpochRest(epoch, self.length)
+        split = self.before.positions(self.length, self.num_replicas, self.drop_last)
+        return self.before._replace(epoch=epoch).consume(
+            split[:consumed * self.num_replicas], self.length)
 
 
 def warn_position_discarded(new_epoch: int, loaded_epoch: int, consumed: int, length: int, *,
