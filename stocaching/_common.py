@@ -22,7 +22,7 @@ import inspect
 import itertools
 import sys
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -456,10 +456,13 @@ class EpochRest(NamedTuple):
                 "epoch_taken": [[int(a), int(b)] for a, b in zip(starts, stops)]}
 
     @classmethod
-    def of_fields(cls, state: Mapping[str, Any], epoch: int, length: int) -> "EpochRest":
+    def of_fields(cls, state: Mapping[str, Any], epoch: int, length: int | None
+                  ) -> "EpochRest":
         """The rest that ``state``'s ``epoch_done`` and ``epoch_taken`` say (checked; a state
-        saved before they were recorded began its epoch itself) for an order of ``length``."""
+        saved before they were recorded began its epoch itself) for an order of ``length``
+        positions (None: not known, not checked)."""
         done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0, high=length)
+        length = 2**63 if length is None else length
         runs = state.get("epoch_taken") or []
         taken: list[int] = []
         low = done + 1
@@ -519,6 +522,60 @@ class SavedEpoch(NamedTuple):
         split = self.before.positions(self.length, self.num_replicas, self.drop_last)
         return self.before._replace(epoch=epoch).consume(
             split[:consumed * self.num_replicas], self.length)
+
+
+def rest_state(sampler: Any, consumed: int, taken: Any, *, batch_size: int,
+               length: int) -> dict[str, Any]:
+    """The ``rest_state`` of a sampler that deals a world-independent order of ``length``
+    positions in global batches of ``batch_size`` indices a rank (``CacheAwareSampler``;
+    ``WeightedMixtureSampler``, index by index: 1): its state of the current epoch saved at
+    the batch boundary at or below ``consumed``, made a state of the epoch's rest at its start
+    (``consumed`` 0). The rest has consumed what the worlds before did, the ranks' indices
+    before the boundary, and this rank's indices from the boundary to ``consumed`` and at
+    the positions ``taken`` of its epoch (out of order, as a reordering sampler consumes
+    them), each where ``sampler.epoch_positions`` puts it in the order. Joined with the same
+    of every other rank (:func:`joined_rest`), it resumes on any world."""
+    n = sampler.epoch_length(sampler.epoch)
+    consumed = check_int("consumed", consumed, low=0, high=n)
+    taken = np.asarray(taken, dtype=np.int64)
+    if taken.size and (taken.min() < consumed or taken.max() >= n):
+        raise ValueError(f"taken should be positions in [{consumed}, {n}) of this rank's "
+                         f"epoch, but got {taken.min()}..{taken.max()}")
+    boundary = consumed if consumed == n else consumed - consumed % batch_size
+    state = sampler.state_dict(consumed=boundary)
+    saved = SavedEpoch.of(state, sampler.drop_last, length)
+    mine = np.union1d(np.arange(boundary, consumed), taken).astype(np.int64)
+    rest = saved.rest_after(sampler.epoch, boundary).consume(
+        sampler.epoch_positions(sampler.epoch)[mine], length)
+    return {**state, "consumed": 0, **rest.fields()}
+
+
+def joined_rest(states: Sequence[Mapping[str, Any]], what: str) -> dict[str, Any]:
+    """One state from the rest states (:func:`rest_state`) of every rank of a world, one
+    each: what any of them consumed is consumed. ``what`` names the states in errors (where
+    they came from, such as "states[k]['world']")."""
+    first = states[0]
+    for field in ("num_replicas", "epoch", "rank"):
+        for k, state in enumerate(states):
+            if not isinstance(state, Mapping) or field not in state:
+                raise ValueError(f"{what.format(k=k)} should be a sampler's state with "
+                                 f"'{field}', but got {state!r:.80}")
+    replicas = first["num_replicas"]
+    ranks = sorted(state["rank"] for state in states)
+    if ranks != list(range(replicas)):
+        raise ValueError(f"the states should be those of every rank of the world they were "
+                         f"saved in (num_replicas={replicas}), each once, but they are of "
+                         f"ranks {ranks}")
+    for k, state in enumerate(states):
+        for field in ("num_replicas", "epoch", "consumed"):
+            if state.get(field) != first.get(field):
+                raise ValueError(f"{what.format(k=k)}['{field}'] should be that of the first "
+                                 f"state, {first.get(field)!r} (the ranks of one world at one "
+                                 f"step), but got {state.get(field)!r}")
+    epoch = first["epoch"]
+    rests = [EpochRest.of_fields(state, epoch, None) for state in states]
+    length = max(max(r.done, r.taken[-1] + 1 if r.taken else 0) for r in rests)
+    return {**first, **rests[0].union(rests[1:], length).fields()}
 
 
 def warn_position_discarded(new_epoch: int, loaded_epoch: int, consumed: int, length: int, *,

@@ -44,11 +44,11 @@ import torch
 
 try:  # inside the package
     from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
-                          refuse_changed_fields)
+                          refuse_changed_fields, rest_state)
     from .stocaching import BaseCache, World, check_int, in_lightnings_wrapper
 except ImportError:  # copied beside stocaching.py and _common.py
     from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
-                         SavedEpoch, check_state_fields, refuse_changed_fields)
+                         SavedEpoch, check_state_fields, refuse_changed_fields, rest_state)
     from stocaching import (BaseCache, World,  # type: ignore[no-redef]
                             check_int, in_lightnings_wrapper)
 
@@ -539,6 +539,20 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
                 "num_replicas": self.num_replicas, "drop_last": self.drop_last,
                 "lengths": list(self.lengths), "weights": list(weights),
                 "num_samples": total, **rest.fields(), "rank": self.rank}
+
+    def rest_state(self, consumed: int, taken: Any = ()) -> dict[str, Any]:
+        """This rank's state of the current epoch as its rest (see ``_common.rest_state``),
+        for a sampler that reorders this one's indices (``ReadyFirstSampler``): the ranks
+        consumed their first ``consumed`` indices, and this rank also those at the
+        positions ``taken`` of its epoch (as ``epoch_indices`` lists them), out of order.
+        The states of every rank, joined, resume the rest on any world.
+
+        Args:
+            consumed: indices of this epoch every rank has used, a prefix.
+            taken: positions (ints, ``>= consumed``) of this rank's epoch also used.
+        """
+        return rest_state(self, consumed, taken, batch_size=1,
+                          length=self._recipe(self.epoch)[1])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (of any rank): the next iterator yields the rest of its epoch.

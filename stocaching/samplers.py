@@ -31,12 +31,12 @@ import torch
 
 try:  # inside the package
     from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
-                          refuse_changed_fields)
+                          refuse_changed_fields, rest_state)
     from .stocaching import (CacheLayout, World, accelerate_epoch, check_int,
                              dealt_by_accelerate)
 except ImportError:  # copied beside stocaching.py and _common.py
     from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
-                         SavedEpoch, check_state_fields, refuse_changed_fields)
+                         SavedEpoch, check_state_fields, refuse_changed_fields, rest_state)
     from stocaching import (CacheLayout, World,  # type: ignore[no-redef]
                             accelerate_epoch, check_int, dealt_by_accelerate)
 
@@ -428,6 +428,20 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         rest = self._epoch_rest
         return (EpochRest(self.epoch, 0) if rest is None or rest.epoch != self.epoch
                 else rest).fields()
+
+    def rest_state(self, consumed: int, taken: Any = ()) -> dict[str, Any]:
+        """This rank's state of the current epoch as its rest (see ``_common.rest_state``),
+        for a sampler that reorders this one's indices (``ReadyFirstSampler``): the ranks
+        consumed their first ``consumed`` indices, and this rank also those at the
+        positions ``taken`` of its epoch (as ``epoch_indices`` lists them), out of order.
+        The states of every rank, joined, resume the rest on any world.
+
+        Args:
+            consumed: indices of this epoch every rank has used, a prefix.
+            taken: positions (ints, ``>= consumed``) of this rank's epoch also used.
+        """
+        return rest_state(self, consumed, taken, batch_size=self.batch_size,
+                          length=self.dataset_len)
 
     def _order_state(self) -> Any:
         sd = getattr(self.order, "state_dict", None)
