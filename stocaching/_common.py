@@ -224,6 +224,15 @@ class _RecordingSampler:
         self._taken = False
         return self.order
 
+    def epoch_length(self, epoch: int | None = None) -> int:
+        """Indices the base yields in ``epoch`` (default: its own) from the epoch's start:
+        ``len(self)``, or fewer in an epoch it resumed on another world (a base with
+        ``epoch_length``)."""
+        length_of = getattr(self.base, "epoch_length", None)
+        if length_of is None or self.keep is not None:
+            return len(self)
+        return length_of(getattr(self.base, "epoch", 0) if epoch is None else epoch)
+
     def state_now(self) -> Any:
         """The base's own state now (None if it has none, or records a position)."""
         state_dict = getattr(self.base, "state_dict", None)

@@ -683,6 +683,11 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                     f"so another world cannot resume it; load the state of this rank alone "
                     f"on the same world, or make the base a CacheAwareSampler (or "
                     f"WeightedMixtureSampler), whose order does not depend on the world")
+            for field in ("epoch", "consumed"):  # (each rank's world assumes the others')
+                if state[field] != states[0][field]:
+                    raise ValueError(f"states[{k}]['{field}'] should be that of the first "
+                                     f"state, {states[0][field]!r} (the ranks of one world at "
+                                     f"one step), but got {state[field]!r}")
             worlds.append(state["world"])
         merged = joined_rest(worlds, "states[{k}]['world']")
         if not hasattr(self.base, "load_state_dict"):
