@@ -276,6 +276,7 @@ def run_prefetchers(world, cache, window, batches, states, drop_last=False):
             assert x is None or torch.equal(x, value_of(i))
         taken += got
         saved.append(p.state_dict(consumed=None if batches is None else len(got)))
+        assert p.state_dict() == saved[-1]  # (its own count, also in a resumed rest)
         p.close()
     return taken, saved
 
@@ -297,10 +298,12 @@ def test_a_prefetcher_resumes_on_another_world_with_every_index_once(cache, befo
 
 
 @pytest.mark.timeout(120)
-def test_a_prefetcher_resized_twice_in_one_epoch_gives_every_index_once(cache):
-    first, states = run_prefetchers((2, 1, 4), cache, 8, 6, None)
-    second, states = run_prefetchers((3, 1, 4), cache, 8, 4, states)
-    third, _ = run_prefetchers((2, 1, 4), cache, 8, None, states)
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_prefetcher_resized_twice_in_one_epoch_gives_every_index_once(cache, window):
+    """2 nodes, 3, then 2: the second world's states count from where it resumed."""
+    first, states = run_prefetchers((2, 1, 4), cache, window, 6, None)
+    second, states = run_prefetchers((3, 1, 4), cache, window, 4, states)
+    third, _ = run_prefetchers((2, 1, 4), cache, window, None, states)
     assert_each_index_once(first + second + third, N_CACHED, 3 + 2, False)
 
 
