@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -27,7 +29,7 @@ CHILDREN = Path(__file__).resolve().parent / "children"
 if str(CHILDREN) not in sys.path:
     sys.path.insert(0, str(CHILDREN))
 
-from _helpers import budget_for  # noqa: E402
+from _helpers import assert_ended_well, budget_for, rank_env, run_bounded  # noqa: E402
 from prefetch_common import DIMS, PrefetchedDataset, value_of  # noqa: E402
 from stocaching import (CacheAwareSampler, CacheLayout, DeviceLoader, Prefetcher,  # noqa: E402
                         SharedCache)
@@ -432,3 +434,35 @@ def test_a_stateful_loader_with_another_num_workers_resumes_from_the_samplers_st
         if kind == "Prefetcher":
             s.close()
     assert_each_index_once(first + rest, N_CACHED, 3, False)
+
+
+# ------------------------------------------------------------------------------------------------
+# A real torchrun job resized
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_torchrun_job_read_through_a_prefetcher_resumes_on_another_number_of_ranks(
+        tmp_path, shm_dir):
+    """Real torchrun, DataLoader workers, a Prefetcher with a window over a CacheAwareSampler:
+    2 ranks take 5 batches of epoch 1 and save every rank's state (all_gather_object); 3 ranks
+    load the list and finish the epoch. Every index of the 600 comes once over both jobs, but
+    the padding of the second (fewer than its 3 ranks); each job cleans up after itself."""
+    out = str(tmp_path / "got")
+
+    def job(ranks, state_in, state_out, batches):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}", str(CHILDREN / "resized_prefetch_job.py"),
+               state_in, state_out, batches, f"{out}{ranks}"]
+        assert_ended_well(run_bounded(cmd, env=rank_env(shm_dir), timeout=300))
+        return [i for r in range(ranks) for i in json.load(open(f"{out}{ranks}.rank{r}"))]
+
+    first = job(2, "-", str(tmp_path / "state2"), "5")
+    assert len(first) == 2 * 5 * 8
+    states = torch.load(tmp_path / "state2")
+    assert len(states) == 2 and all(s["world"] is not None for s in states)
+    rest = job(3, str(tmp_path / "state2"), str(tmp_path / "state3"), "all")
+    both = collections.Counter(first + rest)
+    assert set(both) == set(range(600)) and sum(both.values()) - 600 < 3
+    assert [f for f in os.listdir(shm_dir) if f.startswith("stocaching")] == []
