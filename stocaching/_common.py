@@ -429,30 +429,37 @@ class EpochRest(NamedTuple):
         left = max(0, length - self.done - len(self.taken))
         return left // num_replicas if drop_last else -(-left // num_replicas)
 
-    def union(self, others: Iterable["EpochRest"], length: int) -> "EpochRest":
+    def union(self, others: Iterable["EpochRest"]) -> "EpochRest":
         """The positions that this rest or any of ``others`` (of the same epoch) consumed."""
-        others = list(others)
-        done = min([self.done] + [o.done for o in others])
-        used = np.zeros(max(0, length - done), dtype=bool)
-        for rest in [self] + others:
-            used[:rest.done - done] = True
-            used[np.asarray(rest.taken, dtype=np.int64) - done] = True
-        return EpochRest.consumed(self.epoch, done, used)
+        rests = sorted([self, *others], key=lambda r: r.done)
+        joined = rests[0]._replace(epoch=self.epoch)
+        for rest in rests[1:]:
+            joined = joined.consume(np.r_[np.arange(joined.done, rest.done),
+                                          np.asarray(rest.taken, dtype=np.int64)])
+        return joined
 
-    def consume(self, positions: np.ndarray, length: int) -> "EpochRest":
-        """This rest with ``positions`` of the order consumed too."""
-        used = np.zeros(length, dtype=bool)
-        used[np.asarray(positions, dtype=np.int64)] = True
-        return self.union([EpochRest.consumed(self.epoch, 0, used)], length)
+    def consume(self, positions: Any) -> "EpochRest":
+        """This rest with ``positions`` of the order consumed too (in time and memory of
+        the order of the positions given and taken, not of the epoch's length)."""
+        p = np.asarray(positions, dtype=np.int64)
+        return self._settled(self.done, np.union1d(np.asarray(self.taken, dtype=np.int64),
+                                                   p[p >= self.done]))
 
-    @classmethod
-    def consumed(cls, epoch: int, start: int, used: np.ndarray) -> "EpochRest":
-        """The rest after every position before ``start`` and ``start + i`` where ``used[i]``:
-        ``done`` is the first position not consumed."""
-        free = np.flatnonzero(~used)
-        first = int(free[0]) if free.size else used.size
-        return cls(epoch, start + first,
-                   tuple((start + first + 1 + np.flatnonzero(used[first + 1:])).tolist()))
+    def after_first(self, k: int) -> "EpochRest":
+        """This rest with the first ``k`` positions it has left consumed too."""
+        if k <= 0:
+            return self
+        taken = np.asarray(self.taken, dtype=np.int64)
+        left_before = taken - self.done - np.arange(taken.size)  # (non-decreasing)
+        last = self.done + k - 1 + int(np.searchsorted(left_before, k - 1, side="right"))
+        return self._settled(last + 1, taken[taken > last])
+
+    def _settled(self, done: int, taken: np.ndarray) -> "EpochRest":
+        """The rest consuming every position below ``done`` and ``taken`` (sorted, unique,
+        all >= ``done``), with ``done`` the first position not consumed."""
+        gap = np.flatnonzero(taken != done + np.arange(taken.size))
+        first = int(gap[0]) if gap.size else taken.size
+        return EpochRest(self.epoch, done + first, tuple(taken[first:].tolist()))
 
     def fields(self) -> dict[str, Any]:
         """The state's fields for this rest: ``epoch_done`` (``done``) and ``epoch_taken``,
@@ -528,9 +535,7 @@ class SavedEpoch(NamedTuple):
         once it finished its epoch (with ``drop_last``, what it cut stays cut)."""
         if consumed == self.per_rank:
             return EpochRest(epoch, self.length)
-        split = self.before.positions(self.length, self.num_replicas, self.drop_last)
-        return self.before._replace(epoch=epoch).consume(
-            split[:consumed * self.num_replicas], self.length)
+        return self.before._replace(epoch=epoch).after_first(consumed * self.num_replicas)
 
 
 def rest_state(sampler: Any, consumed: int, taken: Any, *, batch_size: int,
@@ -555,7 +560,7 @@ def rest_state(sampler: Any, consumed: int, taken: Any, *, batch_size: int,
     saved = SavedEpoch.of(state, sampler.drop_last, length)
     mine = np.union1d(np.arange(boundary, consumed), taken).astype(np.int64)
     rest = saved.rest_after(sampler.epoch, boundary).consume(
-        sampler.epoch_positions(sampler.epoch)[mine], length)
+        sampler.epoch_positions(sampler.epoch)[mine])
     return {**state, "consumed": 0, **rest.fields()}
 
 
@@ -583,8 +588,7 @@ def joined_rest(states: Sequence[Mapping[str, Any]], what: str) -> dict[str, Any
                                  f"step), but got {state.get(field)!r}")
     epoch = first["epoch"]
     rests = [EpochRest.of_fields(state, epoch, None) for state in states]
-    length = max(max(r.done, r.taken[-1] + 1 if r.taken else 0) for r in rests)
-    return {**first, **rests[0].union(rests[1:], length).fields()}
+    return {**first, **rests[0].union(rests[1:]).fields()}
 
 
 def warn_position_discarded(new_epoch: int, loaded_epoch: int, consumed: int, length: int, *,

@@ -202,6 +202,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             self._router = _BatchRouter(rows)
         self._position = EpochPosition()
         self._epoch_rest = None
+        self._positions_kept: tuple[Any, np.ndarray] | None = None  # see epoch_positions
         self._warned_dealt = False
 
     @staticmethod
@@ -297,7 +298,13 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         Args:
             epoch: the epoch number, an int >= 0.
         """
-        return self._ranks_indices(epoch, [self.rank], positions=True)[0]
+        # (kept for the epoch: a reordering sampler asks at each state_dict, a
+        # StatefulDataLoader's at every batch, and each answer is a routing of the epoch)
+        key = (epoch, self._epoch_rest)
+        if self._positions_kept is None or self._positions_kept[0] != key:
+            self._positions_kept = (key, self._ranks_indices(epoch, [self.rank],
+                                                             positions=True)[0])
+        return self._positions_kept[1]
 
     def epoch_length(self, epoch: int) -> int:
         """Indices this rank's iterator of ``epoch`` yields from the epoch's start:

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 CHILDREN = Path(__file__).resolve().parent / "children"
@@ -33,6 +35,7 @@ from _helpers import assert_ended_well, budget_for, rank_env, run_bounded  # noq
 from prefetch_common import DIMS, PrefetchedDataset, value_of  # noqa: E402
 from stocaching import (CacheAwareSampler, CacheLayout, DeviceLoader, Prefetcher,  # noqa: E402
                         SharedCache)
+from stocaching._common import EpochRest  # noqa: E402
 from stocaching.mixtures import WeightedMixtureSampler  # noqa: E402
 from stocaching.order import ReadyFirstSampler  # noqa: E402
 
@@ -89,6 +92,36 @@ def assert_each_index_once(taken, n, ranks, drop_last):
         assert max(counts.values()) == 1 and n - len(counts) < ranks
     else:
         assert set(counts) == set(range(n)) and sum(counts.values()) - n < ranks
+
+
+# ------------------------------------------------------------------------------------------------
+# What a rest records: the set of the order's positions consumed
+# ------------------------------------------------------------------------------------------------
+
+
+def consumed_set(rest):
+    return set(range(rest.done)) | set(rest.taken)
+
+
+@settings(max_examples=200)
+@given(data=st.data(), length=st.integers(1, 80))
+def test_a_rest_is_the_set_of_positions_consumed(data, length):
+    """Consuming positions, the first k left, joining rests, and the state's fields agree with
+    a plain set of positions; done is always the first position not consumed."""
+    def rest_of(label):
+        used = data.draw(st.sets(st.integers(0, length - 1)), label=label)
+        return EpochRest(3, 0).consume(sorted(used)), used
+
+    rest, used = rest_of("used")
+    assert consumed_set(rest) == used and rest.done not in used
+    other, used2 = rest_of("other")
+    assert consumed_set(rest.union([other])) == used | used2
+    k = data.draw(st.integers(0, length), label="k")
+    left = [p for p in range(length) if p not in used]
+    assert consumed_set(rest.after_first(k)) == used | set(left[:k])
+    assert rest.left(length).tolist() == left
+    assert EpochRest.of_fields(rest.fields(), 3, length) == rest
+    assert rest.per_rank(length, 3, False) == -(-len(left) // 3)
 
 
 # ------------------------------------------------------------------------------------------------
