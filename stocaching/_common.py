@@ -445,8 +445,10 @@ class EpochRest(NamedTuple):
         return self._settled(self.done, np.union1d(np.asarray(self.taken, dtype=np.int64),
                                                    p[p >= self.done]))
 
-    def after_first(self, k: int) -> "EpochRest":
-        """This rest with the first ``k`` positions it has left consumed too."""
+    def after_first(self, k: int, length: int) -> "EpochRest":
+        """This rest with the first ``k`` positions it has left (of an order of ``length``)
+        consumed too."""
+        k = min(k, length - self.done - len(self.taken))
         if k <= 0:
             return self
         taken = np.asarray(self.taken, dtype=np.int64)
@@ -535,7 +537,8 @@ class SavedEpoch(NamedTuple):
         once it finished its epoch (with ``drop_last``, what it cut stays cut)."""
         if consumed == self.per_rank:
             return EpochRest(epoch, self.length)
-        return self.before._replace(epoch=epoch).after_first(consumed * self.num_replicas)
+        return self.before._replace(epoch=epoch).after_first(consumed * self.num_replicas,
+                                                            self.length)
 
 
 def rest_state(sampler: Any, consumed: int, taken: Any, *, batch_size: int,

@@ -118,7 +118,7 @@ def test_a_rest_is_the_set_of_positions_consumed(data, length):
     assert consumed_set(rest.union([other])) == used | used2
     k = data.draw(st.integers(0, length), label="k")
     left = [p for p in range(length) if p not in used]
-    assert consumed_set(rest.after_first(k)) == used | set(left[:k])
+    assert consumed_set(rest.after_first(k, length)) == used | set(left[:k])
     assert rest.left(length).tolist() == left
     assert EpochRest.of_fields(rest.fields(), 3, length) == rest
     assert rest.per_rank(length, 3, False) == -(-len(left) // 3)
