@@ -328,7 +328,12 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     would have yielded (the state carries the ready bits it observed, so the cache of the new
     process does not matter), in "adaptive" mode a valid continuation (the rest of the epoch
     exactly once, each within W of its base position) that again prefers what is ready now.
-    The state is per rank: each rank saves and loads its own.
+    The state is per rank: each rank saves and loads its own. On another world (other ranks,
+    nodes or per-rank batch size), over a base whose order does not depend on the world
+    (``CacheAwareSampler``, ``WeightedMixtureSampler``), load the list of every saved rank's
+    state, saved at the same step: together they say which positions of the epoch's global
+    order were consumed (a reordered epoch consumes no prefix), and the new world's bases deal
+    exactly the others, each once (see ``load_state_dict``).
 
     Cost: the fixed-mode state carries 1 bit per remaining index plus ``2 W + 1`` bits
     (at most 125 KB per million indices), the adaptive-mode state ``2 W + 1`` bits. While
@@ -518,6 +523,15 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             ``torch.Generator`` (``RandomSampler(generator=...)``), ``generator`` and
             ``generator_after``: that generator's state at the epoch's start and after the
             epoch's order was drawn (bytes; None where there is none, or before the draw).
+            Over a base whose order does not depend on the world (one with ``rest_state``,
+            ``epoch_positions`` and ``epoch_length``: ``CacheAwareSampler``,
+            ``WeightedMixtureSampler``) also ``steps`` (the indices of the epoch: fewer than
+            ``len`` in an epoch resumed on another world) and ``world``: what this rank
+            consumed, as the base's state of the epoch's rest (``epoch_done`` and
+            ``epoch_taken``, the positions of the global order consumed out of order, as
+            ``[start, stop)`` runs: with every rank at the same step, the base positions
+            below ``consumed - window`` cut back to a batch boundary, and those emitted after
+            them, at most ``batch_size + 2 * window`` a rank).
         """
         ep = self._ep if self._ep is not None and self._ep.epoch == self.epoch else None
         n = self._epoch_length() if ep is None else ep.n
@@ -570,8 +584,19 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         Nothing is changed when the state is refused. States without the ``generator``
         fields (saved by an older version) load; their generator is left as it is.
 
+        A list (or tuple) of states is the states of every rank of a world, saved at the
+        same step (``state_dict(consumed=steps * batch_size)`` on each rank, gathered, say,
+        with ``torch.distributed.all_gather_object``): the base (over which they must carry
+        a ``world``) loads their joined ``world`` states, the positions of the epoch's order
+        that any rank consumed, and deals the rest over its own world (another
+        ``num_replicas``, nodes or ``batch_size``; the same one too), padded as it pads an
+        epoch, or cut with ``drop_last``. The next iterator yields this rank's share of the
+        rest from its start, in this sampler's order (``window`` and ``mode`` may differ);
+        a list missing a rank, or of ranks at different steps, is refused.
+
         Args:
-            state: a dict from ``state_dict()`` of a sampler of the same rank.
+            state: a dict from ``state_dict()`` of a sampler of the same rank, or the list of
+                every rank's state of a world.
         """
         if isinstance(state, (list, tuple)):
             self._load_world(state)

@@ -619,7 +619,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         (the generator then ends where it did, so later epochs are the uninterrupted run's;
         ``set_epoch`` of another epoch instead sets it to its state after the saved epoch),
         and refuses (``ValueError``) a base order that differs: the base's order must be a
-        function of its seed and epoch, or of its generator's state.
+        function of its seed and epoch, or of its generator's state. With a window over a
+        base whose order does not depend on the world, the state carries what another world
+        needs (``ReadyFirstSampler.state_dict``'s ``world``).
 
         Args:
             consumed: indices of this epoch that were used. Default: the number the latest
