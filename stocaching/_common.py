@@ -397,7 +397,8 @@ class EpochRest(NamedTuple):
     """What of an epoch's order the worlds before this one consumed (another ``num_replicas``,
     say): its first ``done`` positions, and the positions ``taken`` after them (sorted; a
     reordering sampler such as ``ReadyFirstSampler`` consumes positions out of order). The
-    positions left are this world's."""
+    positions left are this world's. Its operations work on ``taken``, not on the epoch's
+    positions: see docs/design.md, "A reordered epoch's state on another world"."""
 
     epoch: int
     done: int

@@ -298,8 +298,9 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         Args:
             epoch: the epoch number, an int >= 0.
         """
-        # (kept for the epoch: a reordering sampler asks at each state_dict, a
-        # StatefulDataLoader's at every batch, and each answer is a routing of the epoch)
+        # Kept for the epoch: a reordering sampler asks at each state_dict, and each answer
+        # is a routing of the epoch. See docs/design.md, "A reordered epoch's state on
+        # another world".
         key = (epoch, self._epoch_rest)
         if self._positions_kept is None or self._positions_kept[0] != key:
             self._positions_kept = (key, self._ranks_indices(epoch, [self.rank],
