@@ -2,9 +2,9 @@
 ``torchrun --nproc_per_node=N resized_prefetch_job.py STATE_IN STATE_OUT BATCHES OUT``.
 
 Each rank builds a cache of 600 indices, a CacheAwareSampler over it (batch_size 8) and a
-Prefetcher over that with a window (its order reorders each rank's indices, ready first: a third of the samples are cached before the epoch); it
-loads STATE_IN if it is not "-" (the list of every rank's state, saved by a job of another
-size), iterates epoch 1 through a DataLoader with 2 workers for BATCHES batches ("all": to the
+Prefetcher over that with a window (its order reorders each rank's indices, ready first: a
+third of the samples are cached before the epoch); it loads STATE_IN if it is not "-" (the
+list of every rank's state, saved by a job of another size), iterates epoch 1 through a DataLoader with 2 workers for BATCHES batches ("all": to the
 end of the epoch), and writes the indices it got to OUT.rank<R> (JSON). The ranks' states,
 gathered with all_gather_object, are saved by rank 0 to STATE_OUT as one list.
 """
