@@ -22,7 +22,7 @@ import inspect
 import itertools
 import sys
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -224,6 +224,15 @@ class _RecordingSampler:
         self._taken = False
         return self.order
 
+    def epoch_length(self, epoch: int | None = None) -> int:
+        """Indices the base yields in ``epoch`` (default: its own) from the epoch's start:
+        ``len(self)``, or fewer in an epoch it resumed on another world (a base with
+        ``epoch_length``)."""
+        length_of = getattr(self.base, "epoch_length", None)
+        if length_of is None or self.keep is not None:
+            return len(self)
+        return length_of(getattr(self.base, "epoch", 0) if epoch is None else epoch)
+
     def state_now(self) -> Any:
         """The base's own state now (None if it has none, or records a position)."""
         state_dict = getattr(self.base, "state_dict", None)
@@ -385,21 +394,108 @@ class EpochPosition:
 
 
 class EpochRest(NamedTuple):
-    """The epoch a sampler resumed from a state of another world (another ``num_replicas``,
-    say): the first ``done`` positions of the epoch's order were consumed by the ranks of the
-    worlds before; the rest is this world's."""
+    """What of an epoch's order the worlds before this one consumed (another ``num_replicas``,
+    say): its first ``done`` positions, and the positions ``taken`` after them (sorted; a
+    reordering sampler such as ``ReadyFirstSampler`` consumes positions out of order). The
+    positions left are this world's. Its operations work on ``taken``, not on the epoch's
+    positions: see docs/design.md, "A reordered epoch's state on another world"."""
 
     epoch: int
     done: int
+    taken: tuple[int, ...] = ()
 
-    def sequence(self, order: np.ndarray, num_replicas: int, drop_last: bool) -> np.ndarray:
-        """What this world's ranks split of the epoch's ``order``: the positions not yet
-        consumed, padded from their own start (or cut, with ``drop_last``) to a multiple of
-        ``num_replicas``, as DistributedSampler pads an epoch (the padding of the worlds
-        before is not repeated)."""
-        left = order[self.done:]
+    def left(self, length: int) -> np.ndarray:
+        """The positions of the epoch's order (of ``length`` positions) not consumed, in
+        order (int64)."""
+        keep = np.ones(max(0, length - self.done), dtype=bool)
+        keep[np.asarray(self.taken, dtype=np.int64) - self.done] = False
+        return self.done + np.flatnonzero(keep)
+
+    def positions(self, length: int, num_replicas: int, drop_last: bool) -> np.ndarray:
+        """The positions of the epoch's order (of ``length``) that this world's ranks split:
+        those not consumed, padded from their own start (or cut, with ``drop_last``) to a
+        multiple of ``num_replicas``, as DistributedSampler pads an epoch (the padding of the
+        worlds before is not repeated)."""
+        left = self.left(length)
         per_rank = left.size // num_replicas if drop_last else -(-left.size // num_replicas)
         return np.resize(left, per_rank * num_replicas) if left.size else left
+
+    def sequence(self, order: np.ndarray, num_replicas: int, drop_last: bool) -> np.ndarray:
+        """What this world's ranks split of the epoch's ``order``: ``order`` at
+        :meth:`positions`."""
+        return order[self.positions(order.size, num_replicas, drop_last)]
+
+    def per_rank(self, length: int, num_replicas: int, drop_last: bool) -> int:
+        """Indices each rank of this world iterates of the rest (of an order of ``length``)."""
+        left = max(0, length - self.done - len(self.taken))
+        return left // num_replicas if drop_last else -(-left // num_replicas)
+
+    def union(self, others: Iterable["EpochRest"]) -> "EpochRest":
+        """The positions that this rest or any of ``others`` (of the same epoch) consumed."""
+        rests = sorted([self, *others], key=lambda r: r.done)
+        joined = rests[0]._replace(epoch=self.epoch)
+        for rest in rests[1:]:
+            joined = joined.consume(np.r_[np.arange(joined.done, rest.done),
+                                          np.asarray(rest.taken, dtype=np.int64)])
+        return joined
+
+    def consume(self, positions: Any) -> "EpochRest":
+        """This rest with ``positions`` of the order consumed too (in time and memory of
+        the order of the positions given and taken, not of the epoch's length)."""
+        p = np.asarray(positions, dtype=np.int64)
+        return self._settled(self.done, np.union1d(np.asarray(self.taken, dtype=np.int64),
+                                                   p[p >= self.done]))
+
+    def after_first(self, k: int, length: int) -> "EpochRest":
+        """This rest with the first ``k`` positions it has left (of an order of ``length``)
+        consumed too."""
+        k = min(k, length - self.done - len(self.taken))
+        if k <= 0:
+            return self
+        taken = np.asarray(self.taken, dtype=np.int64)
+        left_before = taken - self.done - np.arange(taken.size)  # (non-decreasing)
+        last = self.done + k - 1 + int(np.searchsorted(left_before, k - 1, side="right"))
+        return self._settled(last + 1, taken[taken > last])
+
+    def _settled(self, done: int, taken: np.ndarray) -> "EpochRest":
+        """The rest consuming every position below ``done`` and ``taken`` (sorted, unique,
+        all >= ``done``), with ``done`` the first position not consumed."""
+        gap = np.flatnonzero(taken != done + np.arange(taken.size))
+        first = int(gap[0]) if gap.size else taken.size
+        return EpochRest(self.epoch, done + first, tuple(taken[first:].tolist()))
+
+    def fields(self) -> dict[str, Any]:
+        """The state's fields for this rest: ``epoch_done`` (``done``) and ``epoch_taken``,
+        the ``taken`` positions as a list of ``[start, stop)`` runs (plain ints, so that a
+        state stays JSON; empty for a prefix)."""
+        taken = np.asarray(self.taken, dtype=np.int64)
+        cut = np.flatnonzero(np.diff(taken) != 1) + 1
+        starts, stops = np.r_[taken[:1], taken[cut]], np.r_[taken[cut - 1] + 1, taken[-1:] + 1]
+        return {"epoch_done": self.done,
+                "epoch_taken": [[int(a), int(b)] for a, b in zip(starts, stops)]}
+
+    @classmethod
+    def of_fields(cls, state: Mapping[str, Any], epoch: int, length: int | None
+                  ) -> "EpochRest":
+        """The rest that ``state``'s ``epoch_done`` and ``epoch_taken`` say (checked; a state
+        saved before they were recorded began its epoch itself) for an order of ``length``
+        positions (None: not known, not checked)."""
+        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0, high=length)
+        length = 2**63 if length is None else length
+        runs = state.get("epoch_taken") or []
+        taken: list[int] = []
+        low = done + 1
+        for run in runs if isinstance(runs, (list, tuple)) else [runs]:
+            if not (isinstance(run, (list, tuple)) and len(run) == 2 and
+                    all(isinstance(x, int) and not isinstance(x, bool) for x in run) and
+                    low <= run[0] < run[1] <= length):
+                raise ValueError(f"state['epoch_taken'] should be increasing [start, stop) runs "
+                                 f"of positions in [{done + 1}, {length}] (after "
+                                 f"state['epoch_done']={done}, in the epoch's order of "
+                                 f"{length}), but got the run {run!r}")
+            taken.extend(range(run[0], run[1]))
+            low = run[1] + 1
+        return cls(epoch, done, tuple(taken))
 
 
 class SavedEpoch(NamedTuple):
@@ -408,8 +504,9 @@ class SavedEpoch(NamedTuple):
     num_replicas: int
     batch_size: int  # 1 for a sampler that deals its ranks index by index
     length: int  # the epoch's order: its positions (before any padding)
-    done: int  # ... consumed before the saved world took the epoch over
+    before: EpochRest  # ... consumed before the saved world took the epoch over
     per_rank: int  # indices each rank of the saved world iterates in the epoch
+    drop_last: bool
 
     @classmethod
     def of(cls, state: Mapping[str, Any], drop_last: bool, length: int) -> "SavedEpoch":
@@ -417,11 +514,18 @@ class SavedEpoch(NamedTuple):
         state saved before ``epoch_done`` was recorded began its epoch itself."""
         replicas = check_int("state['num_replicas']", state["num_replicas"], low=1)
         batch = check_int("state['batch_size']", state.get("batch_size", 1), low=1)
-        done = check_int("state['epoch_done']", state.get("epoch_done", 0), low=0,
-                         high=length)
-        left = length - done
-        return cls(replicas, batch, length, done,
-                   left // replicas if drop_last else -(-left // replicas))
+        before = EpochRest.of_fields(state, state.get("epoch", 0), length)
+        return cls(replicas, batch, length, before,
+                   before.per_rank(length, replicas, drop_last), drop_last)
+
+    @property
+    def done(self) -> int:
+        """Whether (non-zero) and how much of the epoch's order the worlds before consumed."""
+        return self.before.done + len(self.before.taken)
+
+    def rest_before(self, epoch: int) -> EpochRest | None:
+        """What the worlds before the saved one consumed of ``epoch`` (None: nothing)."""
+        return self.before._replace(epoch=epoch) if self.done else None
 
     def at_boundary(self, consumed: int) -> bool:
         """Whether ``consumed`` indices of each rank are a prefix of the order: whole global
@@ -430,11 +534,65 @@ class SavedEpoch(NamedTuple):
 
     def rest_after(self, epoch: int, consumed: int) -> EpochRest:
         """The rest of ``epoch`` once each rank of the saved world consumed ``consumed`` (at
-        a boundary): none once it finished its epoch (with ``drop_last``, what it cut stays
-        cut)."""
-        done = self.length if consumed == self.per_rank else \
-            min(self.length, self.done + consumed * self.num_replicas)
-        return EpochRest(epoch, done)
+        a boundary): the first ``consumed * num_replicas`` positions its ranks split; none
+        once it finished its epoch (with ``drop_last``, what it cut stays cut)."""
+        if consumed == self.per_rank:
+            return EpochRest(epoch, self.length)
+        return self.before._replace(epoch=epoch).after_first(consumed * self.num_replicas,
+                                                            self.length)
+
+
+def rest_state(sampler: Any, consumed: int, taken: Any, *, batch_size: int,
+               length: int) -> dict[str, Any]:
+    """The ``rest_state`` of a sampler that deals a world-independent order of ``length``
+    positions in global batches of ``batch_size`` indices a rank (``CacheAwareSampler``;
+    ``WeightedMixtureSampler``, index by index: 1): its state of the current epoch saved at
+    the batch boundary at or below ``consumed``, made a state of the epoch's rest at its start
+    (``consumed`` 0). The rest has consumed what the worlds before did, the ranks' indices
+    before the boundary, and this rank's indices from the boundary to ``consumed`` and at
+    the positions ``taken`` of its epoch (out of order, as a reordering sampler consumes
+    them), each where ``sampler.epoch_positions`` puts it in the order. Joined with the same
+    of every other rank (:func:`joined_rest`), it resumes on any world."""
+    n = sampler.epoch_length(sampler.epoch)
+    consumed = check_int("consumed", consumed, low=0, high=n)
+    taken = np.asarray(taken, dtype=np.int64)
+    if taken.size and (taken.min() < consumed or taken.max() >= n):
+        raise ValueError(f"taken should be positions in [{consumed}, {n}) of this rank's "
+                         f"epoch, but got {taken.min()}..{taken.max()}")
+    boundary = consumed if consumed == n else consumed - consumed % batch_size
+    state = sampler.state_dict(consumed=boundary)
+    saved = SavedEpoch.of(state, sampler.drop_last, length)
+    mine = np.union1d(np.arange(boundary, consumed), taken).astype(np.int64)
+    rest = saved.rest_after(sampler.epoch, boundary).consume(
+        sampler.epoch_positions(sampler.epoch)[mine])
+    return {**state, "consumed": 0, **rest.fields()}
+
+
+def joined_rest(states: Sequence[Mapping[str, Any]], what: str) -> dict[str, Any]:
+    """One state from the rest states (:func:`rest_state`) of every rank of a world, one
+    each: what any of them consumed is consumed. ``what`` names the states in errors (where
+    they came from, such as "states[k]['world']")."""
+    first = states[0]
+    for field in ("num_replicas", "epoch", "rank"):
+        for k, state in enumerate(states):
+            if not isinstance(state, Mapping) or field not in state:
+                raise ValueError(f"{what.format(k=k)} should be a sampler's state with "
+                                 f"'{field}', but got {state!r:.80}")
+    replicas = first["num_replicas"]
+    ranks = sorted(state["rank"] for state in states)
+    if ranks != list(range(replicas)):
+        raise ValueError(f"the states should be those of every rank of the world they were "
+                         f"saved in (num_replicas={replicas}), each once, but they are of "
+                         f"ranks {ranks}")
+    for k, state in enumerate(states):
+        for field in ("num_replicas", "epoch", "consumed"):
+            if state.get(field) != first.get(field):
+                raise ValueError(f"{what.format(k=k)}['{field}'] should be that of the first "
+                                 f"state, {first.get(field)!r} (the ranks of one world at one "
+                                 f"step), but got {state.get(field)!r}")
+    epoch = first["epoch"]
+    rests = [EpochRest.of_fields(state, epoch, None) for state in states]
+    return {**first, **rests[0].union(rests[1:]).fields()}
 
 
 def warn_position_discarded(new_epoch: int, loaded_epoch: int, consumed: int, length: int, *,

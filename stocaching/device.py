@@ -801,8 +801,9 @@ class DeviceLoader:
             return self.prefetcher.state_dict()
         return self.prefetcher.state_dict(consumed=self._position)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``, a dict from ``state_dict()``."""
+    def load_state_dict(self, state: Mapping[str, Any] | list[Mapping[str, Any]]) -> None:
+        """Continue from ``state``, a dict from ``state_dict()``, or the list of every rank's
+        state of another world (see ``Prefetcher.load_state_dict``)."""
         self.prefetcher.load_state_dict(state)
         self._position = None
 

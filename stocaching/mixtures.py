@@ -44,12 +44,12 @@ import torch
 
 try:  # inside the package
     from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
-                          refuse_changed_fields)
+                          refuse_changed_fields, rest_state)
     from .stocaching import BaseCache, World, check_int
     from .trainers import in_lightnings_wrapper
 except ImportError:  # copied beside stocaching.py, _common.py and trainers.py
     from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
-                         SavedEpoch, check_state_fields, refuse_changed_fields)
+                         SavedEpoch, check_state_fields, refuse_changed_fields, rest_state)
     from stocaching import BaseCache, World, check_int  # type: ignore[no-redef]
     from trainers import in_lightnings_wrapper  # type: ignore[no-redef]
 
@@ -446,19 +446,40 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
             epoch: the epoch number, an int >= 0.
         """
         order = self.global_order(epoch)
+        return order[self._positions_of(epoch, order.size)].astype(np.int64)
+
+    def epoch_positions(self, epoch: int) -> np.ndarray:
+        """Where in ``epoch``'s order (``global_order``, before padding) each of this rank's
+        indices for the epoch comes from (int64, as many as ``epoch_indices``): what a
+        sampler that reorders them (``ReadyFirstSampler``) records of the positions it
+        consumed, so that another world resumes exactly the rest.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        return self._positions_of(check_int("epoch", epoch, low=0), self._recipe(epoch)[1])
+
+    def epoch_length(self, epoch: int) -> int:
+        """Indices this rank's iterator of ``epoch`` yields from the epoch's start:
+        ``len(self)``, or fewer in an epoch resumed from a state of another world."""
+        rest = self._epoch_rest
+        total = self._recipe(epoch)[1]
+        if rest is not None and rest.epoch == epoch:
+            return rest.per_rank(total, self.num_replicas, self.drop_last)
+        return self._per_rank(total)
+
+    def _positions_of(self, epoch: int, total: int) -> np.ndarray:
+        """This rank's positions of ``epoch``'s order of ``total`` positions: every
+        ``num_replicas``-th of the sequence the ranks split, the order repeated from its
+        start (padding) or cut (drop_last), as DistributedSampler splits it; after a resume
+        of another world's state, the sequence of the positions no rank consumed."""
         rest = self._epoch_rest
         if rest is not None and rest.epoch == epoch:  # another world's state: its rest
-            return rest.sequence(order, self.num_replicas, self.drop_last)[
-                self.rank::self.num_replicas].astype(np.int64)
-        per_rank = self._per_rank(order.size)
-        # position rank + j * num_replicas of the order repeated from its start (padding), or
-        # cut (drop_last), as DistributedSampler does
-        mine = order[self.rank:per_rank * self.num_replicas:self.num_replicas]
-        if mine.size < per_rank:
-            pos = np.arange(self.rank + mine.size * self.num_replicas,
-                            per_rank * self.num_replicas, self.num_replicas) % order.size
-            mine = np.concatenate([mine, order[pos]])
-        return mine.astype(np.int64)
+            return rest.positions(total, self.num_replicas, self.drop_last)[
+                self.rank::self.num_replicas]
+        per_rank = self._per_rank(total)
+        return np.arange(self.rank, per_rank * self.num_replicas, self.num_replicas,
+                         dtype=np.int64) % max(total, 1)
 
     # -- the Sampler protocol ------------------------------------------------------------------
 
@@ -504,19 +525,35 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         Returns:
             A dict of plain values: ``epoch``, ``consumed``, ``seed``, ``num_replicas``,
             ``drop_last``, ``lengths``, ``weights`` and ``num_samples`` (those the epoch is
-            built with), ``epoch_done`` (the positions of the epoch's order that a world
-            before this one consumed), and ``rank`` (informative: any rank's state fits every
+            built with), ``epoch_done`` and ``epoch_taken`` (the positions of the epoch's
+            order that a world before this one consumed: a prefix, and packed bits over
+            positions after it), and ``rank`` (informative: any rank's state fits every
             rank).
         """
         consumed = self._position.consumed(self.epoch) if consumed is None else \
             check_int("consumed", consumed, low=0, high=len(self))
         weights, total = self._recipe(self.epoch)
         rest = self._epoch_rest
-        done = rest.done if rest is not None and rest.epoch == self.epoch else 0
+        if rest is None or rest.epoch != self.epoch:
+            rest = EpochRest(self.epoch, 0)
         return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
                 "num_replicas": self.num_replicas, "drop_last": self.drop_last,
                 "lengths": list(self.lengths), "weights": list(weights),
-                "num_samples": total, "epoch_done": done, "rank": self.rank}
+                "num_samples": total, **rest.fields(), "rank": self.rank}
+
+    def rest_state(self, consumed: int, taken: Any = ()) -> dict[str, Any]:
+        """This rank's state of the current epoch as its rest (see ``_common.rest_state``),
+        for a sampler that reorders this one's indices (``ReadyFirstSampler``): the ranks
+        consumed their first ``consumed`` indices, and this rank also those at the
+        positions ``taken`` of its epoch (as ``epoch_indices`` lists them), out of order.
+        The states of every rank, joined, resume the rest on any world.
+
+        Args:
+            consumed: indices of this epoch every rank has used, a prefix.
+            taken: positions (ints, ``>= consumed``) of this rank's epoch also used.
+        """
+        return rest_state(self, consumed, taken, batch_size=1,
+                          length=self._recipe(self.epoch)[1])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (of any rank): the next iterator yields the rest of its epoch.
@@ -534,7 +571,8 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
         """
         own = self.state_dict(consumed=0)
         # (states saved before epoch_done existed lack it)
-        check_state_fields(state, "WeightedMixtureSampler", set(own) - {"epoch_done"})
+        check_state_fields(state, "WeightedMixtureSampler",
+                           set(own) - {"epoch_done", "epoch_taken"})
         refuse_changed_fields(state, own, ("seed", "drop_last"),
                               consequence="; the rest of the epoch would differ")
         if list(state["lengths"]) != own["lengths"]:
@@ -556,7 +594,7 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
             self._saved = None
         self.epoch = epoch
         if saved.num_replicas == self.num_replicas:
-            self._epoch_rest = None if saved.done == 0 else EpochRest(epoch, saved.done)
+            self._epoch_rest = saved.rest_before(epoch)
             self._position.load(consumed)
         else:  # another world: the positions no rank consumed, split anew
             self._epoch_rest = saved.rest_after(epoch, consumed)

@@ -43,7 +43,8 @@ try:  # inside the package
                           _class_over_base, _digest, _generator_state, _level_outside_stocaching,
                           _order_differs, _OverDistributed, _RecordingSampler,
                           _set_generator_state, _warn_unseeded, _wrapped_by_lightning,
-                          check_state_fields, refuse_changed_fields, warn_position_discarded)
+                          check_state_fields, joined_rest, refuse_changed_fields,
+                          warn_position_discarded)
     from .stocaching import BaseCache, check_int
     from .trainers import dealt_by_accelerate, in_lightnings_wrapper
 except ImportError:  # copied beside stocaching.py, _common.py and trainers.py
@@ -51,8 +52,8 @@ except ImportError:  # copied beside stocaching.py, _common.py and trainers.py
                          _checked_generator_state, _class_over_base, _digest, _generator_state,
                          _level_outside_stocaching, _order_differs, _OverDistributed,
                          _RecordingSampler, _set_generator_state, _warn_unseeded,
-                         _wrapped_by_lightning, check_state_fields, refuse_changed_fields,
-                         warn_position_discarded)
+                         _wrapped_by_lightning, check_state_fields, joined_rest,
+                         refuse_changed_fields, warn_position_discarded)
     from stocaching import BaseCache, check_int  # type: ignore[no-redef]
     from trainers import dealt_by_accelerate, in_lightnings_wrapper  # type: ignore[no-redef]
 
@@ -328,7 +329,12 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
     would have yielded (the state carries the ready bits it observed, so the cache of the new
     process does not matter), in "adaptive" mode a valid continuation (the rest of the epoch
     exactly once, each within W of its base position) that again prefers what is ready now.
-    The state is per rank: each rank saves and loads its own.
+    The state is per rank: each rank saves and loads its own. On another world (other ranks,
+    nodes or per-rank batch size), over a base whose order does not depend on the world
+    (``CacheAwareSampler``, ``WeightedMixtureSampler``), load the list of every saved rank's
+    state, saved at the same step: together they say which positions of the epoch's global
+    order were consumed (a reordered epoch consumes no prefix), and the new world's bases deal
+    exactly the others, each once (see ``load_state_dict``).
 
     Cost: the fixed-mode state carries 1 bit per remaining index plus ``2 W + 1`` bits
     (at most 125 KB per million indices), the adaptive-mode state ``2 W + 1`` bits. While
@@ -454,7 +460,7 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                               f"sampler.set_epoch(epoch) before each epoch", stacklevel=2)
         t0 = time.perf_counter()
         base_state = self._base_state()
-        n = len(self)
+        n = self._epoch_length()
         spare, self._spare = self._spare, None
         if spare is not None and self._loaded is not None and spare.size == n and \
                 _digest(spare) == self._loaded["order_digest"]:
@@ -465,9 +471,11 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             indices = np.fromiter(iter(self.base), dtype=np.int64)  # the base order, once
             generators = (before, _generator_state(self.base))
         if indices.size != n:
-            raise ValueError(f"base should yield len(base)={n} indices per epoch, but it "
-                             f"yielded {indices.size}; if the base sampler was resumed on its "
-                             f"own, resume the ReadyFirstSampler instead")
+            expect = f"len(base)={n} indices per epoch" if n == len(self) else \
+                f"{n} indices in epoch {self.epoch} (the rest it resumed on another world)"
+            raise ValueError(f"base should yield {expect}, but it yielded {indices.size}; if "
+                             f"the base sampler was resumed on its own, resume the "
+                             f"ReadyFirstSampler instead")
         if self._cache is not None:
             _check_in_range("base", indices, self._cache.dataset_len)
         ep = self._start(indices, base_state)
@@ -516,8 +524,18 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
             ``torch.Generator`` (``RandomSampler(generator=...)``), ``generator`` and
             ``generator_after``: that generator's state at the epoch's start and after the
             epoch's order was drawn (bytes; None where there is none, or before the draw).
+            Over a base whose order does not depend on the world (one with ``rest_state``,
+            ``epoch_positions`` and ``epoch_length``: ``CacheAwareSampler``,
+            ``WeightedMixtureSampler``) also ``steps`` (the indices of the epoch: fewer than
+            ``len`` in an epoch resumed on another world) and ``world``: what this rank
+            consumed, as the base's state of the epoch's rest (``epoch_done`` and
+            ``epoch_taken``, the positions of the global order consumed out of order, as
+            ``[start, stop)`` runs: with every rank at the same step, the base positions
+            below ``consumed - window`` cut back to a batch boundary, and those emitted after
+            them, at most ``batch_size + 2 * window`` a rank).
         """
-        n = len(self)
+        ep = self._ep if self._ep is not None and self._ep.epoch == self.epoch else None
+        n = self._epoch_length() if ep is None else ep.n
         if consumed is not None:
             consumed = check_int("consumed", consumed, low=0, high=n)
         if self._loaded is not None:
@@ -526,12 +544,14 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
                                  f"loaded by load_state_dict; no iterator has run since), but "
                                  f"got consumed={consumed}")
             return dict(self._loaded)
-        ep = self._ep if self._ep is not None and self._ep.epoch == self.epoch else None
         if ep is None:
             if consumed:
                 raise ValueError(f"consumed should be 0: no iterator of epoch {self.epoch} "
                                  f"has run, but got consumed={consumed}")
-            return self._state(0, self._base_state())
+            state = self._state(0, self._base_state())
+            if self._resizable():
+                state["world"] = self.base.rest_state(0)
+            return state
         if consumed is None:
             consumed = ep.done
         if not ep.start <= consumed <= ep.computed:
@@ -546,6 +566,8 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         state["emitted"] = np.packbits(ep.emitted_before(consumed, lo, hi)).tobytes()
         if self.mode == "fixed":
             state["ready"] = np.packbits(ep.mask[lo:]).tobytes()
+        if self._resizable():
+            state["world"] = self._world_state(ep, consumed)
         # (not a prefetcher's order: the prefetcher warns)
         if consumed < n and not isinstance(self.base, _RecordingSampler):
             _warn_unseeded(self.base, self._warned)
@@ -563,13 +585,32 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
         Nothing is changed when the state is refused. States without the ``generator``
         fields (saved by an older version) load; their generator is left as it is.
 
+        A list (or tuple) of states is the states of every rank of a world, saved at the
+        same step (``state_dict(consumed=steps * batch_size)`` on each rank, gathered, say,
+        with ``torch.distributed.all_gather_object``): the base (over which they must carry
+        a ``world``) loads their joined ``world`` states, the positions of the epoch's order
+        that any rank consumed, and deals the rest over its own world (another
+        ``num_replicas``, nodes or ``batch_size``; the same one too), padded as it pads an
+        epoch, or cut with ``drop_last``. The next iterator yields this rank's share of the
+        rest from its start, in this sampler's order (``window`` and ``mode`` may differ);
+        a list missing a rank, or of ranks at different steps, is refused.
+
         Args:
-            state: a dict from ``state_dict()`` of a sampler of the same rank.
+            state: a dict from ``state_dict()`` of a sampler of the same rank, or the list of
+                every rank's state of a world.
         """
+        if isinstance(state, (list, tuple)):
+            self._load_world(state)
+            return
         own = self._state(0, None)
-        check_state_fields(state, "ReadyFirstSampler", set(own) - set(_GENERATOR_FIELDS))
-        refuse_changed_fields(state, own, ("window", "mode", "len"))
-        n = own["len"]
+        check_state_fields(state, "ReadyFirstSampler", set(own) - self._NEWER_FIELDS)
+        refuse_changed_fields(state, own, ("window", "mode"))
+        refuse_changed_fields(state, own, ("len",), consequence=(
+            "; a state of another world (other ranks, nodes or batch size) resumes from the "
+            "states of all its ranks: load_state_dict([rank 0's state, rank 1's, ...])"
+            if state.get("world") is not None else ""))
+        n = check_int("state['steps']", state.get("steps", own["len"]), low=0,
+                      high=own["len"])
         epoch = check_int("state['epoch']", state["epoch"], low=0)
         consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
         loaded = dict(state)
@@ -612,11 +653,75 @@ class ReadyFirstSampler(torch.utils.data.Sampler[int]):
 
     # -- internals ---------------------------------------------------------------------------
 
+    # Fields that states saved by older versions lack.
+    _NEWER_FIELDS = {*_GENERATOR_FIELDS, "steps", "world"}
+
     def _state(self, consumed: int, base_state: Any) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": consumed, "window": self.window,
-                "mode": self.mode, "len": len(self), "base": base_state,
-                "order_digest": None, "emitted": None, "ready": None,
-                "generator": _generator_state(self.base), "generator_after": None}
+        state = {"epoch": self.epoch, "consumed": consumed, "window": self.window,
+                 "mode": self.mode, "len": len(self), "base": base_state,
+                 "order_digest": None, "emitted": None, "ready": None,
+                 "generator": _generator_state(self.base), "generator_after": None}
+        if self._resizable():  # (the fields of a base whose epoch another world resumes)
+            state["steps"], state["world"] = self._epoch_length(), None
+        return state
+
+    def _resizable(self) -> bool:
+        """Whether the base's order does not depend on the world, and it says where each of
+        its indices is in it (``CacheAwareSampler``, ``WeightedMixtureSampler``)."""
+        return all(callable(getattr(self.base, name, None))
+                   for name in ("rest_state", "epoch_positions", "epoch_length"))
+
+    def _epoch_length(self) -> int:
+        """Indices the base yields in the current epoch: ``len(base)``, or fewer in an epoch
+        it resumed on another world (a base with ``epoch_length``)."""
+        length_of = getattr(self.base, "epoch_length", None)
+        return len(self) if length_of is None else length_of(self.epoch)
+
+    def _world_state(self, ep: _Epoch, consumed: int) -> dict[str, Any]:
+        """What this rank consumed of the epoch at ``consumed``, as the base's state of the
+        epoch's rest (``rest_state``; a base that is ``_resizable``).
+
+        Every base position below ``consumed - window`` was emitted (its deadline), the
+        same on every rank at the same step: that prefix, and the positions emitted after
+        it (``emitted_before``), are what the rank consumed."""
+        rest_of = self.base.rest_state
+        if consumed == ep.n:  # (with drop_last, what the saved world cut stays cut)
+            return rest_of(consumed)
+        lo = max(0, consumed - self.window)
+        hi = min(ep.n, consumed + self.window + 1)
+        return rest_of(lo, lo + np.flatnonzero(ep.emitted_before(consumed, lo, hi)))
+
+    def _load_world(self, states: Any) -> None:
+        """``load_state_dict`` of the states of every rank of a world (any world): the
+        base resumes the epoch's rest, what no rank consumed, and the next iterator yields
+        it from its start, in this sampler's order."""
+        if not states:
+            raise ValueError("states should be the states of every rank of the world they "
+                             "were saved in, but got an empty list")
+        worlds = []
+        for k, state in enumerate(states):
+            check_state_fields(state, "ReadyFirstSampler", ("epoch", "consumed"),
+                               detail=f" (states[{k}])")
+            if state.get("world") is None:
+                raise ValueError(
+                    f"states[{k}]['world'] is missing: the base sampler it was saved over gives "
+                    f"each rank an order that depends on the world (or says nothing of it), "
+                    f"so another world cannot resume it; load the state of this rank alone "
+                    f"on the same world, or make the base a CacheAwareSampler (or "
+                    f"WeightedMixtureSampler), whose order does not depend on the world")
+            for field in ("epoch", "consumed"):  # (each rank's world assumes the others')
+                if state[field] != states[0][field]:
+                    raise ValueError(f"states[{k}]['{field}'] should be that of the first "
+                                     f"state, {states[0][field]!r} (the ranks of one world at "
+                                     f"one step), but got {state[field]!r}")
+            worlds.append(state["world"])
+        merged = joined_rest(worlds, "states[{k}]['world']")
+        if not hasattr(self.base, "load_state_dict"):
+            raise TypeError(f"the base sampler ({type(self.base).__name__}) has no "
+                            f"load_state_dict, so it cannot resume another world's epoch")
+        self.base.load_state_dict(merged)  # may refuse; ours is unchanged then
+        self.epoch = check_int("states[0]['epoch']", states[0]["epoch"], low=0)
+        self._ep, self._spare, self._loaded = None, None, None
 
     def _base_state(self) -> Any:
         """The base sampler's state now, positioned at the start of its epoch when its

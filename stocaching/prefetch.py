@@ -619,7 +619,9 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         (the generator then ends where it did, so later epochs are the uninterrupted run's;
         ``set_epoch`` of another epoch instead sets it to its state after the saved epoch),
         and refuses (``ValueError``) a base order that differs: the base's order must be a
-        function of its seed and epoch, or of its generator's state.
+        function of its seed and epoch, or of its generator's state. With a window over a
+        base whose order does not depend on the world, the state carries what another world
+        needs (``ReadyFirstSampler.state_dict``'s ``world``).
 
         Args:
             consumed: indices of this epoch that were used. Default: the number the latest
@@ -642,15 +644,58 @@ class Prefetcher(torch.utils.data.Sampler[int]):
             _warn_unseeded(self._recording, self._warned)
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | list[Mapping[str, Any]]) -> None:
         """Continue from ``state``, a dict from ``state_dict()``: the next iterator yields
-        the rest of its epoch."""
+        the rest of its epoch.
+
+        On another world (other ranks, nodes or per-rank batch size), over a base whose
+        order does not depend on it (``CacheAwareSampler``, ``WeightedMixtureSampler``):
+        without a window the base's state serves, at a batch boundary (as the base
+        resumes it); with a window pass the list of every saved rank's state, saved at the
+        same step (``[rank 0's, rank 1's, ...]``): each holds what its rank consumed out of
+        the base order (see ``ReadyFirstSampler.load_state_dict``), and the next iterator
+        yields every index no rank consumed, once (the new world pads as its base does).
+        A list is taken on the same world too.
+
+        Args:
+            state: a dict from ``state_dict()``, or the list of every rank's (see above).
+        """
+        if isinstance(state, (list, tuple)):
+            self._load_world(state)
+            return
         if self.window is None and not self._recording.positional:
             self._resume_by_skipping.load(state)
         else:
             self._order.load_state_dict(state)
         self._progress = None
         self._epoch = state.get("epoch")  # a set_epoch of this epoch keeps the position
+
+    def _load_world(self, states: list[Mapping[str, Any]]) -> None:
+        """``load_state_dict`` of the states of every rank of a world."""
+        if not states or not all(isinstance(x, Mapping) for x in states):
+            raise ValueError("state should be a dict from state_dict(), or the list of every "
+                             "rank's, but got an empty list or one of other things")
+        if self.window is not None:
+            self._order.load_state_dict(list(states))
+        elif self._recording.positional:
+            # Without a window each rank consumed a prefix of its base order: at one step,
+            # the same on every rank, so any rank's state says what all consumed.
+            for k, x in enumerate(states):
+                for field in ("epoch", "consumed"):
+                    if x.get(field) != states[0].get(field):
+                        raise ValueError(f"state[{k}]['{field}'] should be that of the first "
+                                         f"state, {states[0].get(field)!r} (the ranks of one "
+                                         f"world at one step), but got {x.get(field)!r}")
+            self._order.load_state_dict(states[0])
+        else:
+            raise ValueError(
+                f"state should be this rank's state alone: this prefetcher's base sampler "
+                f"({type(self._recording.base).__name__}) gives each rank an order that "
+                f"depends on the world, so the states of another world's ranks cannot resume "
+                f"it; make the base a CacheAwareSampler (or WeightedMixtureSampler), whose "
+                f"order does not depend on the world")
+        self._progress = None
+        self._epoch = states[0].get("epoch")
 
     def __iter__(self) -> Iterator[int]:
         if "lightning" not in self._warned and in_lightnings_wrapper():
@@ -762,7 +807,8 @@ class Prefetcher(torch.utils.data.Sampler[int]):
         else:
             # The position this iterator starts from: a resumed base yields only the rest,
             # and one that cannot resume is skipped to the loaded position.
-            start, pos, skip = len(self._recording) - len(base), 0, np.zeros(0, dtype=bool)
+            start, pos, skip = self._recording.epoch_length() - len(base), 0, \
+                np.zeros(0, dtype=bool)
         loaded = self._resume_by_skipping.take()
         if loaded is not None and self.window is None:
             if base.size != loaded["len"] or self._recording.digest != loaded["order_digest"]:
@@ -1190,7 +1236,11 @@ class _ResumeBySkipping:
         check_state_fields(state, "Prefetcher", self.FIELDS,
                            detail=f" (without a window, over {type(base).__name__})")
         n = len(base)
-        refuse_changed_fields(state, {"len": n}, ("len",), owner="prefetcher")
+        refuse_changed_fields(state, {"len": n}, ("len",), owner="prefetcher", consequence=(
+            f"; if it was saved on another world: its base sampler ({type(base).__name__}) "
+            f"gives each rank an order that depends on the world, so another world cannot "
+            f"resume it; make the base a CacheAwareSampler (or WeightedMixtureSampler), whose "
+            f"order does not depend on the world"))
         consumed = check_int("state['consumed']", state["consumed"], low=0, high=n)
         epoch = state["epoch"]
         if epoch is not None:

@@ -31,12 +31,12 @@ import torch
 
 try:  # inside the package
     from ._common import (EpochPosition, EpochRest, SavedEpoch, check_state_fields,
-                          refuse_changed_fields)
+                          refuse_changed_fields, rest_state)
     from .stocaching import CacheLayout, World, check_int
     from .trainers import accelerate_epoch, dealt_by_accelerate
 except ImportError:  # copied beside stocaching.py, _common.py and trainers.py
     from _common import (EpochPosition, EpochRest,  # type: ignore[no-redef]
-                         SavedEpoch, check_state_fields, refuse_changed_fields)
+                         SavedEpoch, check_state_fields, refuse_changed_fields, rest_state)
     from stocaching import CacheLayout, World, check_int  # type: ignore[no-redef]
     from trainers import accelerate_epoch, dealt_by_accelerate  # type: ignore[no-redef]
 
@@ -202,6 +202,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             self._router = _BatchRouter(rows)
         self._position = EpochPosition()
         self._epoch_rest = None
+        self._positions_kept: tuple[Any, np.ndarray] | None = None  # see epoch_positions
         self._warned_dealt = False
 
     @staticmethod
@@ -288,8 +289,36 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         """
         return self._ranks_indices(epoch, [self.rank])[0]
 
-    def _ranks_indices(self, epoch: int, ranks: Sequence[int]) -> list[np.ndarray]:
-        """The indices of each of ``ranks`` for ``epoch``, from one routing of the epoch."""
+    def epoch_positions(self, epoch: int) -> np.ndarray:
+        """Where in ``epoch``'s global order (before padding) each of this rank's indices
+        for the epoch comes from (int64, as many as ``epoch_indices``): what a sampler that
+        reorders them (``ReadyFirstSampler``) records of the positions it consumed, so that
+        another world resumes exactly the rest.
+
+        Args:
+            epoch: the epoch number, an int >= 0.
+        """
+        # Kept for the epoch: a reordering sampler asks at each state_dict, and each answer
+        # is a routing of the epoch. See docs/design.md, "A reordered epoch's state on
+        # another world".
+        key = (epoch, self._epoch_rest)
+        if self._positions_kept is None or self._positions_kept[0] != key:
+            self._positions_kept = (key, self._ranks_indices(epoch, [self.rank],
+                                                             positions=True)[0])
+        return self._positions_kept[1]
+
+    def epoch_length(self, epoch: int) -> int:
+        """Indices this rank's iterator of ``epoch`` yields from the epoch's start:
+        ``len(self)``, or fewer in an epoch resumed from a state of another world."""
+        rest = self._epoch_rest
+        if rest is None or rest.epoch != epoch:
+            return self.num_samples
+        return rest.per_rank(self.dataset_len, self.num_replicas, self.drop_last)
+
+    def _ranks_indices(self, epoch: int, ranks: Sequence[int], *, positions: bool = False
+                       ) -> list[np.ndarray]:
+        """The indices of each of ``ranks`` for ``epoch``, from one routing of the epoch (or,
+        with ``positions``, where in the epoch's order each comes from)."""
         epoch = check_int("epoch", epoch, low=0)
         if self.total_size == 0:
             return [np.zeros(0, dtype=np.int64) for _ in ranks]
@@ -306,9 +335,11 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             order = torch.randperm(self.dataset_len, generator=g).numpy()
         else:
             order = np.arange(self.dataset_len, dtype=np.int64)
-        order = self._epoch_sequence(epoch, order)
+        where = self._epoch_positions(epoch)
+        order = order[where]
+        picked = where if positions else order
         if self._router is None:  # no cache: DistributedSampler's split
-            return [order[r::self.num_replicas] for r in ranks]
+            return [picked[r::self.num_replicas] for r in ranks]
 
         rng = np.random.default_rng([self.seed, epoch])
         node, hit = self._router.assign(order, self.batch_size * self.num_replicas, rng)
@@ -318,24 +349,26 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
             k = r // self.local_world_size
             if k not in dealt:
                 rng.bit_generator.state = routed
-                dealt[k] = self._deal(order[node == k], rng)
-        if self.rank in ranks:
+                # (a deal's permutation depends on the number of samples, not their values:
+                # positions are dealt as the indices at them)
+                dealt[k] = self._deal(picked[node == k], rng)
+        if self.rank in ranks and not positions:
             here = node == self.node_rank
             logger.debug("epoch %d, rank %d: %d indices, %.1f%% cached on node %d, built in "
                          "%.3f s", epoch, self.rank, self.num_samples, 100 * hit[here].mean(),
                          self.node_rank, time.perf_counter() - t0)
         return [dealt[r // self.local_world_size][r % self.local_world_size] for r in ranks]
 
-    def _epoch_sequence(self, epoch: int, order: np.ndarray) -> np.ndarray:
-        """The global sequence that ``epoch``'s ranks split: the epoch's order padded (from
-        its start) or truncated to ``total_size``, as DistributedSampler pads it. After a
-        resume on another world (``load_state_dict``), the positions of the order that no
-        rank consumed, each once, padded from their own start or truncated to a multiple of
-        this world's ``num_replicas``."""
+    def _epoch_positions(self, epoch: int) -> np.ndarray:
+        """The positions of ``epoch``'s order in the global sequence its ranks split: the
+        order padded (from its start) or truncated to ``total_size``, as DistributedSampler
+        pads it. After a resume on another world (``load_state_dict``), the positions of the
+        order that no rank consumed, each once, padded from their own start or truncated to
+        a multiple of this world's ``num_replicas``."""
         rest = self._epoch_rest
-        if rest is None or rest.epoch != epoch:
-            return np.resize(order, self.total_size)  # repeats from the start, or truncates
-        return rest.sequence(order, self.num_replicas, self.drop_last)
+        if rest is None or rest.epoch != epoch:  # repeats from the start, or truncates
+            return np.resize(np.arange(self.dataset_len, dtype=np.int64), self.total_size)
+        return rest.positions(self.dataset_len, self.num_replicas, self.drop_last)
 
     def _deal(self, mine: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """A node's samples, in node blocks of batch_size * local_world_size (the last one
@@ -396,11 +429,27 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
                 "random_subset": layout.random_subset if layout is not None else False,
                 "order": self._order_state(), **self._sequence_state()}
 
-    def _sequence_state(self) -> dict[str, int]:
+    def _sequence_state(self) -> dict[str, Any]:
         """The positions of the current epoch's order consumed before this world took it
-        over (0 unless it resumed a state of another world)."""
+        over (none unless it resumed a state of another world): ``epoch_done`` and
+        ``epoch_taken`` (see ``EpochRest.fields``)."""
         rest = self._epoch_rest
-        return {"epoch_done": 0 if rest is None or rest.epoch != self.epoch else rest.done}
+        return (EpochRest(self.epoch, 0) if rest is None or rest.epoch != self.epoch
+                else rest).fields()
+
+    def rest_state(self, consumed: int, taken: Any = ()) -> dict[str, Any]:
+        """This rank's state of the current epoch as its rest (see ``_common.rest_state``),
+        for a sampler that reorders this one's indices (``ReadyFirstSampler``): the ranks
+        consumed their first ``consumed`` indices, and this rank also those at the
+        positions ``taken`` of its epoch (as ``epoch_indices`` lists them), out of order.
+        The states of every rank, joined, resume the rest on any world.
+
+        Args:
+            consumed: indices of this epoch every rank has used, a prefix.
+            taken: positions (ints, ``>= consumed``) of this rank's epoch also used.
+        """
+        return rest_state(self, consumed, taken, batch_size=self.batch_size,
+                          length=self.dataset_len)
 
     def _order_state(self) -> Any:
         sd = getattr(self.order, "state_dict", None)
@@ -429,7 +478,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         own = self.state_dict()
         # (states saved before order=, random_subset or epoch_done existed lack them)
         check_state_fields(state, "CacheAwareSampler",
-                           set(own) - {"order", "random_subset", "epoch_done"})
+                           set(own) - {"order", "random_subset", "epoch_done", "epoch_taken"})
         refuse_changed_fields(state, own, ("seed", "shuffle", "drop_last", "dataset_len"),
                               consequence="; the rest of the epoch would differ")
         saved = SavedEpoch.of(state, self.drop_last, self.dataset_len)
@@ -453,8 +502,7 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         self.epoch = epoch
         if saved.num_replicas == self.num_replicas and saved.batch_size == self.batch_size:
             # The same global batches: each rank goes on at the saved position.
-            fresh = saved.done == 0
-            self._epoch_rest = None if fresh else EpochRest(epoch, saved.done)
+            self._epoch_rest = saved.rest_before(epoch)
             self._position.load(consumed)
         else:  # another world: the positions no rank consumed, dealt anew
             self._epoch_rest = saved.rest_after(epoch, consumed)
