@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _helpers import named, run_copied, value_of
-from stocaching import CachedStream, SharedCache, World, list_segments
+from stocaching import CachedStream, SharedCache, ShardLayout, World, list_segments
 
 wds = pytest.importorskip("webdataset")
 
@@ -61,7 +61,7 @@ def decode(raw):
 
 def index_of(x: torch.Tensor) -> int:
     """value_of(i) starts with (i * 7 + 1) % 251: the index of a sample, for i < 251."""
-    return next(i for i in range(SHARDS * PER) if int(value_of(i, DIMS)[0, 0, 0]) == int(x[0, 0, 0]))
+    return next(i for i in range(251) if int(value_of(i, DIMS)[0, 0, 0]) == int(x[0, 0, 0]))
 
 
 def epoch_of(ds, loader) -> list[int]:
@@ -265,21 +265,105 @@ def test_bad_arguments_are_refused(shm_dir, shards, kw, error, match):
     assert named(shm_dir) == []
 
 
-def test_a_cache_of_several_nodes_is_refused_and_not_left(shm_dir, shards):
+NODES_SHARDS, SLOTS = 8, 25  # 8 shards of 10 over 2 nodes: 4 a node, of which 2.5 fit
+
+
+def node_ranks(shm_dir, shards, nodes=2, local=2, *, slots=SLOTS, **kw):
+    """The ranks of a job of ``nodes`` simulated nodes of ``local`` ranks each, every node with
+    its own shared-memory directory (as each machine has its own /dev/shm)."""
     urls, open_shard = shards
-    world = World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
-                  num_nodes=2)
-    with pytest.raises(ValueError, match=r"CachedStream is for one node.*a cache of 2 nodes") \
-            as refused:
-        CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
-                     size_limit_gib=1, world=world)
-    # The cache it made is closed, not left to the garbage collector (the traceback, which a
-    # caller may keep, holds it).
-    made = next(tb.tb_frame.f_locals["cache"] for tb in _frames(refused.tb)
-                if tb.tb_frame.f_code.co_name == "__init__" and "made" in tb.tb_frame.f_locals)
-    with pytest.raises(ValueError, match=r"closed"):
-        made.get_slot(0)
-    del made, refused
+    budget = (slots * 200 + len(urls) * PER + 0.5) / 2**30  # 200-byte slots, an aux byte each
+    ranks = []
+    for node in range(nodes):
+        os.makedirs(os.path.join(shm_dir, f"node{node}"), exist_ok=True)
+        for lr in range(local):
+            world = World(rank=node * local + lr, world_size=nodes * local, local_rank=lr,
+                          local_world_size=local, node_rank=node, num_nodes=nodes)
+            ranks.append(CachedStream(urls, open_shard, decode=decode,
+                                      shard_lengths=[PER] * len(urls), size_limit_gib=budget,
+                                      world=world, shm_dir=os.path.join(shm_dir, f"node{node}"),
+                                      name="s", job_key=f"nodes{os.getpid()}", timeout=60,
+                                      **kw))
+    return ranks
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_cache_the_shards_they_read_and_read_every_sample_once(shm_dir, tmp_path):
+    """2 simulated nodes x 2 ranks x 2 DataLoader workers, two epochs: every sample once an
+    epoch over the 4 ranks; each node's cache holds samples of its own shards only (its first
+    2.5 shards: 25 slots), so epoch 2 serves those from the node's cache, opens only the
+    shards not wholly cached there, and decodes only their uncached samples."""
+    shards = make_shards(tmp_path, NODES_SHARDS), OpenShard(str(tmp_path / "opened.log"))
+    urls = shards[0]
+    total = NODES_SHARDS * PER
+    ranks = node_ranks(shm_dir, shards, even=False)
+    layout = ranks[0].cache.layout
+    assert isinstance(layout, ShardLayout) and layout.slots == SLOTS
+    node_shards = [layout.shards_of(k).tolist() for k in range(2)]
+    assert sorted(node_shards[0] + node_shards[1]) == list(range(NODES_SHARDS))
+    assert [len(s) for s in node_shards] == [4, 4]
+    held = [set(range(k * PER, k * PER + PER)) for k in range(NODES_SHARDS)]
+    shards[1].opened()
+    for epoch in range(2):
+        before = [ranks[2 * k].cache.stats() for k in range(2)]
+        seen, read_on = [], [[], []]
+        for r, ds in enumerate(ranks):
+            ds.set_epoch(epoch)
+            got = epoch_of(ds, torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2))
+            seen += got
+            # a rank reads the shards of its own node only, every epoch
+            assert {i // PER for i in got} <= set(node_shards[r // 2]), (epoch, r)
+            read_on[r // 2] += got
+        assert sorted(seen) == list(range(total)), epoch
+        opened = sorted(shards[1].opened())
+        hits = [ranks[2 * k].cache.stats(since=before[k])["hits"] for k in range(2)]
+        print(f"epoch {epoch + 1}: hit rate {sum(hits) / total:.3f} (nodes {hits[0]}, "
+              f"{hits[1]} of {len(read_on[0])}, {len(read_on[1])}); shards opened {len(opened)}")
+        if epoch == 0:
+            assert opened == sorted(os.path.basename(u) for u in urls) and hits == [0, 0]
+        else:  # each node: its first 2 shards from its cache (not opened), 5 of the third
+            assert hits == [SLOTS, SLOTS] and sum(hits) / total == 2 * SLOTS / total
+            assert opened == sorted(os.path.basename(urls[s[k]]) for s in node_shards
+                                    for k in (2, 3))
+    for k in range(2):  # each node cached samples of its own shards, whole shards first
+        cache = ranks[2 * k].cache
+        cached = cache.cached_indices()
+        assert cache.stored_mask(cached).all() and cache.stats()["filled"] == SLOTS
+        assert set(cached.tolist()) == held[node_shards[k][0]] | held[node_shards[k][1]] | \
+            set(range(node_shards[k][2] * PER, node_shards[k][2] * PER + 5))
+    for ds in reversed(ranks):
+        ds.close()
+    assert named(os.path.join(shm_dir, "node0")) == named(os.path.join(shm_dir, "node1")) == []
+
+
+@pytest.mark.parametrize("world,cache,match", [
+    # uneven: 3 ranks over 2 nodes of 1 local rank (the deal counts each node's ranks)
+    (World(rank=0, world_size=3, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
+     False, r"should run as many ranks on every node, but got world_size=3 over num_nodes=2"),
+    # a cache of the default layout: its nodes would cache what they do not read
+    (World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
+     True, r"cache should have the layout of this stream over 2 nodes .*pass cache=None, or "
+           r"make it with layout=ShardLayout.for_shards\(shard_lengths, 2, seed=0\)"),
+])
+def test_a_world_of_several_nodes_it_cannot_deal_is_refused_and_not_left(shm_dir, shards,
+                                                                          world, cache, match):
+    urls, open_shard = shards
+    given = SharedCache(1, SHARDS * PER, DIMS, world=world, name="given") if cache else None
+    with pytest.raises(ValueError, match=match) as refused:
+        CachedStream(urls, open_shard, given, decode=decode, shard_lengths=[PER] * SHARDS,
+                     **({} if cache else {"size_limit_gib": 1, "world": world}))
+    if given is not None:
+        given.get_slot(0)  # the caller's cache: still open, the caller closes it
+        given.close()
+    else:  # The cache it made is closed, not left to the garbage collector (the traceback,
+        # which a caller may keep, holds it).
+        made = next(tb.tb_frame.f_locals["cache"] for tb in _frames(refused.tb)
+                    if tb.tb_frame.f_code.co_name == "__init__" and "made" in
+                    tb.tb_frame.f_locals)
+        with pytest.raises(ValueError, match=r"closed"):
+            made.get_slot(0)
+        del made
+    del refused
     assert list_segments(shm_dir) == []
 
 
