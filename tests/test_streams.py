@@ -268,21 +268,22 @@ def test_bad_arguments_are_refused(shm_dir, shards, kw, error, match):
 NODES_SHARDS, SLOTS = 8, 25  # 8 shards of 10 over 2 nodes: 4 a node, of which 2.5 fit
 
 
-def node_ranks(shm_dir, shards, nodes=2, local=2, *, slots=SLOTS, **kw):
+def node_ranks(shm_dir, shards, nodes=2, local=2, *, slots=SLOTS, job="a", **kw):
     """The ranks of a job of ``nodes`` simulated nodes of ``local`` ranks each, every node with
     its own shared-memory directory (as each machine has its own /dev/shm)."""
     urls, open_shard = shards
     budget = (slots * 200 + len(urls) * PER + 0.5) / 2**30  # 200-byte slots, an aux byte each
     ranks = []
     for node in range(nodes):
-        os.makedirs(os.path.join(shm_dir, f"node{node}"), exist_ok=True)
+        node_dir = os.path.join(shm_dir, job, f"node{node}")
+        os.makedirs(node_dir, exist_ok=True)
         for lr in range(local):
             world = World(rank=node * local + lr, world_size=nodes * local, local_rank=lr,
                           local_world_size=local, node_rank=node, num_nodes=nodes)
             ranks.append(CachedStream(urls, open_shard, decode=decode,
                                       shard_lengths=[PER] * len(urls), size_limit_gib=budget,
-                                      world=world, shm_dir=os.path.join(shm_dir, f"node{node}"),
-                                      name="s", job_key=f"nodes{os.getpid()}", timeout=60,
+                                      world=world, shm_dir=node_dir, name="s",
+                                      job_key=f"{job}{os.getpid()}", timeout=60,
                                       **kw))
     return ranks
 
@@ -333,7 +334,95 @@ def test_two_nodes_cache_the_shards_they_read_and_read_every_sample_once(shm_dir
             set(range(node_shards[k][2] * PER, node_shards[k][2] * PER + 5))
     for ds in reversed(ranks):
         ds.close()
-    assert named(os.path.join(shm_dir, "node0")) == named(os.path.join(shm_dir, "node1")) == []
+    assert named(os.path.join(shm_dir, "a", "node0")) == [] == \
+        named(os.path.join(shm_dir, "a", "node1"))
+
+
+def interrupted(ranks, workers, batches, resume=None):
+    """Each rank of a job runs ``batches`` batches of epoch 1 under a StatefulDataLoader of
+    ``workers`` workers (after loading ``resume``, a job_state), then saves its loader's state:
+    (the samples yielded, each rank's state)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    seen, states = [], []
+    for ds in ranks:
+        ds.set_epoch(1)
+        if resume is not None:
+            ds.load_state_dict(resume)
+        loader = stateful.StatefulDataLoader(ds, batch_size=3, num_workers=workers)
+        it = iter(loader)
+        for _ in range(batches):
+            seen += [index_of(x) for x in next(it)[0]]
+        states.append(loader.state_dict())
+        del it
+    return seen, states
+
+
+def rest_of_epoch(ranks, resume, workers):
+    seen = []
+    for ds in ranks:
+        ds.set_epoch(1)
+        ds.load_state_dict(resume)
+        seen += epoch_of(ds, torch.utils.data.DataLoader(ds, batch_size=3, num_workers=workers))
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_a_state_of_two_nodes_resumes_once_on_other_worlds(shm_dir, tmp_path):
+    """Interrupted on 2 nodes x 2 ranks x 2 workers, resumed on 1 node x 3 ranks x 1 worker
+    (job_state of the 4 ranks' StatefulDataLoader states), interrupted again and resumed on
+    3 nodes x 1 rank x 2 workers: every sample of the epoch once over the three runs; and the
+    second run's own states resume on its own world."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    shards = make_shards(tmp_path, NODES_SHARDS), OpenShard(str(tmp_path / "opened.log"))
+    total = NODES_SHARDS * PER
+    first, states = interrupted(node_ranks(shm_dir, shards, job="a", even=False), 2, 3)
+    job = CachedStream.job_state(states)
+    assert (job["ranks"], job["workers"], job["nodes"]) == (4, 2, 2)
+    assert sum(map(sum, job["yielded_by"])) == len(first) == 4 * 3 * 3
+    second_ranks = node_ranks(shm_dir, shards, 1, 3, job="b", even=False)
+    shards[1].opened()
+    second, states = interrupted(second_ranks, 0, 4, resume=job)
+    job2 = CachedStream.job_state(states)
+    assert job2["after"] == job and (job2["ranks"], job2["workers"]) == (3, 1)
+    rest = rest_of_epoch(node_ranks(shm_dir, shards, 3, 1, job="c", even=False), job2, 2)
+    print(f"epoch 2 over three worlds: {len(first)} + {len(second)} + {len(rest)} samples")
+    assert sorted(first + second + rest) == list(range(total))
+    assert len(second) == sum(map(sum, job2["yielded_by"])) and len(rest) > 0
+    # On the same world, a worker's own state resumes too (its count, in the rest's order).
+    again = node_ranks(shm_dir, shards, 1, 3, job="d", even=False)
+    for ds, st in zip(again, states):
+        ds.set_epoch(1)
+        ds.load_state_dict(st["dataset_state"])
+    assert sorted(first + second + [i for ds in again for i in epoch_of(
+        ds, torch.utils.data.DataLoader(ds, batch_size=3))]) == \
+        list(range(total))
+
+
+W = {"epoch": 1, "ranks": 2, "workers": 1}
+
+
+@pytest.mark.parametrize("states,error,match", [
+    ([{**W, "yielded": 3}], ValueError, r"should hold every rank's state \(2 ranks of 1 "
+                                        r"DataLoader workers saved them\), but got 1 ranks"),
+    ([{**W, "yielded": 3}, {**W, "epoch": 2, "yielded": 1}], ValueError,
+     r"states should be of one epoch of one job, but rank 0 worker 0 and rank 1 worker 0 "
+     r"differ: epoch=1 and 2"),
+    ([{**W, "yielded": 3, "nodes": 2, "rank": 1}, {**W, "yielded": 1, "nodes": 2, "rank": 0}],
+     ValueError, r"states should be in rank order, but the state at rank 0 was saved by rank 1"),
+    ([{"epoch": 1, "yielded": 3}, {"epoch": 1, "yielded": 2}], ValueError,
+     r"states should record their world"),
+    ([{"epoch": 1, "shuffle": 3}], ValueError, r"states\[0\]\[0\] should be a dict from "
+                                                r"CachedStream.state_dict\(\)"),
+    ({"epoch": 1, "yielded": 3}, TypeError, r"states should be a list with each rank's state"),
+])
+def test_states_that_are_not_one_jobs_are_refused(states, error, match):
+    with pytest.raises(error, match=match):
+        CachedStream.job_state(states)
+
+
+def test_a_job_state_of_nothing_yielded_starts_the_epoch_afresh():
+    job = CachedStream.job_state([{"epoch": 0, "yielded": 0}, {**W, "yielded": 0}])
+    assert job == {"epoch": 1, "ranks": 2, "workers": 1, "nodes": 1, "yielded_by": [[0], [0]]}
 
 
 @pytest.mark.parametrize("world,cache,match", [
