@@ -31,14 +31,18 @@ round-robin, and each rank's to its DataLoader workers, so every sample is read 
 each worker streams its shards through a shuffle buffer of ``shuffle_buffer`` samples. With
 ``even`` (the default) every worker of every rank yields as many samples as the fullest one
 (repeating its first), so that the ranks of a DDP job take the same number of steps. The order
-depends on ``(seed, epoch)`` only, never on what is cached, so ``state_dict`` (the epoch and
-the count of samples yielded, per worker, as torchdata's ``StatefulDataLoader`` keeps them)
-resumes an epoch exactly: the samples already yielded are skipped without being decoded.
+depends on ``(seed, epoch)`` and the world only, never on what is cached, so ``state_dict``
+(the epoch and the count of samples yielded, per worker, as torchdata's ``StatefulDataLoader``
+keeps them) resumes an epoch exactly on the same world: the samples already yielded are
+skipped without being decoded. On another world, ``job_state`` of every rank's states resumes
+the rest of the epoch, each sample once, in the new world's order.
 
-The default layout caches the first ``len(cache)`` indices: whole shards, in the shards' own
-order, which is what lets later epochs skip them. One node only (each node would cache a part
-of its own); with a cache of a random subset (``random_subset=True``) most shards hold some
-uncached sample and are still read.
+On one node the cache holds the first ``len(cache)`` indices: whole shards, in the shards' own
+order, which is what lets later epochs skip them (with ``random_subset=True`` most shards would
+hold some uncached sample and still be read). Over several nodes, each shard is read by one
+node in every epoch (``ShardLayout``: a rendezvous deal bounded to balance the nodes, fixed by
+the seed), the epoch's order deals each node's shards over its own ranks, and each node's cache
+holds the samples of its own shards, whole shards first: what a node caches is what it reads.
 
 An opt-in part of stocaching: it imports only public names of the core module
 (``stocaching.py``) and the rules for values it shares with ``wrapper.py`` in ``_common.py``
@@ -80,8 +84,10 @@ class CachedStream(torch.utils.data.IterableDataset):
             order (for WebDataset: ``wds.WebDataset(url, shardshuffle=False,
             nodesplitter=None, workersplitter=None)``, so that it does not split the one
             shard among workers itself).
-        cache: the cache (``dataset_len`` the number of samples), or None to make a
-            ``SharedCache`` from the first sample's decoded shapes and dtypes. Default: None.
+        cache: the cache (``dataset_len`` the number of samples; over several nodes, with
+            ``layout=ShardLayout.for_shards(shard_lengths, num_nodes, seed=seed)``), or None to
+            make a ``SharedCache`` from the first sample's decoded shapes and dtypes (over
+            several nodes, with that layout). Default: None.
         shard_lengths: the number of samples of each shard, or None to count them by
             reading every shard once at construction (in every process that constructs it).
             Default: None.
@@ -120,6 +126,9 @@ class CachedStream(torch.utils.data.IterableDataset):
     _epoch: int  # the epoch the next iterator runs
     _resume: dict | None  # a state to resume from (load_state_dict), used by the next iterator
     _position: dict  # the running iterator's epoch and yielded count, for state_dict
+    # A loaded job_state and the samples its workers had yielded, replayed once when loaded
+    # (in the training process, so that its DataLoader workers inherit it)
+    _done: tuple[dict, np.ndarray] | None = None
 
     def __init__(self, shards: Sequence[Any], open_shard: Callable[[Any], Iterable[Any]],
                  cache: BaseCache | None = None, *,
@@ -267,7 +276,11 @@ class CachedStream(torch.utils.data.IterableDataset):
                 self._check_same_world(resume, here)
                 epoch, skip, after = resume["epoch"], resume["yielded"], resume.get("after")
         self._epoch = epoch + 1  # (a persistent worker's next epoch)
-        keep = None if after is None else ~self._consumed(after)
+        if after is None:
+            keep = None
+        else:
+            keep = ~(self._done[1] if self._done is not None and self._done[0] == after
+                     else self._consumed(after))
         tail = {} if after is None else {"after": after}
         if nodes > 1:
             tail["rank"] = rank
@@ -408,8 +421,15 @@ class CachedStream(torch.utils.data.IterableDataset):
             for worker, count in enumerate(row):
                 run = self._run(job["epoch"], job["nodes"], job["ranks"], job["workers"], rank,
                                 worker, keep, read=False, depth=_depth(after))
+                replayed = 0
                 for index, _ in itertools.islice(run, count):
                     out[index] = True
+                    replayed += 1
+                if replayed < count:
+                    raise ValueError(
+                        f"state['yielded_by'][{rank}][{worker}] should be at most the "
+                        f"{replayed} samples that worker runs in epoch {job['epoch']}, but got "
+                        f"{count}: a state of another stream (other shards, seed or even)")
         return out
 
     def _value(self, index: int, raw: Any) -> Any:
@@ -471,6 +491,8 @@ class CachedStream(torch.utils.data.IterableDataset):
         any world: the next iterator of each worker yields its share of the epoch's samples
         that no worker of the saved job yielded)."""
         self._resume = _checked_state(state)
+        job = self._resume if "yielded_by" in self._resume else self._resume.get("after")
+        self._done = None if job is None else (job, self._consumed(job))
 
     @staticmethod
     def job_state(states: Sequence[Any]) -> dict:

@@ -367,33 +367,38 @@ def rest_of_epoch(ranks, resume, workers):
 
 
 @pytest.mark.timeout(180)
-def test_a_state_of_two_nodes_resumes_once_on_other_worlds(shm_dir, tmp_path):
+@pytest.mark.parametrize("even", [False, True])
+def test_a_state_of_two_nodes_resumes_once_on_other_worlds(shm_dir, tmp_path, even):
     """Interrupted on 2 nodes x 2 ranks x 2 workers, resumed on 1 node x 3 ranks x 1 worker
     (job_state of the 4 ranks' StatefulDataLoader states), interrupted again and resumed on
-    3 nodes x 1 rank x 2 workers: every sample of the epoch once over the three runs; and the
-    second run's own states resume on its own world."""
+    3 nodes x 1 rank x 2 workers: every sample of the epoch once over the three runs (with
+    ``even``, at least once: each run pads its workers to the fullest); and the second run's
+    own states resume on its own world."""
     pytest.importorskip("torchdata.stateful_dataloader")
     shards = make_shards(tmp_path, NODES_SHARDS), OpenShard(str(tmp_path / "opened.log"))
     total = NODES_SHARDS * PER
-    first, states = interrupted(node_ranks(shm_dir, shards, job="a", even=False), 2, 3)
+    first, states = interrupted(node_ranks(shm_dir, shards, job="a", even=even), 2, 3)
     job = CachedStream.job_state(states)
     assert (job["ranks"], job["workers"], job["nodes"]) == (4, 2, 2)
     assert sum(map(sum, job["yielded_by"])) == len(first) == 4 * 3 * 3
-    second_ranks = node_ranks(shm_dir, shards, 1, 3, job="b", even=False)
+    second_ranks = node_ranks(shm_dir, shards, 1, 3, job="b", even=even)
     shards[1].opened()
     second, states = interrupted(second_ranks, 0, 4, resume=job)
     job2 = CachedStream.job_state(states)
     assert job2["after"] == job and (job2["ranks"], job2["workers"]) == (3, 1)
-    rest = rest_of_epoch(node_ranks(shm_dir, shards, 3, 1, job="c", even=False), job2, 2)
+    rest = rest_of_epoch(node_ranks(shm_dir, shards, 3, 1, job="c", even=even), job2, 2)
     print(f"epoch 2 over three worlds: {len(first)} + {len(second)} + {len(rest)} samples")
-    assert sorted(first + second + rest) == list(range(total))
+    def once(seen):  # with even: every sample, some twice (padding)
+        return sorted(set(seen) if even else seen)
+
+    assert once(first + second + rest) == list(range(total))
     assert len(second) == sum(map(sum, job2["yielded_by"])) and len(rest) > 0
     # On the same world, a worker's own state resumes too (its count, in the rest's order).
-    again = node_ranks(shm_dir, shards, 1, 3, job="d", even=False)
+    again = node_ranks(shm_dir, shards, 1, 3, job="d", even=even)
     for ds, st in zip(again, states):
         ds.set_epoch(1)
         ds.load_state_dict(st["dataset_state"])
-    assert sorted(first + second + [i for ds in again for i in epoch_of(
+    assert once(first + second + [i for ds in again for i in epoch_of(
         ds, torch.utils.data.DataLoader(ds, batch_size=3))]) == \
         list(range(total))
 
@@ -423,6 +428,21 @@ def test_states_that_are_not_one_jobs_are_refused(states, error, match):
 def test_a_job_state_of_nothing_yielded_starts_the_epoch_afresh():
     job = CachedStream.job_state([{"epoch": 0, "yielded": 0}, {**W, "yielded": 0}])
     assert job == {"epoch": 1, "ranks": 2, "workers": 1, "nodes": 1, "yielded_by": [[0], [0]]}
+
+
+def test_a_job_state_of_another_stream_is_refused(shm_dir, shards):
+    """Rank 1 of 2 runs 3 of the 6 shards (30 samples): a count of 31 is another stream's."""
+    urls, open_shard = shards
+    with CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
+                      size_limit_gib=1, even=False) as ds:
+        job = CachedStream.job_state([{**W, "yielded": 30}, {**W, "yielded": 31}])
+        with pytest.raises(ValueError, match=r"state\['yielded_by'\]\[1\]\[0\] should be at "
+                                             r"most the 30 samples that worker runs in epoch 1, "
+                                             r"but got 31: a state of another stream"):
+            ds.load_state_dict(job)
+        ds.load_state_dict(CachedStream.job_state([{**W, "yielded": 30}, {**W, "yielded": 29}]))
+        ds.set_epoch(1)
+        assert len(list(ds)) == 1  # the one sample that rank 1 had not yielded
 
 
 @pytest.mark.parametrize("world,cache,match", [
