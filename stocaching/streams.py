@@ -194,6 +194,12 @@ class CachedStream(torch.utils.data.IterableDataset):
             world = cache_options.pop("world", None)
             world = World.discover() if world is None else world
             if isinstance(world, World) and world.num_nodes > 1:
+                if cache_options.get("disk_tier") is not None:
+                    raise ValueError(f"disk_tier is for one node in CachedStream: its share of "
+                                     f"a node's indices is the default layout's, not the "
+                                     f"node's shards; but got disk_tier="
+                                     f"{cache_options['disk_tier']!r} over {world.num_nodes} "
+                                     f"nodes")
                 cache_options["layout"] = ShardLayout.for_shards(lengths, world.num_nodes,
                                                                  seed=self.seed)
             cache = SharedCache(size_limit_gib, total, *_dims_and_dtypes(first), world=world,

@@ -449,22 +449,30 @@ def test_a_job_state_of_another_stream_is_refused(shm_dir, shards):
     # uneven: 3 ranks over 2 nodes of 1 local rank (the deal counts each node's ranks)
     (World(rank=0, world_size=3, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
      False, r"should run as many ranks on every node, but got world_size=3 over num_nodes=2"),
+    # a disk tier: its share of a node's indices would be the default layout's
+    (World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
+     "tier", r"disk_tier is for one node in CachedStream"),
     # a cache of the default layout: its nodes would cache what they do not read
     (World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
      True, r"cache should have the layout of this stream over 2 nodes .*pass cache=None, or "
            r"make it with layout=ShardLayout.for_shards\(shard_lengths, 2, seed=0\)"),
 ])
 def test_a_world_of_several_nodes_it_cannot_deal_is_refused_and_not_left(shm_dir, shards,
-                                                                          world, cache, match):
+                                                                          tmp_path, world,
+                                                                          cache, match):
     urls, open_shard = shards
-    given = SharedCache(1, SHARDS * PER, DIMS, world=world, name="given") if cache else None
+    given = SharedCache(1, SHARDS * PER, DIMS, world=world, name="given") if cache is True \
+        else None
+    options = {} if cache is True else {"size_limit_gib": 1, "world": world}
+    if cache == "tier":
+        options["disk_tier"] = str(tmp_path)
     with pytest.raises(ValueError, match=match) as refused:
         CachedStream(urls, open_shard, given, decode=decode, shard_lengths=[PER] * SHARDS,
-                     **({} if cache else {"size_limit_gib": 1, "world": world}))
+                     **options)
     if given is not None:
         given.get_slot(0)  # the caller's cache: still open, the caller closes it
         given.close()
-    else:  # The cache it made is closed, not left to the garbage collector (the traceback,
+    elif cache != "tier":  # (refused before a cache is made)  # The cache it made is closed, not left to the garbage collector (the traceback,
         # which a caller may keep, holds it).
         made = next(tb.tb_frame.f_locals["cache"] for tb in _frames(refused.tb)
                     if tb.tb_frame.f_code.co_name == "__init__" and "made" in
