@@ -5,13 +5,17 @@ torchdata's StatefulDataLoader, a random decode caught, nothing left in /dev/shm
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from _helpers import named, run_copied, value_of
+from _helpers import (CHILDREN, assert_ended_well, free_port, mappers, named, rank_env,
+                      run_copied, value_of)
 from stocaching import CachedStream, SharedCache, ShardLayout, World, list_segments
 
 wds = pytest.importorskip("webdataset")
@@ -336,6 +340,44 @@ def test_two_nodes_cache_the_shards_they_read_and_read_every_sample_once(shm_dir
         ds.close()
     assert named(os.path.join(shm_dir, "a", "node0")) == [] == \
         named(os.path.join(shm_dir, "a", "node1"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_torchrun_agents_as_two_nodes_each_cache_their_own_shards(shm_dir, tmp_path):
+    """Two real torchrun agents on 127.0.0.1 (--nnodes=2, 2 ranks each, 2 DataLoader workers a
+    rank), each node with its own shared-memory directory: every sample once an epoch over the
+    4 ranks, each rank reading its node's shards only, epoch 2 hitting each node's 25 slots;
+    nothing left in either directory."""
+    urls = make_shards(tmp_path, NODES_SHARDS)
+    out, port = str(tmp_path / "seen"), free_port()
+    agents = []
+    for node in range(2):
+        node_dir = os.path.join(shm_dir, f"node{node}")
+        os.makedirs(node_dir)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+               str(CHILDREN / "stream_nodes.py"), out, str(SLOTS), *urls]
+        agents.append(subprocess.Popen(
+            cmd, env=rank_env(node_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True))
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=360)
+        assert_ended_well(subprocess.CompletedProcess(agent.args, agent.returncode, stdout,
+                                                      stderr))
+    ranks = [json.loads(open(f"{out}.rank{r}").read()) for r in range(4)]
+    for epoch in range(2):
+        seen = [i for rank in ranks for i in rank["epochs"][epoch]["seen"]]
+        assert sorted(seen) == list(range(NODES_SHARDS * PER)), epoch
+        for rank in ranks:
+            assert {i // PER for i in rank["epochs"][epoch]["seen"]} <= set(rank["shards"])
+        hits = [ranks[2 * k]["epochs"][epoch]["hits"] for k in range(2)]
+        print(f"real torchrun, epoch {epoch + 1}: node hits {hits}, hit rate "
+              f"{sum(hits) / len(seen):.3f}")
+        assert hits == ([0, 0] if epoch == 0 else [SLOTS, SLOTS])
+    for node in range(2):
+        node_dir = os.path.join(shm_dir, f"node{node}")
+        assert named(node_dir) == [] and mappers(node_dir) == {}
 
 
 def interrupted(ranks, workers, batches, resume=None):
