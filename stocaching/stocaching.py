@@ -3596,8 +3596,7 @@ class SharedCache(BaseCache):
             staging_slots=self._staging_slots,
             world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
                         num_nodes=w.num_nodes),
-            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-            random_subset=lay.random_subset)
+            shm_dir=os.path.dirname(self._path), layout=lay)
         memo[id(self)] = twin
         every = max(1, lay.slots)
         self._segment.lock(_slot_lock_offset(0), every)  # no writer meanwhile

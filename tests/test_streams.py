@@ -5,6 +5,8 @@ torchdata's StatefulDataLoader, a random decode caught, nothing left in /dev/shm
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -336,6 +338,10 @@ def test_two_nodes_cache_the_shards_they_read_and_read_every_sample_once(shm_dir
         assert cache.stored_mask(cached).all() and cache.stats()["filled"] == SLOTS
         assert set(cached.tolist()) == held[node_shards[k][0]] | held[node_shards[k][1]] | \
             set(range(node_shards[k][2] * PER, node_shards[k][2] * PER + 5))
+        with copy.deepcopy(cache) as twin:  # a copy keeps the layout, so the same samples
+            assert twin.layout == cache.layout and twin.stored_mask(cached).all()
+            assert torch.equal(twin.get_slot(int(cached[0]))["item0"], value_of(int(cached[0]),
+                                                                                 DIMS))
     for ds in reversed(ranks):
         ds.close()
     assert named(os.path.join(shm_dir, "a", "node0")) == [] == \
@@ -443,6 +449,37 @@ def test_a_state_of_two_nodes_resumes_once_on_other_worlds(shm_dir, tmp_path, ev
     assert once(first + second + [i for ds in again for i in epoch_of(
         ds, torch.utils.data.DataLoader(ds, batch_size=3))]) == \
         list(range(total))
+
+
+TWO = World(rank=1, world_size=2, node_rank=1, num_nodes=2)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(layout="shards"), TypeError, r"layout should be a CacheLayout or None, but got "
+                                       r"layout='shards'"),
+    (dict(layout=ShardLayout.for_shards([PER] * 5, 2)), ValueError,
+     r"layout should be one of dataset_len=60 over the world's num_nodes=2"),
+    (dict(layout=ShardLayout.for_shards([PER] * SHARDS, 3)), ValueError,
+     r"layout should be one of dataset_len=60 over the world's num_nodes=2"),
+    (dict(layout=ShardLayout.for_shards([PER] * SHARDS, 2), layout_seed=4), ValueError,
+     r"with no layout_seed or random_subset besides"),
+])
+def test_a_layout_a_cache_cannot_take_is_refused(shm_dir, kw, error, match):
+    with pytest.raises(error, match=match):
+        SharedCache(1, SHARDS * PER, DIMS, world=TWO, **kw)
+    assert named(shm_dir) == []
+
+
+def test_a_cache_given_a_shard_layout_holds_its_nodes_shards(shm_dir):
+    layout = ShardLayout.for_shards([PER] * SHARDS, 2, seed=5)
+    budget = (2 * PER * DIMS[0] * 64 + SHARDS * PER + 0.5) / 2**30  # 20 slots
+    with SharedCache(budget, SHARDS * PER, DIMS, world=TWO, layout=layout) as cache:
+        mine = layout.shards_of(1)
+        assert cache.layout == dataclasses.replace(layout, slots=20)
+        assert cache.cached_indices().tolist() == [k * PER + j for k in mine[:2]
+                                                   for j in range(PER)]
+        assert [row.sum() for row in cache.owner_rows()] == [20, 20]
+        assert sorted(np.concatenate([layout.shards_of(0), mine])) == list(range(SHARDS))
 
 
 W = {"epoch": 1, "ranks": 2, "workers": 1}
