@@ -280,6 +280,9 @@ class CachedStream(torch.utils.data.IterableDataset):
                 epoch, after = resume["epoch"], resume
             else:
                 self._check_same_world(resume, here)
+                if resume.get("rank", rank) != rank:
+                    raise ValueError(f"state should be this rank's ({rank}), but got the state "
+                                     f"of rank {resume['rank']}: load each rank's own")
                 epoch, skip, after = resume["epoch"], resume["yielded"], resume.get("after")
         self._epoch = epoch + 1  # (a persistent worker's next epoch)
         if after is None:

@@ -342,6 +342,12 @@ def test_two_nodes_cache_the_shards_they_read_and_read_every_sample_once(shm_dir
             assert twin.layout == cache.layout and twin.stored_mask(cached).all()
             assert torch.equal(twin.get_slot(int(cached[0]))["item0"], value_of(int(cached[0]),
                                                                                  DIMS))
+    # a worker's state resumes on its own rank only
+    ranks[1].load_state_dict({"epoch": 1, "yielded": 3, "ranks": 4, "workers": 1, "nodes": 2,
+                              "rank": 0})
+    with pytest.raises(ValueError, match=r"state should be this rank's \(1\), but got the "
+                                         r"state of rank 0"):
+        next(iter(ranks[1]))
     for ds in reversed(ranks):
         ds.close()
     assert named(os.path.join(shm_dir, "a", "node0")) == [] == \
