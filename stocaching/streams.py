@@ -609,7 +609,7 @@ class ShardLayout(CacheLayout):
     node joins or leaves, the shards of the nodes that stay mostly stay with them (a node
     that stays keeps the shards it reads and caches). A pure function of its fields: every
     node, rank and DataLoader worker computes the same deal; the sizes (``slots``) play no
-    part in it.
+    part in it. (Why bounded rendezvous: docs/design.md, "A stream's shards over nodes".)
 
     Build one with ``ShardLayout.for_shards``; ``CachedStream`` does, and passes it to the
     ``SharedCache`` it makes (``layout=``). Its ``seed`` is a digest of the stream's seed and
