@@ -612,9 +612,11 @@ class ShardLayout(CacheLayout):
     part in it. (Why bounded rendezvous: docs/design.md, "A stream's shards over nodes".)
 
     Build one with ``ShardLayout.for_shards``; ``CachedStream`` does, and passes it to the
-    ``SharedCache`` it makes (``layout=``). Its ``seed`` is a digest of the stream's seed and
-    shard lengths, so that a cache of another stream (or of the default layout) under the
-    same name is told apart when a local rank attaches.
+    ``SharedCache`` it makes (``layout=``). Its ``seed`` is a digest of the stream's seed, the
+    number of nodes and the shard lengths, so that a segment of another stream, of the default
+    layout, or of another number of nodes (whose node reads other shards) under the same name
+    is told apart when a process attaches: a node's share here depends on the number of nodes,
+    unlike ``CacheLayout``'s.
 
     Args (besides ``CacheLayout``'s):
         shard_lengths: the number of samples of each shard, in the shards' order (they sum
@@ -631,7 +633,8 @@ class ShardLayout(CacheLayout):
         lengths = tuple(check_int(f"shard_lengths[{k}]", n, low=0)
                         for k, n in enumerate(shard_lengths))
         seed = check_int("seed", seed, low=0)
-        digest = hashlib.blake2b(repr(("ShardLayout", seed, lengths)).encode(), digest_size=8)
+        digest = hashlib.blake2b(repr(("ShardLayout", seed, num_nodes, lengths)).encode(),
+                                 digest_size=8)
         return cls(sum(lengths), slots, num_nodes, int.from_bytes(digest.digest(), "little")
                    >> 1, False, lengths)
 
