@@ -18,7 +18,8 @@ import torch
 
 from _helpers import (CHILDREN, assert_ended_well, free_port, mappers, named, rank_env,
                       run_copied, value_of)
-from stocaching import CachedStream, SharedCache, ShardLayout, World, list_segments
+from stocaching import (CacheConfigError, CachedStream, SharedCache, ShardLayout, World,
+                        clean_segments, list_segments)
 
 wds = pytest.importorskip("webdataset")
 
@@ -486,6 +487,27 @@ def test_a_cache_given_a_shard_layout_holds_its_nodes_shards(shm_dir):
                                                    for j in range(PER)]
         assert [row.sum() for row in cache.owner_rows()] == [20, 20]
         assert sorted(np.concatenate([layout.shards_of(0), mine])) == list(range(SHARDS))
+
+
+def test_a_persistent_stream_cache_of_another_number_of_nodes_is_not_taken(shm_dir):
+    """A stream node's shards depend on the number of nodes (unlike CacheLayout's share), so
+    the segment of node 0 of 2 is refused by node 0 of 3 (ShardLayout's seed digests the
+    count), never served as if it held the 3-node share."""
+    lengths = [PER] * SHARDS
+    args = dict(size_limit_gib=1, dataset_len=SHARDS * PER, data_dims=DIMS, persistent=True,
+                name="stream-nodes", key="k")
+    try:
+        for nodes in (2, 3):
+            world = World(rank=0, world_size=nodes, node_rank=0, num_nodes=nodes)
+            layout = ShardLayout.for_shards(lengths, nodes)
+            if nodes == 2:
+                SharedCache(world=world, layout=layout, **args).close()
+                continue
+            with pytest.raises(CacheConfigError, match=r"layout_seed"):
+                SharedCache(world=world, layout=layout, **args)
+    finally:
+        clean_segments(shm_dir, persistent=["stream-nodes"])
+    assert named(shm_dir) == []
 
 
 W = {"epoch": 1, "ranks": 2, "workers": 1}
