@@ -45,7 +45,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "with `_common.py` and the other opt-ins it imports (see the README): {modules}.",
      ("CacheAwareSampler", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
       "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader",
-      "CachedDataset", "CachedStream")),
+      "CachedDataset", "CachedStream", "ShardLayout")),
     ("For module authors",
      "For code that extends the opt-in modules or writes another: the base class of every "
      "kind of cache (its members are under [{every}](#{every_anchor})), where a batch's rows "

@@ -126,7 +126,7 @@ class OpenSizeCache(BaseCache):
             holds of such samples, if that is more than an even share of the dataset.
             Default: None (an even share: the nodes' subsets are disjoint).
         name, job_key, world, shm_dir, layout_seed, random_subset, timeout, persistent, key,
-            on_mismatch: as SharedCache's.
+            on_mismatch, layout: as SharedCache's.
 
     Raises:
         As SharedCache's (no file is loaded here).
@@ -168,7 +168,7 @@ class OpenSizeCache(BaseCache):
                  random_subset: bool = False, timeout: float = 300.0,
                  mean_sample_bytes: int | None = None, persistent: bool = False,
                  key: str = "", on_mismatch: str = "raise", disk_tier: Any = None,
-                 disk_tier_gib: Any = None) -> None:
+                 disk_tier_gib: Any = None, layout: Any = None) -> None:
         if disk_tier is not None or disk_tier_gib is not None:
             raise ValueError(f"disk_tier is for samples of a fixed size (a SharedCache, whose "
                              f"rows have one size and so one place in the tier's file); an "
@@ -196,7 +196,7 @@ class OpenSizeCache(BaseCache):
         world, _ = self._configure(
             dataset_len, world=world, layout_seed=layout_seed, random_subset=random_subset,
             timeout=timeout, persistent=persistent, key=key, on_mismatch=on_mismatch,
-            name=name, job_key=job_key, shm_dir=shm_dir, load_from=None)
+            name=name, job_key=job_key, shm_dir=shm_dir, load_from=None, layout=layout)
         candidates = self._size_arena(size_limit_gib, dataset_len, dims, dtype, world.num_nodes,
                                       mean_sample_bytes)
         self._open(candidates, dims, dtype, fields, 0, None)
@@ -516,8 +516,7 @@ class OpenSizeCache(BaseCache):
                              name=f"copy{next(_COPY_COUNTER)}",
                              world=World(rank=w.node_rank, world_size=w.num_nodes,
                                          node_rank=w.node_rank, num_nodes=w.num_nodes),
-                             shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-                             random_subset=lay.random_subset,
+                             shm_dir=os.path.dirname(self._path), layout=lay,
                              mean_sample_bytes=self._mean_sample_bytes or None)
         memo[id(self)] = twin
         self._segment.lock(_slot_lock_offset(0), self._dataset_len)

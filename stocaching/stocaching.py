@@ -2555,7 +2555,8 @@ class BaseCache:
 
     def _configure(self, dataset_len: int, *, world: Any, layout_seed: Any, random_subset: Any,
                    timeout: Any, persistent: Any, key: Any, on_mismatch: Any, name: Any,
-                   job_key: Any, shm_dir: Any, load_from: Any) -> tuple[World, str | None]:
+                   job_key: Any, shm_dir: Any, load_from: Any,
+                   layout: Any = None) -> tuple[World, str | None]:
         """Check the constructor's arguments that every kind takes (each kind checks its own
         first), and set who this process is, the cache's name, path, timeout and layout (0
         slots: the kind sizes it, then calls ``_open``). Returns the world and ``load_from``
@@ -2601,7 +2602,18 @@ class BaseCache:
         if not isinstance(shm_dir, (str, os.PathLike)) or not os.path.isdir(shm_dir):
             raise (ValueError if isinstance(shm_dir, (str, os.PathLike)) else TypeError)(
                 f"shm_dir should be an existing directory on a tmpfs, but got shm_dir={shm_dir!r}")
-        self._layout = CacheLayout(dataset_len, 0, world.num_nodes, layout_seed, random_subset)
+        if layout is None:
+            layout = CacheLayout(dataset_len, 0, world.num_nodes, layout_seed, random_subset)
+        elif not isinstance(layout, CacheLayout):
+            raise TypeError(f"layout should be a CacheLayout or None, but got layout={layout!r}")
+        elif (layout.dataset_len, layout.num_nodes) != (dataset_len, world.num_nodes) or \
+                layout_seed or random_subset:
+            raise ValueError(f"layout should be one of dataset_len={dataset_len} over the "
+                             f"world's num_nodes={world.num_nodes}, with no layout_seed or "
+                             f"random_subset besides (the layout has its own), but got "
+                             f"{layout!r} with layout_seed={layout_seed}, "
+                             f"random_subset={random_subset}")
+        self._layout = dataclasses.replace(layout, slots=0)
         self._world = world
         self._name = name
         self._path = os.path.join(os.fspath(shm_dir), _segment_name(job_key, world.node_rank,
@@ -3258,6 +3270,12 @@ class SharedCache(BaseCache):
             dataset index, comes on top). A disk with less free space only warns: rows that
             find it full are not stored. Default: None, a row for every index of the node's
             share.
+        layout: which indices each node caches, for a source that knows which samples each
+            node reads (``CachedStream`` passes the shards each node streams): a
+            ``CacheLayout`` of ``dataset_len`` over the world's nodes, whose ``slots`` the
+            budget sets; ``layout_seed`` and ``random_subset`` then stay at their defaults.
+            Default: None, ``CacheLayout(dataset_len, slots, num_nodes, layout_seed,
+            random_subset)``.
 
     Attributes:
         read_tags: when not empty (a frozenset of ints, as ``stage``'s ``tag``), ``get_slot``
@@ -3313,7 +3331,8 @@ class SharedCache(BaseCache):
                  persistent: bool = False, key: str = "", on_mismatch: str = "raise",
                  load_from: str | os.PathLike | None = None,
                  disk_tier: str | os.PathLike | None = None,
-                 disk_tier_gib: float | None = None) -> None:
+                 disk_tier_gib: float | None = None,
+                 layout: CacheLayout | None = None) -> None:
         if disk_tier is not None or disk_tier_gib is not None:
             disk_tier, disk_tier_gib = _feature("disk_tier")._check_disk_tier(disk_tier,
                                                                              disk_tier_gib)
@@ -3339,7 +3358,7 @@ class SharedCache(BaseCache):
         world, load_from = self._configure(
             dataset_len, world=world, layout_seed=layout_seed, random_subset=random_subset,
             timeout=timeout, persistent=persistent, key=key, on_mismatch=on_mismatch,
-            name=name, job_key=job_key, shm_dir=shm_dir, load_from=load_from)
+            name=name, job_key=job_key, shm_dir=shm_dir, load_from=load_from, layout=layout)
         shm_dir = os.path.dirname(self._path)
         staging = check_int("staging_slots", staging_slots, low=0)
         if staging:
@@ -3577,8 +3596,7 @@ class SharedCache(BaseCache):
             staging_slots=self._staging_slots,
             world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
                         num_nodes=w.num_nodes),
-            shm_dir=os.path.dirname(self._path), layout_seed=lay.seed,
-            random_subset=lay.random_subset)
+            shm_dir=os.path.dirname(self._path), layout=lay)
         memo[id(self)] = twin
         every = max(1, lay.slots)
         self._segment.lock(_slot_lock_offset(0), every)  # no writer meanwhile

@@ -5,14 +5,21 @@ torchdata's StatefulDataLoader, a random decode caught, nothing left in /dev/shm
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from _helpers import named, run_copied, value_of
-from stocaching import CachedStream, SharedCache, World, list_segments
+from _helpers import (CHILDREN, assert_ended_well, free_port, mappers, named, rank_env,
+                      run_copied, value_of)
+from stocaching import (CacheConfigError, CachedStream, SharedCache, ShardLayout, World,
+                        clean_segments, list_segments)
 
 wds = pytest.importorskip("webdataset")
 
@@ -61,7 +68,7 @@ def decode(raw):
 
 def index_of(x: torch.Tensor) -> int:
     """value_of(i) starts with (i * 7 + 1) % 251: the index of a sample, for i < 251."""
-    return next(i for i in range(SHARDS * PER) if int(value_of(i, DIMS)[0, 0, 0]) == int(x[0, 0, 0]))
+    return next(i for i in range(251) if int(value_of(i, DIMS)[0, 0, 0]) == int(x[0, 0, 0]))
 
 
 def epoch_of(ds, loader) -> list[int]:
@@ -265,21 +272,322 @@ def test_bad_arguments_are_refused(shm_dir, shards, kw, error, match):
     assert named(shm_dir) == []
 
 
-def test_a_cache_of_several_nodes_is_refused_and_not_left(shm_dir, shards):
+NODES_SHARDS, SLOTS = 8, 25  # 8 shards of 10 over 2 nodes: 4 a node, of which 2.5 fit
+
+
+def node_ranks(shm_dir, shards, nodes=2, local=2, *, slots=SLOTS, job="a", **kw):
+    """The ranks of a job of ``nodes`` simulated nodes of ``local`` ranks each, every node with
+    its own shared-memory directory (as each machine has its own /dev/shm)."""
     urls, open_shard = shards
-    world = World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0,
-                  num_nodes=2)
-    with pytest.raises(ValueError, match=r"CachedStream is for one node.*a cache of 2 nodes") \
-            as refused:
-        CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
-                     size_limit_gib=1, world=world)
-    # The cache it made is closed, not left to the garbage collector (the traceback, which a
-    # caller may keep, holds it).
-    made = next(tb.tb_frame.f_locals["cache"] for tb in _frames(refused.tb)
-                if tb.tb_frame.f_code.co_name == "__init__" and "made" in tb.tb_frame.f_locals)
-    with pytest.raises(ValueError, match=r"closed"):
-        made.get_slot(0)
-    del made, refused
+    budget = (slots * 200 + len(urls) * PER + 0.5) / 2**30  # 200-byte slots, an aux byte each
+    ranks = []
+    for node in range(nodes):
+        node_dir = os.path.join(shm_dir, job, f"node{node}")
+        os.makedirs(node_dir, exist_ok=True)
+        for lr in range(local):
+            world = World(rank=node * local + lr, world_size=nodes * local, local_rank=lr,
+                          local_world_size=local, node_rank=node, num_nodes=nodes)
+            ranks.append(CachedStream(urls, open_shard, decode=decode,
+                                      shard_lengths=[PER] * len(urls), size_limit_gib=budget,
+                                      world=world, shm_dir=node_dir, name="s",
+                                      job_key=f"{job}{os.getpid()}", timeout=60,
+                                      **kw))
+    return ranks
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_cache_the_shards_they_read_and_read_every_sample_once(shm_dir, tmp_path):
+    """2 simulated nodes x 2 ranks x 2 DataLoader workers, two epochs: every sample once an
+    epoch over the 4 ranks; each node's cache holds samples of its own shards only (its first
+    2.5 shards: 25 slots), so epoch 2 serves those from the node's cache, opens only the
+    shards not wholly cached there, and decodes only their uncached samples."""
+    shards = make_shards(tmp_path, NODES_SHARDS), OpenShard(str(tmp_path / "opened.log"))
+    urls = shards[0]
+    total = NODES_SHARDS * PER
+    ranks = node_ranks(shm_dir, shards, even=False)
+    layout = ranks[0].cache.layout
+    assert isinstance(layout, ShardLayout) and layout.slots == SLOTS
+    node_shards = [layout.shards_of(k).tolist() for k in range(2)]
+    assert sorted(node_shards[0] + node_shards[1]) == list(range(NODES_SHARDS))
+    assert [len(s) for s in node_shards] == [4, 4]
+    held = [set(range(k * PER, k * PER + PER)) for k in range(NODES_SHARDS)]
+    shards[1].opened()
+    for epoch in range(2):
+        before = [ranks[2 * k].cache.stats() for k in range(2)]
+        seen, read_on = [], [[], []]
+        for r, ds in enumerate(ranks):
+            ds.set_epoch(epoch)
+            got = epoch_of(ds, torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2))
+            seen += got
+            # a rank reads the shards of its own node only, every epoch
+            assert {i // PER for i in got} <= set(node_shards[r // 2]), (epoch, r)
+            read_on[r // 2] += got
+        assert sorted(seen) == list(range(total)), epoch
+        opened = sorted(shards[1].opened())
+        hits = [ranks[2 * k].cache.stats(since=before[k])["hits"] for k in range(2)]
+        print(f"epoch {epoch + 1}: hit rate {sum(hits) / total:.3f} (nodes {hits[0]}, "
+              f"{hits[1]} of {len(read_on[0])}, {len(read_on[1])}); shards opened {len(opened)}")
+        if epoch == 0:
+            assert opened == sorted(os.path.basename(u) for u in urls) and hits == [0, 0]
+        else:  # each node: its first 2 shards from its cache (not opened), 5 of the third
+            assert hits == [SLOTS, SLOTS] and sum(hits) / total == 2 * SLOTS / total
+            assert opened == sorted(os.path.basename(urls[s[k]]) for s in node_shards
+                                    for k in (2, 3))
+    for k in range(2):  # each node cached samples of its own shards, whole shards first
+        cache = ranks[2 * k].cache
+        cached = cache.cached_indices()
+        assert cache.stored_mask(cached).all() and cache.stats()["filled"] == SLOTS
+        assert set(cached.tolist()) == held[node_shards[k][0]] | held[node_shards[k][1]] | \
+            set(range(node_shards[k][2] * PER, node_shards[k][2] * PER + 5))
+        with copy.deepcopy(cache) as twin:  # a copy keeps the layout, so the same samples
+            assert twin.layout == cache.layout and twin.stored_mask(cached).all()
+            assert torch.equal(twin.get_slot(int(cached[0]))["item0"], value_of(int(cached[0]),
+                                                                                 DIMS))
+    # a worker's state resumes on its own rank only
+    ranks[1].load_state_dict({"epoch": 1, "yielded": 3, "ranks": 4, "workers": 1, "nodes": 2,
+                              "rank": 0})
+    with pytest.raises(ValueError, match=r"state should be this rank's \(1\), but got the "
+                                         r"state of rank 0"):
+        next(iter(ranks[1]))
+    for ds in reversed(ranks):
+        ds.close()
+    assert named(os.path.join(shm_dir, "a", "node0")) == [] == \
+        named(os.path.join(shm_dir, "a", "node1"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_torchrun_agents_as_two_nodes_each_cache_their_own_shards(shm_dir, tmp_path):
+    """Two real torchrun agents on 127.0.0.1 (--nnodes=2, 2 ranks each, 2 DataLoader workers a
+    rank), each node with its own shared-memory directory: every sample once an epoch over the
+    4 ranks, each rank reading its node's shards only, epoch 2 hitting each node's 25 slots;
+    nothing left in either directory."""
+    urls = make_shards(tmp_path, NODES_SHARDS)
+    out, port = str(tmp_path / "seen"), free_port()
+    agents = []
+    for node in range(2):
+        node_dir = os.path.join(shm_dir, f"node{node}")
+        os.makedirs(node_dir)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+               str(CHILDREN / "stream_nodes.py"), out, str(SLOTS), *urls]
+        agents.append(subprocess.Popen(
+            cmd, env=rank_env(node_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True))
+    for agent in agents:
+        stdout, stderr = agent.communicate(timeout=360)
+        assert_ended_well(subprocess.CompletedProcess(agent.args, agent.returncode, stdout,
+                                                      stderr))
+    ranks = [json.loads(open(f"{out}.rank{r}").read()) for r in range(4)]
+    for epoch in range(2):
+        seen = [i for rank in ranks for i in rank["epochs"][epoch]["seen"]]
+        assert sorted(seen) == list(range(NODES_SHARDS * PER)), epoch
+        for rank in ranks:
+            assert {i // PER for i in rank["epochs"][epoch]["seen"]} <= set(rank["shards"])
+        hits = [ranks[2 * k]["epochs"][epoch]["hits"] for k in range(2)]
+        print(f"real torchrun, epoch {epoch + 1}: node hits {hits}, hit rate "
+              f"{sum(hits) / len(seen):.3f}")
+        assert hits == ([0, 0] if epoch == 0 else [SLOTS, SLOTS])
+    for node in range(2):
+        node_dir = os.path.join(shm_dir, f"node{node}")
+        assert named(node_dir) == [] and mappers(node_dir) == {}
+
+
+def interrupted(ranks, workers, batches, resume=None):
+    """Each rank of a job runs ``batches`` batches of epoch 1 under a StatefulDataLoader of
+    ``workers`` workers (after loading ``resume``, a job_state), then saves its loader's state:
+    (the samples yielded, each rank's state)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    seen, states = [], []
+    for ds in ranks:
+        ds.set_epoch(1)
+        if resume is not None:
+            ds.load_state_dict(resume)
+        loader = stateful.StatefulDataLoader(ds, batch_size=3, num_workers=workers)
+        it = iter(loader)
+        for _ in range(batches):
+            seen += [index_of(x) for x in next(it)[0]]
+        states.append(loader.state_dict())
+        del it
+    return seen, states
+
+
+def rest_of_epoch(ranks, resume, workers):
+    seen = []
+    for ds in ranks:
+        ds.set_epoch(1)
+        ds.load_state_dict(resume)
+        seen += epoch_of(ds, torch.utils.data.DataLoader(ds, batch_size=3, num_workers=workers))
+    return seen
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("even", [False, True])
+def test_a_state_of_two_nodes_resumes_once_on_other_worlds(shm_dir, tmp_path, even):
+    """Interrupted on 2 nodes x 2 ranks x 2 workers, resumed on 1 node x 3 ranks x 1 worker
+    (job_state of the 4 ranks' StatefulDataLoader states), interrupted again and resumed on
+    3 nodes x 1 rank x 2 workers: every sample of the epoch once over the three runs (with
+    ``even``, at least once: each run pads its workers to the fullest); and the second run's
+    own states resume on its own world."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    shards = make_shards(tmp_path, NODES_SHARDS), OpenShard(str(tmp_path / "opened.log"))
+    total = NODES_SHARDS * PER
+    first, states = interrupted(node_ranks(shm_dir, shards, job="a", even=even), 2, 3)
+    job = CachedStream.job_state(states)
+    assert (job["ranks"], job["workers"], job["nodes"]) == (4, 2, 2)
+    assert sum(map(sum, job["yielded_by"])) == len(first) == 4 * 3 * 3
+    second_ranks = node_ranks(shm_dir, shards, 1, 3, job="b", even=even)
+    shards[1].opened()
+    second, states = interrupted(second_ranks, 0, 4, resume=job)
+    job2 = CachedStream.job_state(states)
+    assert job2["after"] == job and (job2["ranks"], job2["workers"]) == (3, 1)
+    rest = rest_of_epoch(node_ranks(shm_dir, shards, 3, 1, job="c", even=even), job2, 2)
+    print(f"epoch 2 over three worlds: {len(first)} + {len(second)} + {len(rest)} samples")
+    def once(seen):  # with even: every sample, some twice (padding)
+        return sorted(set(seen) if even else seen)
+
+    assert once(first + second + rest) == list(range(total))
+    assert len(second) == sum(map(sum, job2["yielded_by"])) and len(rest) > 0
+    # On the same world, a worker's own state resumes too (its count, in the rest's order).
+    again = node_ranks(shm_dir, shards, 1, 3, job="d", even=even)
+    for ds, st in zip(again, states):
+        ds.set_epoch(1)
+        ds.load_state_dict(st["dataset_state"])
+    assert once(first + second + [i for ds in again for i in epoch_of(
+        ds, torch.utils.data.DataLoader(ds, batch_size=3))]) == \
+        list(range(total))
+
+
+TWO = World(rank=1, world_size=2, node_rank=1, num_nodes=2)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(layout="shards"), TypeError, r"layout should be a CacheLayout or None, but got "
+                                       r"layout='shards'"),
+    (dict(layout=ShardLayout.for_shards([PER] * 5, 2)), ValueError,
+     r"layout should be one of dataset_len=60 over the world's num_nodes=2"),
+    (dict(layout=ShardLayout.for_shards([PER] * SHARDS, 3)), ValueError,
+     r"layout should be one of dataset_len=60 over the world's num_nodes=2"),
+    (dict(layout=ShardLayout.for_shards([PER] * SHARDS, 2), layout_seed=4), ValueError,
+     r"with no layout_seed or random_subset besides"),
+])
+def test_a_layout_a_cache_cannot_take_is_refused(shm_dir, kw, error, match):
+    with pytest.raises(error, match=match):
+        SharedCache(1, SHARDS * PER, DIMS, world=TWO, **kw)
+    assert named(shm_dir) == []
+
+
+def test_a_cache_given_a_shard_layout_holds_its_nodes_shards(shm_dir):
+    layout = ShardLayout.for_shards([PER] * SHARDS, 2, seed=5)
+    budget = (2 * PER * DIMS[0] * 64 + SHARDS * PER + 0.5) / 2**30  # 20 slots
+    with SharedCache(budget, SHARDS * PER, DIMS, world=TWO, layout=layout) as cache:
+        mine = layout.shards_of(1)
+        assert cache.layout == dataclasses.replace(layout, slots=20)
+        assert cache.cached_indices().tolist() == [k * PER + j for k in mine[:2]
+                                                   for j in range(PER)]
+        assert [row.sum() for row in cache.owner_rows()] == [20, 20]
+        assert sorted(np.concatenate([layout.shards_of(0), mine])) == list(range(SHARDS))
+
+
+def test_a_persistent_stream_cache_of_another_number_of_nodes_is_not_taken(shm_dir):
+    """A stream node's shards depend on the number of nodes (unlike CacheLayout's share), so
+    the segment of node 0 of 2 is refused by node 0 of 3 (ShardLayout's seed digests the
+    count), never served as if it held the 3-node share."""
+    lengths = [PER] * SHARDS
+    args = dict(size_limit_gib=1, dataset_len=SHARDS * PER, data_dims=DIMS, persistent=True,
+                name="stream-nodes", key="k")
+    try:
+        for nodes in (2, 3):
+            world = World(rank=0, world_size=nodes, node_rank=0, num_nodes=nodes)
+            layout = ShardLayout.for_shards(lengths, nodes)
+            if nodes == 2:
+                SharedCache(world=world, layout=layout, **args).close()
+                continue
+            with pytest.raises(CacheConfigError, match=r"layout_seed"):
+                SharedCache(world=world, layout=layout, **args)
+    finally:
+        clean_segments(shm_dir, persistent=["stream-nodes"])
+    assert named(shm_dir) == []
+
+
+W = {"epoch": 1, "ranks": 2, "workers": 1}
+
+
+@pytest.mark.parametrize("states,error,match", [
+    ([{**W, "yielded": 3}], ValueError, r"should hold every rank's state \(2 ranks of 1 "
+                                        r"DataLoader workers saved them\), but got 1 ranks"),
+    ([{**W, "yielded": 3}, {**W, "epoch": 2, "yielded": 1}], ValueError,
+     r"states should be of one epoch of one job, but rank 0 worker 0 and rank 1 worker 0 "
+     r"differ: epoch=1 and 2"),
+    ([{**W, "yielded": 3, "nodes": 2, "rank": 1}, {**W, "yielded": 1, "nodes": 2, "rank": 0}],
+     ValueError, r"states should be in rank order, but the state at rank 0 was saved by rank 1"),
+    ([{"epoch": 1, "yielded": 3}, {"epoch": 1, "yielded": 2}], ValueError,
+     r"states should record their world"),
+    ([{"epoch": 1, "shuffle": 3}], ValueError, r"states\[0\]\[0\] should be a dict from "
+                                                r"CachedStream.state_dict\(\)"),
+    ({"epoch": 1, "yielded": 3}, TypeError, r"states should be a list with each rank's state"),
+])
+def test_states_that_are_not_one_jobs_are_refused(states, error, match):
+    with pytest.raises(error, match=match):
+        CachedStream.job_state(states)
+
+
+def test_a_job_state_of_nothing_yielded_starts_the_epoch_afresh():
+    job = CachedStream.job_state([{"epoch": 0, "yielded": 0}, {**W, "yielded": 0}])
+    assert job == {"epoch": 1, "ranks": 2, "workers": 1, "nodes": 1, "yielded_by": [[0], [0]]}
+
+
+def test_a_job_state_of_another_stream_is_refused(shm_dir, shards):
+    """Rank 1 of 2 runs 3 of the 6 shards (30 samples): a count of 31 is another stream's."""
+    urls, open_shard = shards
+    with CachedStream(urls, open_shard, decode=decode, shard_lengths=[PER] * SHARDS,
+                      size_limit_gib=1, even=False) as ds:
+        job = CachedStream.job_state([{**W, "yielded": 30}, {**W, "yielded": 31}])
+        with pytest.raises(ValueError, match=r"state\['yielded_by'\]\[1\]\[0\] should be at "
+                                             r"most the 30 samples that worker runs in epoch 1, "
+                                             r"but got 31: a state of another stream"):
+            ds.load_state_dict(job)
+        ds.load_state_dict(CachedStream.job_state([{**W, "yielded": 30}, {**W, "yielded": 29}]))
+        ds.set_epoch(1)
+        assert len(list(ds)) == 1  # the one sample that rank 1 had not yielded
+
+
+@pytest.mark.parametrize("world,cache,match", [
+    # uneven: 3 ranks over 2 nodes of 1 local rank (the deal counts each node's ranks)
+    (World(rank=0, world_size=3, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
+     False, r"should run as many ranks on every node, but got world_size=3 over num_nodes=2"),
+    # a disk tier: its share of a node's indices would be the default layout's
+    (World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
+     "tier", r"disk_tier is for one node in CachedStream"),
+    # a cache of the default layout: its nodes would cache what they do not read
+    (World(rank=0, world_size=2, local_rank=0, local_world_size=1, node_rank=0, num_nodes=2),
+     True, r"cache should have the layout of this stream over 2 nodes .*pass cache=None, or "
+           r"make it with layout=ShardLayout.for_shards\(shard_lengths, 2, seed=0\)"),
+])
+def test_a_world_of_several_nodes_it_cannot_deal_is_refused_and_not_left(shm_dir, shards,
+                                                                          tmp_path, world,
+                                                                          cache, match):
+    urls, open_shard = shards
+    given = SharedCache(1, SHARDS * PER, DIMS, world=world, name="given") if cache is True \
+        else None
+    options = {} if cache is True else {"size_limit_gib": 1, "world": world}
+    if cache == "tier":
+        options["disk_tier"] = str(tmp_path)
+    with pytest.raises(ValueError, match=match) as refused:
+        CachedStream(urls, open_shard, given, decode=decode, shard_lengths=[PER] * SHARDS,
+                     **options)
+    if given is not None:
+        given.get_slot(0)  # the caller's cache: still open, the caller closes it
+        given.close()
+    elif cache != "tier":  # (refused before a cache is made)  # The cache it made is closed, not left to the garbage collector (the traceback,
+        # which a caller may keep, holds it).
+        made = next(tb.tb_frame.f_locals["cache"] for tb in _frames(refused.tb)
+                    if tb.tb_frame.f_code.co_name == "__init__" and "made" in
+                    tb.tb_frame.f_locals)
+        with pytest.raises(ValueError, match=r"closed"):
+            made.get_slot(0)
+        del made
+    del refused
     assert list_segments(shm_dir) == []
 
 
