@@ -63,7 +63,7 @@ def test_relative_links_resolve():
             assert os.path.exists(path), f"{folder}/{name} links to missing {target}"
 
 
-FEATURES = ("batches", "cli", "disk_tier", "fields", "open_size", "persistent", "saved",
+FEATURES = ("batches", "cli", "disk_tier", "fields", "holder", "open_size", "persistent", "saved",
             "staging")
 
 
