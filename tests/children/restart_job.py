@@ -18,7 +18,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from stocaching import CacheAwareSampler, SharedCache
+from stocaching import SharedCache
+
+try:
+    from stocaching import CacheAwareSampler
+except ImportError:  # the core copied alone, with samplers.py beside it
+    from samplers import CacheAwareSampler
 
 N, BATCH = 480, 8
 
