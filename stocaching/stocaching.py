@@ -1976,6 +1976,7 @@ _FEATURES = {  # module: what uses it (the error when its file is missing says s
     "cli": "the command line (python stocaching.py, plan, list_segments)",
     "disk_tier": "a disk tier (disk_tier=)",
     "fields": "a cache of several fields a sample (a dict data_dims)",
+    "holder": "keeping a cache for torchrun's restarts (under its elastic agent)",
     "open_size": "OpenSizeCache (samples of open sizes, a None in data_dims)",
     "persistent": "a persistent cache (persistent=True)",
     "saved": "saving or loading a cache (save, load_from=, describe_saved_file)",
@@ -1999,11 +2000,25 @@ _SEAM = frozenset({
     "_feature", "_finalize_segment", "_fmt_bytes", "_free_bytes", "_fs_type", "_has_open_size",
     "_is_int", "_is_integer_dtype", "_is_stale_file", "_key_hash", "_memory_room", "_more_room",
     "_names", "_open_existing", "_open_leaders_file", "_open_to_look", "_pack",
-    "_parse_segment_name", "_pointer_of", "_pwrite_all", "_read_header", "_read_key",
-    "_segment_offsets", "_shm_headroom", "_slot_array", "_slot_bytes", "_slot_lock_offset",
-    "_slots_fitting", "_slots_for_budget", "_torch_of", "_try_stale", "_unlink_if_same",
-    "_what_fits"
+    "_parse_segment_name", "_pointer_of", "_process_start", "_pwrite_all", "_read_header",
+    "_read_key", "_segment_offsets", "_shm_headroom", "_slot_array", "_slot_bytes",
+    "_slot_lock_offset", "_slots_fitting", "_slots_for_budget", "_torch_of", "_try_stale",
+    "_unlink_if_same", "_what_fits"
 })
+
+
+def _kept_for_restarts() -> bool:
+    """True under torchrun's elastic agent with holder.py beside this file: the local leader
+    keeps its cache for the agent's restarts (docs/interruptions.md). Without the file, a
+    restarted group starts cold, as a copied core alone always did."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    try:
+        _feature("holder")
+    except ImportError as e:
+        logger.info("stocaching: %s; a restart of this job starts with an empty cache", e)
+        return False
+    return True
 
 
 def _feature(module: str) -> types.ModuleType:
@@ -2092,6 +2107,8 @@ class _Segment(_RecordLocks):
     pointer_fd: int = -1  # the leader's descriptor of an anonymous segment's pointer file
     finalizer: weakref.finalize | None = None  # closes fd (the leader: drops the name too)
     populating: tuple[threading.Thread, threading.Event] | None = None  # pages mapped in
+    # Under torchrun's agent, the leader's: lets the holder go at close() (holder.py)
+    release: weakref.finalize | None = None
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -2405,9 +2422,12 @@ class _Segment(_RecordLocks):
 
     def close(self) -> None:
         """Close this process's descriptor: ``finalizer`` (the leader first waits for the
-        local ranks still to attach, then drops the name). Idempotent."""
+        local ranks still to attach, then drops the name), and let a holder go (``release``).
+        Idempotent."""
         if self.finalizer is not None:
             self.finalizer()
+        if self.release is not None:
+            self.release()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2634,6 +2654,8 @@ class BaseCache:
             self._segment.attach(self, self._timeout)
         elif self._persistent:
             _feature("persistent").open_persistent(self._segment, self, load_from)
+        elif _kept_for_restarts():
+            _feature("holder").open_kept(self._segment, self, load_from)
         else:
             self._segment.make(self, load_from)
 
@@ -3127,6 +3149,9 @@ class BaseCache:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        release = getattr(getattr(self, "_segment", None), "release", None)
+        if exc[0] is not None and release is not None:
+            release.detach()  # a failing block under torchrun's agent: kept for its restart
         self.close()
 
     def __repr__(self) -> str:

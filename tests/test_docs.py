@@ -63,8 +63,8 @@ def test_relative_links_resolve():
             assert os.path.exists(path), f"{folder}/{name} links to missing {target}"
 
 
-FEATURES = ("batches", "cli", "disk_tier", "fields", "masks", "open_size", "persistent",
-            "saved", "staging")
+FEATURES = ("batches", "cli", "disk_tier", "fields", "holder", "masks", "open_size",
+            "persistent", "saved", "staging")
 
 
 @pytest.mark.timeout(300)
