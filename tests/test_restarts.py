@@ -76,11 +76,12 @@ def test_a_restarted_torchrun_group_finds_the_cache_warm_and_nothing_is_left(tmp
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_copied_core_alone_restarts_cold_under_torchrun(tmp_path, tmpfs):
-    """stocaching.py copied without holder.py (samplers.py beside it for the sampler): the same job still gives every
-    index once; its restarted attempt starts with an empty cache, and nothing is left."""
+    """stocaching.py copied without holder.py (samplers.py beside it for the sampler, with the
+    files it needs): the same job still gives every index once; its restarted attempt starts
+    with an empty cache, and nothing is left."""
     alone = tmp_path / "alone"
     alone.mkdir()
-    for module in ("stocaching", "samplers", "_common"):  # (CacheAwareSampler: samplers.py)
+    for module in ("stocaching", "samplers", "_common", "masks", "trainers"):
         (alone / f"{module}.py").write_text(open(os.path.join(REPO, "stocaching",
                                                               f"{module}.py")).read())
     env = rank_env(tmpfs)
