@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
@@ -69,7 +70,7 @@ _CONFIG_OFF = 2 * _SAVE_BLOCK
 _TRAILER = struct.Struct("<8sqqqqqq")  # magic, rows, emptied, row bytes, start, rows' CRC,
 _CHUNK_MAGIC = b"STOCHUNK"             # the indices' CRC; then the CRC of those
 _TRAILER_BYTES = 64
-_SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered, rows loaded)
+_SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered and saved)
 
 
 def _align(n: int) -> int:
@@ -127,23 +128,114 @@ def _send_into(dst_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int
 _SENDFILE = hasattr(os, "sendfile") and sys.platform.startswith("linux")
 
 
-class _CrcChain:
-    """The CRC-32 of buffers given one after the other, computed in order by ``pool`` (one
-    thread: zlib releases the GIL on large buffers), so that checking a saved file's rows
-    overlaps the copy of the next ones. A buffer must not change until ``value()`` returns."""
+def _reopen(fd: int) -> int:
+    """A new descriptor of the file open at ``fd`` (the same file, even if its name now
+    names another), with a file position and readahead of its own; OSError without /proc."""
+    new = os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if fcntl.fcntl(fd, fcntl.F_GETFL) &
+                                          os.O_ACCMODE == os.O_RDWR else os.O_RDONLY) |
+                  os.O_CLOEXEC)
+    a, b = os.fstat(fd), os.fstat(new)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        os.close(new)
+        raise OSError(errno.ESTALE, "not the same file")
+    return new
 
-    def __init__(self, pool: Any) -> None:
-        self._pool, self._last = pool, None
 
-    def add(self, data: np.ndarray) -> None:
-        """Add ``data`` after the buffers added before."""
-        prev = self._last
-        self._last = self._pool.submit(
-            lambda: zlib.crc32(data, prev.result() if prev is not None else 0))
+# The load's sizes: each thread copies a piece of a chunk's rows, then checks it while it is
+# still in the CPU's cache, and a chunk is split among threads in parts of at least
+# _LOAD_PART bytes (see docs/design.md, "Loading a saved file").
+_LOAD_PIECE = 256 * 1024
+_LOAD_PART = 32 * BYTES_PER_MIB
+_LOAD_THREADS = 4  # at most; and no more than the CPUs this process may run on
 
-    def value(self) -> int:
-        """The CRC-32 of every buffer added so far (waits for them)."""
-        return self._last.result() if self._last is not None else 0
+
+def _crc32_zeros(crc: int, nbytes: int) -> int:
+    """The CRC-32 register ``crc`` after ``nbytes`` zero bytes, unconditioned: what the CRC of
+    a stretch contributes to the CRC of itself followed by ``nbytes`` more bytes."""
+    power = 0
+    while nbytes:
+        if nbytes & 1:
+            crc = _gf2_apply(_zeros_operator(power), crc)
+        nbytes >>= 1
+        power += 1
+    return crc
+
+
+def _gf2_apply(matrix: tuple[int, ...], vector: int) -> int:
+    """A 32 x 32 matrix over GF(2) (its columns) times ``vector``."""
+    out, k = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[k]
+        vector >>= 1
+        k += 1
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_operator(power: int) -> tuple[int, ...]:
+    """The linear map of the CRC-32 register over 2**power zero bytes, as 32 columns."""
+    if power == 0:  # one zero byte, read off zlib's own CRC (conditioning undone)
+        return tuple(~zlib.crc32(b"\0", ~(1 << k) & 0xFFFFFFFF) & 0xFFFFFFFF
+                     for k in range(32))
+    half = _zeros_operator(power - 1)
+    return tuple(_gf2_apply(half, col) for col in half)
+
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of two stretches one after the other, from the CRC of each and the length
+    of the second (as zlib's crc32_combine, which Python does not expose)."""
+    return _crc32_zeros(crc1, len2) ^ crc2
+
+
+@dataclasses.dataclass
+class _LoadPart:
+    """One thread's share of a chunk's rows: its rows ``first`` to ``first + rows``, in
+    pieces; their CRC-32 once copied."""
+
+    first: int
+    rows: int
+    crc: int = 0
+
+
+class _ChunkPlan:
+    """How the rows of one saved chunk go into the segment, worked out for all of them at
+    once: per row its slot (``target``, -1: none here) and whether it is the record in force
+    (``live``); in pieces of ``per`` rows, ``straight`` where every row of the piece is live
+    and their slots are consecutive (copied straight into the slots), else read into a
+    buffer and the live rows scattered (``scattered``: such a piece has a live row)."""
+
+    start: int  # the chunk's first byte in the file
+    rows: int
+    per: int
+    target: np.ndarray
+    live: np.ndarray
+    straight: np.ndarray  # per piece
+    scattered: np.ndarray  # per piece
+    copied: list[_LoadPart]  # its parts, in order, once the load has shared them out
+
+    def __init__(self, chunk: dict, slot_of: np.ndarray, last: np.ndarray, per: int) -> None:
+        idx = chunk["indices"]
+        self.start, self.rows, self.per = chunk["start"], chunk["rows"], per
+        self.target = slot_of[idx]
+        self.live = (last[idx] == chunk["first"] + np.arange(self.rows)) & (self.target >= 0)
+        if not self.rows:
+            self.straight = self.scattered = np.zeros(0, bool)
+            return
+        firsts = np.arange(0, self.rows, per)
+        lasts = np.minimum(firsts + per, self.rows) - 1
+        breaks = np.concatenate([[0], np.cumsum(np.diff(self.target) != 1)])
+        self.straight = np.logical_and.reduceat(self.live, firsts) & \
+            (breaks[lasts] == breaks[firsts])
+        self.scattered = ~self.straight & np.logical_or.reduceat(self.live, firsts)
+
+    def parts(self, threads: int, row_bytes: int) -> list[_LoadPart]:
+        """This chunk's rows in up to ``threads`` parts of whole pieces, one per thread,
+        none of them under ``_LOAD_PART`` bytes (one part for a small chunk)."""
+        pieces = len(self.straight)
+        k = max(1, min(threads, pieces, self.rows * row_bytes // max(1, _LOAD_PART)))
+        cuts = [self.per * (pieces * j // k) for j in range(k)] + [self.rows]
+        return [_LoadPart(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def _fsync_dir(path: str) -> None:
@@ -537,8 +629,10 @@ class _SavedFileReader:
         memory is reserved yet (if not, it is before the first write through the mapping).
 
         Rows that go to consecutive slots are copied by the kernel straight from the file
-        into the segment (``_send_into``), the others read into a buffer and scattered; their
-        CRC is computed in a thread meanwhile (``_CrcChain``), and checked at the end."""
+        into the segment (``_send_into``), the others read into a buffer and scattered, by
+        up to ``_LOAD_THREADS`` threads (``_copy``), each checking what it copied while it is
+        in its CPU's cache; a chunk's CRC is then put together from its parts' and checked
+        (see docs/design.md, "Loading a saved file")."""
         cache = self.cache
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -570,42 +664,19 @@ class _SavedFileReader:
                 last[c["indices"]] = first + np.arange(c["rows"])
                 last[c["emptied"]] = -1
                 first += c["rows"]
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            per = max(1, _LOAD_PIECE // max(1, row_bytes))
+            plans = [_ChunkPlan(c, slot_of, last, per) for c in chunks]
+            if not reserved and any(p.scattered.any() for p in plans):  # (written through
+                cache._segment.reserve(cache, cache._segment.fd, cache._segment.size)  # the map)
+            self._copy(plans, fd, path, data_off, rows)
             loaded = np.zeros(len(indices), bool)
-            per = max(1, _SAVE_IO // max(1, row_bytes))
-            buf = np.empty((0, row_bytes), np.uint8)
-            with concurrent.futures.ThreadPoolExecutor(1, "stocaching-load-crc") as pool:
-                for c in chunks:
-                    idx, c["crc"] = c["indices"], _CrcChain(pool)
-                    target = slot_of[idx]
-                    live = (last[idx] == c["first"] + np.arange(c["rows"])) & (target >= 0)
-                    for k in range(0, c["rows"], per):
-                        t, lv = target[k: k + per], live[k: k + per]
-                        off = c["start"] + k * row_bytes
-                        if lv.all() and (len(t) == 1 or bool(np.all(np.diff(t) == 1))):
-                            dst = rows[t[0]: t[0] + len(t)]  # straight into the slots
-                            if _SENDFILE:
-                                self._send_rows(data_off + int(t[0]) * row_bytes, fd, off,
-                                                dst.nbytes, path)
-                            else:
-                                _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                            c["crc"].add(dst)
-                        else:
-                            if not reserved:  # (before the first write through the mapping)
-                                cache._segment.reserve(self, cache._segment.fd, cache._segment.size)
-                                reserved = True
-                            if len(buf) < len(t):
-                                buf = np.empty((min(per, c["rows"]), row_bytes), np.uint8)
-                            dst = buf[:len(t)]
-                            _pread_into(fd, memoryview(dst).cast("B"), off, path)
-                            rows[t[lv]] = dst[lv]
-                            c["crc"].add(dst)
-                            c["crc"].value()  # (the buffer is read into next)
-                        loaded[t[lv]] = True
-                for c in chunks:
-                    if c["crc"].value() != c["rows_crc"]:
-                        raise _damaged_rows(path, c)
+            for c, p in zip(chunks, plans):
+                crc = 0
+                for part in p.copied:
+                    crc = _crc32_combine(crc, part.crc, part.rows * row_bytes)
+                if crc != c["rows_crc"]:
+                    raise _damaged_rows(path, c)
+                loaded[p.target[p.live]] = True
             cache._index_states_np[indices[loaded]] = SET
         finally:
             os.close(fd)
@@ -617,12 +688,100 @@ class _SavedFileReader:
                     int(np.count_nonzero(loaded)), cache._name, path, _fmt_bytes(sup["end"]),
                     took)
 
-    def _send_rows(self, dst_off: int, src_fd: int, src_off: int, nbytes: int, path: str
-                   ) -> None:
-        """``_send_into`` this segment; a full filesystem raises ``CacheCapacityError``."""
+    def _copy(self, plans: list[_ChunkPlan], fd: int, path: str, data_off: int,
+              rows: np.ndarray) -> None:
+        """Copy every row of ``plans`` into the segment and set each part's CRC (the parts
+        in each plan's ``copied``): a chunk's parts are shared among threads, each with its
+        own descriptors of the file and of the segment (its own readahead and, for
+        ``sendfile``, its own position), reading its share in file order. The first error
+        of any thread is raised, once every thread has stopped."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        threads = max(1, min(_LOAD_THREADS, cpus))
+        shares: list[list[tuple[_ChunkPlan, _LoadPart]]] = []
+        for p in plans:
+            p.copied = p.parts(threads, rows.shape[1])
+            for j, part in enumerate(p.copied):
+                if j == len(shares):
+                    shares.append([])
+                shares[j].append((p, part))
+        handles = [(fd, self.cache._segment.fd)]
+        try:
+            for _ in shares[1:]:
+                handles.append((_reopen(fd), _reopen(self.cache._segment.fd)))
+        except OSError:  # (no /proc: one thread copies every part, in file order)
+            shares = [[job for p in plans for job in ((p, q) for q in p.copied)]]
+        stop = threading.Event()
+        try:
+            if len(shares) == 1:
+                self._copy_share(shares[0], *handles[0], path, data_off, rows, stop)
+                return
+            with concurrent.futures.ThreadPoolExecutor(len(shares) - 1,
+                                                       "stocaching-load") as pool:
+                done = [pool.submit(self._copy_share, share, *h, path, data_off, rows, stop)
+                        for share, h in zip(shares[1:], handles[1:])]
+                try:
+                    self._copy_share(shares[0], *handles[0], path, data_off, rows, stop)
+                finally:
+                    errors = [f.exception() for f in done]
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
+        finally:
+            for src, seg in handles[1:]:
+                _close_fd(src)
+                _close_fd(seg)
+
+    def _copy_share(self, share: list[tuple[_ChunkPlan, _LoadPart]], src_fd: int,
+                    seg_fd: int, path: str, data_off: int, rows: np.ndarray,
+                    stop: threading.Event) -> None:
+        """One thread's parts, in order, piece by piece: a straight piece goes into its
+        slots (``sendfile`` where it can) and is checked there in ``_LOAD_PIECE`` bytes at a
+        time, another is read into a buffer, checked and its live rows scattered. Stops
+        early once ``stop`` is set; sets it when it fails."""
+        row_bytes = rows.shape[1]
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(src_fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        flat = rows.reshape(-1)
+        buf = None
+        try:
+            for plan, part in share:
+                crc = 0
+                for first in range(part.first, part.first + part.rows, plan.per):
+                    if stop.is_set():
+                        return
+                    n = min(plan.per, part.first + part.rows - first)
+                    off = plan.start + first * row_bytes
+                    if plan.straight[first // plan.per]:
+                        at = int(plan.target[first]) * row_bytes
+                        for k in range(0, n * row_bytes, _LOAD_PIECE):
+                            m = min(_LOAD_PIECE, n * row_bytes - k)
+                            dst = flat[at + k: at + k + m]
+                            if _SENDFILE:
+                                self._send_rows(seg_fd, data_off + at + k, src_fd, off + k, m,
+                                                path)
+                            else:
+                                _pread_into(src_fd, memoryview(dst), off + k, path)
+                            crc = zlib.crc32(dst, crc)
+                    else:
+                        if buf is None:
+                            buf = np.empty((plan.per, row_bytes), np.uint8)
+                        got = buf[:n]
+                        _pread_into(src_fd, memoryview(got).cast("B"), off, path)
+                        crc = zlib.crc32(got, crc)
+                        live = plan.live[first: first + n]
+                        rows[plan.target[first: first + n][live]] = got[live]
+                part.crc = crc
+        except BaseException:
+            stop.set()
+            raise
+
+    def _send_rows(self, seg_fd: int, dst_off: int, src_fd: int, src_off: int, nbytes: int,
+                   path: str) -> None:
+        """``_send_into`` this segment (open at ``seg_fd``); a full filesystem raises
+        ``CacheCapacityError``."""
         cache = self.cache
         try:
-            _send_into(cache._segment.fd, dst_off, src_fd, src_off, nbytes, path)
+            _send_into(seg_fd, dst_off, src_fd, src_off, nbytes, path)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise

@@ -364,3 +364,115 @@ def test_a_saved_file_is_described_without_loading_it(shm_dir, tmp_path):
         describe_saved_file(3)
 
 
+
+
+def test_a_crc_put_together_from_parts_is_the_crc_of_the_whole():
+    import zlib
+
+    from stocaching.saved import _crc32_combine
+    data = bytes(value_of(5, (3, 64, 64)).reshape(-1).tolist()) * 3
+    for cut in (0, 1, 7, 4096, 12289, len(data) - 1, len(data)):
+        a, b = data[:cut], data[cut:]
+        assert _crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data), cut
+
+
+def _parted(monkeypatch, sendfile=True):
+    """Load in parts of 4 rows (3 threads at most) and pieces of 2 rows, so that a small
+    file takes every path of a large one."""
+    import stocaching.saved as saved
+    monkeypatch.setattr(saved, "_SENDFILE", sendfile)
+    monkeypatch.setattr(saved, "_LOAD_PIECE", 2 * 4096)
+    monkeypatch.setattr(saved, "_LOAD_PART", 4 * 4096)
+    monkeypatch.setattr(saved, "_LOAD_THREADS", 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+
+
+@pytest.mark.parametrize("sendfile", [True, False],
+                         ids=["copied by the kernel", "read into the mapping"])
+def test_rows_load_in_parts_by_threads_and_a_bad_row_in_any_part_is_refused(
+        shm_dir, tmp_path, monkeypatch, sendfile):
+    """Three threads each copy a part of each chunk (the chunk's check put together from the
+    parts'): straight rows, a replaced one and scattered ones load as saved; a byte flipped
+    in the middle of the first chunk's last part or first part, or in a scattered row of the
+    second chunk, refuses the whole file."""
+    _parted(monkeypatch, sendfile)
+    path = str(tmp_path / "c.stc")
+    filled = set(range(30)) | {31, 37, 44, 50, 51, 52, 53, 54}
+    with saved_cache(shm_dir, path) as c:
+        for i in range(30):
+            c.set_slot(i, value_of(i, SAVED_DIMS))
+        first_end = c.save(path)["bytes"]
+        c.set_slot(4, value_of(4, SAVED_DIMS), allow_overwrite=True)  # (its first row dies)
+        for i in sorted(filled - set(range(30))):
+            c.set_slot(i, value_of(i, SAVED_DIMS))
+        assert c.save(path)["samples"] == 9
+    import stocaching.saved as saved
+    shares, real = [], saved._SavedFileReader._copy_share
+
+    def noted(self, share, *args):
+        shares.append(len(share))
+        return real(self, share, *args)
+
+    monkeypatch.setattr(saved._SavedFileReader, "_copy_share", noted)
+    with saved_cache(shm_dir, path) as c:
+        _holds(c, filled)
+    assert sorted(shares) == [1, 2, 2]  # (parts of each chunk: 3 of the first, 2 of the other)
+    good = open(path, "rb").read()
+    rows = 3 * 4096  # (where the first chunk's rows start: past the header)
+    for at, record in ((rows + 26 * 4096 + 9, rows), (rows + 3 * 4096 + 9, rows),
+                       (first_end + 4096 + 9, first_end)):  # (slot 31's row: scattered)
+        data = bytearray(good)
+        data[at] ^= 0x40
+        open(path, "wb").write(data)
+        with pytest.raises(CacheFileError, match=rf"record at byte {record} fail their check"):
+            saved_cache(shm_dir, path)
+        assert os.listdir(shm_dir) == []
+
+
+def test_a_file_truncated_in_the_middle_of_a_chunk_is_refused(shm_dir, tmp_path, monkeypatch):
+    _parted(monkeypatch)
+    path = saved_file(shm_dir, tmp_path)  # 32 rows in one chunk
+    size = os.path.getsize(path)
+    os.truncate(path, 3 * 4096 + 20 * 4096 + 100)
+    with pytest.raises(CacheFileError, match=rf"is truncated: .* ends at byte {size}"):
+        saved_cache(shm_dir, path)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_file_that_shrinks_during_the_load_is_refused_as_truncated(shm_dir, tmp_path,
+                                                                       monkeypatch):
+    """The size is checked before the copy; a file cut short after that (by another process)
+    fails the copy of the part that reaches past its end, and nothing is loaded."""
+    import stocaching.saved as saved
+    _parted(monkeypatch)
+    path = saved_file(shm_dir, tmp_path)
+    real = saved._read_chunks
+
+    def then_cut(fd, *args):
+        found = real(fd, *args)
+        os.truncate(path, 3 * 4096 + 20 * 4096 + 100)
+        return found
+
+    monkeypatch.setattr(saved, "_read_chunks", then_cut)
+    with pytest.raises(CacheFileError, match=r"is truncated: it ends at byte \d+, inside a saved"):
+        saved_cache(shm_dir, path)
+    assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.parametrize("parted", [False, True], ids=["as it is", "in parts"])
+def test_a_file_written_by_stocaching_0_3_0_loads(shm_dir, tmp_path, monkeypatch, parted):
+    """tests/data/saved-by-0.3.0.stc, written before the load was split among threads (at
+    0efacba): samples 0-9 saved, then 0 replaced and 12, 20 and 33 added (a second chunk)."""
+    if parted:
+        import stocaching.saved as saved
+        _parted(monkeypatch)
+        monkeypatch.setattr(saved, "_LOAD_PIECE", 2 * 128)
+        monkeypatch.setattr(saved, "_LOAD_PART", 3 * 128)
+    dims = (2, 8, 8)
+    with SharedCache(64 * 200 / 2**30, 64, dims, key="old-format", shm_dir=shm_dir,
+                     load_from=os.path.join(os.path.dirname(__file__), "data",
+                                            "saved-by-0.3.0.stc")) as c:
+        for i in range(64):
+            got = c.get_slot(i)
+            assert (got is not None) == (i in {*range(10), 12, 20, 33}), i
+            assert got is None or torch.equal(got, value_of(i, dims))
