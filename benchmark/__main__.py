@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality|mixture|persistent|device|tier|stream|peers] ...``
+"""Command line: ``python -m benchmark [run|sweep|analyze|latency|quality|mixture|persistent|elastic|device|tier|stream|peers] ...``
 omitted).
 
     python -m benchmark                                   # the default run, a few minutes
@@ -12,6 +12,7 @@ omitted).
     python -m benchmark quality                           # accuracy and batch diversity, digits
     python -m benchmark mixture                           # weighted mixtures: shares, hits, build
     python -m benchmark persistent                        # a cache that outlives its job
+    python -m benchmark elastic                           # restarts and resizes, torchrun agents
     python -m benchmark device                            # batches straight to the device
     python -m benchmark tier                              # the disk tier alone
     python -m benchmark stream                            # WebDataset shards, cached or not
@@ -33,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from . import arguments as A
 
-SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture", "persistent",
+SUBCOMMANDS = ("run", "sweep", "analyze", "latency", "quality", "mixture", "persistent", "elastic",
                "device", "tier", "stream", "peers")
 
 
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Without a subcommand, 'run' is assumed.  Under torchrun every rank runs the same "
                "command; rank 0 prints and writes the results.")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{run,sweep,analyze,latency,quality,mixture,persistent,"
+                                metavar="{run,sweep,analyze,latency,quality,mixture,persistent,elastic,"
                                         "device,tier,stream,peers}")
     run = sub.add_parser("run", help="one loader setup, a few cache fractions (the default)",
                          description="One loader setup: no cache, each cache fraction, in-RAM.")
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("csv", type=Path)
     an.add_argument("--out", type=Path, default=None,
                     help="where the PNGs go (default: next to the CSV)")
-    from . import device, latency, mixture, peers, persistent, quality, stream, tier
+    from . import device, elastic, latency, mixture, peers, persistent, quality, stream, tier
 
     lat = sub.add_parser("latency", help="EMULATED storage latency: plain DataLoader vs the "
                                          "Prefetcher (plain, fixed and adaptive window)",
@@ -180,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     per = sub.add_parser("persistent", help="a cache that outlives its job: the next job's attach "
                                             "and epoch 1", description=persistent.__doc__.split("\n\n")[0])
     persistent.add_arguments(per)
+    ela = sub.add_parser("elastic", help="a job interrupted and resumed on the same world and on "
+                                         "a resized one (torchrun agents as nodes)",
+                         description=elastic.__doc__.split("\n\n")[0])
+    elastic.add_arguments(ela)
     dev = sub.add_parser("device", help="batches straight to the device: DataLoader, the "
                                         "training-process gather and the DeviceLoader",
                          description=device.__doc__.split("\n\n")[0])

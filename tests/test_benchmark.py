@@ -787,3 +787,23 @@ def test_the_stream_scenario_runs_and_judges_its_targets(tmp_path, shm_dir, caps
     assert len(re.findall(r"^\[(PASS|MISS)\] ", out, re.M)) == 2, out
     assert "[PASS] bytes a warm epoch reads at 50 % cached" in out
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_the_elastic_scenario_resumes_each_index_once_warm_and_leaves_nothing(capsys):
+    """Real torchrun agents as nodes: a restart killed mid-epoch finds every slot warm, a job
+    resized from 2 nodes to 3 serves every read of what its nodes held, every index of every
+    epoch comes once, and nothing is left (the timing target needs the uninterrupted arm,
+    which this run leaves out: nothing here depends on a timing)."""
+    rc = main(["elastic", "--dataset-len", "384", "--batch-size", "16", "--workers", "1",
+               "--read-ms", "0.2", "--arms", "warm restart", "resize 2 -> 3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("every index of every epoch once: True; left in the shm directories "
+                     "after the job: 0 files") == 2, out
+    slots = int(0.3 * 384) * 2
+    assert f"attach of job 0 attempt 1: the nodes held {slots} of their {slots} slots" in out
+    held, hit = re.search(r"PASS resize 2 -> 3: .* (\d+) were of indices their node held, and "
+                          r"(\d+) hit", out).groups()
+    assert int(held) > 0 and int(hit) >= int(held)
