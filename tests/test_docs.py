@@ -354,3 +354,28 @@ def test_the_package_imports_from_the_checkouts_parent_folder(tmp_path):
                            text=True, timeout=60)
         assert r.returncode == 0, (argv, r.stderr[-2000:])
     assert "stocaching segments" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_restart_recipe_runs_as_written_and_its_second_attempt_hits(tmp_path, shm_dir):
+    """docs/interruptions.md's restart_demo.py, unchanged, under the torchrun command it names:
+    rank 1 SIGKILLs itself in epoch 1; the restarted attempt reads the rest of epoch 1 and epoch
+    2 from the cache (hit rate 1.00), and nothing is left."""
+    text = read("docs", "interruptions.md")
+    head = "# torchrun --standalone --nproc_per_node=2 --max-restarts=1 restart_demo.py\n"
+    code = text[text.index(head): text.index("```", text.index(head))]
+    (tmp_path / "restart_demo.py").write_text(code)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *head.split()[2:]]
+    r = run_bounded(cmd, env=env, timeout=250, cwd=str(tmp_path))
+    assert_ended_well(r)
+    got = re.findall(r"^attempt (\d) rank (\d) epoch (\d): \d+ reads, hit rate ([\d.]+)$",
+                     r.stdout, re.M)
+    assert {(a, k, e, h) for a, k, e, h in got if a == "0" and e == "0"} == \
+        {("0", "0", "0", "0.00"), ("0", "1", "0", "0.00")}, r.stdout
+    second = {(k, e): h for a, k, e, h in got if a == "1"}
+    assert second == {("0", "1"): "1.00", ("1", "1"): "1.00", ("0", "2"): "1.00",
+                      ("1", "2"): "1.00"}, r.stdout
+    assert len(re.findall(r"^attempt 1 rank \d epoch 1: 672 reads", r.stdout, re.M)) == 2
+    assert os.listdir(shm_dir) == []
