@@ -542,16 +542,9 @@ class WeightedMixtureSampler(torch.utils.data.Sampler[int]):
                 "num_samples": total, **rest.fields(), "rank": self.rank}
 
     def rest_state(self, consumed: int, taken: Any = ()) -> dict[str, Any]:
-        """This rank's state of the current epoch as its rest (see ``_common.rest_state``),
-        for a sampler that reorders this one's indices (``ReadyFirstSampler``): the ranks
-        consumed their first ``consumed`` indices, and this rank also those at the
-        positions ``taken`` of its epoch (as ``epoch_indices`` lists them), out of order.
-        The states of every rank, joined, resume the rest on any world.
-
-        Args:
-            consumed: indices of this epoch every rank has used, a prefix.
-            taken: positions (ints, ``>= consumed``) of this rank's epoch also used.
-        """
+        """This rank's state of the current epoch as its rest, as
+        ``CacheAwareSampler.rest_state`` gives it (the same arguments): for
+        ``ReadyFirstSampler`` over a mixture."""
         return rest_state(self, consumed, taken, batch_size=1,
                           length=self._recipe(self.epoch)[1])
 
