@@ -50,6 +50,7 @@ if __name__ != "__main__":  # (the holder itself runs this file with the standar
 _POLL_SECONDS = 1.0  # how often the holder looks at the agent without a pidfd
 _ANSWER_SECONDS = 5.0  # how long either side waits for the other's message
 _GONE_WAIT = 5.0  # how long a leader waits for the holder of a segment it replaces to exit
+_LISTENING_WAIT = 10.0  # how long a leader waits for the holder it started to listen
 # Process-wide by nature: the holders this process started, polled (reaped once they exit)
 # rather than left as zombies while this process lives.
 _HOLDERS: list = []
@@ -85,7 +86,7 @@ def open_kept(segment: _Segment, owner: BaseCache, load_from: str | None = None)
     error."""
     address = holder_address(owner)
     fd = _ask(address, b"open")
-    if isinstance(fd, int):
+    if fd is not False:  # (a descriptor; False is no holder, and an int too: not isinstance)
         if _adopt(segment, owner, fd):
             segment.release = _release_on_close(segment, address)
             if load_from is not None:
@@ -182,14 +183,24 @@ def _start_holder(segment: _Segment, address: str) -> None:
     # A copy above the standard streams' numbers (a launcher may start its workers with stdin
     # closed, and the segment's descriptor is then 0, which the child's stdin would replace).
     fd = fcntl.fcntl(segment.fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    listening, told = os.pipe()  # the holder writes a byte once it listens
     try:
         holder = subprocess.Popen(
             [sys.executable, "-I", "-S", os.path.abspath(__file__), str(agent_pid),
-             str(agent_start), address, str(fd)],
-            pass_fds=(fd,), start_new_session=True, close_fds=True, cwd="/",
+             str(agent_start), address, str(fd), str(told)],
+            pass_fds=(fd, told), start_new_session=True, close_fds=True, cwd="/",
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     finally:
         _close_fd(fd)
+        _close_fd(told)
+    # Return once it listens (or has given up: the pipe's end), so that a close() right after
+    # this construction finds it to let go; otherwise its b"go" would find nobody, and the
+    # holder would keep the segment, and its memory, until the agent exits.
+    try:
+        if select.select([listening], [], [], _LISTENING_WAIT)[0]:
+            os.read(listening, 1)
+    finally:
+        _close_fd(listening)
     _HOLDERS[:] = [h for h in _HOLDERS if h.poll() is None] + [holder]
 
 
@@ -205,17 +216,21 @@ def _start_of(pid: int) -> int:
         return 0
 
 
-def hold(agent_pid: int, agent_start: int, address: str, fd: int) -> None:
+def hold(agent_pid: int, agent_start: int, address: str, fd: int, told: int) -> None:
     """The holder's life: keep ``fd`` open and hand copies of it to this user's processes
-    that ask at ``address``, until the agent exits or one asks it to let go."""
+    that ask at ``address``, until the agent exits or one asks it to let go. A byte on
+    ``told`` tells the leader that started it that it listens."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's ^C: the agent's to handle)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         listener.bind("\0" + address)
     except OSError:  # another holder has the name: that one keeps its segment
+        os.close(told)
         return
     listener.listen(8)
+    os.write(told, b"1")
+    os.close(told)
     try:
         agent = os.pidfd_open(agent_pid)
     except (OSError, AttributeError):  # (Linux < 5.3: look at /proc instead)
@@ -246,4 +261,4 @@ def _answer(listener: socket.socket, fd: int) -> bytes:
 
 
 if __name__ == "__main__":
-    hold(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    hold(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

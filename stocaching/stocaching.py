@@ -285,7 +285,10 @@ def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
 
 
 def _check_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
-    if dtype not in _DTYPES:
+    if isinstance(dtype, Mapping):
+        raise TypeError(f"{name} should be a torch dtype; a dict of dtypes, one a field, "
+                        f"comes with a dict data_dims of those fields, but got {name}={dtype!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
         raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
             f"{name} should be one of the fixed-size torch dtypes ({names}), "
@@ -1822,7 +1825,11 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
     still come: the launchers start the local ranks as siblings (torchrun, mp.spawn, srun) or
     as children of rank 0 (Lightning), so when no such process is alive (see
     ``_a_local_rank_may_come``), the missing ranks died or were never started, and nobody is
-    left to wait for."""
+    left to wait for. A leader that ends on an uncaught exception does not wait: its job is
+    failing, its launcher stops the other ranks, and waiting would hold back the report (and
+    a restart) for ``timeout`` seconds."""
+    if getattr(sys, "last_value", None) is not None:  # (set for an uncaught exception)
+        return
     start = time.monotonic()
     delay, told = 0.005, False
     while _names(path, ino, dev) and _a_local_rank_may_come():

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 import stocaching
-from _helpers import age, mappers, named, rank_env, run_child, start_child, wait_until_unmapped
+from _helpers import (age, assert_no_leak, free_port, mappers, named, rank_env, run_bounded,
+                      run_child, start_child, wait_until_unmapped)
 from stocaching import SharedCache
 
 
@@ -126,3 +127,26 @@ def test_cleaning_does_not_drop_this_process_slot_locks(shm_dir):
         c._segment.unlock((1 << 50) + 1 + 3)
     assert r.stdout.strip() == "held"
     c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_leader_that_fails_does_not_hold_back_its_failure_for_the_timeout(tmp_path, shm_dir):
+    """Under torchrun, local rank 0 makes the cache (timeout 600 s) and fails with an uncaught
+    exception while local rank 1 has not constructed it yet: the leader does not wait for rank
+    1 before it exits, so torchrun sees the failure at once (and stops rank 1), the job ends
+    with the leader's error well within the wait it used to take, and nothing is left."""
+    job = tmp_path / "failing_leader.py"
+    job.write_text(
+        "import os, time\n"
+        "from stocaching import SharedCache\n"
+        "if os.environ['LOCAL_RANK'] == '1':\n"
+        "    time.sleep(600)  # a rank that is slow to construct its cache\n"
+        "c = SharedCache(1e-4, 10, (4,), timeout=600)\n"
+        "raise ValueError('the training step failed')\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master-port={free_port()}", str(job)]
+    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=200)
+    assert r.returncode != 0 and "ValueError: the training step failed" in r.stderr, \
+        r.stderr[-3000:]
+    assert_no_leak(shm_dir)

@@ -61,6 +61,27 @@ def _restart_job(tmp_path, tmpfs, env):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stdin", ["open", "closed"])
+def test_a_first_attempt_with_no_holder_to_ask_leaves_the_leaders_descriptors_alone(stdin,
+                                                                                  tmpfs):
+    """Under the agent's variables, a leader that finds no holder makes its cache and starts
+    one, with its standard input as it was, or closed (a launcher may start its workers so: CI
+    does); close() lets the holder go. (A "no holder" answer once passed for descriptor 0.)"""
+    code = (f"import os, torch\n{'os.close(0)' if stdin == 'closed' else ''}\n"
+            "from stocaching import SharedCache\n"
+            "c = SharedCache(1e-4, 10, (4,), name='first')\n"
+            "c.set_slot(1, torch.ones(4, dtype=torch.uint8))\n"
+            "assert int(c.get_slot(1).sum()) == 4\n"
+            f"{'os.fstat(0)' if stdin == 'open' else ''}\n"  # (raises if it was closed)
+            "c.close()\nprint('made')\n")
+    env = dict(rank_env(tmpfs), TORCHELASTIC_RUN_ID="first-attempt")
+    r = run_bounded([sys.executable, "-c", code], env=env, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "made", r.stderr[-3000:]
+    _wait_no_holder(tmpfs)
+    assert_no_leak(tmpfs)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_restarted_torchrun_group_finds_the_cache_warm_and_nothing_is_left(tmp_path, tmpfs):
     """Rank 1 SIGKILLs itself mid-epoch; torchrun restarts the group, which resumes from the
