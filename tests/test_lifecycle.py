@@ -131,7 +131,7 @@ def test_cleaning_does_not_drop_this_process_slot_locks(shm_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_leader_that_fails_does_not_hold_back_its_failure_for_the_timeout(tmp_path, shm_dir):
+def test_a_leader_that_fails_does_not_hold_back_its_failure_for_the_timeout(tmp_path, tmpfs):
     """Under torchrun, local rank 0 makes the cache (timeout 600 s) and fails with an uncaught
     exception while local rank 1 has not constructed it yet: the leader does not wait for rank
     1 before it exits, so torchrun sees the failure at once (and stops rank 1), the job ends
@@ -146,7 +146,7 @@ def test_a_leader_that_fails_does_not_hold_back_its_failure_for_the_timeout(tmp_
         "raise ValueError('the training step failed')\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            f"--master-port={free_port()}", str(job)]
-    r = run_bounded(cmd, env=rank_env(shm_dir), timeout=200)
+    r = run_bounded(cmd, env=rank_env(tmpfs), timeout=200)
     assert r.returncode != 0 and "ValueError: the training step failed" in r.stderr, \
         r.stderr[-3000:]
-    assert_no_leak(shm_dir)
+    assert_no_leak(tmpfs)

@@ -60,7 +60,6 @@ def _restart_job(tmp_path, tmpfs, env):
     return filled, rate, len(kept)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stdin", ["open", "closed"])
 def test_a_first_attempt_with_no_holder_to_ask_leaves_the_leaders_descriptors_alone(stdin,
                                                                                   tmpfs):
