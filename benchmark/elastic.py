@@ -74,6 +74,9 @@ class _Emulated(TwoLineDataset):
     """The two lines over samples filled with ``i % 256``; a miss sleeps ``read_s`` first (the
     EMULATED source read). An item is its index."""
 
+    n: int  # samples
+    read_s: float  # the emulated read of a miss, in seconds
+
     def __init__(self, cache: Any, n: int, read_s: float) -> None:
         self.cache, self.n, self.read_s = cache, n, read_s
 
@@ -92,6 +95,8 @@ class _Emulated(TwoLineDataset):
 
 class _Records:
     """One process's JSON lines (flushed at each line: a killed process keeps what it wrote)."""
+
+    file: Any  # the open file, appended to
 
     def __init__(self, path: str) -> None:
         self.file = open(path, "a")
