@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ import numpy as np
 import torch
 
 from .two_lines import TwoLineDataset
+from .two_nodes import free_port
 
 DIMS = (3, 32, 32)
 TARGET_RESTART = 0.9
@@ -186,16 +186,10 @@ def _worker(plan: dict) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(plan: dict, nodes: int, shm_dirs: list[str], timeout: float,
              max_restarts: int) -> float:
     """Start ``nodes`` torchrun agents for one job and wait for them; return the seconds."""
-    port = _free_port()
+    port = free_port()
     plan_path = os.path.join(plan["dir"], f"plan-{plan['job']}.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f)

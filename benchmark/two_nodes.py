@@ -88,7 +88,8 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous of agents on this machine)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -96,7 +97,7 @@ def _free_port() -> int:
 
 def run(sampler: str, args: argparse.Namespace) -> list[dict]:
     """Start two torchrun agents (node 0 and node 1) and return the ranks' rows."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, OMP_NUM_THREADS="1")
