@@ -784,6 +784,10 @@ def test_ddp_two_ranks_one_cache_each_index_once(shm_dir, tmp_path):
     assert all(again[i] == [] for i in range(N) if i not in oob)
     assert all(again[i] == [f"prefetcher{reader[1][i]}"] for i in oob)
     assert ranks[0]["staged_after"] == 0
+    # The holder, which keeps the segment for a restart while the agent lives, exits a moment
+    # after torchrun returns (it waits on the agent's pidfd): an event-bound wait, as for
+    # workers that are still exiting. (A CI run caught it holding the segment's descriptor.)
+    assert all(wait_exit(pid, 60) for pid in users(shm_dir))
     assert os.listdir(shm_dir) == [] and users(shm_dir) == {}
 
 
