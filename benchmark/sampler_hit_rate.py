@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import time
 import tracemalloc
 from typing import Sequence
@@ -29,24 +28,12 @@ from typing import Sequence
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from stocaching import CacheAwareSampler, CacheLayout
+from stocaching import CacheAwareSampler, CacheLayout, ideal_hit_rate
 
 NODES = (1, 2, 4, 8, 16)
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5)
 COLUMNS = ("nodes", "cache_fraction", "nodes_x_fraction", "distributed_sampler",
            "cache_aware_sampler", "cache_aware_worst_node", "ideal", "cache_aware_over_ideal")
-
-
-def ideal_hit_rate(num_nodes: int, fraction: float, node_batch: int) -> float:
-    """E[min(B, X)] / B for X ~ Binomial(num_nodes * B, fraction), B = ``node_batch``, from the
-    binomial pmf (computed in log space: the binomial coefficients overflow floats)."""
-    m = num_nodes * node_batch
-    if fraction <= 0.0 or fraction >= 1.0:
-        return min(max(fraction, 0.0), 1.0)
-    log_f, log_1f, log_m = math.log(fraction), math.log1p(-fraction), math.lgamma(m + 1)
-    return sum(min(node_batch, x) * math.exp(log_m - math.lgamma(x + 1) - math.lgamma(m - x + 1)
-                                             + x * log_f + (m - x) * log_1f)
-               for x in range(m + 1)) / node_batch
 
 
 def per_node_rate(indices: Sequence[np.ndarray], cached: np.ndarray, local_world_size: int

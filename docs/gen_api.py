@@ -43,7 +43,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "Modules beside the core that import only its public names (and the internal module they "
      "share, `stocaching/_common.py`), so that each also works copied next to `stocaching.py`, "
      "with `_common.py` and the other opt-ins it imports (see the README): {modules}.",
-     ("CacheAwareSampler", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
+     ("CacheAwareSampler", "ideal_hit_rate", "Prefetcher", "PrefetchError", "ReadyFirstSampler",
       "ready_first_order", "MixtureDataset", "WeightedMixtureSampler", "DeviceLoader",
       "CachedDataset", "CachedStream", "ShardLayout")),
     ("For module authors",

@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["CacheAwareSampler"]
+__all__ = ["CacheAwareSampler", "ideal_hit_rate"]
 
 import logging
 import math
@@ -507,6 +507,22 @@ class CacheAwareSampler(torch.utils.data.DistributedSampler):
         else:  # another world: the positions no rank consumed, dealt anew
             self._epoch_rest = saved.rest_after(epoch, consumed)
             self._position.load(0)
+
+
+def ideal_hit_rate(num_nodes: int, fraction: float, node_batch: int) -> float:
+    """The best hit rate a node can reach, on average, when each batch of the epoch is drawn
+    at random and dealt to ``num_nodes`` nodes that each cache ``fraction`` of the dataset at
+    random and take ``node_batch`` samples of it: E[min(B, X)] / B for X ~ Binomial(num_nodes
+    * B, fraction), B = ``node_batch``, from the binomial pmf (in log space: the binomial
+    coefficients overflow floats). ``CacheAwareSampler`` is measured against it
+    (docs/sampler.md)."""
+    m = num_nodes * node_batch
+    if fraction <= 0.0 or fraction >= 1.0:
+        return min(max(fraction, 0.0), 1.0)
+    log_f, log_1f, log_m = math.log(fraction), math.log1p(-fraction), math.lgamma(m + 1)
+    return sum(min(node_batch, x) * math.exp(log_m - math.lgamma(x + 1) - math.lgamma(m - x + 1)
+                                             + x * log_f + (m - x) * log_1f)
+               for x in range(m + 1)) / node_batch
 
 
 class _AccelerateOrder(torch.utils.data.Sampler[int]):

@@ -21,8 +21,7 @@ It provides
   a file, as ``tests/children/saved.py`` makes them);
 * launchers: ``LAUNCHERS``, the variables of each launcher and the ``World`` they mean, and
   ``RAY_2_PLUS_1``, Ray Train's of an uneven placement;
-* references: ``load_ref``, stocaching 0.2.1 imported beside the one under test, and
-  ``ideal_hit_rate``, the best per-node hit rate a sampler can reach;
+* references: ``load_ref``, stocaching 0.2.1 imported beside the one under test;
 * child processes: ``rank_env()`` (the environment torchrun gives a local rank), ``free_port()``,
   ``run_child``/``start_child`` for a program of ``tests/children/``,
   ``spawn_without_launcher`` (ranks of ``torch.multiprocessing.spawn`` as its tutorial runs
@@ -236,18 +235,6 @@ def load_ref(ref_dir: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def ideal_hit_rate(num_nodes: int, fraction: float, node_batch: int) -> float:
-    """E[min(B, X)] / B for X ~ Binomial(num_nodes * B, fraction), B = ``node_batch``, from the
-    binomial pmf (computed in log space: the binomial coefficients overflow floats)."""
-    m = num_nodes * node_batch
-    if fraction <= 0.0 or fraction >= 1.0:
-        return min(max(fraction, 0.0), 1.0)
-    log_f, log_1f, log_m = math.log(fraction), math.log1p(-fraction), math.lgamma(m + 1)
-    return sum(min(node_batch, x) * math.exp(log_m - math.lgamma(x + 1) - math.lgamma(m - x + 1)
-                                             + x * log_f + (m - x) * log_1f)
-               for x in range(m + 1)) / node_batch
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from _helpers import (CHILDREN, TwoLineDataset, assert_ended_well, ideal_hit_rate, rank_env,
-                      run_bounded, run_copied)
-from stocaching import CacheAwareSampler, CacheLayout, World
+from _helpers import (CHILDREN, TwoLineDataset, assert_ended_well, rank_env, run_bounded,
+                      run_copied)
+from stocaching import CacheAwareSampler, CacheLayout, World, ideal_hit_rate
 
 SETTINGS = settings(max_examples=40)  # derandomized, no deadline: conftest.py
 
