@@ -31,6 +31,11 @@ from typing import Any
 
 import numpy as np
 
+try:  # the same CRC-32 (zlib's polynomial, the same values) at several times zlib's speed
+    from zlib_ng.zlib_ng import crc32 as _crc32  # (docs/design.md, "Loading a saved file")
+except ImportError:  # (zlib-ng is a dependency of the package; a copied saved.py may lack it)
+    _crc32 = zlib.crc32
+
 try:  # inside the package
     from .stocaching import (BYTES_PER_MIB, CacheConfigError, CacheFileError, SET, SharedCache,
                              logger, _Field, _LAYOUT_VERSION, _alive, _close_fd, _fmt_bytes,
@@ -79,8 +84,8 @@ def _align(n: int) -> int:
 
 def _pack_super(gen: int, end: int, chunks: int, config: bytes, rows: int) -> bytes:
     body = _SUPER.pack(_SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
-                       zlib.crc32(config), rows)
-    return body + _SUPER_CRC.pack(zlib.crc32(body))
+                       _crc32(config), rows)
+    return body + _SUPER_CRC.pack(_crc32(body))
 
 
 def _super_off(gen: int) -> int:
@@ -91,7 +96,7 @@ def _super_off(gen: int) -> int:
 def _pack_trailer(rows: int, emptied: int, row_bytes: int, start: int, rows_crc: int,
                   meta_crc: int) -> bytes:
     body = _TRAILER.pack(_CHUNK_MAGIC, rows, emptied, row_bytes, start, rows_crc, meta_crc)
-    return (body + _SUPER_CRC.pack(zlib.crc32(body))).ljust(_TRAILER_BYTES, b"\0")
+    return (body + _SUPER_CRC.pack(_crc32(body))).ljust(_TRAILER_BYTES, b"\0")
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
@@ -176,7 +181,7 @@ def _gf2_apply(matrix: tuple[int, ...], vector: int) -> int:
 def _zeros_operator(power: int) -> tuple[int, ...]:
     """The linear map of the CRC-32 register over 2**power zero bytes, as 32 columns."""
     if power == 0:  # one zero byte, read off zlib's own CRC (conditioning undone)
-        return tuple(~zlib.crc32(b"\0", ~(1 << k) & 0xFFFFFFFF) & 0xFFFFFFFF
+        return tuple(~_crc32(b"\0", ~(1 << k) & 0xFFFFFFFF) & 0xFFFFFFFF
                      for k in range(32))
     half = _zeros_operator(power - 1)
     return tuple(_gf2_apply(half, col) for col in half)
@@ -259,7 +264,7 @@ def _read_super(fd: int, path: str) -> dict:
             continue
         body, (crc,) = block[:_SUPER.size], _SUPER_CRC.unpack(block[_SUPER.size:])
         magic, version, gen, end, chunks, config_len, config_crc, rows = _SUPER.unpack(body)
-        if magic != _SAVE_MAGIC or zlib.crc32(body) != crc:
+        if magic != _SAVE_MAGIC or _crc32(body) != crc:
             continue
         if version != _SAVE_VERSION:
             raise CacheFileError(f"{path} was saved by another stocaching version (file format "
@@ -281,7 +286,7 @@ def _read_super(fd: int, path: str) -> dict:
 
 def _read_config(fd: int, sup: dict, path: str) -> dict:
     raw = os.pread(fd, sup["config_len"], _CONFIG_OFF)
-    if len(raw) != sup["config_len"] or zlib.crc32(raw) != sup["config_crc"]:
+    if len(raw) != sup["config_len"] or _crc32(raw) != sup["config_crc"]:
         raise CacheFileError(f"{path}: its configuration block is damaged; remove it",
                              path, "config")
     return json.loads(raw)
@@ -299,13 +304,13 @@ def _read_chunks(fd: int, sup: dict, path: str, dataset_len: int, row_bytes: int
         magic, rows, emptied, rb, start, rows_crc, meta_crc = _TRAILER.unpack(body) \
             if len(body) == _TRAILER.size else (b"", 0, 0, 0, 0, 0, 0)
         meta_off = start + rows * rb
-        if magic != _CHUNK_MAGIC or zlib.crc32(body) != crc or rb != row_bytes or \
+        if magic != _CHUNK_MAGIC or _crc32(body) != crc or rb != row_bytes or \
                 not first <= start < end or meta_off + 8 * (rows + emptied) > end - \
                 _TRAILER_BYTES or rows < 0 or emptied < 0:
             raise CacheFileError(f"{path} is damaged: no valid save record ends at byte {end}; "
                                  "remove it (the next save writes it anew)", path, "chunk")
         meta = os.pread(fd, 8 * (rows + emptied), meta_off)
-        if zlib.crc32(meta) != meta_crc:
+        if _crc32(meta) != meta_crc:
             raise CacheFileError(f"{path} is damaged: the indices of the save record at byte "
                                  f"{start} fail their check; remove it", path, "chunk")
         idx = np.frombuffer(meta, np.int64)
@@ -395,7 +400,7 @@ def describe_saved_file(path: str | os.PathLike, *, verify: bool = False) -> dic
                 while off < end:
                     view = memoryview(buf)[:min(len(buf), end - off)]
                     _pread_into(fd, view, off, path)
-                    crc, off = zlib.crc32(view, crc), off + len(view)
+                    crc, off = _crc32(view, crc), off + len(view)
                 if crc != c["rows_crc"]:
                     raise _damaged_rows(path, c)
     finally:
@@ -595,7 +600,7 @@ class _SavedFileWriter:
             good, got = c._confirm(located, count=False), located.versions
             data = buf[:len(sl)] if good.all() else buf[:len(sl)][good]
             off += _pwrite_all(fd, data, off)
-            crc = zlib.crc32(data, crc)
+            crc = _crc32(data, crc)
             kept.append(sl[good])
             seq[sl] = got
         kept_slots = np.concatenate(kept) if kept else np.zeros(0, np.int64)
@@ -607,7 +612,7 @@ class _SavedFileWriter:
         off += _pwrite_all(fd, meta, off)
         end = _align(off + _TRAILER_BYTES)
         _pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
-                                      zlib.crc32(meta)), end - _TRAILER_BYTES)
+                                      _crc32(meta)), end - _TRAILER_BYTES)
         return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
                 "held": held}
 
@@ -761,13 +766,13 @@ class _SavedFileReader:
                                                 path)
                             else:
                                 _pread_into(src_fd, memoryview(dst), off + k, path)
-                            crc = zlib.crc32(dst, crc)
+                            crc = _crc32(dst, crc)
                     else:
                         if buf is None:
                             buf = np.empty((plan.per, row_bytes), np.uint8)
                         got = buf[:n]
                         _pread_into(src_fd, memoryview(got).cast("B"), off, path)
-                        crc = zlib.crc32(got, crc)
+                        crc = _crc32(got, crc)
                         live = plan.live[first: first + n]
                         rows[plan.target[first: first + n][live]] = got[live]
                 part.crc = crc

@@ -376,6 +376,27 @@ def test_a_crc_put_together_from_parts_is_the_crc_of_the_whole():
         assert _crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data), cut
 
 
+@pytest.mark.parametrize("saved_with", ["zlib", "zlib-ng"])
+def test_a_file_saved_with_either_crc_32_loads_with_the_other(shm_dir, tmp_path, monkeypatch,
+                                                               saved_with):
+    """saved.py takes zlib-ng's CRC-32 where it is installed and zlib's where not (a copied
+    saved.py): the same function, so a file written by one loads with the other."""
+    import zlib
+
+    import stocaching.saved as saved
+    zlib_ng = pytest.importorskip("zlib_ng.zlib_ng")
+    data = bytes(value_of(3, (3, 64, 64)).reshape(-1).tolist())
+    assert zlib_ng.crc32(data) == zlib.crc32(data) and zlib_ng.crc32(data, 7) == \
+        zlib.crc32(data, 7)
+    first, then = (zlib.crc32, zlib_ng.crc32) if saved_with == "zlib" else \
+        (zlib_ng.crc32, zlib.crc32)
+    monkeypatch.setattr(saved, "_crc32", first)
+    path = saved_file(shm_dir, tmp_path)  # (every even index of 64)
+    monkeypatch.setattr(saved, "_crc32", then)
+    with saved_cache(shm_dir, path) as c:
+        _holds(c, set(range(0, 64, 2)))
+
+
 def _parted(monkeypatch, sendfile=True):
     """Load in parts of 4 rows (3 threads at most) and pieces of 2 rows, so that a small
     file takes every path of a large one."""
