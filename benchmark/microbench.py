@@ -207,7 +207,7 @@ def bench_idioms(rounds: int = 15, number: int = 20000) -> dict[str, list[float]
         c.set_slot(5, x)
         caches[name] = c
     c = caches["SharedCache"]
-    offset = stocaching.stocaching._slot_lock_offset(7)  # the record lock of slot 7
+    offset = stocaching.stocaching.slot_lock_offset(7)  # the record lock of slot 7
 
     def pair():
         c._segment.lock(offset)

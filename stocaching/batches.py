@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (BatchRows, OOB, SET, _MISSES, _OOB_MISSES, _check_out, _is_int,
-                             _is_integer_dtype)
+    from .stocaching import (OOB, SET, STATS_MISSES, STATS_OOB_MISSES, BatchRows, check_out,
+                             is_int, is_integer_dtype)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BatchRows, OOB, SET, _MISSES, _OOB_MISSES, _check_out, _is_int,
-                            _is_integer_dtype)
+    from stocaching import (OOB, SET, STATS_MISSES, STATS_OOB_MISSES, BatchRows, check_out, is_int,
+                            is_integer_dtype)
 
 
 def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:
@@ -84,8 +84,8 @@ def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor
         for _, dst in pairs:
             dst[~hit] = 0
         miss = ~hit
-        self._own_counters[_MISSES] += int(np.count_nonzero(miss))
-        self._own_counters[_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
+        self._own_counters[STATS_MISSES] += int(np.count_nonzero(miss))
+        self._own_counters[STATS_OOB_MISSES] += int(np.count_nonzero(miss & (aux == OOB)))
     return batch, torch.from_numpy(hit)
 
 
@@ -157,7 +157,7 @@ def _batch_buffers(self, k: int, out: Any) -> tuple[Any, list]:
     (rows of every slot, numpy view of the batch) that it gathers from and into."""
     shape = (k, *self._dims)
     batch = torch.empty(shape, dtype=self._dtype) if out is None else \
-        _check_out(out, shape, self._dtype, "out")
+        check_out(out, shape, self._dtype, "out")
     dst = (batch if self._view_as is None else batch.view(torch.uint16)).numpy()
     return batch, [(self._slot_samples, dst)]
 
@@ -172,7 +172,7 @@ def _checked_indices(indices: Any, dataset_len: int) -> np.ndarray:
     expect = ("a sequence or 1-D array of dataset indices "
               f"(ints in [0, {dataset_len - 1}])")
     if isinstance(indices, torch.Tensor):
-        if indices.ndim != 1 or not _is_integer_dtype(indices.dtype):
+        if indices.ndim != 1 or not is_integer_dtype(indices.dtype):
             raise TypeError(f"indices should be {expect}, but got a tensor of shape "
                             f"{tuple(indices.shape)} and dtype {indices.dtype}")
         idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
@@ -184,7 +184,7 @@ def _checked_indices(indices: Any, dataset_len: int) -> np.ndarray:
     elif isinstance(indices, (list, tuple, range)):
         if not all(type(i) is int for i in indices):
             for k, i in enumerate(indices):
-                if not _is_int(i):
+                if not is_int(i):
                     raise TypeError(f"indices should be {expect}, but got "
                                     f"indices[{k}]={i!r} (type {type(i).__name__})")
             indices = [int(i) for i in indices]

@@ -26,25 +26,23 @@ import psutil
 import torch
 
 try:  # inside the package
-    from .stocaching import (BYTES_PER_GIB, CacheFileError, CacheLayout, DEFAULT_SHM_DIR,
-                             SEGMENT_PREFIX, SET, check_int, clean_segments, _HEADER_BYTES,
-                             _PERSISTENT_JOB_KEY, _POINTER, _STATS_COLS, _STATS_ROWS,
-                             _auto_is_anonymous, _auto_room, _budget_for_slots, _check_dims,
-                             _check_dtype, _check_fields, _check_positive, _feature, _fmt_bytes,
-                             _free_bytes, _is_stale_file, _memory_room, _open_to_look,
-                             _parse_segment_name, _pointer_of, _read_header, _read_key,
-                             _segment_offsets, _shm_headroom, _slot_bytes, _slots_fitting,
-                             _slots_for_budget)
+    from .stocaching import (BYTES_PER_GIB, DEFAULT_SHM_DIR, HEADER_BYTES, PERSISTENT_JOB_KEY,
+                             POINTER, SEGMENT_PREFIX, SET, STATS_COLS, STATS_ROWS, CacheFileError,
+                             CacheLayout, auto_is_anonymous, auto_room, budget_for_slots,
+                             bytes_per_slot, check_dims, check_dtype, check_fields, check_int,
+                             check_positive, clean_segments, feature_module, fmt_bytes, free_bytes,
+                             is_stale_file, memory_room, open_to_look, parse_segment_name,
+                             pointer_of, read_header, read_key, segment_offsets, shm_headroom,
+                             slots_fitting, slots_for_budget)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BYTES_PER_GIB, CacheFileError, CacheLayout, DEFAULT_SHM_DIR,
-                            SEGMENT_PREFIX, SET, check_int, clean_segments, _HEADER_BYTES,
-                            _PERSISTENT_JOB_KEY, _POINTER, _STATS_COLS, _STATS_ROWS,
-                            _auto_is_anonymous, _auto_room, _budget_for_slots, _check_dims,
-                            _check_dtype, _check_fields, _check_positive, _feature, _fmt_bytes,
-                            _free_bytes, _is_stale_file, _memory_room, _open_to_look,
-                            _parse_segment_name, _pointer_of, _read_header, _read_key,
-                            _segment_offsets, _shm_headroom, _slot_bytes, _slots_fitting,
-                            _slots_for_budget)
+    from stocaching import (BYTES_PER_GIB, DEFAULT_SHM_DIR, HEADER_BYTES, PERSISTENT_JOB_KEY,
+                            POINTER, SEGMENT_PREFIX, SET, STATS_COLS, STATS_ROWS, CacheFileError,
+                            CacheLayout, auto_is_anonymous, auto_room, budget_for_slots,
+                            bytes_per_slot, check_dims, check_dtype, check_fields, check_int,
+                            check_positive, clean_segments, feature_module, fmt_bytes, free_bytes,
+                            is_stale_file, memory_room, open_to_look, parse_segment_name,
+                            pointer_of, read_header, read_key, segment_offsets, shm_headroom,
+                            slots_fitting, slots_for_budget)
 
 
 def _mapped_segments(shm_dir: str) -> dict[int, dict]:
@@ -91,7 +89,7 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
     mapped = _mapped_segments(shm_dir)
     out = []
     for fname in sorted(os.listdir(shm_dir)):
-        info = _parse_segment_name(fname)
+        info = parse_segment_name(fname)
         path = os.path.join(shm_dir, fname)
         try:
             st = os.lstat(path)
@@ -100,23 +98,23 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
         if info is None or not stat.S_ISREG(st.st_mode):
             continue
         m = mapped.pop(st.st_ino, None)
-        pointer = _read_pointer(path) if st.st_size == _POINTER.size else None
+        pointer = _read_pointer(path) if st.st_size == POINTER.size else None
         if pointer is not None:  # the name of an anonymous segment: list that one here
             m = mapped.pop(pointer[4], m)
         pids = sorted(m["pids"]) if m else []
         state = "starting" if info["starting"] else "live"
-        if not pids and _is_stale_file(path):
+        if not pids and is_stale_file(path):
             state = "stale"
         entry = {"path": path, "named": True, "uid": st.st_uid,
                  "bytes": st.st_size if pointer is None else m["bytes"] if m else 0,
                  "pids": pids, "state": state}
-        if info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]:
+        if info["job_key"] == PERSISTENT_JOB_KEY and not info["starting"]:
             entry.update(_describe_persistent(path, info["name"]))
             if state == "stale":
                 entry["state"] = "kept"
         out.append(entry)
     for m in mapped.values():
-        info = _parse_segment_name(os.path.basename(m["path"])) or {}
+        info = parse_segment_name(os.path.basename(m["path"])) or {}
         # A segment of a single-process job never had its name: it was mapped under the
         # leader's temporary ``<name>.<pid>.<hex>.init``; show the name it stands for.
         path = re.sub(r"\.\d+\.[0-9a-f]+\.init$", "", m["path"])
@@ -127,12 +125,12 @@ def list_segments(shm_dir: str = DEFAULT_SHM_DIR) -> list[dict]:
 
 
 def _read_pointer(path: str) -> tuple[int, int, int, int, int] | None:
-    """``_pointer_of`` the file at ``path``; None where it cannot be read."""
-    fd = _open_to_look(path)
+    """``pointer_of`` the file at ``path``; None where it cannot be read."""
+    fd = open_to_look(path)
     if fd is None:
         return None
     try:
-        return _pointer_of(fd)
+        return pointer_of(fd)
     finally:
         os.close(fd)
 
@@ -140,16 +138,16 @@ def _read_pointer(path: str) -> tuple[int, int, int, int, int] | None:
 def _describe_persistent(path: str, name: str) -> dict:
     """What ``list_segments`` says of a persistent cache: its name, key, fill and age."""
     out: dict = {"name": name, "key": None, "filled": None, "slots": None, "age_s": None}
-    fd = _open_to_look(path)
+    fd = open_to_look(path)
     if fd is None:
         return out
     try:
         st = os.fstat(fd)
         out["age_s"] = time.time() - st.st_mtime
-        head_bytes = os.pread(fd, _HEADER_BYTES, 0)
-        head = _read_header(head_bytes)
+        head_bytes = os.pread(fd, HEADER_BYTES, 0)
+        head = read_header(head_bytes)
         aux = np.frombuffer(os.pread(fd, head["dataset_len"], head["aux_off"]), np.uint8)
-        out.update(key=_read_key(head_bytes), filled=int(np.count_nonzero(aux == SET)),
+        out.update(key=read_key(head_bytes), filled=int(np.count_nonzero(aux == SET)),
                    slots=head["slots"])
     except (OSError, ValueError, struct.error):
         pass  # not a whole segment: shown without them
@@ -191,13 +189,13 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
     if isinstance(data_dims, Mapping):
-        fields, slot_bytes = _check_fields(data_dims, dtype)
+        fields, slot_bytes = check_fields(data_dims, dtype)
         opened = sum(d is None for f in fields for d in f.dims)
     else:
-        dims = _check_dims(data_dims)
+        dims = check_dims(data_dims)
         opened = sum(d is None for d in dims)
-        slot_bytes = 0 if opened else _slot_bytes(dims, _check_dtype(dtype))
-        _check_dtype(dtype)
+        slot_bytes = 0 if opened else bytes_per_slot(dims, check_dtype(dtype))
+        check_dtype(dtype)
     staging = check_int("staging_slots", staging_slots, low=0)
     if opened:
         return _plan_arena(dataset_len, opened, size_limit_gib, shm_dir, staging,
@@ -207,13 +205,13 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
                          f"data_dims), but got mean_sample_bytes={mean_sample_bytes!r}")
     room, auto_bytes = _plan_room(shm_dir)
     if size_limit_gib is not None:
-        limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
-        slots = _slots_for_budget(limit, dataset_len, slot_bytes, staging)
+        limit = check_positive("size_limit_gib", size_limit_gib, "GiB")
+        slots = slots_for_budget(limit, dataset_len, slot_bytes, staging)
     else:  # the largest cache whose whole segment (metadata included) fits, as with "auto"
-        slots = _slots_fitting(auto_bytes, CacheLayout(dataset_len, 0), slot_bytes, staging)
-        limit = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
-    segment = _segment_offsets(CacheLayout(dataset_len, slots), slot_bytes,
-                               staging)["total_bytes"]
+        slots = slots_fitting(auto_bytes, CacheLayout(dataset_len, 0), slot_bytes, staging)
+        limit = budget_for_slots(slots, dataset_len, slot_bytes, staging)
+    segment = segment_offsets(CacheLayout(dataset_len, slots), slot_bytes,
+                              staging)["total_bytes"]
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "dataset_gib": (slot_bytes + 1) * dataset_len / BYTES_PER_GIB,
             "segment_gib": segment / BYTES_PER_GIB, **room}
@@ -222,12 +220,12 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
 def _plan_room(shm_dir: str) -> tuple[dict, int]:
     """What ``plan`` reports of the machine (in GiB, the limit's file as a str or None), and
     the bytes a segment sized as by ``size_limit_gib="auto"`` may take."""
-    free, headroom, memory = _free_bytes(shm_dir), _shm_headroom(shm_dir), _memory_room()
+    free, headroom, memory = free_bytes(shm_dir), shm_headroom(shm_dir), memory_room()
     return {"shm_free_gib": free / BYTES_PER_GIB, "shm_headroom_gib": headroom / BYTES_PER_GIB,
             "ram_available_gib": memory.available / BYTES_PER_GIB,
             "memory_gib": memory.total / BYTES_PER_GIB, "memory_margin_gib":
             memory.margin / BYTES_PER_GIB, "memory_limit": memory.source if memory.limited
-            else None}, _auto_room(free, headroom, memory, _auto_is_anonymous(shm_dir))
+            else None}, auto_room(free, headroom, memory, auto_is_anonymous(shm_dir))
 
 
 def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm_dir: str,
@@ -244,20 +242,20 @@ def _plan_arena(dataset_len: int, opened: int, size_limit_gib: float | None, shm
     words = 4 + opened
     meta = dataset_len * (1 + 8 * words)
     room, free = _plan_room(shm_dir)
-    open_size = _feature("open_size")  # (its _SEAM: the arena's rules)
-    align = open_size._ARENA_ALIGN
+    open_size = feature_module("open_size")  # (its _SEAM: the arena's rules)
+    align = open_size.ARENA_ALIGN
     need = (-(-mean // align) * align * dataset_len + meta) / BYTES_PER_GIB
     if size_limit_gib is not None:
-        limit = _check_positive("size_limit_gib", size_limit_gib, "GiB")
+        limit = check_positive("size_limit_gib", size_limit_gib, "GiB")
     else:  # what the dataset needs, if the segment fits its room (header, stats and page
         # rounding come on top), as for samples of a fixed size; else that room
-        limit = min(need, max(0, free - _HEADER_BYTES - _STATS_ROWS * _STATS_COLS * 8 -
+        limit = min(need, max(0, free - HEADER_BYTES - STATS_ROWS * STATS_COLS * 8 -
                               2 * mmap.PAGESIZE) / BYTES_PER_GIB)
-    arena = open_size._arena_bytes(limit, dataset_len, words)
+    arena = open_size.arena_size_for(limit, dataset_len, words)
     slots = min(dataset_len, arena // (-(-mean // align) * align))
     return {"slots": slots, "fraction": slots / dataset_len, "size_limit_gib": limit,
             "arena_gib": arena / BYTES_PER_GIB, "dataset_gib": need,
-            "segment_gib": (arena + meta + _HEADER_BYTES + _STATS_ROWS * _STATS_COLS * 8 +
+            "segment_gib": (arena + meta + HEADER_BYTES + STATS_ROWS * STATS_COLS * 8 +
                             mmap.PAGESIZE) / BYTES_PER_GIB, **room}
 
 
@@ -265,8 +263,8 @@ def _saved_files_in(path: str) -> list[str]:
     """``path`` if it is not a directory, else the files in it that start as a saved file."""
     if not os.path.isdir(path):
         return [path]
-    found, saved = [], _feature("saved")  # (its _SEAM: how a saved file starts)
-    block, magic = saved._SAVE_BLOCK, saved._SAVE_MAGIC
+    found, saved = [], feature_module("saved")  # (its _SEAM: how a saved file starts)
+    block, magic = saved.SAVE_BLOCK, saved.SAVE_MAGIC
     for fname in sorted(os.listdir(path)):
         full = os.path.join(path, fname)
         with contextlib.suppress(OSError):
@@ -287,7 +285,7 @@ def _inspect_saved_files(paths: Sequence[str], verify: bool,
             out(f"{p}: no saved files\n")
     for path in files:
         try:
-            d = _feature("saved").describe_saved_file(path, verify=verify)
+            d = feature_module("saved").describe_saved_file(path, verify=verify)
         except OSError as e:
             out(f"{path}: {e.strerror}\n")
             failed = True
@@ -299,7 +297,7 @@ def _inspect_saved_files(paths: Sequence[str], verify: bool,
             continue
         dtype = d["dtype"] if isinstance(d["dtype"], str) else \
             ", ".join(f"{k}: {v}" for k, v in d["dtype"].items())
-        out(f"{path}: {_fmt_bytes(d['bytes'])}, saved {d['age_s'] / 3600:.1f} h ago\n"
+        out(f"{path}: {fmt_bytes(d['bytes'])}, saved {d['age_s'] / 3600:.1f} h ago\n"
             f"  key={d['key']!r} dataset_len={d['dataset_len']} data_dims={d['data_dims']} "
             f"dtype={dtype} node {d['node_rank']} of {d['num_nodes']}\n"
             f"  {d['samples']} samples to load ({d['rows']} rows in {d['saves']} "
@@ -397,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 msg = re.sub(rf"\b{param}\b", flag, msg)
             parser.error(msg)
         what = f"{dims} {args.dtype}" if not args.field else " + ".join(args.field)
-        gib = {k: _fmt_bytes(v * BYTES_PER_GIB) for k, v in r.items()
+        gib = {k: fmt_bytes(v * BYTES_PER_GIB) for k, v in r.items()
                if k.endswith("_gib") and k != "size_limit_gib"}
         out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
             f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
@@ -444,19 +442,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         out("".join(f"{verb} {p}\n" for p in removed) or "nothing to clean\n")
     else:
         st = os.statvfs(args.shm_dir)
-        vm, memory = psutil.virtual_memory(), _memory_room()
-        out(f"{args.shm_dir}: {_fmt_bytes(st.f_blocks * st.f_frsize)} total, "
-            f"{_fmt_bytes(_free_bytes(args.shm_dir))} free\n"
-            f"RAM: {_fmt_bytes(vm.total)} total, {_fmt_bytes(vm.available)} available\n")
+        vm, memory = psutil.virtual_memory(), memory_room()
+        out(f"{args.shm_dir}: {fmt_bytes(st.f_blocks * st.f_frsize)} total, "
+            f"{fmt_bytes(free_bytes(args.shm_dir))} free\n"
+            f"RAM: {fmt_bytes(vm.total)} total, {fmt_bytes(vm.available)} available\n")
         if memory.limited:
-            out(f"memory limit: {_fmt_bytes(memory.total)} ({memory.source}), "
-                f"{_fmt_bytes(memory.available)} of it free\n")
+            out(f"memory limit: {fmt_bytes(memory.total)} ({memory.source}), "
+                f"{fmt_bytes(memory.available)} of it free\n")
         segs = list_segments(args.shm_dir)
         out(f"stocaching segments: {len(segs)}\n")
         for s in segs:
             name = s["path"] if s["named"] else s["path"] + (
                 " (anonymous: not a file there)" if s.get("anonymous") else " (unlinked)")
-            out(f"  {s['state']:8s} uid={s['uid']} {_fmt_bytes(s['bytes']):>10s} "
+            out(f"  {s['state']:8s} uid={s['uid']} {fmt_bytes(s['bytes']):>10s} "
                 f"pids={','.join(map(str, s['pids'])) or '-'} {name}\n")
             if "key" in s:
                 age = "?" if s["age_s"] is None else f"{s['age_s'] / 3600:.1f} h"

@@ -27,21 +27,21 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 try:  # inside the package
-    from .stocaching import (BYTES_PER_GIB, CacheConfigError, CacheLayout, CacheTimeoutError,
-                             EMPTY, SEGMENT_PREFIX, SharedCache, WRITING, World, logger, _Closed,
-                             _HEADER_BYTES, _KEY_OFF, _MEMORY_FILESYSTEMS, _PERSISTENT_JOB_KEY,
-                             _RecordLocks, _check_positive, _claim_stats_row, _close_fd,
-                             _fmt_bytes, _free_bytes, _fs_type, _is_stale_file, _key_hash, _names,
-                             _open_existing, _open_leaders_file, _parse_segment_name, _try_stale,
-                             _unlink_if_same)
+    from .stocaching import (BYTES_PER_GIB, EMPTY, HEADER_BYTES, KEY_OFF, MEMORY_FILESYSTEMS,
+                             PERSISTENT_JOB_KEY, SEGMENT_PREFIX, WRITING, CacheConfigError,
+                             CacheLayout, CacheTimeoutError, Closed, RecordLocks, SharedCache,
+                             World, check_positive, claim_stats_row, close_fd, fmt_bytes,
+                             free_bytes, fs_type, hash_of_key, is_stale_file, logger, names_file,
+                             open_existing, open_leaders_file, parse_segment_name, try_stale,
+                             unlink_if_same)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BYTES_PER_GIB, CacheConfigError, CacheLayout, CacheTimeoutError, EMPTY,
-                            SEGMENT_PREFIX, SharedCache, WRITING, World, logger, _Closed,
-                            _HEADER_BYTES, _KEY_OFF, _MEMORY_FILESYSTEMS, _PERSISTENT_JOB_KEY,
-                            _RecordLocks, _check_positive, _claim_stats_row, _close_fd, _fmt_bytes,
-                            _free_bytes, _fs_type, _is_stale_file, _key_hash, _names,
-                            _open_existing, _open_leaders_file, _parse_segment_name, _try_stale,
-                            _unlink_if_same)
+    from stocaching import (BYTES_PER_GIB, EMPTY, HEADER_BYTES, KEY_OFF, MEMORY_FILESYSTEMS,
+                            PERSISTENT_JOB_KEY, SEGMENT_PREFIX, WRITING, CacheConfigError,
+                            CacheLayout, CacheTimeoutError, Closed, RecordLocks, SharedCache,
+                            World, check_positive, claim_stats_row, close_fd, fmt_bytes,
+                            free_bytes, fs_type, hash_of_key, is_stale_file, logger, names_file,
+                            open_existing, open_leaders_file, parse_segment_name, try_stale,
+                            unlink_if_same)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,7 +52,7 @@ except ImportError:  # copied beside stocaching.py
 #
 # One file per cache and node, in the disk_tier directory, named like the segment with the
 # prefix "stocaching-tier_":
-#   [header, 4 KiB: magic, fields, a persistent cache's key at _KEY_OFF][stats table]
+#   [header, 4 KiB: magic, fields, a persistent cache's key at KEY_OFF][stats table]
 #   [states: 1 byte per dataset index][versions: uint32 per dataset index]
 #   [position map: int32/int64 per dataset index, -1 where the tier holds none][pad to a page]
 #   [rows: row_bytes each, at data_off + position * row_bytes]
@@ -127,7 +127,7 @@ def _tier_share(layout: CacheLayout, node_rank: int, cap: int) -> np.ndarray:
 
 def _tier_offsets(dataset_len: int, rows: int, row_bytes: int) -> dict:
     """Where each part of a tier file starts, and its total size (see the layout above)."""
-    stats_off = _HEADER_BYTES
+    stats_off = HEADER_BYTES
     states_off = stats_off + _TIER_STATS_ROWS * _TIER_STATS_COLS * 8
     versions_off = states_off + (dataset_len + 7) // 8 * 8
     map_off = versions_off + (dataset_len * 4 + 7) // 8 * 8
@@ -143,7 +143,7 @@ def _boot_id() -> int:
     READY state whose row never reached the disk, so its states are dropped then."""
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return _key_hash(f.read().strip().decode())
+            return hash_of_key(f.read().strip().decode())
     except OSError:
         return 0
 
@@ -171,10 +171,10 @@ def _check_disk_tier(disk_tier: Any, disk_tier_gib: Any) -> tuple[str | None, fl
         raise ValueError(f"disk_tier should be an existing directory on local disk, but got "
                          f"disk_tier={path!r}, which is not a directory")
     if disk_tier_gib is not None:
-        disk_tier_gib = _check_positive("disk_tier_gib", disk_tier_gib, "GiB, or None for "
-                                        "room for every index without a slot")
-    fstype = _fs_type(path)
-    if fstype in _MEMORY_FILESYSTEMS:
+        disk_tier_gib = check_positive("disk_tier_gib", disk_tier_gib, "GiB, or None for "
+                                       "room for every index without a slot")
+    fstype = fs_type(path)
+    if fstype in MEMORY_FILESYSTEMS:
         warnings.warn(f"disk_tier={path!r} is on a {fstype} filesystem, in memory: the tier's "
                       "rows then take the RAM that the cache's segment could hold faster. Put "
                       "the disk tier on local disk (an NVMe), or give the segment more "
@@ -182,7 +182,7 @@ def _check_disk_tier(disk_tier: Any, disk_tier_gib: Any) -> tuple[str | None, fl
     return path, disk_tier_gib
 
 
-class _DiskTier(_RecordLocks):
+class _DiskTier(RecordLocks):
     """The disk tier of one cache on one node: the rows of dataset indices that have no slot
     in the node's segment, in a sparse file on local disk shared by every local rank and
     DataLoader worker (see the layout above). The cache holds it and calls ``read`` where an
@@ -232,9 +232,9 @@ class _DiskTier(_RecordLocks):
                 "dataset_len": lay.dataset_len, "rows": rows, "rows_cap": cap, "slots": lay.slots,
                 "num_nodes": lay.num_nodes, "node_rank": world.node_rank,
                 "layout_seed": lay.seed, "random_subset": int(lay.random_subset),
-                "config_hash": _key_hash(cache._describe()),
+                "config_hash": hash_of_key(cache._describe()),
                 "persistent": int(cache._persistent),
-                "key_hash": _key_hash(cache._key) if cache._persistent else 0,
+                "key_hash": hash_of_key(cache._key) if cache._persistent else 0,
                 "uid": os.getuid(), "boot": _boot_id(),
                 "local_world_size": world.local_world_size, "attached": 1, "ready": 0,
                 **_tier_offsets(lay.dataset_len, rows, self._row_bytes)}
@@ -245,7 +245,7 @@ class _DiskTier(_RecordLocks):
         else:
             self._create(want, lay, world, directory, publish=world.local_world_size > 1)
         logger.info("stocaching: the disk tier of cache %r holds up to %d rows of %s in %s "
-                    "(%d stored now)", cache._name, self._rows, _fmt_bytes(self._row_bytes),
+                    "(%d stored now)", cache._name, self._rows, fmt_bytes(self._row_bytes),
                     self._path, self.filled())
         return self
 
@@ -275,14 +275,14 @@ class _DiskTier(_RecordLocks):
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise OSError(e.errno, f"disk_tier={directory!r} cannot hold the disk "
-                                  f"tier's {_fmt_bytes(want['data_off'])} of metadata "
+                                  f"tier's {fmt_bytes(want['data_off'])} of metadata "
                                   f"({e.strerror}); free some room there") from None
             data = want["rows"] * want["row_bytes"]
-            free = _free_bytes(directory)
+            free = free_bytes(directory)
             if data > free:
                 warnings.warn(
-                    f"disk_tier={directory!r} has {_fmt_bytes(free)} free but the tier's "
-                    f"{want['rows']} rows take {_fmt_bytes(data)}: rows that find the disk "
+                    f"disk_tier={directory!r} has {fmt_bytes(free)} free but the tier's "
+                    f"{want['rows']} rows take {fmt_bytes(data)}: rows that find the disk "
                     "full are not stored (logged once) and stay misses. Free some room or pass "
                     "a smaller disk_tier_gib", RuntimeWarning, stacklevel=5)
             mm = mmap.mmap(fd, want["data_off"], mmap.MAP_SHARED,
@@ -291,7 +291,7 @@ class _DiskTier(_RecordLocks):
             _TIER_HEADER.pack_into(mm, 0, _TIER_MAGIC, *(head[f] for f in _TIER_FIELDS))
             if head["persistent"]:
                 key = self._key.encode()
-                mm[_KEY_OFF: _KEY_OFF + len(key)] = key
+                mm[KEY_OFF: KEY_OFF + len(key)] = key
             self._map(fd, mm, head)
             self._positions_np()[:] = -1
             held = _tier_share(lay, world.node_rank, want["rows_cap"])
@@ -312,10 +312,10 @@ class _DiskTier(_RecordLocks):
                             "STOCACHING_JOB_KEY per job", "name", other, other) from None
                     os.link(tmp, self._path)
         except BaseException:
-            self.close() if self.fd == fd else _close_fd(fd)
+            self.close() if self.fd == fd else close_fd(fd)
             raise
         finally:
-            _unlink_if_same(tmp, st.st_ino, st.st_dev)
+            unlink_if_same(tmp, st.st_ino, st.st_dev)
         return True
 
     _key = ""  # a persistent cache's key, written into a new file's header
@@ -327,7 +327,7 @@ class _DiskTier(_RecordLocks):
         self._key = cache._key
         for _ in range(5):
             try:
-                fd = _open_existing(self._path)
+                fd = open_existing(self._path)
             except FileNotFoundError:
                 if self._create(want, cache._layout, cache._world, directory, publish=True):
                     return
@@ -335,7 +335,7 @@ class _DiskTier(_RecordLocks):
             except OSError as e:
                 raise OSError(e.errno, f"disk_tier={directory!r}: cannot open the persistent "
                               f"tier {self._path} ({e.strerror})") from None
-            alone = _try_stale(fd)
+            alone = try_stale(fd)
             if not alone:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             try:
@@ -345,7 +345,7 @@ class _DiskTier(_RecordLocks):
                     os.close(fd)
                     raise
                 st = os.fstat(fd)
-                _unlink_if_same(self._path, st.st_ino, st.st_dev)
+                unlink_if_same(self._path, st.st_ino, st.st_dev)
                 os.close(fd)
                 logger.warning("stocaching: replaced the persistent disk tier %s: %s",
                                self._path, e.args[0])
@@ -359,7 +359,7 @@ class _DiskTier(_RecordLocks):
                 self._states_np[self._states_np == WRITING] = EMPTY  # (killed writers)
                 fcntl.flock(fd, fcntl.LOCK_SH)  # (flock drops the exclusive lock first)
             st = os.fstat(fd)
-            if _names(self._path, st.st_ino, st.st_dev):
+            if names_file(self._path, st.st_ino, st.st_dev):
                 return
             self.close()  # removed meanwhile by a clean: look again
         raise CacheConfigError(f"could not open or make the persistent disk tier {self._path}: "
@@ -368,7 +368,7 @@ class _DiskTier(_RecordLocks):
     def _attach(self, want: dict, timeout: float) -> None:
         """Another local rank: open the leader's file by its name (waiting for it up to
         ``timeout``), check it, map it, and drop the name once every local rank holds it."""
-        opened = _open_leaders_file(self._path, timeout)
+        opened = open_leaders_file(self._path, timeout)
         if opened is None:
             raise CacheTimeoutError(
                 f"waited {timeout:.0f} s for local rank 0 to make the disk tier "
@@ -392,7 +392,7 @@ class _DiskTier(_RecordLocks):
         finally:
             self.unlock(_TIER_LOCK_BASE - 1)
         if attached >= head["local_world_size"] and not head["persistent"]:
-            _unlink_if_same(self._path, self._file_id[1], self._file_id[0])
+            unlink_if_same(self._path, self._file_id[1], self._file_id[0])
 
     def _check(self, fd: int, want: dict) -> dict:
         """The header of a tier file someone else made, checked against ``want``."""
@@ -437,7 +437,7 @@ class _DiskTier(_RecordLocks):
         self._told = False
         self._claim_stats_row()
         _LIVE_TIERS.add(self)
-        self._finalizer = weakref.finalize(self, _close_fd, fd)
+        self._finalizer = weakref.finalize(self, close_fd, fd)
 
     def _positions_np(self) -> np.ndarray:
         return np.frombuffer(self._positions, self._positions.format)
@@ -452,8 +452,8 @@ class _DiskTier(_RecordLocks):
 
     def _claim_stats_row(self) -> None:
         """This process's row of counters, as the segment's stats table has it."""
-        free = _claim_stats_row(self._stats_rows, self, _TIER_LOCK_BASE - 1, _TIER_HITS,
-                                "disk tier")
+        free = claim_stats_row(self._stats_rows, self, _TIER_LOCK_BASE - 1, _TIER_HITS,
+                               "disk tier")
         self._own_counters = memoryview(self._stats_rows[free])
 
     def after_fork(self) -> None:
@@ -612,7 +612,7 @@ class _DiskTier(_RecordLocks):
         """Close this process's descriptor and mapping (idempotent). The file goes with the
         last descriptor once its name is gone (a persistent tier keeps its name)."""
         _LIVE_TIERS.discard(self)
-        closed = _Closed(SharedCache)  # every view goes, so that the mapping can close now
+        closed = Closed(SharedCache)  # every view goes, so that the mapping can close now
         self._states = self._versions = self._positions = closed  # type: ignore
         self._states_np = self._versions_np = self._stats_rows = closed  # type: ignore
         self._own_counters = closed  # type: ignore
@@ -648,14 +648,14 @@ def _rebuild_tier(dupfd: Any, path: str, dtype: str, shape: tuple) -> _DiskTier:
 
 
 def _tier_is_stale(path: str, *, remove: bool, min_age: float) -> bool:
-    """``_is_stale_file`` for a tier file: never one that a tier of this process holds."""
+    """``is_stale_file`` for a tier file: never one that a tier of this process holds."""
     try:
         st = os.lstat(path)
     except OSError:
         return False
     if any(t._file_id == (st.st_dev, st.st_ino) for t in list(_LIVE_TIERS)):
         return False
-    return _is_stale_file(path, remove=remove, min_age=min_age)
+    return is_stale_file(path, remove=remove, min_age=min_age)
 
 
 def _clean_tier_files(directory: str, *, dry_run: bool = False,
@@ -666,10 +666,10 @@ def _clean_tier_files(directory: str, *, dry_run: bool = False,
     for fname in sorted(os.listdir(directory)):
         if not fname.startswith(_TIER_PREFIX + "_"):
             continue
-        info = _parse_segment_name(SEGMENT_PREFIX + fname[len(_TIER_PREFIX):])
+        info = parse_segment_name(SEGMENT_PREFIX + fname[len(_TIER_PREFIX):])
         if info is None or info["uid"] != os.getuid():
             continue
-        kept = info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]
+        kept = info["job_key"] == PERSISTENT_JOB_KEY and not info["starting"]
         if kept and persistent is not True and info["name"] not in persistent:
             continue
         path = os.path.join(directory, fname)

@@ -3,7 +3,7 @@
 
 A feature module of stocaching (see the core's section "The seam"): ``SharedCache.__new__``
 makes a ``_FieldsCache`` for a dict ``data_dims``. The field table of the segment's header is
-the core's (``_check_fields``, ``_read_field``).
+the core's (``check_fields``, ``_read_field``).
 """
 
 from __future__ import annotations
@@ -18,16 +18,18 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (BaseCache, ReadOnlyView, SharedCache, _Closed, _DTYPES, _check_fields,
-                             _check_keys, _check_out, _checked_value, _slot_array, _torch_of)
+    from .stocaching import (DTYPE_CODES, BaseCache, Closed, ReadOnlyView, SharedCache,
+                             check_fields, check_keys, check_out, checked_value, slot_array,
+                             torch_of)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BaseCache, ReadOnlyView, SharedCache, _Closed, _DTYPES, _check_fields,
-                            _check_keys, _check_out, _checked_value, _slot_array, _torch_of)
+    from stocaching import (DTYPE_CODES, BaseCache, Closed, ReadOnlyView, SharedCache,
+                            check_fields, check_keys, check_out, checked_value, slot_array,
+                            torch_of)
 
 
 class _FieldsCache(SharedCache):
     """A SharedCache of several fields per sample (``data_dims`` a dict): ``SharedCache(...)``
-    makes one. A slot holds the fields packed one after the other (``_Field.offset``), and is
+    makes one. A slot holds the fields packed one after the other (``Field.offset``), and is
     read and written whole under the slot's sequence number and lock, as a single tensor is;
     ``get_slot`` returns a dict of tensors and ``set_slot`` takes one. The single-tensor class
     keeps its own hit path, untouched by this one."""
@@ -40,7 +42,7 @@ class _FieldsCache(SharedCache):
     _read_only_fields: dict[str, torch.Tensor]  # the same through the read-only mapping
 
     def _map_slots(self, data_off: int, n_slots: int) -> None:
-        self._row_bytes = row_bytes = _check_fields(self._dims, self._dtype)[1]
+        self._row_bytes = row_bytes = check_fields(self._dims, self._dtype)[1]
 
         def rows_of(buf: mmap.mmap) -> np.ndarray:
             return np.frombuffer(buf, np.uint8, n_slots * row_bytes, data_off).reshape(
@@ -48,20 +50,20 @@ class _FieldsCache(SharedCache):
 
         def fields_of(rows: np.ndarray) -> dict[str, np.ndarray]:  # views, never copies
             return {f.name: rows[:, f.offset: f.offset + f.nbytes].view(
-                _DTYPES[f.dtype][1]).reshape(n_slots, *f.dims) for f in self._fields}
+                DTYPE_CODES[f.dtype][1]).reshape(n_slots, *f.dims) for f in self._fields}
 
         self._slot_samples = rows_of(self._segment.mapping)  # _write, clear() and deepcopy's
         self._view_as = self._fast_dtype = None
         self._field_arrays = fields_of(self._slot_samples)
-        self._array = {f.name: _torch_of(self._field_arrays[f.name][:self._layout.slots], f.dtype)
+        self._array = {f.name: torch_of(self._field_arrays[f.name][:self._layout.slots], f.dtype)
                        for f in self._fields}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
             ro = fields_of(rows_of(self._segment.read_only_mapping))
-            self._read_only_fields = {f.name: _torch_of(ro[f.name], f.dtype) for f in self._fields}
+            self._read_only_fields = {f.name: torch_of(ro[f.name], f.dtype) for f in self._fields}
 
     def _unmap(self) -> None:
-        closed = _Closed(type(self))
+        closed = Closed(type(self))
         self._field_arrays = self._read_only_fields = closed  # type: ignore
         super()._unmap()
 
@@ -72,21 +74,21 @@ class _FieldsCache(SharedCache):
 
     def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
         """The fields in a copy of a slot's bytes: tensors that share that one copy."""
-        return {f.name: _torch_of(row[f.offset: f.offset + f.nbytes].view(
-            _DTYPES[f.dtype][1]).reshape(f.dims), f.dtype) for f in self._fields}
+        return {f.name: torch_of(row[f.offset: f.offset + f.nbytes].view(
+            DTYPE_CODES[f.dtype][1]).reshape(f.dims), f.dtype) for f in self._fields}
 
     def _check_value(self, value: Any) -> dict[str, torch.Tensor]:
         """Raise unless ``value`` is a dict of exactly the cache's fields, each of which
         ``SharedCache._checked`` accepts (a number is taken for a field of shape ``()``);
         return the checked tensors. Nothing is stored."""
-        value = _check_keys(value, self._dims)
+        value = check_keys(value, self._dims)
         out = {}
         for f in self._fields:
             v = value[f.name]
             if not f.dims and isinstance(v, (int, float, complex, np.generic)):
                 v = torch.tensor(v)  # a label as a number (bool too)
-            out[f.name] = _checked_value(v, f.dims, f.dtype, f"value[{f.name!r}]",
-                                         f"data_dims[{f.name!r}]")
+            out[f.name] = checked_value(v, f.dims, f.dtype, f"value[{f.name!r}]",
+                                        f"data_dims[{f.name!r}]")
         return out
 
     def _source_array(self, value: Any) -> np.ndarray:
@@ -94,7 +96,7 @@ class _FieldsCache(SharedCache):
         checked = self._check_value(value)
         row = np.zeros(self._row_bytes, np.uint8)  # the padding is 0 too
         for f in self._fields:
-            a = np.ascontiguousarray(_slot_array(checked[f.name], f.dtype))
+            a = np.ascontiguousarray(slot_array(checked[f.name], f.dtype))
             row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
         return row
 
@@ -106,7 +108,7 @@ class _FieldsCache(SharedCache):
             raise TypeError(f"out should be a dict of tensors with the fields {names}, but "
                             f"got out of {got}")
         batch = {f.name: torch.empty((k, *f.dims), dtype=f.dtype) if out is None else
-                 _check_out(out[f.name], (k, *f.dims), f.dtype, f"out[{f.name!r}]")
+                 check_out(out[f.name], (k, *f.dims), f.dtype, f"out[{f.name!r}]")
                  for f in self._fields}
         views = {n: b.view(torch.uint16) if b.dtype is torch.bfloat16 else b
                  for n, b in batch.items()}

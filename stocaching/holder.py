@@ -3,7 +3,7 @@ group of workers (``--max-restarts``), the restarted local leader finds the node
 the failed attempt left it, and nothing is left once the agent is gone.
 
 A feature module of stocaching (see the core's section "The seam"). Under torchrun's agent
-(``TORCHELASTIC_RUN_ID`` set), the local leader's ``_Segment`` is opened by ``open_kept``
+(``TORCHELASTIC_RUN_ID`` set), the local leader's ``Segment`` is opened by ``open_kept``
 here instead of being made: it adopts the segment a holder keeps for this agent if that
 segment holds this cache's configuration, else makes a new one and starts its holder.
 
@@ -41,11 +41,11 @@ if __name__ != "__main__":  # (the holder itself runs this file with the standar
     import numpy as np
 
     try:  # inside the package
-        from .stocaching import (BaseCache, SEGMENT_PREFIX, SET, logger, _Segment, _close_fd,
-                                 _finalize_segment, _process_start, _pwrite_all)
+        from .stocaching import (SEGMENT_PREFIX, SET, BaseCache, Segment, close_fd,
+                                 finalize_segment, logger, process_start, pwrite_all)
     except ImportError:  # copied beside stocaching.py
-        from stocaching import (BaseCache, SEGMENT_PREFIX, SET, logger, _Segment, _close_fd,
-                                _finalize_segment, _process_start, _pwrite_all)
+        from stocaching import (SEGMENT_PREFIX, SET, BaseCache, Segment, close_fd,
+                                finalize_segment, logger, process_start, pwrite_all)
 
 _POLL_SECONDS = 1.0  # how often the holder looks at the agent without a pidfd
 _ANSWER_SECONDS = 5.0  # how long either side waits for the other's message
@@ -63,7 +63,7 @@ def _agent() -> tuple[int, int]:
     """The elastic agent: this process's parent (torchrun starts its workers as its children),
     as (pid, process start)."""
     pid = os.getppid()
-    return pid, _process_start(pid)
+    return pid, process_start(pid)
 
 
 def holder_address(owner: BaseCache, env: Any = None) -> str:
@@ -78,7 +78,7 @@ def holder_address(owner: BaseCache, env: Any = None) -> str:
     return f"{SEGMENT_PREFIX}-held-{os.getuid()}-{key}-{owner._name}"
 
 
-def open_kept(segment: _Segment, owner: BaseCache, load_from: str | None = None) -> None:
+def open_kept(segment: Segment, owner: BaseCache, load_from: str | None = None) -> None:
     """The local leader under torchrun's agent: attach to the segment the holder of an earlier
     attempt keeps, if it holds this configuration, else make one (filled from ``load_from``)
     and start its holder. A segment kept for another configuration (another node count,
@@ -105,7 +105,7 @@ def open_kept(segment: _Segment, owner: BaseCache, load_from: str | None = None)
     segment.release = _release_on_close(segment, address)
 
 
-def _adopt(segment: _Segment, owner: BaseCache, fd: int) -> bool:
+def _adopt(segment: Segment, owner: BaseCache, fd: int) -> bool:
     """Attach to the segment open at ``fd`` (the holder's copy), as its local leader, if it
     holds this cache's configuration; False (``fd`` closed, nothing mapped) otherwise."""
     try:
@@ -126,7 +126,7 @@ def _adopt(segment: _Segment, owner: BaseCache, fd: int) -> bool:
     # The processes of the attempt before are gone: what they had staged is nobody's, and
     # this attempt's local ranks count themselves in anew.
     if owner._staging_slots:
-        _pwrite_all(fd, np.full(owner._staging_slots, -1, np.int64), head["stage_off"])
+        pwrite_all(fd, np.full(owner._staging_slots, -1, np.int64), head["stage_off"])
     segment.header_set("attached", 1)
     segment.header_set("local_world_size", owner._world.local_world_size)
     shared = owner._world.local_world_size > 1
@@ -134,7 +134,7 @@ def _adopt(segment: _Segment, owner: BaseCache, fd: int) -> bool:
         segment._publish_pointer(owner, fd)
     dev, ino = segment.name_id
     segment.finalizer = weakref.finalize(
-        segment, _finalize_segment, fd, segment.path if shared else None, ino, dev,
+        segment, finalize_segment, fd, segment.path if shared else None, ino, dev,
         os.getpid(), owner._timeout if shared else 0.0, segment.pointer_fd)
     segment.populate(head["data_off"])
     logger.info("stocaching: attached to the cache %r kept from the attempt before (restart "
@@ -144,7 +144,7 @@ def _adopt(segment: _Segment, owner: BaseCache, fd: int) -> bool:
     return True
 
 
-def _release_on_close(segment: _Segment, address: str) -> weakref.finalize:
+def _release_on_close(segment: Segment, address: str) -> weakref.finalize:
     """What the leader's ``close()`` does besides closing: ask the holder to let go (not at
     exit: a restart is what it keeps the segment for)."""
     release = weakref.finalize(segment, _ask, address, b"go")
@@ -171,13 +171,13 @@ def _ask(address: str, request: bytes) -> int | bool:
             s.recv(1)  # (its end closes as it goes)
         except OSError:
             return False
-    start, deadline = _process_start(holder[0]), time.monotonic() + _GONE_WAIT
-    while start and _process_start(holder[0]) == start and time.monotonic() < deadline:
+    start, deadline = process_start(holder[0]), time.monotonic() + _GONE_WAIT
+    while start and process_start(holder[0]) == start and time.monotonic() < deadline:
         time.sleep(0.01)  # its memory is free once it is gone
     return True
 
 
-def _start_holder(segment: _Segment, address: str) -> None:
+def _start_holder(segment: Segment, address: str) -> None:
     """Start the holder of the segment just made, with its descriptor (the same number)."""
     agent_pid, agent_start = _agent()
     # A copy above the standard streams' numbers (a launcher may start its workers with stdin
@@ -191,8 +191,8 @@ def _start_holder(segment: _Segment, address: str) -> None:
             pass_fds=(fd, told), start_new_session=True, close_fds=True, cwd="/",
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     finally:
-        _close_fd(fd)
-        _close_fd(told)
+        close_fd(fd)
+        close_fd(told)
     # Return once it listens (or has given up: the pipe's end), so that a close() right after
     # this construction finds it to let go; otherwise its b"go" would find nobody, and the
     # holder would keep the segment, and its memory, until the agent exits.
@@ -200,7 +200,7 @@ def _start_holder(segment: _Segment, address: str) -> None:
         if select.select([listening], [], [], _LISTENING_WAIT)[0]:
             os.read(listening, 1)
     finally:
-        _close_fd(listening)
+        close_fd(listening)
     _HOLDERS[:] = [h for h in _HOLDERS if h.poll() is None] + [holder]
 
 

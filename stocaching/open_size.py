@@ -8,8 +8,9 @@ A feature module of stocaching (see the core's section "The seam"); the core's
 from __future__ import annotations
 
 __all__ = ["OpenSizeCache"]
-# The private names that cli.py (python -m stocaching) uses, as the core's _SEAM lists its own.
-_SEAM = frozenset({"_ARENA_ALIGN", "_arena_bytes"})
+# The names besides __all__ that cli.py (python -m stocaching) uses, as the core's _SEAM
+# lists its own.
+_SEAM = frozenset({"ARENA_ALIGN", "arena_size_for"})
 
 import mmap
 import operator
@@ -22,21 +23,19 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (BYTES_PER_GIB, BaseCache, CacheCapacityError, EMPTY, OOB,
-                             ReadOnlyView, SET, WRITING, World, check_int, _COPY_COUNTER, _Closed,
-                             _DTYPES, _Field, _HITS, _LOCK_BASE, _WRITES, _check_dims,
-                             _check_dtype, _check_fields, _check_keys, _check_positive,
-                             _checked_value, _fmt_bytes, _has_open_size, _is_int, _more_room,
-                             _pack, _segment_offsets, _slot_array, _slot_lock_offset, _torch_of,
-                             _what_fits)
+    from .stocaching import (BYTES_PER_GIB, COPY_COUNTER, DTYPE_CODES, EMPTY, LOCK_BASE, OOB, SET,
+                             STATS_HITS, STATS_WRITES, WRITING, BaseCache, CacheCapacityError,
+                             Closed, Field, ReadOnlyView, World, check_dims, check_dtype,
+                             check_fields, check_int, check_keys, check_positive, checked_value,
+                             fmt_bytes, has_open_size, is_int, more_room, pack_fields,
+                             segment_offsets, slot_array, slot_lock_offset, torch_of, what_fits)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BYTES_PER_GIB, BaseCache, CacheCapacityError, EMPTY, OOB, ReadOnlyView,
-                            SET, WRITING, World, check_int, _COPY_COUNTER, _Closed, _DTYPES,
-                            _Field, _HITS, _LOCK_BASE, _WRITES, _check_dims, _check_dtype,
-                            _check_fields, _check_keys, _check_positive, _checked_value,
-                            _fmt_bytes, _has_open_size, _is_int, _more_room, _pack,
-                            _segment_offsets, _slot_array, _slot_lock_offset, _torch_of,
-                            _what_fits)
+    from stocaching import (BYTES_PER_GIB, COPY_COUNTER, DTYPE_CODES, EMPTY, LOCK_BASE, OOB, SET,
+                            STATS_HITS, STATS_WRITES, WRITING, BaseCache, CacheCapacityError,
+                            Closed, Field, ReadOnlyView, World, check_dims, check_dtype,
+                            check_fields, check_int, check_keys, check_positive, checked_value,
+                            fmt_bytes, has_open_size, is_int, more_room, pack_fields,
+                            segment_offsets, slot_array, slot_lock_offset, torch_of, what_fits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,16 +43,16 @@ except ImportError:  # copied beside stocaching.py
 # ----------------------------------------------------------------------------------------------
 
 
-_ARENA_LOCK = _LOCK_BASE - 2  # lockf offset of a cache of open sizes' arena allocator
-_ARENA_ALIGN = 16  # every sample's bytes start at a multiple of this in the arena
+_ARENA_LOCK = LOCK_BASE - 2  # lockf offset of a cache of open sizes' arena allocator
+ARENA_ALIGN = 16  # every sample's bytes start at a multiple of this in the arena
 _REC_SEQ, _REC_OFF, _REC_BYTES, _REC_CAP = range(4)  # a record: these, then the open sizes
 
 
-def _arena_bytes(size_limit_gib: float, dataset_len: int, record_words: int) -> int:
+def arena_size_for(size_limit_gib: float, dataset_len: int, record_words: int) -> int:
     """The arena that ``size_limit_gib`` buys once the aux array (1 byte) and the record
-    (``record_words`` int64) of every index are paid, in whole units of _ARENA_ALIGN."""
+    (``record_words`` int64) of every index are paid, in whole units of ARENA_ALIGN."""
     rest = int(size_limit_gib * BYTES_PER_GIB) - dataset_len * (1 + 8 * record_words)
-    return max(0, rest // _ARENA_ALIGN * _ARENA_ALIGN)
+    return max(0, rest // ARENA_ALIGN * ARENA_ALIGN)
 
 
 def _candidates(dataset_len: int, num_nodes: int, arena: int, mean: int | None) -> int:
@@ -65,7 +64,7 @@ def _candidates(dataset_len: int, num_nodes: int, arena: int, mean: int | None) 
         return dataset_len
     share = -(-dataset_len // num_nodes)
     if mean:
-        share = max(share, arena // (-(-mean // _ARENA_ALIGN) * _ARENA_ALIGN))
+        share = max(share, arena // (-(-mean // ARENA_ALIGN) * ARENA_ALIGN))
     return min(dataset_len, share)
 
 
@@ -138,7 +137,7 @@ class OpenSizeCache(BaseCache):
     # -- state: BaseCache's, and the records and the arena (set in _size_arena and
     # _map_samples) --------------------------------------------------------------------------
     # What it is: the same in every process.
-    _sample_fields: tuple  # the _Field of each part of a sample (one for a tensor)
+    _sample_fields: tuple  # the Field of each part of a sample (one for a tensor)
     _np_dtypes: list  # the numpy dtype of each part
     _record_words: int  # 8-byte words of one index's record (where its bytes are, its sizes)
     _arena_size: int  # bytes of the arena
@@ -179,15 +178,15 @@ class OpenSizeCache(BaseCache):
             raise ValueError(f"size_limit_gib='auto' needs samples of a fixed size; with open "
                              f"sizes (data_dims={data_dims}) pass a number (python -m stocaching "
                              "plan --mean-bytes sizes it), but got size_limit_gib='auto'")
-        size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB")
+        size_limit_gib = check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         if isinstance(data_dims, Mapping):
-            fields = _check_fields(data_dims, dtype)[0]
+            fields = check_fields(data_dims, dtype)[0]
             dims: Any = {f.name: f.dims for f in fields}
             dtype = {f.name: f.dtype for f in fields}
         else:
-            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
-        if not _has_open_size(dims):
+            dims, dtype, fields = check_dims(data_dims), check_dtype(dtype), ()
+        if not has_open_size(dims):
             raise TypeError(f"data_dims should leave a size open (a None) in an OpenSizeCache; "
                             f"samples of a fixed size go in a SharedCache(size_limit_gib, "
                             f"dataset_len, data_dims, ...), but got data_dims={dims}")
@@ -207,21 +206,21 @@ class OpenSizeCache(BaseCache):
                     num_nodes: int, mean: int | None) -> int:
         """Set the arena's size and the record's; return how many indices this node may
         admit (its candidates)."""
-        self._sample_fields = _pack(dims, dtype)[0] if isinstance(dims, Mapping) else \
-            (_Field("", dims, dtype, 0, 0),)
+        self._sample_fields = pack_fields(dims, dtype)[0] if isinstance(dims, Mapping) else \
+            (Field("", dims, dtype, 0, 0),)
         self._record_words = 4 + sum(d is None for f in self._sample_fields for d in f.dims)
-        self._arena_size = _arena_bytes(size_limit_gib, dataset_len, self._record_words)
+        self._arena_size = arena_size_for(size_limit_gib, dataset_len, self._record_words)
         self._mean_sample_bytes, self._limit_gib = mean or 0, float(size_limit_gib)
         if not self._arena_size:
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no room for samples: the "
                           f"aux array and the records alone need "
-                          f"{_fmt_bytes(dataset_len * (1 + 8 * self._record_words))}",
+                          f"{fmt_bytes(dataset_len * (1 + 8 * self._record_words))}",
                           RuntimeWarning, stacklevel=3)
         return _candidates(dataset_len, num_nodes, self._arena_size, mean)
 
     def _offsets(self) -> dict:
         lay = self._layout
-        offsets = _segment_offsets(lay, 0, 0)  # the header, stats and aux array as for slots
+        offsets = segment_offsets(lay, 0, 0)  # the header, stats and aux array as for slots
         rec_off = offsets["aux_off"] + (lay.dataset_len + 7) // 8 * 8
         data_off = rec_off + lay.dataset_len * self._record_words * 8
         data_off = (data_off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -238,9 +237,9 @@ class OpenSizeCache(BaseCache):
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         return CacheCapacityError(
-            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
-            f"(an arena of {_fmt_bytes(self._arena_size)}). {_more_room(shm_dir, total)} or pass "
-            f"a smaller size_limit_gib ({_what_fits(self, shm_dir, total, free)})", shm_dir,
+            f"{shm_dir} has {fmt_bytes(free)} free but the cache needs {fmt_bytes(total)} "
+            f"(an arena of {fmt_bytes(self._arena_size)}). {more_room(shm_dir, total)} or pass "
+            f"a smaller size_limit_gib ({what_fits(self, shm_dir, total, free)})", shm_dir,
             total, free)
 
     def _map_samples(self, head: dict) -> None:
@@ -262,7 +261,7 @@ class OpenSizeCache(BaseCache):
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": intended
             self._read_only_arena = torch.from_numpy(np.frombuffer(
                 self._segment.read_only_mapping, np.uint8, self._arena_size, data_off))
-        self._np_dtypes = [_DTYPES[f.dtype][1] for f in self._sample_fields]
+        self._np_dtypes = [DTYPE_CODES[f.dtype][1] for f in self._sample_fields]
         first = self._sample_fields[0]
         self._view_as = first.dtype if first.dtype is torch.bfloat16 else None
         self._fixed_sizes = self._arena_items = self._shape_of = None
@@ -277,7 +276,7 @@ class OpenSizeCache(BaseCache):
                                               self._arena_size // self._itemsize, data_off)
 
     def _unmap(self) -> None:
-        closed = _Closed(type(self))
+        closed = Closed(type(self))
         self._records_np = self._records = closed  # type: ignore
         self._arena = self._read_only_arena = closed  # type: ignore
         self._records_bytes = self._arena_items = closed  # type: ignore
@@ -308,7 +307,7 @@ class OpenSizeCache(BaseCache):
             data = self._arena[off: end].copy() if copy else self._read_only_arena[off: end]
         if self._index_states[idx] != SET or self._records[idx * self._record_words] != seq:
             return None
-        self._own_counters[_HITS] += 1
+        self._own_counters[STATS_HITS] += 1
         if self._fixed_sizes is not None and copy:  # already in its shape and dtype
             return torch.from_numpy(data) if self._view_as is None else \
                 torch.from_numpy(data).view(self._view_as)
@@ -328,11 +327,12 @@ class OpenSizeCache(BaseCache):
             f = self._sample_fields[0]
             shape = self._shapes(sizes)[0]
             arr = data.view(self._np_dtypes[0]).reshape(shape)
-            return _torch_of(arr, f.dtype)
-        fields, _ = _pack({f.name: s for f, s in zip(self._sample_fields, self._shapes(sizes))},
-                          {f.name: f.dtype for f in self._sample_fields})
-        return {f.name: _torch_of(data[f.offset: f.offset + f.nbytes].view(dt).reshape(f.dims),
-                                  f.dtype) for f, dt in zip(fields, self._np_dtypes)}
+            return torch_of(arr, f.dtype)
+        fields, _ = pack_fields(
+            {f.name: s for f, s in zip(self._sample_fields, self._shapes(sizes))},
+            {f.name: f.dtype for f in self._sample_fields})
+        return {f.name: torch_of(data[f.offset: f.offset + f.nbytes].view(dt).reshape(f.dims),
+                                 f.dtype) for f, dt in zip(fields, self._np_dtypes)}
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -340,7 +340,7 @@ class OpenSizeCache(BaseCache):
         """Check ``value`` against the fields with their open sizes; return the checked
         tensor (or dict of them) and the open sizes, in the order of the Nones."""
         if self._fields:
-            value = _check_keys(value, self._dims)
+            value = check_keys(value, self._dims)
         checked, sizes = {}, []
         for f in self._sample_fields:
             v, what = (value[f.name], f"value[{f.name!r}]") if f.name else (value, "value")
@@ -356,7 +356,7 @@ class OpenSizeCache(BaseCache):
                 raise ValueError(f"{what} should have shape {f.dims} (the cache's {where}; None "
                                  f"is any size), but got {what}.shape={tuple(v.shape)}")
             dims = shape if isinstance(v, (torch.Tensor, np.ndarray)) else f.dims
-            checked[f.name] = _checked_value(v, dims, f.dtype, what, where)
+            checked[f.name] = checked_value(v, dims, f.dtype, what, where)
             sizes += [s for d, s in zip(f.dims, shape) if d is None]
         return checked, sizes
 
@@ -364,13 +364,14 @@ class OpenSizeCache(BaseCache):
         """The packed bytes of a sample and its open sizes, checked."""
         checked, sizes = self._check_value(value)
         if not self._fields:
-            a = _slot_array(checked[""], self._sample_fields[0].dtype)
+            a = slot_array(checked[""], self._sample_fields[0].dtype)
             return np.ascontiguousarray(a).reshape(-1).view(np.uint8), sizes
-        fields, total = _pack({f.name: tuple(checked[f.name].shape) for f in self._sample_fields},
-                              {f.name: f.dtype for f in self._sample_fields})
+        fields, total = pack_fields(
+            {f.name: tuple(checked[f.name].shape) for f in self._sample_fields},
+            {f.name: f.dtype for f in self._sample_fields})
         row = np.zeros(total, np.uint8)
         for f in fields:
-            a = np.ascontiguousarray(_slot_array(checked[f.name], f.dtype))
+            a = np.ascontiguousarray(slot_array(checked[f.name], f.dtype))
             row[f.offset: f.offset + f.nbytes] = a.reshape(-1).view(np.uint8)
         return row, sizes
 
@@ -391,14 +392,14 @@ class OpenSizeCache(BaseCache):
             if not allow_oob_idx:
                 raise self._oob_error(idx)
             return
-        lock = _slot_lock_offset(idx)
+        lock = slot_lock_offset(idx)
         self._segment.lock(lock)
         try:
             if not self._store(idx, src, sizes, allow_overwrite, exist_ok):
                 return
         finally:
             self._segment.unlock(lock)
-        self._own_counters[_WRITES] += 1
+        self._own_counters[STATS_WRITES] += 1
 
     def _store(self, idx: int, src: np.ndarray, sizes: list[int], allow_overwrite: bool,
                exist_ok: bool) -> bool:
@@ -419,7 +420,7 @@ class OpenSizeCache(BaseCache):
         if state in (SET, WRITING) and rec[base + _REC_CAP] >= src.size:
             off, cap = rec[base + _REC_OFF], rec[base + _REC_CAP]  # its place, reused
         else:
-            cap = -(-src.size // _ARENA_ALIGN) * _ARENA_ALIGN
+            cap = -(-src.size // ARENA_ALIGN) * ARENA_ALIGN
             self._segment.lock(_ARENA_LOCK)
             try:
                 off = self._segment.header_get("arena_top")
@@ -464,7 +465,7 @@ class OpenSizeCache(BaseCache):
         """Empty every index and give back the whole arena. Safe while other processes read
         (they see misses) or write (they finish first)."""
         self._check_open()
-        self._segment.lock(_slot_lock_offset(0), self._dataset_len)
+        self._segment.lock(slot_lock_offset(0), self._dataset_len)
         try:
             self._segment.lock(_ARENA_LOCK)
             try:
@@ -479,7 +480,7 @@ class OpenSizeCache(BaseCache):
             finally:
                 self._segment.unlock(_ARENA_LOCK)
         finally:
-            self._segment.unlock(_slot_lock_offset(0), self._dataset_len)
+            self._segment.unlock(slot_lock_offset(0), self._dataset_len)
 
     may_refuse = True  # set_slot declines a sample that finds no room in the arena
 
@@ -497,7 +498,7 @@ class OpenSizeCache(BaseCache):
         admit."""
         self._check_open()  # (before the header is read: a closed mapping says less)
         full = self._segment.header_get("arena_full")
-        if since is not None and not _is_int(since.get("full")):
+        if since is not None and not is_int(since.get("full")):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
         out = super().stats(since=since)
@@ -513,13 +514,13 @@ class OpenSizeCache(BaseCache):
         self._check_open()
         w, lay = self._world, self._layout
         twin = OpenSizeCache(self._limit_gib, lay.dataset_len, self._dims, self._dtype,
-                             name=f"copy{next(_COPY_COUNTER)}",
+                             name=f"copy{next(COPY_COUNTER)}",
                              world=World(rank=w.node_rank, world_size=w.num_nodes,
                                          node_rank=w.node_rank, num_nodes=w.num_nodes),
                              shm_dir=os.path.dirname(self._path), layout=lay,
                              mean_sample_bytes=self._mean_sample_bytes or None)
         memo[id(self)] = twin
-        self._segment.lock(_slot_lock_offset(0), self._dataset_len)
+        self._segment.lock(slot_lock_offset(0), self._dataset_len)
         try:
             aux = self._index_states_np.copy()
             aux[(aux == SET) & (self._records_np[:, _REC_SEQ] & 1 == 1)] = EMPTY
@@ -531,5 +532,5 @@ class OpenSizeCache(BaseCache):
             twin._segment.header_set("arena_top", top)
             twin._index_states_np[:] = aux
         finally:
-            self._segment.unlock(_slot_lock_offset(0), self._dataset_len)
+            self._segment.unlock(slot_lock_offset(0), self._dataset_len)
         return twin

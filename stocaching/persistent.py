@@ -3,7 +3,7 @@ that keeps its name after the job, adopted by the next job that asks for the sam
 configuration and key.
 
 A feature module of stocaching (see the core's section "The seam"): the local leader's
-``_Segment`` is opened by ``open_persistent`` here instead of being made.
+``Segment`` is opened by ``open_persistent`` here instead of being made.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from typing import Any
 import numpy as np
 
 try:  # inside the package
-    from .stocaching import (BaseCache, CacheConfigError, SET, logger, _HEADER_BYTES, _Segment,
-                             _check_key, _finalize_segment, _fmt_bytes, _key_hash, _names,
-                             _open_existing, _pwrite_all, _read_header, _read_key, _try_stale,
-                             _unlink_if_same)
+    from .stocaching import (HEADER_BYTES, SET, BaseCache, CacheConfigError, Segment, check_key,
+                             finalize_segment, fmt_bytes, hash_of_key, logger, names_file,
+                             open_existing, pwrite_all, read_header, read_key, try_stale,
+                             unlink_if_same)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BaseCache, CacheConfigError, SET, logger, _HEADER_BYTES, _Segment,
-                            _check_key, _finalize_segment, _fmt_bytes, _key_hash, _names,
-                            _open_existing, _pwrite_all, _read_header, _read_key, _try_stale,
-                            _unlink_if_same)
+    from stocaching import (HEADER_BYTES, SET, BaseCache, CacheConfigError, Segment, check_key,
+                            finalize_segment, fmt_bytes, hash_of_key, logger, names_file,
+                            open_existing, pwrite_all, read_header, read_key, try_stale,
+                            unlink_if_same)
 
 
 def _check_persistent(name: Any, job_key: Any, key: Any, on_mismatch: Any) -> None:
@@ -40,10 +40,10 @@ def _check_persistent(name: Any, job_key: Any, key: Any, on_mismatch: Any) -> No
     if job_key is not None:
         raise ValueError(f"a persistent cache is found by its name alone, not by a job key, but "
                          f"got job_key={job_key!r} with persistent=True")
-    _check_key(key, on_mismatch)
+    check_key(key, on_mismatch)
 
 
-def open_persistent(segment: _Segment, owner: BaseCache, load_from: str | None = None
+def open_persistent(segment: Segment, owner: BaseCache, load_from: str | None = None
                     ) -> None:
     """The local leader of a persistent cache: attach to the segment of this name if it
     holds this configuration and key (a mismatch raises, or with on_mismatch="replace"
@@ -51,7 +51,7 @@ def open_persistent(segment: _Segment, owner: BaseCache, load_from: str | None =
     stays after the job."""
     for _ in range(5):
         try:
-            fd = _open_existing(segment.path)
+            fd = open_existing(segment.path)
         except FileNotFoundError:
             if _create_persistent(segment, owner, load_from):
                 return
@@ -69,7 +69,7 @@ def open_persistent(segment: _Segment, owner: BaseCache, load_from: str | None =
     raise CacheConfigError(f"could not open or make the persistent cache {segment.path}: it "
                            "keeps changing", "name", owner._name, segment.path)
 
-def _create_persistent(segment: _Segment, owner: BaseCache, load_from: str | None = None
+def _create_persistent(segment: Segment, owner: BaseCache, load_from: str | None = None
                        ) -> bool:
     """Make the segment and give it its name; False if another process named one first."""
     try:
@@ -77,35 +77,35 @@ def _create_persistent(segment: _Segment, owner: BaseCache, load_from: str | Non
                                       load_from)
     except FileExistsError:
         return False
-    segment.finalizer = weakref.finalize(segment, _finalize_segment, fd, None, 0, 0)
+    segment.finalizer = weakref.finalize(segment, finalize_segment, fd, None, 0, 0)
     logger.info("stocaching: made the persistent cache %r (key %r): %d of %d samples of %s, "
                 "%s in %s; it stays after this job (python -m stocaching clean --persistent "
                 "%s removes it)", owner._name, owner._key, owner._layout.slots,
                 owner._layout.dataset_len, owner._describe(),
-                _fmt_bytes(head["total_bytes"]), os.path.dirname(segment.path), owner._name)
+                fmt_bytes(head["total_bytes"]), os.path.dirname(segment.path), owner._name)
     return True
 
-def _adopt_persistent(segment: _Segment, owner: BaseCache, fd: int) -> bool:
+def _adopt_persistent(segment: Segment, owner: BaseCache, fd: int) -> bool:
     """Attach to an existing persistent segment; False if it was removed to be replaced."""
     for _ in range(3):  # (another process may probe it for an instant, as we do)
-        alone = _try_stale(fd)  # no other process uses it (we then hold it exclusively)
+        alone = try_stale(fd)  # no other process uses it (we then hold it exclusively)
         if alone:
             break
         time.sleep(0.05)
     if not alone:
         fcntl.flock(fd, fcntl.LOCK_SH)
     st = os.fstat(fd)
-    if not _names(segment.path, st.st_ino, st.st_dev):
+    if not names_file(segment.path, st.st_ino, st.st_dev):
         return False  # removed (or replaced) meanwhile: look again
     size = os.fstat(fd).st_size
-    with mmap.mmap(fd, min(size, _HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-        head = _read_header(mm) if size >= _HEADER_BYTES else None
-        theirs = _read_key(mm) if head is not None else None
+    with mmap.mmap(fd, min(size, HEADER_BYTES), mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+        head = read_header(mm) if size >= HEADER_BYTES else None
+        theirs = read_key(mm) if head is not None else None
     mismatch = None
     if head is None or not head["persistent"]:
         mismatch = CacheConfigError(f"{segment.path} is not a persistent cache", "persistent",
                                     1, 0)
-    elif head["key_hash"] != _key_hash(owner._key):
+    elif head["key_hash"] != hash_of_key(owner._key):
         mismatch = CacheConfigError(
             f"the persistent cache {segment.path} holds key={theirs!r}, but this job asked "
             f"for key={owner._key!r}: it holds other data. Pass on_mismatch='replace' to "
@@ -125,7 +125,7 @@ def _adopt_persistent(segment: _Segment, owner: BaseCache, fd: int) -> bool:
         if owner._on_mismatch != "replace":
             raise mismatch
         st = os.fstat(fd)
-        _unlink_if_same(segment.path, st.st_ino, st.st_dev)
+        unlink_if_same(segment.path, st.st_ino, st.st_dev)
         logger.warning("stocaching: replaced the persistent cache %s: %s", segment.path,
                        mismatch.args[0])
         return False
@@ -134,14 +134,14 @@ def _adopt_persistent(segment: _Segment, owner: BaseCache, fd: int) -> bool:
         # alone). flock cannot turn exclusive into shared atomically: it drops the lock
         # first, and a `clean` of this name or a job replacing it may take the segment
         # in between. Once shared it is ours to keep, so look at the name again then.
-        _pwrite_all(fd, np.full(owner._staging_slots, -1, np.int64), head["stage_off"])
+        pwrite_all(fd, np.full(owner._staging_slots, -1, np.int64), head["stage_off"])
         fcntl.flock(fd, fcntl.LOCK_SH)
-        if not _names(segment.path, st.st_ino, st.st_dev):
+        if not names_file(segment.path, st.st_ino, st.st_dev):
             return False  # removed meanwhile: look again
     with contextlib.suppress(OSError):
         os.utime(fd)  # the listing's age: since a job last attached
     head = segment.map_existing(owner, fd)
-    segment.finalizer = weakref.finalize(segment, _finalize_segment, fd, None, 0, 0)
+    segment.finalizer = weakref.finalize(segment, finalize_segment, fd, None, 0, 0)
     segment.populate(head["data_off"])
     logger.info("stocaching: attached to the persistent cache %r (key %r): %d of %d slots "
                 "filled", owner._name, owner._key,

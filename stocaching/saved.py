@@ -9,8 +9,9 @@ is filled by ``_SavedFileReader``.
 from __future__ import annotations
 
 __all__ = ["describe_saved_file"]
-# The private names that cli.py (python -m stocaching) uses, as the core's _SEAM lists its own.
-_SEAM = frozenset({"_SAVE_BLOCK", "_SAVE_MAGIC"})
+# The names besides __all__ that cli.py (python -m stocaching) uses, as the core's _SEAM
+# lists its own.
+_SEAM = frozenset({"SAVE_BLOCK", "SAVE_MAGIC"})
 
 import concurrent.futures
 import contextlib
@@ -37,13 +38,13 @@ except ImportError:  # (zlib-ng is a dependency of the package; a copied saved.p
     _crc32 = zlib.crc32
 
 try:  # inside the package
-    from .stocaching import (BYTES_PER_MIB, CacheConfigError, CacheFileError, SET, SharedCache,
-                             logger, _Field, _LAYOUT_VERSION, _alive, _close_fd, _fmt_bytes,
-                             _free_bytes, _pwrite_all)
+    from .stocaching import (BYTES_PER_MIB, LAYOUT_VERSION, SET, CacheConfigError, CacheFileError,
+                             Field, SharedCache, close_fd, fmt_bytes, free_bytes, logger,
+                             process_alive, pwrite_all)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (BYTES_PER_MIB, CacheConfigError, CacheFileError, SET, SharedCache,
-                            logger, _Field, _LAYOUT_VERSION, _alive, _close_fd, _fmt_bytes,
-                            _free_bytes, _pwrite_all)
+    from stocaching import (BYTES_PER_MIB, LAYOUT_VERSION, SET, CacheConfigError, CacheFileError,
+                            Field, SharedCache, close_fd, fmt_bytes, free_bytes, logger,
+                            process_alive, pwrite_all)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,12 +67,12 @@ except ImportError:  # copied beside stocaching.py
 # previous commit in force (or no file at all), and every byte of a commit is covered by a
 # CRC-32, so a truncated or damaged file is refused rather than loaded in part.
 
-_SAVE_MAGIC = b"STOSAVE1"
+SAVE_MAGIC = b"STOSAVE1"
 _SAVE_VERSION = 1
-_SAVE_BLOCK = 4096
+SAVE_BLOCK = 4096
 _SUPER = struct.Struct("<8sqqqqqqq")  # magic, version, generation, end, chunks, config
 _SUPER_CRC = struct.Struct("<I")      # length and CRC, rows in the file; then the CRC of those
-_CONFIG_OFF = 2 * _SAVE_BLOCK
+_CONFIG_OFF = 2 * SAVE_BLOCK
 _TRAILER = struct.Struct("<8sqqqqqq")  # magic, rows, emptied, row bytes, start, rows' CRC,
 _CHUNK_MAGIC = b"STOCHUNK"             # the indices' CRC; then the CRC of those
 _TRAILER_BYTES = 64
@@ -79,18 +80,18 @@ _SAVE_IO = 64 * BYTES_PER_MIB  # bytes read or written at a time (rows gathered 
 
 
 def _align(n: int) -> int:
-    return -(-n // _SAVE_BLOCK) * _SAVE_BLOCK
+    return -(-n // SAVE_BLOCK) * SAVE_BLOCK
 
 
 def _pack_super(gen: int, end: int, chunks: int, config: bytes, rows: int) -> bytes:
-    body = _SUPER.pack(_SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
+    body = _SUPER.pack(SAVE_MAGIC, _SAVE_VERSION, gen, end, chunks, len(config),
                        _crc32(config), rows)
     return body + _SUPER_CRC.pack(_crc32(body))
 
 
 def _super_off(gen: int) -> int:
     """Where the superblock of generation ``gen`` goes: the one not in force."""
-    return (gen % 2) * _SAVE_BLOCK
+    return (gen % 2) * SAVE_BLOCK
 
 
 def _pack_trailer(rows: int, emptied: int, row_bytes: int, start: int, rows_crc: int,
@@ -259,12 +260,12 @@ def _read_super(fd: int, path: str) -> dict:
     raw = os.pread(fd, _CONFIG_OFF, 0)
     best = None
     for k in range(2):
-        block = raw[k * _SAVE_BLOCK: k * _SAVE_BLOCK + _SUPER.size + _SUPER_CRC.size]
+        block = raw[k * SAVE_BLOCK: k * SAVE_BLOCK + _SUPER.size + _SUPER_CRC.size]
         if len(block) < _SUPER.size + _SUPER_CRC.size:
             continue
         body, (crc,) = block[:_SUPER.size], _SUPER_CRC.unpack(block[_SUPER.size:])
         magic, version, gen, end, chunks, config_len, config_crc, rows = _SUPER.unpack(body)
-        if magic != _SAVE_MAGIC or _crc32(body) != crc:
+        if magic != SAVE_MAGIC or _crc32(body) != crc:
             continue
         if version != _SAVE_VERSION:
             raise CacheFileError(f"{path} was saved by another stocaching version (file format "
@@ -421,7 +422,7 @@ def _stale_temporaries(path: str) -> list[str]:
     with contextlib.suppress(OSError):
         for fname in os.listdir(d):
             m = pattern.match(fname)
-            if m and not _alive(int(m.group(1)), 0):
+            if m and not process_alive(int(m.group(1)), 0):
                 found.append(os.path.join(d, fname))
     return found
 
@@ -504,11 +505,11 @@ class _SavedFileWriter:
         """What a saved file says of the samples it holds, checked by ``load_from``."""
         c = self.cache
         lay = c._layout
-        fields = c._fields or (_Field("", c._dims, c._dtype, 0, c._slot_bytes),)
+        fields = c._fields or (Field("", c._dims, c._dtype, 0, c._slot_bytes),)
         return {"key": c._key, "dataset_len": lay.dataset_len,
                 "fields": [[f.name, list(f.dims), str(f.dtype).replace("torch.", ""),
                             f.offset] for f in fields],
-                "row_bytes": c._slot_bytes, "segment_layout_version": _LAYOUT_VERSION,
+                "row_bytes": c._slot_bytes, "segment_layout_version": LAYOUT_VERSION,
                 "node_rank": c._world.node_rank, "num_nodes": lay.num_nodes,
                 "slots": lay.slots, "layout_seed": lay.seed,
                 "random_subset": lay.random_subset}
@@ -525,20 +526,20 @@ class _SavedFileWriter:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
-            _pwrite_all(fd, config, _CONFIG_OFF)
+            pwrite_all(fd, config, _CONFIG_OFF)
             first = _CONFIG_OFF + _align(len(config))
             n = c._layout.slots
             chunk = self._write_chunk(fd, first, np.arange(n), np.zeros(n, np.uint32),
                                       np.zeros(n, bool))
             rows = chunk["samples"]
             end, chunks = (chunk["end"], 1) if rows else (first, 0)
-            _pwrite_all(fd, _pack_super(1, end, chunks, config, rows), _super_off(1))
+            pwrite_all(fd, _pack_super(1, end, chunks, config, rows), _super_off(1))
             os.ftruncate(fd, end)
             os.fsync(fd)
             st = os.fstat(fd)
             os.replace(tmp, path)
         except BaseException:
-            _close_fd(fd)
+            close_fd(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
@@ -547,7 +548,7 @@ class _SavedFileWriter:
         c._saved_file = _SaveState(os.path.realpath(path), st.st_dev, st.st_ino, 1, end, chunks,
                                    rows, chunk["seq"], chunk["held"])
         logger.info("stocaching: saved %d samples of cache %r to %s (%s)", rows, c._name,
-                    path, _fmt_bytes(end))
+                    path, fmt_bytes(end))
         return {"samples": rows, "bytes": end}
 
     def _append_changes(self, state: _SaveState, fd: int, path: str) -> dict[str, Any]:
@@ -566,13 +567,13 @@ class _SavedFileWriter:
         config = os.pread(fd, config_len, _CONFIG_OFF)
         gen, rows = state.gen + 1, state.rows + chunk["samples"]
         written = chunk["end"] - state.end
-        written += _pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
-                                               rows), _super_off(gen))
+        written += pwrite_all(fd, _pack_super(gen, chunk["end"], state.chunks + 1, config,
+                                              rows), _super_off(gen))
         os.fdatasync(fd)
         c._saved_file = _SaveState(state.path, state.dev, state.ino, gen, chunk["end"],
                                    state.chunks + 1, rows, chunk["seq"], chunk["held"])
         logger.info("stocaching: saved %d more samples of cache %r to %s (%d emptied, %s)",
-                    chunk["samples"], c._name, path, chunk["emptied"], _fmt_bytes(written))
+                    chunk["samples"], c._name, path, chunk["emptied"], fmt_bytes(written))
         return {"samples": chunk["samples"], "emptied": chunk["emptied"], "bytes": written}
 
     def _write_chunk(self, fd: int, start: int, slots: np.ndarray, seq: np.ndarray,
@@ -599,7 +600,7 @@ class _SavedFileWriter:
             np.take(rows, located.rows, axis=0, out=buf[:len(sl)], mode="clip")
             good, got = c._confirm(located, count=False), located.versions
             data = buf[:len(sl)] if good.all() else buf[:len(sl)][good]
-            off += _pwrite_all(fd, data, off)
+            off += pwrite_all(fd, data, off)
             crc = _crc32(data, crc)
             kept.append(sl[good])
             seq[sl] = got
@@ -609,10 +610,10 @@ class _SavedFileWriter:
         held[gone] = False
         held[kept_slots] = True
         meta = np.concatenate([indices[kept_slots], indices[gone]]).astype(np.int64)
-        off += _pwrite_all(fd, meta, off)
+        off += pwrite_all(fd, meta, off)
         end = _align(off + _TRAILER_BYTES)
-        _pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
-                                      _crc32(meta)), end - _TRAILER_BYTES)
+        pwrite_all(fd, _pack_trailer(len(kept_slots), len(gone), rows.shape[1], start, crc,
+                                     _crc32(meta)), end - _TRAILER_BYTES)
         return {"end": end, "samples": len(kept_slots), "emptied": len(gone), "seq": seq,
                 "held": held}
 
@@ -690,7 +691,7 @@ class _SavedFileReader:
                                        sup["end"], sup["chunks"], sup["rows"], seq, loaded)
         took = time.perf_counter() - t0
         logger.info("stocaching: loaded %d samples of cache %r from %s (%s in %.2f s)",
-                    int(np.count_nonzero(loaded)), cache._name, path, _fmt_bytes(sup["end"]),
+                    int(np.count_nonzero(loaded)), cache._name, path, fmt_bytes(sup["end"]),
                     took)
 
     def _copy(self, plans: list[_ChunkPlan], fd: int, path: str, data_off: int,
@@ -733,8 +734,8 @@ class _SavedFileReader:
                 raise first
         finally:
             for src, seg in handles[1:]:
-                _close_fd(src)
-                _close_fd(seg)
+                close_fd(src)
+                close_fd(seg)
 
     def _copy_share(self, share: list[tuple[_ChunkPlan, _LoadPart]], src_fd: int,
                     seg_fd: int, path: str, data_off: int, rows: np.ndarray,
@@ -792,7 +793,7 @@ class _SavedFileReader:
                 raise
             shm_dir = os.path.dirname(cache._path)
             raise cache._capacity_error(shm_dir, cache._segment.size,
-                                        _free_bytes(shm_dir)) from None
+                                        free_bytes(shm_dir)) from None
 
     def mismatch(self, theirs: dict, path: str) -> CacheConfigError | None:
         """The first difference between a saved file's configuration and this cache's that

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (MAX_STAGE_TAG, OOB, check_int, _HITS, _STAGED_HITS, _STAGES,
-                             _STAGE_INDEX_MASK, _STAGE_LOCK, _STAGE_TAG_SHIFT, _Segment, _alive,
-                             _closed_error, _slot_lock_offset)
+    from .stocaching import (MAX_STAGE_TAG, OOB, STAGE_INDEX_MASK, STAGE_LOCK, STAGE_TAG_SHIFT,
+                             STATS_HITS, STATS_STAGED_HITS, STATS_STAGES, Segment, check_int,
+                             closed_error, process_alive, slot_lock_offset)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (MAX_STAGE_TAG, OOB, check_int, _HITS, _STAGED_HITS, _STAGES,
-                            _STAGE_INDEX_MASK, _STAGE_LOCK, _STAGE_TAG_SHIFT, _Segment, _alive,
-                            _closed_error, _slot_lock_offset)
+    from stocaching import (MAX_STAGE_TAG, OOB, STAGE_INDEX_MASK, STAGE_LOCK, STAGE_TAG_SHIFT,
+                            STATS_HITS, STATS_STAGED_HITS, STATS_STAGES, Segment, check_int,
+                            closed_error, process_alive, slot_lock_offset)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -34,7 +34,7 @@ except ImportError:  # copied beside stocaching.py
 
 def _staged_entries(table: np.ndarray, idx: int) -> np.ndarray:
     """Positions in a staging map (or a piece of one) whose entry holds ``idx``."""
-    found = np.flatnonzero(table & _STAGE_INDEX_MASK == idx)  # a free (-1) or filling
+    found = np.flatnonzero(table & STAGE_INDEX_MASK == idx)  # a free (-1) or filling
     return found[table[found] >= 0]  # (-2 - pid) entry may match too: dropped here
 
 
@@ -45,23 +45,23 @@ class _StagingTable:
     One int64 entry per staging slot: -1 free; ``-2 - pid`` reserved by process ``pid``
     while it writes the slot's row; else ``index | tag << 40``, the sample of ``index``
     staged with ``tag``, set only once the row is whole. Entries change only under the
-    staging lock (``_STAGE_LOCK``, a record lock of the segment); readers take a snapshot
+    staging lock (``STAGE_LOCK``, a record lock of the segment); readers take a snapshot
     and look at an entry again under the lock before they free it, so a slot is freed once.
     """
 
     entries: np.ndarray  # the table, in the segment (int64, one per staging slot)
-    segment: _Segment  # whose record lock at _STAGE_LOCK guards changes to entries
+    segment: Segment  # whose record lock at STAGE_LOCK guards changes to entries
     # Set in this process once close() gave back its stagers' samples: a stage of this
     # process that publishes afterwards withdraws its sample instead (see publish).
     closing: bool = False
 
-    def __init__(self, entries: np.ndarray, segment: _Segment) -> None:
+    def __init__(self, entries: np.ndarray, segment: Segment) -> None:
         self.entries, self.segment = entries, segment
 
     @staticmethod
     def entry(idx: int, tag: int) -> int:
         """The entry of ``idx``'s sample staged with ``tag``."""
-        return idx | tag << _STAGE_TAG_SHIFT
+        return idx | tag << STAGE_TAG_SHIFT
 
     # -- a stager: reserve a slot, write its row, then publish it ---------------------------
 
@@ -70,7 +70,7 @@ class _StagingTable:
         position; -1 when ``entry`` is staged already (kept: a load gives the same sample);
         None when every slot is taken. Slots reserved by processes that died are freed."""
         table = self.entries
-        self.segment.lock(_STAGE_LOCK)
+        self.segment.lock(STAGE_LOCK)
         try:
             # Staged already by the same stager (the same entry): kept; another stager's
             # copy stays its own. One comparison of the whole table: a few microseconds.
@@ -79,14 +79,14 @@ class _StagingTable:
             k = int(np.argmax(table == -1))  # the first free staging slot, if any
             if table[k] != -1:  # fillers that died keep their slot: give it back
                 for j in np.flatnonzero(table < -1):
-                    if not _alive(-2 - int(table[j]), 0):
+                    if not process_alive(-2 - int(table[j]), 0):
                         table[j] = -1
                 k = int(np.argmax(table == -1))
                 if table[k] != -1:
                     return None
             table[k] = -2 - os.getpid()  # reserved by us while we fill it
         finally:
-            self.segment.unlock(_STAGE_LOCK)
+            self.segment.unlock(STAGE_LOCK)
         return k
 
     def abandon(self, k: int) -> None:
@@ -117,8 +117,8 @@ class _StagingTable:
             return None
         k = found[0]
         entry = int(table[k])  # (the scan's entry unless another reader took it meanwhile)
-        if entry < 0 or entry & _STAGE_INDEX_MASK != idx or \
-                (tags and entry >> _STAGE_TAG_SHIFT not in tags):
+        if entry < 0 or entry & STAGE_INDEX_MASK != idx or \
+                (tags and entry >> STAGE_TAG_SHIFT not in tags):
             return None
         return k, entry
 
@@ -129,12 +129,12 @@ class _StagingTable:
         slots = np.flatnonzero(table >= 0)
         tags = list(tags)
         if tags:
-            slots = slots[np.isin(table[slots] >> _STAGE_TAG_SHIFT, tags)]
+            slots = slots[np.isin(table[slots] >> STAGE_TAG_SHIFT, tags)]
         return slots, table[slots]
 
     def staged_indices(self, tags: Iterable[int] = ()) -> np.ndarray:
         """The indices staged now (with one of ``tags``, any when empty), sorted: a snapshot."""
-        return np.sort(self.live(tags)[1] & _STAGE_INDEX_MASK)
+        return np.sort(self.live(tags)[1] & STAGE_INDEX_MASK)
 
     def count(self) -> int:
         """Samples staged now."""
@@ -146,44 +146,44 @@ class _StagingTable:
         """Free the slots ``k`` whose entries are still ``entry`` (a reader took their
         samples; freed once however many readers raced)."""
         table = self.entries
-        self.segment.lock(_STAGE_LOCK)
+        self.segment.lock(STAGE_LOCK)
         try:
             k = np.atleast_1d(k)
             table[k[table[k] == entry]] = -1
         finally:
-            self.segment.unlock(_STAGE_LOCK)
+            self.segment.unlock(STAGE_LOCK)
 
     def drop(self, idx: int, tag: int | None = None) -> bool:
         """Free the slots of ``idx`` (staged with ``tag`` only, when given); whether any."""
         table = self.entries
-        self.segment.lock(_STAGE_LOCK)
+        self.segment.lock(STAGE_LOCK)
         try:
             found = _staged_entries(table, idx)
             if tag is not None:
-                found = found[table[found] >> _STAGE_TAG_SHIFT == tag]
+                found = found[table[found] >> STAGE_TAG_SHIFT == tag]
             table[found] = -1
         finally:
-            self.segment.unlock(_STAGE_LOCK)
+            self.segment.unlock(STAGE_LOCK)
         return bool(found.size)
 
     def drop_all(self) -> None:
         """Free every published slot (``clear()``; a stager writing one publishes after)."""
-        self.segment.lock(_STAGE_LOCK)
+        self.segment.lock(STAGE_LOCK)
         try:
             self.entries[self.entries >= 0] = -1
         finally:
-            self.segment.unlock(_STAGE_LOCK)
+            self.segment.unlock(STAGE_LOCK)
 
     def drop_tags_at_close(self, tags: Iterable[int]) -> None:
         """Free what this process's stagers (``tags``) staged, and have any stage of this
         process that publishes later withdraw: close() has begun."""
-        self.segment.lock(_STAGE_LOCK)
+        self.segment.lock(STAGE_LOCK)
         try:  # (it holds the thread lock: a publish of this process waits, then withdraws)
             self.closing = True
             table = self.entries
-            table[(table >= 0) & np.isin(table >> _STAGE_TAG_SHIFT, list(tags))] = -1
+            table[(table >= 0) & np.isin(table >> STAGE_TAG_SHIFT, list(tags))] = -1
         finally:
-            self.segment.unlock(_STAGE_LOCK)
+            self.segment.unlock(STAGE_LOCK)
 
     def locate(self, idx: np.ndarray, oob: np.ndarray, rows: np.ndarray, found: np.ndarray,
                entries: np.ndarray, read_tags: frozenset, first_row: int) -> None:
@@ -196,7 +196,7 @@ class _StagingTable:
             return
         where: dict[int, tuple[int, int]] = {}
         for j, e in zip(live[::-1].tolist(), staged[::-1].tolist()):  # the first slot wins
-            where[e & _STAGE_INDEX_MASK] = (j, e)
+            where[e & STAGE_INDEX_MASK] = (j, e)
         for k in oob.tolist():
             got = where.pop(int(idx[k]), None)
             if got is not None:
@@ -252,7 +252,7 @@ def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
     if k is None or k < 0:
         return k is not None  # every slot taken; or staged already, by the same stager
     slot = self._layout.slots + k
-    lock = _slot_lock_offset(slot)
+    lock = slot_lock_offset(slot)
     try:
         self._segment.lock(lock)
         try:
@@ -263,8 +263,8 @@ def stage(self, idx: int, value: Any, *, tag: int = 0) -> bool:
         self._staging.abandon(k)
         raise
     if not self._staging.publish(k, entry):
-        raise _closed_error(type(self))
-    self._own_counters[_STAGES] += 1
+        raise closed_error(type(self))
+    self._own_counters[STATS_STAGES] += 1
     return True
 
 
@@ -279,8 +279,8 @@ def _take_staged(self, idx: int) -> torch.Tensor | None:
     if row is None:
         return None
     self._staging.take(k, entry)
-    self._own_counters[_HITS] += 1
-    self._own_counters[_STAGED_HITS] += 1
+    self._own_counters[STATS_HITS] += 1
+    self._own_counters[STATS_STAGED_HITS] += 1
     return self._from_row(row)
 
 

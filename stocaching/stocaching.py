@@ -141,11 +141,11 @@ SHM_HEADROOM_FRACTION = 1 / 16
 #: memory limit (``_MemoryRoom.margin``); more workers need a smaller, explicit budget.
 AUTO_WORKERS_PER_RANK = 2
 # Filesystems whose files live in memory; a cache elsewhere gets a warning.
-_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 # torch dtype -> (code stored in the segment header, numpy dtype of the same size and layout).
 # bfloat16 has no numpy twin: it is stored as uint16 and viewed back as bfloat16.
-_DTYPES: dict[torch.dtype, tuple[int, Any]] = {
+DTYPE_CODES: dict[torch.dtype, tuple[int, Any]] = {
     torch.bool: (1, np.bool_),
     torch.uint8: (2, np.uint8),
     torch.int8: (3, np.int8),
@@ -162,7 +162,7 @@ _DTYPES: dict[torch.dtype, tuple[int, Any]] = {
     torch.complex64: (14, np.complex64),
     torch.complex128: (15, np.complex128),
 }
-_DTYPE_BY_CODE = {code: dt for dt, (code, _) in _DTYPES.items()}
+_DTYPE_BY_CODE = {code: dt for dt, (code, _) in DTYPE_CODES.items()}
 
 #: torch dtype -> ctypes type, as stocaching 0.2.1 exports it (its supported dtypes, plus the
 #: unsigned ones). The cache stores every dtype of the table above, float16, bfloat16 and the
@@ -177,7 +177,7 @@ C_DTYPES: dict[torch.dtype, Any] = {
 # Casts that set_slot accepts without looking at the values, because every value of the source
 # dtype is exactly representable in the cache's dtype. Others: see SharedCache._check_value.
 _LOSSLESS: dict[torch.dtype, frozenset[torch.dtype]] = {
-    torch.bool: frozenset(_DTYPES),
+    torch.bool: frozenset(DTYPE_CODES),
     torch.uint8: frozenset({torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
                             torch.uint64, torch.float16, torch.bfloat16, torch.float32,
                             torch.float64, torch.complex64, torch.complex128}),
@@ -204,23 +204,23 @@ logger = logging.getLogger("stocaching")
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_integer_dtype(dtype: torch.dtype) -> bool:
+def is_integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     """True for Python, numpy and 0-dim integer torch scalars; False for bool."""
     if isinstance(x, (bool, np.bool_)):
         return False
     if isinstance(x, (int, np.integer)):
         return True
     if isinstance(x, torch.Tensor):
-        return x.ndim == 0 and _is_integer_dtype(x.dtype)
+        return x.ndim == 0 and is_integer_dtype(x.dtype)
     return False
 
 
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None,
-               expect: str | None = None) -> int:
+              expect: str | None = None) -> int:
     """Return ``value`` as an int, or raise naming ``name``, the expectation and the value.
 
     The argument check of the package, public so that the opt-in modules (and code that
@@ -243,7 +243,7 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
         what = expect or (f"an int >= {low}" if low != 1 else "a positive int")
     else:
         what = expect or "an int"
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} should be {what}, but got {name}={value!r} "
                         f"(type {type(value).__name__})")
     v = int(value)
@@ -252,7 +252,7 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
     return v
 
 
-def _check_positive(name: str, value: Any, unit: str) -> float:
+def check_positive(name: str, value: Any, unit: str) -> float:
     """Return a positive finite int or float, or raise naming ``name`` and the value."""
     expect = f"{name} should be a positive finite number of {unit}, but got {name}={value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -262,7 +262,7 @@ def _check_positive(name: str, value: Any, unit: str) -> float:
     return value
 
 
-def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
+def check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
                 ) -> tuple[Any, ...]:
     """``data_dims`` (or a field's dims, ``name``) as a tuple of ints, None for a size left
     open; ``()`` only if ``scalar``."""
@@ -275,7 +275,7 @@ def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
             expect += ", or a dict of fields {name: dims}"
         raise (TypeError if not isinstance(data_dims, (tuple, list)) else ValueError)(
             f"{name} should be {expect}, but got {name}={data_dims!r}")
-    if not all(_is_int(d) or d is None for d in data_dims):
+    if not all(is_int(d) or d is None for d in data_dims):
         raise TypeError(f"{name} should be {expect}, but got {name}={tuple(data_dims)!r}")
     dims = tuple(None if d is None else int(d) for d in data_dims)
     if any(d is not None and d <= 0 for d in dims) or len(dims) > _MAX_DIMS:
@@ -284,19 +284,19 @@ def _check_dims(data_dims: Any, name: str = "data_dims", *, scalar: bool = False
     return dims
 
 
-def _check_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
+def check_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
     if isinstance(dtype, Mapping):
         raise TypeError(f"{name} should be a torch dtype; a dict of dtypes, one a field, "
                         f"comes with a dict data_dims of those fields, but got {name}={dtype!r}")
-    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES:
+        names = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
         raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
             f"{name} should be one of the fixed-size torch dtypes ({names}), "
             f"but got {name}={dtype!r}")
     return dtype
 
 
-class _Field(NamedTuple):
+class Field(NamedTuple):
     """One field of a sample: where it sits in a slot (``offset``, ``nbytes``)."""
 
     name: str
@@ -306,7 +306,7 @@ class _Field(NamedTuple):
     nbytes: int
 
 
-def _check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[_Field, ...], int]:
+def check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[Field, ...], int]:
     """The fields of ``data_dims={name: dims}`` and ``dtype`` (one dtype for every field, or a
     dict with the same keys), packed in the order given, each at a multiple of its itemsize
     (as a C struct); returns them and the bytes of one slot (a multiple of the largest
@@ -322,7 +322,7 @@ def _check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[_Field, ...], i
             raise ValueError(f"data_dims keys should be field names of 1 to "
                              f"{_FIELD_NAME_BYTES} ASCII letters, digits and '_', not starting "
                              f"with a digit, but got {name!r}")
-    dims = {n: _check_dims(d, f"data_dims[{n!r}]", scalar=True) for n, d in data_dims.items()}
+    dims = {n: check_dims(d, f"data_dims[{n!r}]", scalar=True) for n, d in data_dims.items()}
     if isinstance(dtype, Mapping):
         if list(dtype) != list(dims):
             missing = [n for n in dims if n not in dtype]
@@ -332,31 +332,31 @@ def _check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[_Field, ...], i
             raise ValueError(f"dtype should be a torch dtype, or a dict with the keys of "
                              f"data_dims in its order {list(dims)}, but got dtype with keys "
                              f"{list(dtype)}" + (f" ({why})" if why else ""))
-        dtypes = {n: _check_dtype(dtype[n], f"dtype[{n!r}]") for n in dims}
+        dtypes = {n: check_dtype(dtype[n], f"dtype[{n!r}]") for n in dims}
     else:
-        one = _check_dtype(dtype)
+        one = check_dtype(dtype)
         dtypes = {n: one for n in dims}
-    return _pack(dims, dtypes)
+    return pack_fields(dims, dtypes)
 
 
-def _pack(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
-          ) -> tuple[tuple[_Field, ...], int]:
+def pack_fields(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
+          ) -> tuple[tuple[Field, ...], int]:
     """Fields of these sizes packed in their order, each at a multiple of its itemsize (as a
     C struct), and the bytes of the whole (a multiple of the largest itemsize). A field with
     an open size (None) gets offset and nbytes 0: a cache of open sizes packs each sample as it
     comes (``OpenSizeCache``)."""
     if any(None in d for d in dims.values()):
-        return tuple(_Field(n, d, dtypes[n], 0, 0) for n, d in dims.items()), 0
+        return tuple(Field(n, d, dtypes[n], 0, 0) for n, d in dims.items()), 0
     fields, end, align = [], 0, 1
     for n, d in dims.items():
         size = dtypes[n].itemsize
         offset = -(-end // size) * size
-        fields.append(_Field(n, d, dtypes[n], offset, math.prod(d) * size))
+        fields.append(Field(n, d, dtypes[n], offset, math.prod(d) * size))
         end, align = offset + fields[-1].nbytes, max(align, size)
     return tuple(fields), -(-end // align) * align
 
 
-def _check_keys(value: Any, dims: Mapping) -> Mapping:
+def check_keys(value: Any, dims: Mapping) -> Mapping:
     """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
     ``data_dims``) as keys, or raise."""
     names = list(dims)
@@ -373,7 +373,7 @@ def _check_keys(value: Any, dims: Mapping) -> Mapping:
     return value
 
 
-def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+def check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
     """``out`` (or a field of it, ``what``) of ``get_batch`` if it can take a batch of
     ``shape`` and ``dtype``, or raise naming it."""
     if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.layout != torch.strided:
@@ -391,7 +391,7 @@ def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) 
     return out
 
 
-def _torch_of(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+def torch_of(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A numpy array of the cache's storage as a tensor of ``dtype`` (bfloat16 is stored as
     uint16)."""
     t = torch.from_numpy(arr)
@@ -409,7 +409,7 @@ def _check_name(param: str, value: Any) -> str:
     return value
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", BYTES_PER_GIB), ("MiB", BYTES_PER_MIB), ("KiB", 1024)):
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
@@ -435,8 +435,8 @@ def _stacklevel_of_caller() -> int:
 
 
 
-def _checked_value(value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
-                   where: str) -> torch.Tensor:
+def checked_value(value: Any, dims: tuple[int, ...], dst: torch.dtype, what: str,
+                  where: str) -> torch.Tensor:
     """``value`` (called ``what`` in messages) checked against ``dims`` (``where``) and
     ``dst``, as a tensor; raise if it cannot be stored.
 
@@ -469,7 +469,7 @@ def _checked_value(value: Any, dims: tuple[int, ...], dst: torch.dtype, what: st
                              f"did), but got {what}.shape={tuple(value.shape)}")
         value = value.reshape(dims)  # (1, C, H, W) from a loader's unsqueeze(0)
     src = value.dtype
-    if src not in _DTYPES or value.layout != torch.strided or value.device.type == "meta":
+    if src not in DTYPE_CODES or value.layout != torch.strided or value.device.type == "meta":
         raise TypeError(f"{what} should be a dense tensor with data and a dtype the cache "
                         f"can store ({dst} or one that casts to it), but got "
                         f"{what}.dtype={src}, layout={value.layout}, device={value.device}")
@@ -503,9 +503,9 @@ def _checked_value(value: Any, dims: tuple[int, ...], dst: torch.dtype, what: st
 def _first_changed(value: torch.Tensor, dst: torch.dtype) -> tuple[int, ...] | None:
     """Index of the first element of the CPU tensor ``value`` that ``dst`` does not hold
     exactly, or None."""
-    if _is_integer_dtype(value.dtype) and _is_integer_dtype(dst):
+    if is_integer_dtype(value.dtype) and is_integer_dtype(dst):
         # A cast back cannot tell: int8 -84 becomes uint8 172 and then -84 again.
-        a, info = value.numpy(), np.iinfo(_DTYPES[dst][1])
+        a, info = value.numpy(), np.iinfo(DTYPE_CODES[dst][1])
         if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
             return None
         have = np.iinfo(a.dtype)  # bounds within a's own range: safe for any numpy
@@ -518,8 +518,8 @@ def _first_changed(value: torch.Tensor, dst: torch.dtype) -> tuple[int, ...] | N
                                                   tuple(value.shape)))
 
 
-def _slot_array(value: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """A value that passed ``_checked_value`` as the array to copy into a slot: on the CPU,
+def slot_array(value: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A value that passed ``checked_value`` as the array to copy into a slot: on the CPU,
     in ``dtype``, the cache's (the rounding or exact cast that the check allowed)."""
     value = value.detach().to("cpu").resolve_conj().resolve_neg()
     if value.is_complex() and not dtype.is_complex:
@@ -564,10 +564,10 @@ class World:
         check_int("world_size", self.world_size, low=1)
         check_int("rank", self.rank, low=0, high=self.world_size - 1)
         check_int("local_world_size", self.local_world_size, low=1, high=self.world_size,
-                   expect=f"an int in [1, world_size={self.world_size}]")
+                  expect=f"an int in [1, world_size={self.world_size}]")
         check_int("local_rank", self.local_rank, low=0, high=self.local_world_size - 1)
         check_int("num_nodes", self.num_nodes, low=1, high=self.world_size,
-                   expect=f"an int in [1, world_size={self.world_size}]")
+                  expect=f"an int in [1, world_size={self.world_size}]")
         check_int("node_rank", self.node_rank, low=0, high=self.num_nodes - 1)
 
     @property
@@ -932,10 +932,10 @@ class CacheTimeoutError(TimeoutError):
 
 _MAGIC = b"STOCACH1"
 _POINTER_MAGIC = b"STOCMFD1"
-_POINTER = struct.Struct("<8sqqqqq")  # magic, pid, process start, fd, st_dev, st_ino
-_LAYOUT_VERSION = 5  # 4: the field table (nfields, and one record per field at _FIELDS_OFF);
+POINTER = struct.Struct("<8sqqqqq")  # magic, pid, process start, fd, st_dev, st_ino
+LAYOUT_VERSION = 5  # 4: the field table (nfields, and one record per field at _FIELDS_OFF);
 # 5: random_subset
-_HEADER_BYTES = 4096
+HEADER_BYTES = 4096
 _HEADER_FIELDS = (
     "version", "total_bytes", "dataset_len", "slots", "dtype_code", "ndim",
     *(f"dim{i}" for i in range(_MAX_DIMS)),
@@ -951,28 +951,29 @@ _FIELD_OFFSET = {f: 8 + 8 * i for i, f in enumerate(_HEADER_FIELDS)}
 # above: per field, its name, dtype code, ndim, byte offset in the slot and dims.
 _FIELDS_OFF = 1024
 # A persistent cache's key (what data it holds), as UTF-8, at the end of the header.
-_KEY_OFF, _KEY_BYTES = 3072, 1024
+KEY_OFF, _KEY_BYTES = 3072, 1024
 # The job key of every persistent segment: its name alone identifies it.
-_PERSISTENT_JOB_KEY = "persistent"
+PERSISTENT_JOB_KEY = "persistent"
 _FIELD_RECORD = struct.Struct(f"<{_FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
-_STATS_ROWS = 1024
-_STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
-_PID, _START, _HITS, _MISSES, _OOB_MISSES, _WRITES, _STAGED_HITS, _STAGES = range(8)
-_LOCK_BASE = 1 << 50  # lockf offsets: _LOCK_BASE is the header, then one byte per slot
-_STAGE_LOCK = _LOCK_BASE - 1  # the staging map
-_STAGE_TAG_SHIFT = 40  # a staging map entry: index | tag << 40
-_STAGE_INDEX_MASK = (1 << _STAGE_TAG_SHIFT) - 1
-MAX_STAGE_TAG = (1 << (63 - _STAGE_TAG_SHIFT)) - 1
+STATS_ROWS = 1024
+STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
+(STATS_PID, STATS_START, STATS_HITS, STATS_MISSES, STATS_OOB_MISSES, STATS_WRITES,
+ STATS_STAGED_HITS, STATS_STAGES) = range(8)
+LOCK_BASE = 1 << 50  # lockf offsets: LOCK_BASE is the header, then one byte per slot
+STAGE_LOCK = LOCK_BASE - 1  # the staging map
+STAGE_TAG_SHIFT = 40  # a staging map entry: index | tag << 40
+STAGE_INDEX_MASK = (1 << STAGE_TAG_SHIFT) - 1
+MAX_STAGE_TAG = (1 << (63 - STAGE_TAG_SHIFT)) - 1
 
 
-def _slot_lock_offset(slot: int) -> int:
-    return _LOCK_BASE + 1 + slot
+def slot_lock_offset(slot: int) -> int:
+    return LOCK_BASE + 1 + slot
 
 
-def _segment_offsets(lay: CacheLayout, slot_bytes: int, staging: int = 0) -> dict:
+def segment_offsets(lay: CacheLayout, slot_bytes: int, staging: int = 0) -> dict:
     """Where each part of a segment starts, and its total size (see the layout above)."""
-    stats_off = _HEADER_BYTES
-    aux_off = stats_off + _STATS_ROWS * _STATS_COLS * 8
+    stats_off = HEADER_BYTES
+    aux_off = stats_off + STATS_ROWS * STATS_COLS * 8
     seq_off = aux_off + (lay.dataset_len + 7) // 8 * 8
     stage_off = seq_off + ((lay.slots + staging) * 4 + 7) // 8 * 8
     map_off = stage_off + staging * 8
@@ -991,12 +992,12 @@ def _slot_map_dtype(layout: CacheLayout) -> np.dtype:
     return np.dtype(np.int32 if layout.slots < 2**31 else np.int64)
 
 
-def _slot_bytes(dims: Sequence[int], dtype: torch.dtype) -> int:
+def bytes_per_slot(dims: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(dims) * dtype.itemsize
 
 
-def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int,
-                      staging: int = 0) -> int:
+def slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int,
+                     staging: int = 0) -> int:
     """0.2.1's sizing rule: the budget covers the slots plus one aux byte per sample (and the
     staging slots, which are paid first)."""
     limit = size_limit_gib * BYTES_PER_GIB - staging * slot_bytes
@@ -1005,20 +1006,20 @@ def _slots_for_budget(size_limit_gib: float, dataset_len: int, slot_bytes: int,
     return max(0, min(dataset_len, int((limit - dataset_len) / slot_bytes)))
 
 
-def _budget_for_slots(slots: int, dataset_len: int, slot_bytes: int, staging: int = 0) -> float:
-    """The inverse of ``_slots_for_budget``: the size_limit_gib that buys exactly ``slots``
+def budget_for_slots(slots: int, dataset_len: int, slot_bytes: int, staging: int = 0) -> float:
+    """The inverse of ``slots_for_budget``: the size_limit_gib that buys exactly ``slots``
     slots (half a byte over, so that rounding cannot lose one)."""
     return ((slots + staging) * slot_bytes + dataset_len + 0.5) / BYTES_PER_GIB
 
 
-def _slots_fitting(free: int, like: CacheLayout, slot_bytes: int, staging: int = 0) -> int:
+def slots_fitting(free: int, like: CacheLayout, slot_bytes: int, staging: int = 0) -> int:
     """The most slots whose whole segment (metadata included) takes at most ``free`` bytes,
     for a layout like ``like`` (its slots aside)."""
     dataset_len = like.dataset_len
 
     def total(slots: int) -> int:
         layout = dataclasses.replace(like, slots=slots)
-        return _segment_offsets(layout, slot_bytes, staging)["total_bytes"]
+        return segment_offsets(layout, slot_bytes, staging)["total_bytes"]
 
     empty = total(0) - max(1, staging * slot_bytes)  # the metadata of a segment without slots
     slots = max(0, min(dataset_len, (free - empty - staging * slot_bytes) // (slot_bytes + 4)))
@@ -1032,71 +1033,71 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
                  anonymous: bool = False) -> float:
     """``size_limit_gib="auto"``: the budget of the whole dataset, or of the most slots whose
     segment fits in the memory this process may use less the margin the RAM warning keeps
-    (``_memory_room``) and, unless the segment is ``anonymous`` (not a file in ``shm_dir``),
+    (``memory_room``) and, unless the segment is ``anonymous`` (not a file in ``shm_dir``),
     in what ``shm_dir`` has free less the headroom left for its other users
-    (``_shm_headroom``); the choice is logged with its numbers. ``tiered``: a disk tier takes
+    (``shm_headroom``); the choice is logged with its numbers. ``tiered``: a disk tier takes
     the indices without a slot. A directory that cannot hold even the metadata of a cache
     without slots raises ``CacheCapacityError``."""
     clean_segments(shm_dir)  # what dead jobs left is free room
-    shm_free, headroom = _free_bytes(shm_dir), _shm_headroom(shm_dir)
-    memory = _memory_room(local_world_size)
-    room = _auto_room(shm_free, headroom, memory, anonymous)
-    slots = min(dataset_len, _slots_fitting(room, like, slot_bytes, staging))
-    metadata = _segment_offsets(dataclasses.replace(like, slots=0), slot_bytes,
-                                staging)["total_bytes"]
+    shm_free, headroom = free_bytes(shm_dir), shm_headroom(shm_dir)
+    memory = memory_room(local_world_size)
+    room = auto_room(shm_free, headroom, memory, anonymous)
+    slots = min(dataset_len, slots_fitting(room, like, slot_bytes, staging))
+    metadata = segment_offsets(dataclasses.replace(like, slots=0), slot_bytes,
+                               staging)["total_bytes"]
     if slots == 0 and metadata > shm_free and not anonymous:
         raise CacheCapacityError(
-            f"size_limit_gib='auto' finds {_fmt_bytes(shm_free)} free in {shm_dir}, but even a "
-            f"cache without slots needs {_fmt_bytes(metadata)} there for the metadata of its "
+            f"size_limit_gib='auto' finds {fmt_bytes(shm_free)} free in {shm_dir}, but even a "
+            f"cache without slots needs {fmt_bytes(metadata)} there for the metadata of its "
             f"{dataset_len} samples" + (" (the disk tier holds the samples, not this)"
-                                        if tiered else "") + f". {_more_room(shm_dir, metadata)}"
+                                        if tiered else "") + f". {more_room(shm_dir, metadata)}"
             + ("" if tiered else ", and pass disk_tier=DIR to keep the samples that do not "
                "fit decoded on local disk"), shm_dir, metadata, shm_free)
     if slots == 0 and anonymous and metadata > room:
         more_gib = math.ceil((memory.total - memory.available + 2 * metadata) / BYTES_PER_GIB)
         raise CacheCapacityError(
-            f"size_limit_gib='auto' finds {_fmt_bytes(memory.available)} of memory available "
-            f"({memory.describe()}, of which {_fmt_bytes(memory.margin)} is kept free), but "
-            f"even a cache without slots needs {_fmt_bytes(metadata)} for the metadata of its "
+            f"size_limit_gib='auto' finds {fmt_bytes(memory.available)} of memory available "
+            f"({memory.describe()}, of which {fmt_bytes(memory.margin)} is kept free), but "
+            f"even a cache without slots needs {fmt_bytes(metadata)} for the metadata of its "
             f"{dataset_len} samples" + (" (the disk tier holds the samples, not this)"
                                         if tiered else "") + ". " +
             (f"Raise the limit to about {more_gib} GiB (docker run --memory={more_gib}g, "
              f"Kubernetes resources.limits.memory: {more_gib}Gi, SLURM --mem={more_gib}G)"
              if memory.limited else "Free some memory") + " (a disk tier does not hold the "
             "metadata)", memory.source, metadata, room)
-    budget = _budget_for_slots(slots, dataset_len, slot_bytes, staging)
-    whole = _budget_for_slots(dataset_len, dataset_len, slot_bytes, staging)
-    segment = _segment_offsets(dataclasses.replace(like, slots=slots), slot_bytes,
-                               staging)["total_bytes"]
+    budget = budget_for_slots(slots, dataset_len, slot_bytes, staging)
+    whole = budget_for_slots(dataset_len, dataset_len, slot_bytes, staging)
+    segment = segment_offsets(dataclasses.replace(like, slots=slots), slot_bytes,
+                              staging)["total_bytes"]
     rest = dataset_len - slots
     logger.info(
         "stocaching: size_limit_gib='auto' takes %s of shared memory for %d of %d samples%s: "
         "the whole dataset needs %s; %s has %s free, of which %s, and %s is available (%s), "
         "of which %s is kept free",
-        _fmt_bytes(segment), slots, dataset_len,
+        fmt_bytes(segment), slots, dataset_len,
         f" (the disk tier takes the other {rest})" if tiered and rest else "",
-        _fmt_bytes(whole * BYTES_PER_GIB), shm_dir, _fmt_bytes(shm_free),
+        fmt_bytes(whole * BYTES_PER_GIB), shm_dir, fmt_bytes(shm_free),
         "it takes none (an anonymous segment: all of it is left to its other users)"
-        if anonymous else f"{_fmt_bytes(headroom)} is left for its other users",
-        _fmt_bytes(memory.available), memory.describe(), _fmt_bytes(memory.margin))
+        if anonymous else f"{fmt_bytes(headroom)} is left for its other users",
+        fmt_bytes(memory.available), memory.describe(), fmt_bytes(memory.margin))
     if slots == 0 and not tiered:
         short_of_memory = anonymous or memory.available - memory.margin < shm_free - headroom
         fix = (f"Raise the memory limit (docker run --memory, Kubernetes "
                f"resources.limits.memory, SLURM --mem) by about "
-               f"{_fmt_bytes(2 * whole * BYTES_PER_GIB)}" if short_of_memory and memory.limited
+               f"{fmt_bytes(2 * whole * BYTES_PER_GIB)}" if short_of_memory and memory.limited
                else "Free some memory" if short_of_memory else
-               _more_room(shm_dir, whole * BYTES_PER_GIB))
+               more_room(shm_dir, whole * BYTES_PER_GIB))
         warnings.warn(
-            f"size_limit_gib='auto' finds room for no slot: {shm_dir} has {_fmt_bytes(shm_free)}"
-            f" free (of which {_fmt_bytes(headroom)} is left for its other users) and "
-            f"{_fmt_bytes(memory.available)} of memory is available ({memory.describe()}, of "
-            f"which {_fmt_bytes(memory.margin)} is kept free); every read will miss. {fix}, or "
+            f"size_limit_gib='auto' finds room for no slot: {shm_dir} has {fmt_bytes(shm_free)}"
+            f" free (of which {fmt_bytes(headroom)} is left for its other users) and "
+            f"{fmt_bytes(memory.available)} of memory is available ({memory.describe()}, of "
+            f"which {fmt_bytes(memory.margin)} is kept free); every read will miss. {fix}, or "
             "pass disk_tier=DIR to keep the samples decoded on local disk", RuntimeWarning,
             stacklevel=_stacklevel_of_caller())
     return budget
 
 
-def _auto_room(shm_free: int, headroom: int, memory: _MemoryRoom, anonymous: bool) -> int:
+def auto_room(shm_free: int, headroom: int, memory: _MemoryRoom, anonymous: bool) -> int:
     """The bytes a segment sized by ``size_limit_gib="auto"`` (or by ``plan`` without a
     budget) may take: the memory available less its margin, and, unless the segment is
     ``anonymous``, what its directory has free less its headroom."""
@@ -1104,13 +1105,13 @@ def _auto_room(shm_free: int, headroom: int, memory: _MemoryRoom, anonymous: boo
     return max(0, room if anonymous else min(shm_free - headroom, room))
 
 
-def _auto_is_anonymous(shm_dir: str) -> bool:
+def auto_is_anonymous(shm_dir: str) -> bool:
     """Whether ``size_limit_gib="auto"`` makes its segment anonymous (memfd_create): in
     /dev/shm's filesystem, whose room the DataLoader's batches need (section 6)."""
-    return _shm_headroom(shm_dir) > 0
+    return shm_headroom(shm_dir) > 0
 
 
-def _shm_headroom(shm_dir: str) -> int:
+def shm_headroom(shm_dir: str) -> int:
     """What ``size_limit_gib="auto"`` leaves free in ``shm_dir`` for its other users, and what
     a cache should leave there without a warning: the larger of ``SHM_HEADROOM_BYTES`` and
     ``SHM_HEADROOM_FRACTION`` of the filesystem where it is /dev/shm's (DataLoader workers
@@ -1148,13 +1149,13 @@ class _MemoryRoom:
         What a job allocates after its cache is made counts against the limit too, and is not
         small (design note "The memory a cache leaves under a limit")."""
         margin = max(int(RAM_MARGIN_FRACTION * self.total), min(RAM_MARGIN_BYTES,
-                                                                 self.total // 4))
+                                                                self.total // 4))
         return max(margin, self.available // 2, self.workers) if self.limited else margin
 
     def describe(self) -> str:
         if not self.limited:
-            return f"RAM, of {_fmt_bytes(self.total)}"
-        return f"a memory limit of {_fmt_bytes(self.total)}, in {self.source}"
+            return f"RAM, of {fmt_bytes(self.total)}"
+        return f"a memory limit of {fmt_bytes(self.total)}, in {self.source}"
 
 
 # A memory cgroup's files, by version: its limit, its use, and (in memory.stat) the use that
@@ -1164,7 +1165,7 @@ _CGROUP_MEMORY_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
                             "total_inactive_file")}
 
 
-def _memory_room(local_world_size: int = 1) -> _MemoryRoom:
+def memory_room(local_world_size: int = 1) -> _MemoryRoom:
     """The RAM available, or a memory cgroup's room where it is less: of the cgroups from
     this process's own up to the root of the hierarchy (a limit on any of them applies), the
     one with the least room, its limit less what it uses, file pages the kernel would reclaim
@@ -1253,28 +1254,28 @@ def _memory_limit_error(memory: _MemoryRoom, needed: int, fit_gib: float
     """The error of a cache that would take more than a memory cgroup has room for."""
     # the limit under which the cache would leave its margin: at least half of what is free
     more_gib = math.ceil((memory.total - memory.available + max(2 * needed, needed +
-                                                                 memory.margin)) / BYTES_PER_GIB)
+                                                                memory.margin)) / BYTES_PER_GIB)
     return CacheCapacityError(
-        f"this process may use {_fmt_bytes(memory.total)} of memory (the limit in "
-        f"{memory.source}), of which {_fmt_bytes(memory.available)} is free, but the cache "
-        f"needs {_fmt_bytes(needed)} of shared memory, which counts against that limit: the "
+        f"this process may use {fmt_bytes(memory.total)} of memory (the limit in "
+        f"{memory.source}), of which {fmt_bytes(memory.available)} is free, but the cache "
+        f"needs {fmt_bytes(needed)} of shared memory, which counts against that limit: the "
         f"kernel would kill the job (OOM) while it is made. Raise the limit to about "
         f"{more_gib} GiB (docker run --memory={more_gib}g, Kubernetes "
         f"resources.limits.memory: {more_gib}Gi, SLURM --mem={more_gib}G)" +
         (f" or pass a smaller size_limit_gib (about {fit_gib:.3f} fits, leaving "
-         f"{_fmt_bytes(memory.margin)} for the rest of the job)"
+         f"{fmt_bytes(memory.margin)} for the rest of the job)"
          if memory.available > memory.margin else
-         f"; no cache fits beside the {_fmt_bytes(memory.margin)} that the rest of the job "
+         f"; no cache fits beside the {fmt_bytes(memory.margin)} that the rest of the job "
          "(its DataLoader workers) needs"), memory.source, needed, memory.available)
 
 
-def _free_bytes(path: str) -> int:
+def free_bytes(path: str) -> int:
     """Bytes an unprivileged user can still allocate on the filesystem of ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
 
-def _fs_type(path: str) -> str | None:
+def fs_type(path: str) -> str | None:
     """Type of the filesystem that holds ``path`` ("tmpfs", "ext4", ...), None if unknown."""
     path = os.path.realpath(path)
     best, fstype = "", None
@@ -1321,8 +1322,8 @@ def _job_key(world: World, env: Mapping[str, str] | None = None) -> str:
         return f"p{os.getpid()}"  # nobody else needs to find it
     parts = [str(os.getppid())]
     parts += [env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                                        "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
-                                        "SLURM_STEP_ID")]
+                                       "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID",
+                                       "SLURM_STEP_ID")]
     key = hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
     siblings = ("LOCAL_WORLD_SIZE" in env and "RANK" in env) or "SLURM_PROCID" in env or \
         not ("LOCAL_RANK" in env or "RANK" in env)  # torchrun, srun; no variables: mp.spawn
@@ -1361,7 +1362,7 @@ def _segment_name(job_key: str, node_rank: int, name: str) -> str:
     return f"{SEGMENT_PREFIX}_{os.getuid()}_{job_key}_n{node_rank}_{name}"
 
 
-def _parse_segment_name(fname: str) -> dict | None:
+def parse_segment_name(fname: str) -> dict | None:
     if not fname.startswith(SEGMENT_PREFIX + "_"):
         return None
     parts = fname[len(SEGMENT_PREFIX) + 1:].split("_", 3)
@@ -1371,7 +1372,7 @@ def _parse_segment_name(fname: str) -> dict | None:
             "name": parts[3].split(".", 1)[0], "starting": fname.endswith(".init")}
 
 
-def _open_existing(path: str) -> int:
+def open_existing(path: str) -> int:
     """Open a segment without following a symlink and check that it is ours and private."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -1399,15 +1400,15 @@ def _open_existing(path: str) -> int:
     return fd
 
 
-def _pointer_of(fd: int) -> tuple[int, int, int, int, int] | None:
+def pointer_of(fd: int) -> tuple[int, int, int, int, int] | None:
     """What the pointer file open at ``fd`` names (pid, process start, descriptor, st_dev,
     st_ino: section 6), or None where the file is not a pointer (a segment, a disk tier)."""
-    if os.fstat(fd).st_size != _POINTER.size:
+    if os.fstat(fd).st_size != POINTER.size:
         return None
-    data = os.pread(fd, _POINTER.size, 0)
-    if len(data) != _POINTER.size:
+    data = os.pread(fd, POINTER.size, 0)
+    if len(data) != POINTER.size:
         return None
-    magic, *named = _POINTER.unpack(data)
+    magic, *named = POINTER.unpack(data)
     return tuple(named) if magic == _POINTER_MAGIC else None  # type: ignore[return-value]
 
 
@@ -1416,7 +1417,7 @@ def _open_pointed(pointer: tuple[int, int, int, int, int]) -> int | None:
     /proc/<pid>/fd; None where the leader or its descriptor is gone, or the descriptor is now
     another file (a pid or a descriptor number reused), or not this user's."""
     pid, start, num, dev, ino = pointer
-    if not _alive(pid, start):
+    if not process_alive(pid, start):
         return None
     try:
         fd = os.open(f"/proc/{pid}/fd/{num}", os.O_RDWR | os.O_CLOEXEC)
@@ -1430,7 +1431,7 @@ def _open_pointed(pointer: tuple[int, int, int, int, int]) -> int | None:
     return fd
 
 
-def _read_header(buf: Any) -> dict:
+def read_header(buf: Any) -> dict:
     magic, *values = _HEADER.unpack_from(buf, 0)
     if magic != _MAGIC:
         raise CacheConfigError("the segment is not a stocaching segment (bad magic)", "magic",
@@ -1440,13 +1441,13 @@ def _read_header(buf: Any) -> dict:
     return head
 
 
-def _key_hash(key: str) -> int:
+def hash_of_key(key: str) -> int:
     """A persistent cache's key as a header field: 63 bits of its SHA-1."""
     return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "little") >> 1
 
 
-def _read_key(buf: Any) -> str:
-    raw = bytes(buf[_KEY_OFF: _KEY_OFF + _KEY_BYTES])
+def read_key(buf: Any) -> str:
+    raw = bytes(buf[KEY_OFF: KEY_OFF + _KEY_BYTES])
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
@@ -1456,7 +1457,7 @@ def _head_dims(head: dict) -> tuple[Any, ...]:
                  for i in range(min(head["ndim"], _MAX_DIMS)))
 
 
-def _has_open_size(dims: Any) -> bool:
+def has_open_size(dims: Any) -> bool:
     """True when ``data_dims`` (a tuple, or a dict of them) leaves a size open (None)."""
     try:
         if isinstance(dims, Mapping):
@@ -1475,7 +1476,7 @@ def _read_field(buf: Any, k: int) -> tuple:
             _DTYPE_BY_CODE.get(code, code), offset)
 
 
-def _names(path: str, ino: int, dev: int) -> bool:
+def names_file(path: str, ino: int, dev: int) -> bool:
     """True while ``path`` is still the name of the file we made (inode ``ino`` on ``dev``)."""
     try:
         st = os.lstat(path)
@@ -1484,19 +1485,19 @@ def _names(path: str, ino: int, dev: int) -> bool:
     return st.st_ino == ino and st.st_dev == dev
 
 
-def _unlink_if_same(path: str, ino: int, dev: int) -> None:
+def unlink_if_same(path: str, ino: int, dev: int) -> None:
     """Remove ``path`` only if it is still the file we made (never someone else's)."""
-    if _names(path, ino, dev):
+    if names_file(path, ino, dev):
         with contextlib.suppress(OSError):
             os.unlink(path)
 
 
-def _close_fd(fd: int) -> None:
+def close_fd(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
 
 
-def _open_to_look(path: str) -> int | None:
+def open_to_look(path: str) -> int | None:
     """A read-only descriptor of ``path`` to look at it (no link followed, never blocking), or
     None where it cannot be opened."""
     try:
@@ -1505,12 +1506,12 @@ def _open_to_look(path: str) -> int | None:
         return None
 
 
-def _is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> bool:
+def is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> bool:
     """True when no live process holds the segment at ``path``; optionally remove it then.
     Files of other users, links, files younger than ``min_age`` seconds (a segment being
     made is open for an instant before its maker locks it) and files of this process's own
     caches are never stale."""
-    fd = None if _held_here(path) else _open_to_look(path)
+    fd = None if _held_here(path) else open_to_look(path)
     if fd is None:
         return False
     try:
@@ -1518,16 +1519,16 @@ def _is_stale_file(path: str, *, remove: bool = False, min_age: float = 2.0) -> 
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or \
                 time.time() - st.st_mtime < min_age:
             return False
-        if not _try_stale(fd):
+        if not try_stale(fd):
             return False
         if remove:
-            _unlink_if_same(path, st.st_ino, st.st_dev)
+            unlink_if_same(path, st.st_ino, st.st_dev)
         return True
     finally:
         os.close(fd)
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> int:
+def pwrite_all(fd: int, data: Any, offset: int) -> int:
     """Write all of ``data`` (bytes or a contiguous array) at ``offset``; returns its length."""
     view = memoryview(data).cast("B")
     done = 0
@@ -1564,25 +1565,25 @@ def clean_segments(shm_dir: str = DEFAULT_SHM_DIR, *, dry_run: bool = False,
             f"disk_tier should be an existing directory (where caches keep their disk "
             f"tiers), or None, but got disk_tier={disk_tier!r}")
     removed = [] if disk_tier is None else \
-        _feature("disk_tier")._clean_tier_files(os.fspath(disk_tier), dry_run=dry_run,
-                                                  persistent=names)
+        feature_module("disk_tier")._clean_tier_files(os.fspath(disk_tier), dry_run=dry_run,
+                                                      persistent=names)
     for fname in sorted(os.listdir(shm_dir)):
-        info = _parse_segment_name(fname)
-        if info is not None and info["job_key"] == _PERSISTENT_JOB_KEY and \
+        info = parse_segment_name(fname)
+        if info is not None and info["job_key"] == PERSISTENT_JOB_KEY and \
                 not info["starting"] and names is not True and info["name"] not in names:
             continue
         if info is not None and info["uid"] == os.getuid():
             path = os.path.join(shm_dir, fname)
             # A persistent cache gets its name only once made and locked: asked for by name,
             # it goes as soon as no process holds it (a job script's last line runs at once)
-            kept = info["job_key"] == _PERSISTENT_JOB_KEY and not info["starting"]
-            if _is_stale_file(path, remove=not dry_run, min_age=0.0 if kept else 2.0):
+            kept = info["job_key"] == PERSISTENT_JOB_KEY and not info["starting"]
+            if is_stale_file(path, remove=not dry_run, min_age=0.0 if kept else 2.0):
                 removed.append(path)
                 logger.info("stocaching: removed stale segment %s", path)
     return removed
 
 
-def _check_key(key: Any, on_mismatch: Any) -> None:
+def check_key(key: Any, on_mismatch: Any) -> None:
     """The key of a persistent cache or of a saved file, and what to do when it differs."""
     if not isinstance(key, str):
         raise TypeError(f"key should be a str (which data the cache holds), but got key={key!r}")
@@ -1594,16 +1595,16 @@ def _check_key(key: Any, on_mismatch: Any) -> None:
                          f"on_mismatch={on_mismatch!r}")
 
 
-def _what_fits(cache: BaseCache, shm_dir: str, total: int, free: int) -> str:
+def what_fits(cache: BaseCache, shm_dir: str, total: int, free: int) -> str:
     """The capacity error's second fix: the budget that fits in what ``shm_dir`` has free,
-    less the headroom its other users need (``_shm_headroom``)."""
-    headroom = _shm_headroom(shm_dir)
+    less the headroom its other users need (``shm_headroom``)."""
+    headroom = shm_headroom(shm_dir)
     fit_gib = cache._budget_fitting(max(0, free - headroom), total)
-    return f"about {fit_gib:.3f} fits now" + (f", leaving {_fmt_bytes(headroom)} for the "
-                                             "DataLoader's workers" if headroom else "")
+    return f"about {fit_gib:.3f} fits now" + (f", leaving {fmt_bytes(headroom)} for the "
+                                              "DataLoader's workers" if headroom else "")
 
 
-def _more_room(shm_dir: str, total: int) -> str:
+def more_room(shm_dir: str, total: int) -> str:
     """The capacity error's first fix: the size ``shm_dir`` should have to hold ``total`` more
     bytes than it holds now, as a docker option and a remount."""
     vfs = os.statvfs(shm_dir)
@@ -1617,7 +1618,7 @@ def _more_room(shm_dir: str, total: int) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _try_stale(fd: int) -> bool:
+def try_stale(fd: int) -> bool:
     """True when no live process holds the segment (we then hold an exclusive flock on it)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1628,7 +1629,7 @@ def _try_stale(fd: int) -> bool:
         raise
 
 
-def _process_start(pid: int) -> int:
+def process_start(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (0 if unknown): tells a pid from its reuse."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -1638,7 +1639,7 @@ def _process_start(pid: int) -> int:
         return 0
 
 
-def _alive(pid: int, start: int) -> bool:
+def process_alive(pid: int, start: int) -> bool:
     if pid <= 0:
         return False
     try:
@@ -1647,7 +1648,7 @@ def _alive(pid: int, start: int) -> bool:
         return False
     except PermissionError:
         pass
-    return start == 0 or _process_start(pid) in (0, start)
+    return start == 0 or process_start(pid) in (0, start)
 
 
 def _public_name(kind: type) -> str:
@@ -1656,14 +1657,14 @@ def _public_name(kind: type) -> str:
     return next(c.__name__ for c in kind.__mro__ if not c.__name__.startswith("_"))
 
 
-def _closed_error(kind: type) -> ValueError:
+def closed_error(kind: type) -> ValueError:
     """The error of any use of a closed cache of class ``kind``."""
     return ValueError(f"this {_public_name(kind)} is closed (close() was called, or its with "
                       "block ended); keep the cache open while its Dataset is used, or "
                       "construct it again")
 
 
-class _Closed:
+class Closed:
     """Stands in for the shared buffers of a closed cache: any access says so."""
 
     __slots__ = ("_kind",)
@@ -1672,7 +1673,7 @@ class _Closed:
         self._kind = kind
 
     def __getitem__(self, key: Any) -> Any:
-        raise _closed_error(self._kind)
+        raise closed_error(self._kind)
 
     __setitem__ = __getitem__
 
@@ -1684,7 +1685,7 @@ _LIVE_CACHES: "weakref.WeakSet[SharedCache]" = weakref.WeakSet()
 _FORK_HOOK_REGISTERED = False
 # Process-wide: numbers the caches made without a name in this process (their default names).
 _NAME_COUNTER = itertools.count()
-_COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
+COPY_COUNTER = itertools.count()  # apart, so copies do not shift the default names
 
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14; an older kernel refuses it and nothing is done
@@ -1801,8 +1802,8 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
-def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0,
-                      wait: float = 0.0, name_fd: int = -1) -> None:
+def finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int = 0,
+                     wait: float = 0.0, name_fd: int = -1) -> None:
     """Close our descriptor (and ``name_fd``, an anonymous segment's pointer file). The
     creating process (not its forks, which inherit this finalizer) first waits up to ``wait``
     seconds for the local ranks that have not attached yet (the last one to attach drops the
@@ -1810,11 +1811,11 @@ def _finalize_segment(fd: int, path: str | None, ino: int, dev: int, owner: int 
     try:
         if path is not None and os.getpid() == owner:
             _wait_for_attachers(path, ino, dev, wait)
-            _unlink_if_same(path, ino, dev)
+            unlink_if_same(path, ino, dev)
     finally:
-        _close_fd(fd)
+        close_fd(fd)
         if name_fd >= 0:
-            _close_fd(name_fd)
+            close_fd(name_fd)
 
 
 def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
@@ -1832,7 +1833,7 @@ def _wait_for_attachers(path: str, ino: int, dev: int, wait: float) -> None:
         return
     start = time.monotonic()
     delay, told = 0.005, False
-    while _names(path, ino, dev) and _a_local_rank_may_come():
+    while names_file(path, ino, dev) and _a_local_rank_may_come():
         waited = time.monotonic() - start
         if waited >= wait:
             warnings.warn(
@@ -1855,17 +1856,17 @@ def _rebuild_cache(dupfd: Any, cls: type, state: dict) -> BaseCache:
     fd = dupfd.detach()
     cache = cls.__new__(cls)
     cache.__dict__.update(state)
-    segment = cache._segment = _Segment(cache._path)
+    segment = cache._segment = Segment(cache._path)
     try:
         segment.map_existing(cache, fd)
     except BaseException:
         os.close(fd)
         raise
-    segment.finalizer = weakref.finalize(segment, _finalize_segment, fd, None, 0, 0)
+    segment.finalizer = weakref.finalize(segment, finalize_segment, fd, None, 0, 0)
     return cache
 
 
-def _open_leaders_file(path: str, timeout: float) -> tuple[int, tuple[int, int]] | None:
+def open_leaders_file(path: str, timeout: float) -> tuple[int, tuple[int, int]] | None:
     """A local rank other than the leader: the leader's file at ``path`` (a segment, a disk
     tier; for a pointer file, the anonymous segment it names) open, with a shared flock (what
     tells `clean` it is in use), once it exists and is not left by a dead job (that one is for
@@ -1875,11 +1876,11 @@ def _open_leaders_file(path: str, timeout: float) -> tuple[int, tuple[int, int]]
     delay = 0.005
     while True:
         try:
-            fd = _open_existing(path)
+            fd = open_existing(path)
         except FileNotFoundError:
             fd = -1
         if fd >= 0:
-            if _try_stale(fd):  # left by a dead job: wait for our leader to replace it
+            if try_stale(fd):  # left by a dead job: wait for our leader to replace it
                 os.close(fd)
             else:
                 try:
@@ -1888,7 +1889,7 @@ def _open_leaders_file(path: str, timeout: float) -> tuple[int, tuple[int, int]]
                     os.close(fd)  # a cleaner holds it for a moment
                 else:
                     st = os.fstat(fd)
-                    pointer = _pointer_of(fd)
+                    pointer = pointer_of(fd)
                     if pointer is None:
                         return fd, (st.st_dev, st.st_ino)
                     os.close(fd)
@@ -1902,7 +1903,7 @@ def _open_leaders_file(path: str, timeout: float) -> tuple[int, tuple[int, int]]
         delay = min(delay * 2, 0.1)
 
 
-class _RecordLocks:
+class RecordLocks:
     """This process's record locks on one shared file (a segment, a disk tier): the lock idiom
     every writer of shared state uses. ``lock(offset)`` takes this process's thread lock, then
     the POSIX record lock on bytes at ``offset`` (record locks do not exclude the threads of
@@ -1938,8 +1939,8 @@ class _RecordLocks:
         self.thread_lock = threading.RLock()
 
 
-def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: int,
-                     what: str) -> int:
+def claim_stats_row(rows: np.ndarray, locks: RecordLocks, offset: int, first: int,
+                    what: str) -> int:
     """This process's row of a table of per-process counters in a shared file (``rows``:
     pid, process start, then counters from column ``first``), taken under the record lock at
     ``offset``: its own row if it has one (every handle of a process counts in one row, so a
@@ -1949,20 +1950,20 @@ def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: 
     pid = os.getpid()
     locks.lock(offset)
     try:
-        for r in np.flatnonzero(rows[1:, _PID]) + 1:
-            if not _alive(int(rows[r, _PID]), int(rows[r, _START])):
+        for r in np.flatnonzero(rows[1:, STATS_PID]) + 1:
+            if not process_alive(int(rows[r, STATS_PID]), int(rows[r, STATS_START])):
                 rows[0, first:] += rows[r, first:]
                 rows[r] = 0
-        mine = np.flatnonzero(rows[1:, _PID] == pid)  # alive, so ours (a reused pid folded)
+        mine = np.flatnonzero(rows[1:, STATS_PID] == pid)  # alive, so ours (a reused pid folded)
         if len(mine):
             return int(mine[0]) + 1
-        empty = np.flatnonzero(rows[1:, _PID] == 0)
+        empty = np.flatnonzero(rows[1:, STATS_PID] == 0)
         if not len(empty):
             warnings.warn(f"more than {len(rows) - 1} processes use this {what}; their stats "
                           "share one row and may undercount", RuntimeWarning)
             return 0
         free = int(empty[0]) + 1
-        rows[free, _PID], rows[free, _START] = pid, _process_start(pid)
+        rows[free, STATS_PID], rows[free, STATS_START] = pid, process_start(pid)
         return free
     finally:
         locks.unlock(offset)
@@ -1974,7 +1975,7 @@ def _claim_stats_row(rows: np.ndarray, locks: _RecordLocks, offset: int, first: 
 # Each capability that the two-line user does not need is a module beside this one (in the
 # package, or copied next to this file), loaded when its keyword is first used: see
 # docs/design.md, "The core and its feature modules". A feature module uses the names of
-# __all__ and those of _SEAM, and the core reaches it only through _feature, _FromFeature and
+# __all__ and those of _SEAM, and the core reaches it only through feature_module, _FromFeature and
 # the module __getattr__ below, and through the collaborators it makes (a cache's _disk_tier
 # and _staging, a segment filled by saved._SavedFileReader).
 
@@ -1993,24 +1994,24 @@ _FEATURES = {  # module: what uses it (the error when its file is missing says s
 }
 _PUBLIC_IN_FEATURES = {"OpenSizeCache": "open_size", "describe_saved_file": "saved",
                        "list_segments": "cli", "plan": "cli"}
-# The private names of this module that the feature modules use (tests/test_docs.py checks
-# that they use no other): the segment's format, sizing, locks and the cache's hooks.
+# The names of this module, public but not in __all__, that the feature modules use besides
+# __all__ (tests/test_docs.py checks that they use no other, and nothing private): the
+# segment's format, sizing, locks and the cache's hooks. They are the seam's, not a user's API.
 _SEAM = frozenset({
-    "BYTES_PER_MIB", "DEFAULT_SHM_DIR", "EMPTY", "OOB", "SEGMENT_PREFIX", "SET", "WRITING",
-    "logger", "_COPY_COUNTER", "_Closed", "_DTYPES", "_Field", "_HEADER_BYTES", "_HITS",
-    "_KEY_OFF", "_LAYOUT_VERSION", "_LOCK_BASE", "_MEMORY_FILESYSTEMS", "_MISSES",
-    "_OOB_MISSES", "_PERSISTENT_JOB_KEY", "_POINTER", "_RecordLocks", "_STAGED_HITS", "_STAGES",
-    "_STAGE_INDEX_MASK", "_STAGE_LOCK", "_STAGE_TAG_SHIFT", "_STATS_COLS", "_STATS_ROWS",
-    "_Segment", "_WRITES", "_alive", "_auto_is_anonymous", "_auto_room", "_budget_for_slots",
-    "_check_dims", "_check_dtype", "_check_fields", "_check_key", "_check_keys", "_check_out",
-    "_check_positive", "_checked_value", "_claim_stats_row", "_close_fd", "_closed_error",
-    "_feature", "_finalize_segment", "_fmt_bytes", "_free_bytes", "_fs_type", "_has_open_size",
-    "_is_int", "_is_integer_dtype", "_is_stale_file", "_key_hash", "_memory_room", "_more_room",
-    "_names", "_open_existing", "_open_leaders_file", "_open_to_look", "_pack",
-    "_parse_segment_name", "_pointer_of", "_process_start", "_pwrite_all", "_read_header",
-    "_read_key", "_segment_offsets", "_shm_headroom", "_slot_array", "_slot_bytes",
-    "_slot_lock_offset", "_slots_fitting", "_slots_for_budget", "_torch_of", "_try_stale",
-    "_unlink_if_same", "_what_fits"
+    "BYTES_PER_MIB", "COPY_COUNTER", "DEFAULT_SHM_DIR", "DTYPE_CODES", "EMPTY", "HEADER_BYTES",
+    "KEY_OFF", "LAYOUT_VERSION", "LOCK_BASE", "MEMORY_FILESYSTEMS", "OOB", "PERSISTENT_JOB_KEY",
+    "POINTER", "SEGMENT_PREFIX", "SET", "STAGE_INDEX_MASK", "STAGE_LOCK", "STAGE_TAG_SHIFT",
+    "STATS_COLS", "STATS_HITS", "STATS_MISSES", "STATS_OOB_MISSES", "STATS_ROWS",
+    "STATS_STAGED_HITS", "STATS_STAGES", "STATS_WRITES", "WRITING", "Closed", "Field",
+    "RecordLocks", "Segment", "auto_is_anonymous", "auto_room", "budget_for_slots",
+    "bytes_per_slot", "check_dims", "check_dtype", "check_fields", "check_key", "check_keys",
+    "check_out", "check_positive", "checked_value", "claim_stats_row", "close_fd", "closed_error",
+    "feature_module", "finalize_segment", "fmt_bytes", "free_bytes", "fs_type", "has_open_size",
+    "hash_of_key", "is_int", "is_integer_dtype", "is_stale_file", "logger", "memory_room",
+    "more_room", "names_file", "open_existing", "open_leaders_file", "open_to_look", "pack_fields",
+    "parse_segment_name", "pointer_of", "process_alive", "process_start", "pwrite_all",
+    "read_header", "read_key", "segment_offsets", "shm_headroom", "slot_array", "slot_lock_offset",
+    "slots_fitting", "slots_for_budget", "torch_of", "try_stale", "unlink_if_same", "what_fits"
 })
 
 
@@ -2021,14 +2022,14 @@ def _kept_for_restarts() -> bool:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     try:
-        _feature("holder")
+        feature_module("holder")
     except ImportError as e:
         logger.info("stocaching: %s; a restart of this job starts with an empty cache", e)
         return False
     return True
 
 
-def _feature(module: str) -> types.ModuleType:
+def feature_module(module: str) -> types.ModuleType:
     """The feature module ``module``: ``<package>.<module>`` inside a package, else the
     top-level ``module`` (this file copied into a project, the feature's file beside it).
     Raises ImportError naming the file to copy when it is not there."""
@@ -2071,7 +2072,7 @@ class _FromFeature:
     def __get__(self, cache: Any, owner: type | None = None) -> Any:
         code = self.code
         if code is None:
-            code = self.code = getattr(_feature(self.module), self.name)
+            code = self.code = getattr(feature_module(self.module), self.name)
         return code.__get__(cache, owner)
 
 
@@ -2081,15 +2082,15 @@ def __getattr__(name: str) -> Any:
     module = _PUBLIC_IN_FEATURES.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(_feature(module), name)
+    return getattr(feature_module(module), name)
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. The segment: made, adopted or attached, mapped, locked and closed (_Segment)
+# 10. The segment: made, adopted or attached, mapped, locked and closed (Segment)
 # ----------------------------------------------------------------------------------------------
 
 
-class _Segment(_RecordLocks):
+class Segment(RecordLocks):
     """A cache's file of shared memory on this node, as this process holds it: the
     descriptor, the two mappings, the record locks and the header's counters.
 
@@ -2144,7 +2145,7 @@ class _Segment(_RecordLocks):
             # A load by sendfile writes the slots through the file, which allocates their
             # pages as it goes (no SIGBUS: a full filesystem fails the write): reserving the
             # rest afterwards spares it a pass over the memory before the copy can start.
-            late = load_from is not None and _feature("saved")._SENDFILE
+            late = load_from is not None and feature_module("saved")._SENDFILE
             self._init_file(owner, fd, head, reserve=head["data_off"] if late else None)
             if load_from is not None:
                 owner._load(load_from, head["data_off"], reserved=not late)
@@ -2154,11 +2155,11 @@ class _Segment(_RecordLocks):
         except BaseException:
             if self.mapping is not None:
                 owner._unmap()  # the traceback keeps the cache alive: free the memory now
-            _close_fd(fd)
+            close_fd(fd)
             raise
         finally:
             if tmp is not None:
-                _unlink_if_same(tmp, st.st_ino, st.st_dev)
+                unlink_if_same(tmp, st.st_ino, st.st_dev)
         return fd, st, head
 
     def make(self, owner: BaseCache, load_from: str | None = None) -> None:
@@ -2178,16 +2179,16 @@ class _Segment(_RecordLocks):
         shm_dir = os.path.dirname(self.path)
         wait = owner._timeout if shared else 0.0
         dev, ino = self.name_id
-        self.finalizer = weakref.finalize(self, _finalize_segment, fd, self.path, ino, dev,
+        self.finalizer = weakref.finalize(self, finalize_segment, fd, self.path, ino, dev,
                                           os.getpid(), wait, self.pointer_fd)
         lay = owner._layout
         logger.info(
             "stocaching: cache %r holds %d of %d samples (%.1f%%) of %s on node %d: "
             "%s in %s, %s free there afterwards", owner._name, lay.slots, lay.dataset_len,
             100.0 * lay.slots / lay.dataset_len, owner._describe(), owner._world.node_rank,
-            _fmt_bytes(head["total_bytes"]),
+            fmt_bytes(head["total_bytes"]),
             f"anonymous shared memory (memfd), not in {shm_dir}" if owner._anonymous else
-            shm_dir, _fmt_bytes(_free_bytes(shm_dir)))
+            shm_dir, fmt_bytes(free_bytes(shm_dir)))
 
     def populate(self, data_off: int) -> None:
         """Map the pages of the slots of a segment that holds samples into this process
@@ -2201,11 +2202,11 @@ class _Segment(_RecordLocks):
         directory, or under a memory cgroup's limit), warn about a directory on disk, a
         machine left short of memory, or a /dev/shm left short for its other users."""
         clean_segments(shm_dir)  # segments of this user whose processes are all gone
-        free = _free_bytes(shm_dir)
+        free = free_bytes(shm_dir)
         if total > free and not owner._anonymous:
             raise owner._capacity_error(shm_dir, total, free)
-        fstype = _fs_type(shm_dir)
-        on_disk = fstype is not None and fstype not in _MEMORY_FILESYSTEMS and \
+        fstype = fs_type(shm_dir)
+        on_disk = fstype is not None and fstype not in MEMORY_FILESYSTEMS and \
             not owner._anonymous
         if on_disk:
             warnings.warn(f"shm_dir={shm_dir!r} is on a {fstype} filesystem, not in memory: "
@@ -2213,7 +2214,7 @@ class _Segment(_RecordLocks):
                           "caches. Use /dev/shm or another tmpfs.", RuntimeWarning,
                           stacklevel=_stacklevel_of_caller())
             return
-        memory = _memory_room(owner._world.local_world_size)
+        memory = memory_room(owner._world.local_world_size)
         if memory.limited and total > memory.available:
             raise _memory_limit_error(memory, total, owner._budget_fitting(
                 max(0, memory.available - memory.margin), total))
@@ -2221,28 +2222,28 @@ class _Segment(_RecordLocks):
             return  # (it kept the margin and the headroom, as it logged, its metadata aside)
         if memory.available - total < memory.margin:
             warnings.warn(
-                f"the cache needs {_fmt_bytes(total)} of shared memory but only "
-                f"{_fmt_bytes(memory.available)} of "
+                f"the cache needs {fmt_bytes(total)} of shared memory but only "
+                f"{fmt_bytes(memory.available)} of "
                 + ("RAM is available" if not memory.limited else
                    f"memory is free under the limit in {memory.source}") +
-                f"; less than {_fmt_bytes(memory.margin)} would be left for everything else"
+                f"; less than {fmt_bytes(memory.margin)} would be left for everything else"
                 + (". Pass a smaller size_limit_gib if the machine starts swapping or the OOM "
                    "killer strikes." if not memory.limited else
                    f" (DataLoader workers: {AUTO_WORKERS_PER_RANK} per local rank take about "
-                   f"{_fmt_bytes(memory.workers)}). Pass a smaller size_limit_gib if the OOM "
+                   f"{fmt_bytes(memory.workers)}). Pass a smaller size_limit_gib if the OOM "
                    "killer ends the job (exit 137)."), RuntimeWarning,
                 stacklevel=_stacklevel_of_caller())
-        headroom = _shm_headroom(shm_dir)
+        headroom = shm_headroom(shm_dir)
         if free - total < headroom:
             warnings.warn(
-                f"the cache takes {_fmt_bytes(total)} of the {_fmt_bytes(free)} free in "
-                f"{shm_dir} and leaves {_fmt_bytes(free - total)}, less than the "
-                f"{_fmt_bytes(headroom)} a cache should leave there for its other users: "
+                f"the cache takes {fmt_bytes(total)} of the {fmt_bytes(free)} free in "
+                f"{shm_dir} and leaves {fmt_bytes(free - total)}, less than the "
+                f"{fmt_bytes(headroom)} a cache should leave there for its other users: "
                 "DataLoader workers hand over each batch there (about batch bytes x "
                 "num_workers x prefetch_factor at once, per rank) and keep their semaphores "
                 "there, and NCCL's shared-memory transport its buffers. If they run out, a "
                 "worker dies with 'unable to allocate shared memory' or 'No space left on "
-                f"device'. {_more_room(shm_dir, total + headroom)}, pass a smaller "
+                f"device'. {more_room(shm_dir, total + headroom)}, pass a smaller "
                 "size_limit_gib, or pass size_limit_gib='auto' (its segment takes no room in "
                 "/dev/shm).", RuntimeWarning, stacklevel=_stacklevel_of_caller())
 
@@ -2256,7 +2257,7 @@ class _Segment(_RecordLocks):
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise owner._capacity_error(shm_dir, os.fstat(fd).st_size,
-                                            _free_bytes(shm_dir)) from None
+                                            free_bytes(shm_dir)) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             return e.strerror
@@ -2276,14 +2277,14 @@ class _Segment(_RecordLocks):
                           f"{why}); a full filesystem may raise SIGBUS later",
                           RuntimeWarning, stacklevel=5)
         mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        head.update(creator_pid=os.getpid(), creator_start=_process_start(os.getpid()),
+        head.update(creator_pid=os.getpid(), creator_start=process_start(os.getpid()),
                     local_world_size=owner._world.local_world_size, attached=1, ready=0)
         _HEADER.pack_into(mm, 0, _MAGIC, *(head[f] for f in _HEADER_FIELDS))
         if owner._persistent:
-            mm[_KEY_OFF: _KEY_OFF + len(owner._key.encode())] = owner._key.encode()
+            mm[KEY_OFF: KEY_OFF + len(owner._key.encode())] = owner._key.encode()
         for k, f in enumerate(owner._fields):
             _FIELD_RECORD.pack_into(mm, _FIELDS_OFF + k * _FIELD_RECORD.size, f.name.encode(),
-                                    _DTYPES[f.dtype][0], len(f.dims), f.offset,
+                                    DTYPE_CODES[f.dtype][0], len(f.dims), f.offset,
                                     *(-1 if d is None else d for d in f.dims),
                                     *[0] * (_MAX_DIMS - len(f.dims)))
         self._take(fd, mm, total)
@@ -2304,14 +2305,14 @@ class _Segment(_RecordLocks):
                                        "process); pass a distinct name=", "name",
                                        owner._name, self.path)
             try:
-                other = _open_existing(self.path)
+                other = open_existing(self.path)
             except FileNotFoundError:
                 continue
             try:
-                stale = _try_stale(other)
+                stale = try_stale(other)
                 if not stale:  # an attacher probing for staleness holds it for an instant
                     time.sleep(0.05)
-                    stale = _try_stale(other)
+                    stale = try_stale(other)
                 if not stale:
                     raise CacheConfigError(
                         f"a live cache is already named {self.path}: another job or cache of "
@@ -2319,7 +2320,7 @@ class _Segment(_RecordLocks):
                         "'train' and 'val') or set STOCACHING_JOB_KEY per job",
                         "name", owner._name, self.path)
                 st = os.fstat(other)
-                _unlink_if_same(self.path, st.st_ino, st.st_dev)  # left by a dead job
+                unlink_if_same(self.path, st.st_ino, st.st_dev)  # left by a dead job
             finally:
                 os.close(other)
         raise CacheConfigError(f"could not publish {self.path}: it keeps reappearing", "name",
@@ -2334,21 +2335,21 @@ class _Segment(_RecordLocks):
                       0o600)
         pst = os.fstat(pfd)
         try:
-            os.pwrite(pfd, _POINTER.pack(_POINTER_MAGIC, me, _process_start(me), fd,
-                                         st.st_dev, st.st_ino), 0)
+            os.pwrite(pfd, POINTER.pack(_POINTER_MAGIC, me, process_start(me), fd,
+                                        st.st_dev, st.st_ino), 0)
             fcntl.flock(pfd, fcntl.LOCK_SH)
             self._publish(owner, tmp, pfd)
         except BaseException:
-            _close_fd(pfd)
+            close_fd(pfd)
             raise
         finally:
-            _unlink_if_same(tmp, pst.st_ino, pst.st_dev)
+            unlink_if_same(tmp, pst.st_ino, pst.st_dev)
         self.pointer_fd, self.name_id = pfd, (pst.st_dev, pst.st_ino)
 
     def attach(self, owner: BaseCache, timeout: float) -> None:
         """A local rank other than the leader: wait up to ``timeout`` s for the leader's
         segment, map it and count this rank in; the last rank to attach drops the name."""
-        opened = _open_leaders_file(self.path, timeout)
+        opened = open_leaders_file(self.path, timeout)
         if opened is None:
             raise CacheTimeoutError(
                 f"local rank {owner._world.local_rank} waited {timeout:.0f} s for local rank "
@@ -2360,20 +2361,20 @@ class _Segment(_RecordLocks):
         try:
             head = self.map_existing(owner, fd)
             self.name_id = name_id
-            self.lock(_LOCK_BASE)
+            self.lock(LOCK_BASE)
             try:
                 attached = self.header_get("attached") + 1
                 self.header_set("attached", attached)
             finally:
-                self.unlock(_LOCK_BASE)
+                self.unlock(LOCK_BASE)
             # All here: drop the name (a persistent cache keeps it: the next job attaches by it).
             if attached >= head["local_world_size"] and not head["persistent"]:
                 dev, ino = self.name_id
-                _unlink_if_same(self.path, ino, dev)
+                unlink_if_same(self.path, ino, dev)
         except BaseException:
             os.close(fd)
             raise
-        self.finalizer = weakref.finalize(self, _finalize_segment, fd, None, 0, 0)
+        self.finalizer = weakref.finalize(self, finalize_segment, fd, None, 0, 0)
         if head["persistent"]:  # (it may hold a past job's samples)
             self.populate(head["data_off"])
 
@@ -2381,11 +2382,11 @@ class _Segment(_RecordLocks):
         """Map a segment someone else made (by name, or a descriptor this process received),
         let ``owner`` check its header and build its views. Returns the header."""
         size = os.fstat(fd).st_size
-        if size < _HEADER_BYTES:
+        if size < HEADER_BYTES:
             raise CacheConfigError(f"{self.path} is too small to be a cache segment",
-                                   "total_bytes", _HEADER_BYTES, size)
+                                   "total_bytes", HEADER_BYTES, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        head = _read_header(mm)
+        head = read_header(mm)
         if owner._slots_from_leader and 0 <= head["slots"] <= owner._layout.dataset_len:
             owner._layout = dataclasses.replace(owner._layout, slots=head["slots"])
         owner._check_header(head, size)
@@ -2453,14 +2454,14 @@ def _writes(name: str) -> bool:
     writes = _WRITES_FIRST.get(name)
     if writes is None:
         writes = _WRITES_FIRST[name] = (name[-1:] == "_" and name[-2:] != "__" and
-                                  name != "requires_grad_") or name in _INPLACE_DUNDERS
+                                        name != "requires_grad_") or name in _INPLACE_DUNDERS
     return writes
 
 
 def _is_view(x: Any) -> bool:
     """True when ``x`` (a tensor, or a sequence of them: ``out=``) holds a ReadOnlyView."""
     return type(x) is ReadOnlyView or (isinstance(x, (tuple, list)) and
-                                        any(type(t) is ReadOnlyView for t in x))
+                                       any(type(t) is ReadOnlyView for t in x))
 
 
 def _views_read_only(res: Any, of: torch.Tensor) -> Any:
@@ -2539,7 +2540,7 @@ class BaseCache:
     """
 
     # -- state: every attribute a cache holds, by role (set in _configure, _map and
-    # _claim_stats_row; a closed cache's views are replaced by a _Closed) ------------------
+    # claim_stats_row; a closed cache's views are replaced by a Closed) ------------------
     # What it is: its configuration, the same in every process that holds it.
     _layout: CacheLayout  # which dataset indices have a slot on which node
     _world: World  # who this process is
@@ -2560,7 +2561,7 @@ class BaseCache:
     _disk_tier: Any = None  # disk_tier._DiskTier: rows of the indices without a slot, on disk
     # The segment this process holds (descriptor, mappings, record locks), and views of its
     # pages, the same in every process (the hot path reads them).
-    _segment: _Segment
+    _segment: Segment
     _index_states: memoryview  # one state byte per dataset index (aux_array)
     _index_states_np: np.ndarray  # the same bytes, for numpy
     _slot_map: memoryview | None  # slot of each dataset index (a random subset), else None
@@ -2595,7 +2596,7 @@ class BaseCache:
         if not isinstance(random_subset, bool):
             raise TypeError(f"random_subset should be a bool, but got "
                             f"random_subset={random_subset!r}")
-        timeout = _check_positive("timeout", timeout, "seconds")
+        timeout = check_positive("timeout", timeout, "seconds")
         if not isinstance(persistent, bool):
             raise TypeError(f"persistent should be a bool, but got persistent={persistent!r}")
         if load_from is not None:
@@ -2603,13 +2604,13 @@ class BaseCache:
                 raise TypeError(f"load_from should be the path of a file that save() wrote, or "
                                 f"None, but got load_from={load_from!r}")
             load_from = os.fspath(load_from).replace("{node}", str(world.node_rank))
-            _feature("saved")  # (its ImportError before anything is made)
+            feature_module("saved")  # (its ImportError before anything is made)
         if persistent:
-            _feature("persistent")._check_persistent(name, job_key, key, on_mismatch)
-            job_key = _PERSISTENT_JOB_KEY
+            feature_module("persistent")._check_persistent(name, job_key, key, on_mismatch)
+            job_key = PERSISTENT_JOB_KEY
             self._persistent, self._key, self._on_mismatch = True, key, on_mismatch
         elif load_from is not None:
-            _check_key(key, on_mismatch)
+            check_key(key, on_mismatch)
             if key:  # (set on the instance only where it differs from the class's)
                 self._key = key
             if on_mismatch != "raise":
@@ -2620,9 +2621,9 @@ class BaseCache:
                              f"on_mismatch={on_mismatch!r} with persistent=False")
         name = _check_name("name", name) if name is not None else f"c{next(_NAME_COUNTER)}"
         job_key = _check_name("job_key", job_key) if job_key is not None else _job_key(world)
-        if job_key == _PERSISTENT_JOB_KEY and not persistent:
+        if job_key == PERSISTENT_JOB_KEY and not persistent:
             raise ValueError(f"job_key (or $STOCACHING_JOB_KEY) should not be "
-                             f"{_PERSISTENT_JOB_KEY!r}, the key of persistent caches, but got "
+                             f"{PERSISTENT_JOB_KEY!r}, the key of persistent caches, but got "
                              f"job_key={job_key!r} with persistent=False")
         shm_dir = shm_dir if shm_dir is not None else \
             os.environ.get("STOCACHING_SHM_DIR", DEFAULT_SHM_DIR)
@@ -2656,13 +2657,13 @@ class BaseCache:
         self._dims, self._dtype, self._staging_slots = dims, dtype, staging
         if fields:  # (else the class's (): see _fields below)
             self._fields = fields
-        self._segment = _Segment(self._path)
+        self._segment = Segment(self._path)
         if not self._world.is_local_leader:
             self._segment.attach(self, self._timeout)
         elif self._persistent:
-            _feature("persistent").open_persistent(self._segment, self, load_from)
+            feature_module("persistent").open_persistent(self._segment, self, load_from)
         elif _kept_for_restarts():
-            _feature("holder").open_kept(self._segment, self, load_from)
+            feature_module("holder").open_kept(self._segment, self, load_from)
         else:
             self._segment.make(self, load_from)
 
@@ -2671,13 +2672,13 @@ class BaseCache:
     def _expected_header(self) -> dict:
         lay = self._layout
         one = () if self._fields else self._dims  # a fields cache: the field table instead
-        h = {"version": _LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
-             "dtype_code": 0 if self._fields else _DTYPES[self._dtype][0], "ndim": len(one),
+        h = {"version": LAYOUT_VERSION, "dataset_len": lay.dataset_len, "slots": lay.slots,
+             "dtype_code": 0 if self._fields else DTYPE_CODES[self._dtype][0], "ndim": len(one),
              "num_nodes": lay.num_nodes, "node_rank": self._world.node_rank,
              "layout_seed": lay.seed, "random_subset": int(lay.random_subset),
              "persistent": int(self._persistent),
-             "key_hash": _key_hash(self._key) if self._persistent else 0,
-             "uid": os.getuid(), "stats_rows": _STATS_ROWS,
+             "key_hash": hash_of_key(self._key) if self._persistent else 0,
+             "uid": os.getuid(), "stats_rows": STATS_ROWS,
              "staging": self._staging_slots, "nfields": len(self._fields), "arena_bytes": 0,
              "arena_top": 0, "record_words": 0, "mean_bytes": 0, "arena_full": 0}
         for i in range(_MAX_DIMS):
@@ -2702,7 +2703,7 @@ class BaseCache:
         if not prefix and not self._layout.is_prefix:  # (several nodes: random_subset is moot)
             want.update(num_nodes=head["num_nodes"], random_subset=head["random_subset"])
         # One of them has fields (and the same layout version): compare those first, in order.
-        if (head["nfields"] or self._fields) and head["version"] == _LAYOUT_VERSION:
+        if (head["nfields"] or self._fields) and head["version"] == LAYOUT_VERSION:
             theirs = [(n, d, t) for n, d, t, _ in head["fields"]]
             mine = [(f.name, f.dims, f.dtype) for f in self._fields]
             if not head["nfields"] or not self._fields or \
@@ -2753,11 +2754,11 @@ class BaseCache:
         self._index_states_np = np.frombuffer(mm, np.uint8, lay.dataset_len, head["aux_off"])
         self._index_states = view[head["aux_off"]: head["aux_off"] + lay.dataset_len]
         if self._staging_slots:
-            self._staging = _feature("staging")._StagingTable(
+            self._staging = feature_module("staging")._StagingTable(
                 np.frombuffer(mm, np.int64, self._staging_slots, head["stage_off"]),
                 self._segment)
-        self._stats_rows = np.frombuffer(mm, np.int64, _STATS_ROWS * _STATS_COLS,
-                                         head["stats_off"]).reshape(_STATS_ROWS, _STATS_COLS)
+        self._stats_rows = np.frombuffer(mm, np.int64, STATS_ROWS * STATS_COLS,
+                                         head["stats_off"]).reshape(STATS_ROWS, STATS_COLS)
         if head["map_off"]:
             dt = _slot_map_dtype(lay)
             self._slot_map = view[head["map_off"]: head["map_off"] + dt.itemsize *
@@ -2796,9 +2797,9 @@ class BaseCache:
         """Give this process its own row of counters; fold rows of dead processes into row 0.
         Every handle of this process on the segment counts in one row (a process that receives
         the cache in each of its Pool tasks must not use up the rows)."""
-        free = _claim_stats_row(self._stats_rows, self._segment, _LOCK_BASE, _HITS, "cache")
-        row_off = _HEADER_BYTES + free * _STATS_COLS * 8
-        row = memoryview(self._segment.mapping)[row_off: row_off + _STATS_COLS * 8]
+        free = claim_stats_row(self._stats_rows, self._segment, LOCK_BASE, STATS_HITS, "cache")
+        row_off = HEADER_BYTES + free * STATS_COLS * 8
+        row = memoryview(self._segment.mapping)[row_off: row_off + STATS_COLS * 8]
         self._own_counters = row.cast("q")
 
     def _after_fork(self) -> None:
@@ -2808,7 +2809,7 @@ class BaseCache:
             try:
                 self._claim_stats_row()
             except Exception:  # never break the child over statistics
-                self._own_counters = memoryview(bytearray(_STATS_COLS * 8)).cast("q")
+                self._own_counters = memoryview(bytearray(STATS_COLS * 8)).cast("q")
             if self._disk_tier is not None:
                 self._disk_tier.after_fork()
 
@@ -2875,7 +2876,7 @@ class BaseCache:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise _closed_error(type(self))
+            raise closed_error(type(self))
 
     @property
     def aux_array(self) -> torch.Tensor:
@@ -2941,7 +2942,7 @@ class BaseCache:
         a tenth of the read.)"""
         if type(idx) is int and 0 <= idx < self._dataset_len:
             return idx
-        if not _is_int(idx):
+        if not is_int(idx):
             raise TypeError(f"idx should be an int in [0, {self._dataset_len - 1}] (a dataset "
                             f"index), but got idx={idx!r} of type {type(idx).__name__}")
         i = int(idx)
@@ -3016,11 +3017,11 @@ class BaseCache:
         if self._index_states[idx] == OOB:
             if not allow_oob_idx:
                 raise self._oob_error(idx)
-            self._own_counters[_OOB_MISSES] += 1
+            self._own_counters[STATS_OOB_MISSES] += 1
         elif not allow_empty_slot:
             raise RuntimeError(f"the slot of idx={idx} is empty (or being written) and "
                                "allow_empty_slot=False")
-        self._own_counters[_MISSES] += 1
+        self._own_counters[STATS_MISSES] += 1
         return None
 
     def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
@@ -3093,15 +3094,15 @@ class BaseCache:
         self._check_open()
         counters = ("hits", "misses", "oob_misses", "writes", "staged_hits", "stages")
         if since is not None and (not isinstance(since, Mapping) or
-                                  not all(_is_int(since.get(k)) for k in counters)):
+                                  not all(is_int(since.get(k)) for k in counters)):
             raise TypeError(f"since should be a dict from this cache's stats(), but got "
                             f"since={since!r}")
-        self._segment.lock(_LOCK_BASE)
+        self._segment.lock(LOCK_BASE)
         try:
             rows = self._stats_rows.copy()
         finally:
-            self._segment.unlock(_LOCK_BASE)
-        counts = dict(zip(counters, (int(x) for x in rows[:, _HITS:_STAGES + 1].sum(0))))
+            self._segment.unlock(LOCK_BASE)
+        counts = dict(zip(counters, (int(x) for x in rows[:, STATS_HITS:STATS_STAGES + 1].sum(0))))
         disk = self._disk_tier.stats() if self._disk_tier is not None else dict.fromkeys(
             ("disk_hits", "disk_writes", "disk_reads", "disk_rows", "disk_tier_rows"), 0)
         counts.update({k: disk.pop(k) for k in ("disk_hits", "disk_writes", "disk_reads")})
@@ -3114,8 +3115,8 @@ class BaseCache:
                 "staging_slots": self._staging_slots,
                 "staged": self._staging.count() if self._staging_slots else 0,
                 "hit_rate": counts["hits"] / reads if reads else float("nan"),
-                "processes": sum(_alive(int(p), int(t)) for p, t in rows[1:, :_START + 1]
-                                 if p)}
+                "processes": sum(process_alive(int(p), int(t))
+                                 for p, t in rows[1:, :STATS_START + 1] if p)}
 
     def close(self) -> None:
         """Release this process's handle on the segment. Other processes keep theirs; the
@@ -3143,7 +3144,7 @@ class BaseCache:
         """Drop every view of the segment and unmap it now rather than when the object is
         collected (a Dataset keeps its closed cache). A tensor the caller still holds
         (``array``, ``aux_array``, a copy=False view) keeps its mapping until it goes."""
-        closed = _Closed(type(self))
+        closed = Closed(type(self))
         self._closed = True
         _LIVE_CACHES.discard(self)
         self._segment.stop_populating()  # (it reads the mapping's addresses: they stay mapped)
@@ -3351,7 +3352,7 @@ class SharedCache(BaseCache):
         own, so that the single-tensor hit path has no branch for fields. It offers all that
         SharedCache offers."""
         if cls is SharedCache and isinstance(data_dims, Mapping):
-            cls = _feature("fields")._FieldsCache
+            cls = feature_module("fields")._FieldsCache
         return super().__new__(cls)
 
     def __init__(self, size_limit_gib: float | str, dataset_len: int,
@@ -3366,20 +3367,20 @@ class SharedCache(BaseCache):
                  disk_tier_gib: float | None = None,
                  layout: CacheLayout | None = None) -> None:
         if disk_tier is not None or disk_tier_gib is not None:
-            disk_tier, disk_tier_gib = _feature("disk_tier")._check_disk_tier(disk_tier,
-                                                                             disk_tier_gib)
+            disk_tier, disk_tier_gib = feature_module("disk_tier")._check_disk_tier(disk_tier,
+                                                                                    disk_tier_gib)
         auto = isinstance(size_limit_gib, str) and size_limit_gib == "auto"
         if not auto:
-            size_limit_gib = _check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
+            size_limit_gib = check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         if isinstance(data_dims, Mapping):
-            fields, slot_bytes = _check_fields(data_dims, dtype)
+            fields, slot_bytes = check_fields(data_dims, dtype)
             dims: Any = {f.name: f.dims for f in fields}
             dtype = {f.name: f.dtype for f in fields}
         else:
-            dims, dtype, fields = _check_dims(data_dims), _check_dtype(dtype), ()
-            slot_bytes = 0 if None in dims else _slot_bytes(dims, dtype)
-        if _has_open_size(dims):
+            dims, dtype, fields = check_dims(data_dims), check_dtype(dtype), ()
+            slot_bytes = 0 if None in dims else bytes_per_slot(dims, dtype)
+        if has_open_size(dims):
             raise TypeError(f"data_dims with a None (an open size) make a cache of samples of "
                             f"their own sizes: construct it as OpenSizeCache(size_limit_gib, "
                             f"dataset_len, data_dims, ...); SharedCache takes fixed sizes, but "
@@ -3394,7 +3395,7 @@ class SharedCache(BaseCache):
         shm_dir = os.path.dirname(self._path)
         staging = check_int("staging_slots", staging_slots, low=0)
         if staging:
-            _feature("staging")  # (its ImportError before anything is made)
+            feature_module("staging")  # (its ImportError before anything is made)
         if auto:
             if persistent:
                 raise ValueError("size_limit_gib='auto' cannot make a persistent cache: the size "
@@ -3412,38 +3413,38 @@ class SharedCache(BaseCache):
                 # of /dev/shm to the DataLoader's batches (docs/design.md, "An anonymous
                 # segment for 'auto'"); a directory of the caches' own is sized as it is.
                 self._auto_sized = True
-                self._anonymous = _auto_is_anonymous(shm_dir)
+                self._anonymous = auto_is_anonymous(shm_dir)
                 size_limit_gib = _auto_budget(dataset_len, slot_bytes, staging, shm_dir,
                                               self._layout, disk_tier is not None,
                                               world.local_world_size, self._anonymous)
             else:  # the leader decides; this rank takes the slot count of its segment
                 self._slots_from_leader = True
-                size_limit_gib = _budget_for_slots(0, dataset_len, slot_bytes, staging) + \
+                size_limit_gib = budget_for_slots(0, dataset_len, slot_bytes, staging) + \
                     slot_bytes / BYTES_PER_GIB
-        if staging and dataset_len > _STAGE_INDEX_MASK:
+        if staging and dataset_len > STAGE_INDEX_MASK:
             raise ValueError(f"staging_slots should be 0 for a dataset_len above "
-                             f"{_STAGE_INDEX_MASK}, but got staging_slots={staging} with "
+                             f"{STAGE_INDEX_MASK}, but got staging_slots={staging} with "
                              f"dataset_len={dataset_len}")
         if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB and not auto:
             raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
-                             f" (they take {_fmt_bytes(staging * slot_bytes)} of it), but got "
+                             f" (they take {fmt_bytes(staging * slot_bytes)} of it), but got "
                              f"staging_slots={staging}")
-        slots = _slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
+        slots = slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
         if slots == 0 and not auto:  # ("auto" says why itself)
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
-                          f"needs {_fmt_bytes(dataset_len)} and a slot {_fmt_bytes(slot_bytes)}"
+                          f"needs {fmt_bytes(dataset_len)} and a slot {fmt_bytes(slot_bytes)}"
                           + (f" (after {staging} staging slots)" if staging else "") +
                           "; only staged samples can hit", RuntimeWarning, stacklevel=2)
         if staging and slots >= dataset_len and world.is_local_leader:
-            warnings.warn(f"staging_slots={staging} take {_fmt_bytes(staging * slot_bytes)} that "
+            warnings.warn(f"staging_slots={staging} take {fmt_bytes(staging * slot_bytes)} that "
                           f"no sample can use: every index of the {dataset_len} has a slot on "
                           "this node, and staging holds only samples of indices without one; "
                           "pass staging_slots=0", RuntimeWarning, stacklevel=2)
         self._open(slots, dims, dtype, fields, staging, load_from)
         if disk_tier is not None:
             try:
-                self._disk_tier = _feature("disk_tier")._DiskTier.open(self, disk_tier,
-                                                                        disk_tier_gib)
+                self._disk_tier = feature_module("disk_tier")._DiskTier.open(self, disk_tier,
+                                                                             disk_tier_gib)
             except BaseException:
                 self.close()
                 raise
@@ -3468,7 +3469,7 @@ class SharedCache(BaseCache):
                 out = torch.from_numpy(self._slot_samples[slot].copy()) if copy \
                     else self._read_only_slots[slot].as_subclass(ReadOnlyView)
                 if self._index_states[idx] == SET and self._slot_versions[slot] == seq:
-                    self._own_counters[_HITS] += 1
+                    self._own_counters[STATS_HITS] += 1
                     return out if self._view_as is None or not copy else out.view(self._view_as)
             out = self._read_again(idx, copy)
             if out is not None:
@@ -3506,7 +3507,7 @@ class SharedCache(BaseCache):
         row = self._read_row(slot, copy, self._index_states, idx, SET)
         if row is None:
             return None
-        self._own_counters[_HITS] += 1
+        self._own_counters[STATS_HITS] += 1
         return self._from_row(row) if copy else row
 
     def _read_row(self, row: int, copy: bool, marks: Any, at: int, mark: int) -> Any:
@@ -3544,27 +3545,27 @@ class SharedCache(BaseCache):
     # -- sizing and views of the segment ----------------------------------------------------
 
     def _offsets(self) -> dict:
-        return _segment_offsets(self._layout, self._slot_bytes, self._staging_slots)
+        return segment_offsets(self._layout, self._slot_bytes, self._staging_slots)
 
     @property
     def _slot_bytes(self) -> int:
         if self._fields:
-            return _check_fields(self._dims, self._dtype)[1]
-        return _slot_bytes(self._dims, self._dtype)
+            return check_fields(self._dims, self._dtype)[1]
+        return bytes_per_slot(self._dims, self._dtype)
 
     def _budget_fitting(self, room: int, total: int) -> float:
         """The size_limit_gib of the largest cache like this one whose segment (of ``total``
         bytes now) takes at most ``room`` bytes."""
         lay, per_slot = self._layout, self._slot_bytes
-        fits = _slots_fitting(room, lay, per_slot, self._staging_slots)
-        return _budget_for_slots(fits, lay.dataset_len, per_slot, self._staging_slots)
+        fits = slots_fitting(room, lay, per_slot, self._staging_slots)
+        return budget_for_slots(fits, lay.dataset_len, per_slot, self._staging_slots)
 
     def _capacity_error(self, shm_dir: str, total: int, free: int) -> CacheCapacityError:
         lay, per_slot = self._layout, self._slot_bytes
         return CacheCapacityError(
-            f"{shm_dir} has {_fmt_bytes(free)} free but the cache needs {_fmt_bytes(total)} "
-            f"({lay.slots} slots of {_fmt_bytes(per_slot)}). {_more_room(shm_dir, total)} or "
-            f"pass a smaller size_limit_gib ({_what_fits(self, shm_dir, total, free)})",
+            f"{shm_dir} has {fmt_bytes(free)} free but the cache needs {fmt_bytes(total)} "
+            f"({lay.slots} slots of {fmt_bytes(per_slot)}). {more_room(shm_dir, total)} or "
+            f"pass a smaller size_limit_gib ({what_fits(self, shm_dir, total, free)})",
             shm_dir, total, free)
 
     def _map_samples(self, head: dict) -> None:
@@ -3579,7 +3580,7 @@ class SharedCache(BaseCache):
     def _map_slots(self, data_off: int, n_slots: int) -> None:
         """The views of the slots: ``_slot_samples`` (one row per slot, written by ``_write``),
         ``array`` and the read-only ``_read_only_slots``."""
-        np_dtype = _DTYPES[self._dtype][1]
+        np_dtype = DTYPE_CODES[self._dtype][1]
 
         def slots_of(buf: mmap.mmap) -> np.ndarray:
             return np.frombuffer(buf, np_dtype, n_slots * math.prod(self._dims),
@@ -3604,7 +3605,7 @@ class SharedCache(BaseCache):
     def _writing(self, first: int, count: int) -> Iterator[None]:
         """Lock slots ``[first, first + count)`` and keep their sequence numbers odd while the
         caller writes them: concurrent readers of those slots see misses."""
-        lock, length = _slot_lock_offset(first), max(1, count)
+        lock, length = slot_lock_offset(first), max(1, count)
         self._segment.lock(lock, length)
         try:
             seq = self._slot_versions_np[first: first + count]
@@ -3623,15 +3624,15 @@ class SharedCache(BaseCache):
         self._check_open()
         w, lay = self._world, self._layout
         twin = SharedCache(
-            _budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes, self._staging_slots),
-            lay.dataset_len, self._dims, self._dtype, name=f"copy{next(_COPY_COUNTER)}",
+            budget_for_slots(lay.slots, lay.dataset_len, self._slot_bytes, self._staging_slots),
+            lay.dataset_len, self._dims, self._dtype, name=f"copy{next(COPY_COUNTER)}",
             staging_slots=self._staging_slots,
             world=World(rank=w.node_rank, world_size=w.num_nodes, node_rank=w.node_rank,
                         num_nodes=w.num_nodes),
             shm_dir=os.path.dirname(self._path), layout=lay)
         memo[id(self)] = twin
         every = max(1, lay.slots)
-        self._segment.lock(_slot_lock_offset(0), every)  # no writer meanwhile
+        self._segment.lock(slot_lock_offset(0), every)  # no writer meanwhile
         try:
             aux = self._index_states_np.copy()
             held = np.flatnonzero(aux == SET)
@@ -3642,7 +3643,7 @@ class SharedCache(BaseCache):
             twin._slot_samples[:lay.slots] = self._slot_samples[:lay.slots]
             twin._index_states_np[:] = aux  # (staged samples are not copied: they wait for a read)
         finally:
-            self._segment.unlock(_slot_lock_offset(0), every)
+            self._segment.unlock(slot_lock_offset(0), every)
         return twin
 
     @property
@@ -3675,7 +3676,7 @@ class SharedCache(BaseCache):
         """``slot`` of ``cache[slot] = v`` (an int made non-negative, or as it is) and the
         range of slots it may write."""
         n = len(self)
-        if _is_int(slot):
+        if is_int(slot):
             if not -n <= int(slot) < n:  # as cache[slot] and 0.2.1 do
                 raise IndexError(f"slot should be an int in [-{n}, {n - 1}], "
                                  f"but got slot={int(slot)}")
@@ -3732,15 +3733,15 @@ class SharedCache(BaseCache):
             if taken.size:
                 self._staging.take(located.rows[taken] - self._layout.slots,
                                    located.entries[taken])
-                self._own_counters[_STAGED_HITS] += int(taken.size)
+                self._own_counters[STATS_STAGED_HITS] += int(taken.size)
         if count:
-            self._own_counters[_HITS] += int(np.count_nonzero(hit))
+            self._own_counters[STATS_HITS] += int(np.count_nonzero(hit))
         return hit
 
     def _check_value(self, value: Any) -> torch.Tensor:
         """Raise unless ``value`` may be stored; return it as a tensor (a numpy array wrapped,
         not copied). Nothing is stored and nothing of the cache changes. See ``_checked``."""
-        return _checked_value(value, self._dims, self._dtype, "value", "data_dims")
+        return checked_value(value, self._dims, self._dtype, "value", "data_dims")
 
     def _write(self, slot: int, src: np.ndarray, idx: int | None) -> None:
         """Write one slot, and set the state of ``idx`` (None for a staging slot); the caller
@@ -3762,7 +3763,7 @@ class SharedCache(BaseCache):
                 value.shape == self._dims and value.layout is torch.strided and value.is_cpu \
                 and not value.requires_grad:
             return value.numpy()
-        return _slot_array(self._check_value(value), self._dtype)
+        return slot_array(self._check_value(value), self._dtype)
 
     def set_slot(self, idx: int, value: Any, allow_oob_idx: bool = True,
                  allow_overwrite: bool = False, *, exist_ok: bool = False) -> None:
@@ -3814,7 +3815,7 @@ class SharedCache(BaseCache):
             return
         src = self._source_array(value)
         slot = idx if self._slot_map is None else self._slot_map[idx]
-        lock = _slot_lock_offset(slot)
+        lock = slot_lock_offset(slot)
         self._segment.lock(lock)
         try:
             # A slot left WRITING, or SET with an odd sequence number, by a writer that
@@ -3824,7 +3825,7 @@ class SharedCache(BaseCache):
                 if exist_ok:
                     return
                 if self._holds(slot, src):  # a second load of one index: done already
-                    self._own_counters[_WRITES] += 1
+                    self._own_counters[STATS_WRITES] += 1
                     return
                 raise RuntimeError(
                     f"the slot of idx={idx} is already set to a different value; pass "
@@ -3835,7 +3836,7 @@ class SharedCache(BaseCache):
             self._write(slot, src, idx)
         finally:
             self._segment.unlock(lock)
-        self._own_counters[_WRITES] += 1
+        self._own_counters[STATS_WRITES] += 1
 
     def _holds(self, slot: int, src: np.ndarray) -> bool:
         """True when ``slot`` holds exactly the bytes of ``src`` (NaNs included)."""
@@ -3865,14 +3866,14 @@ class SharedCache(BaseCache):
 
     def _load(self, path: str, data_off: int, *, reserved: bool) -> None:
         """Fill this new segment from the saved file at ``path`` (``_SavedFileReader``)."""
-        _feature("saved")._SavedFileReader(self).load(path, data_off, reserved=reserved)
+        feature_module("saved")._SavedFileReader(self).load(path, data_off, reserved=reserved)
 
     def _unmap(self) -> None:
-        closed = _Closed(type(self))
+        closed = Closed(type(self))
         self._slot_versions = self._slot_versions_np = self._slot_samples = closed  # type: ignore
         self._array = self._read_only_slots = closed  # type: ignore
         super()._unmap()
 
 
 if __name__ == "__main__":
-    sys.exit(_feature("cli").run_cli())
+    sys.exit(feature_module("cli").run_cli())

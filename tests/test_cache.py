@@ -388,7 +388,7 @@ def test_ram_warning(shm_dir, monkeypatch):
 def test_a_cache_outside_memory_warns(shm_dir, tmp_path):
     """0.2.1 fell back to a disk directory silently; a shm_dir on a disk filesystem works but
     says so. (Needs tmp_path on a disk filesystem, as on this machine's ext4 /tmp.)"""
-    fstype = stocaching.stocaching._fs_type(str(tmp_path))
+    fstype = stocaching.stocaching.fs_type(str(tmp_path))
     if fstype is None or fstype in ("tmpfs", "ramfs"):
         pytest.skip(f"{tmp_path} is on {fstype or 'an unknown filesystem'} here; no disk "
                     "directory to try")

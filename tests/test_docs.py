@@ -196,9 +196,9 @@ def test_opt_in_modules_import_only_the_cores_public_names():
 def test_feature_modules_import_only_the_cores_public_names_and_its_seam():
     """Each feature module (disk_tier.py, saved.py, ...) imports from the core only names of
     its ``__all__`` and of ``_SEAM``, and from another feature module only that one's
-    ``__all__`` and ``_SEAM``; every name of ``_SEAM``
+    ``__all__`` and ``_SEAM``, all of them public (no leading underscore); every name of ``_SEAM``
     is used by one; the core imports no feature module at its top (it loads them through
-    ``_feature``), and the seam knows every feature module."""
+    ``feature_module``), and the seam knows every feature module."""
     import ast
 
     used = set()
@@ -209,6 +209,8 @@ def test_feature_modules_import_only_the_cores_public_names_and_its_seam():
                 continue
             source = node.module.lstrip(".")
             names = {alias.name for alias in node.names}
+            if source == "stocaching" or source in FEATURES:
+                assert not [n for n in names if n.startswith("_")], (module, source, names)
             if source == "stocaching":
                 assert names <= set(core.__all__) | core._SEAM, (
                     module, sorted(names - set(core.__all__) - core._SEAM))

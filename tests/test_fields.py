@@ -44,12 +44,12 @@ def snapshot(c: SharedCache) -> tuple:
 
 
 def test_fields_are_packed_in_order_each_aligned_to_its_itemsize(shm_dir):
-    fields, row = core._check_fields(FIELDS, FIELD_DTYPES)
+    fields, row = core.check_fields(FIELDS, FIELD_DTYPES)
     assert [(f.name, f.offset, f.nbytes) for f in fields] == \
         [("image", 0, 192), ("label", 192, 8), ("box", 200, 16)]
     assert row == 216
-    fields, row = core._check_fields({"a": (3,), "b": (), "c": (1,)},
-                                     {"a": torch.uint8, "b": torch.int64, "c": torch.int16})
+    fields, row = core.check_fields({"a": (3,), "b": (), "c": (1,)},
+                                    {"a": torch.uint8, "b": torch.int64, "c": torch.int16})
     assert [f.offset for f in fields] == [0, 8, 16] and row == 24  # a struct's padding
     with fields_cache(shm_dir) as c:
         assert len(c) == 30 and c._slot_samples.shape[1] == 216
@@ -261,8 +261,8 @@ def test_ranks_that_agree_share_a_fields_cache_and_an_older_layout_is_refused(sh
         lead.set_slot(4, {"a": torch.tensor([1, 2, 3], dtype=torch.uint8), "b": 9})
         assert other.get_slot(4)["b"].item() == 9
         # A segment of another layout version: the attach check names the version.
-        head = core._read_header(lead._segment.mapping)
-        assert head["version"] == core._LAYOUT_VERSION == 5 and head["nfields"] == 2
+        head = core.read_header(lead._segment.mapping)
+        assert head["version"] == core.LAYOUT_VERSION == 5 and head["nfields"] == 2
         with pytest.raises(CacheConfigError, match="version=3") as e:
             old = dict(head, version=3)
             other._check_header(old, lead._segment.size)

@@ -37,7 +37,7 @@ if os.environ.get("SAVED_LOG"):
     logging.basicConfig(stream=sys.stdout, level=logging.INFO)
 
 if slow_mib > 0:
-    pwrite = saved._pwrite_all
+    pwrite = saved.pwrite_all
 
     def slow(fd, data, offset):
         done = pwrite(fd, data, offset)
@@ -46,7 +46,7 @@ if slow_mib > 0:
             time.sleep(60)
         return done
 
-    saved._pwrite_all = slow
+    saved.pwrite_all = slow
 
 cache = None
 for step in os.environ["SAVED_STEPS"].split(","):
