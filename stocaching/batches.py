@@ -10,6 +10,7 @@ beside the one of a row.
 from __future__ import annotations
 
 __all__ = []
+STOCACHING_FEATURE = "batches"  # (the core reads this line before it imports the file)
 
 from typing import Any
 

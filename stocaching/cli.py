@@ -9,6 +9,7 @@ as ``python stocaching.py ...``.
 from __future__ import annotations
 
 __all__ = ["list_segments", "main", "plan", "run_cli"]
+STOCACHING_FEATURE = "cli"  # (the core reads this line before it imports the file)
 
 import argparse
 import contextlib
@@ -308,7 +309,9 @@ def _inspect_saved_files(paths: Sequence[str], verify: bool,
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m stocaching [info|plan|clean|inspect]``: see the shared memory, size a
     cache, clean up, look into saved files."""
-    parser = argparse.ArgumentParser(prog="python -m stocaching", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog=None if os.path.basename(sys.argv[0]) == "stocaching.py" else "python -m stocaching",
+        description="See the shared memory, size a cache, clean up, look into saved files.")
     parser.add_argument("--shm-dir", default=os.environ.get("STOCACHING_SHM_DIR",
                                                             DEFAULT_SHM_DIR),
                         help="the tmpfs directory of the caches (default: $STOCACHING_SHM_DIR "

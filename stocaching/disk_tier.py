@@ -10,6 +10,7 @@ calls ``_clean_tier_files``.
 from __future__ import annotations
 
 __all__ = []
+STOCACHING_FEATURE = "disk_tier"  # (the core reads this line before it imports the file)
 
 import contextlib
 import errno

@@ -9,6 +9,7 @@ the core's (``check_fields``, ``_read_field``).
 from __future__ import annotations
 
 __all__ = []
+STOCACHING_FEATURE = "fields"  # (the core reads this line before it imports the file)
 
 import mmap
 import warnings

@@ -22,6 +22,7 @@ restarts", for the lifecycle and its failure modes.
 from __future__ import annotations
 
 __all__: list = []
+STOCACHING_FEATURE = "holder"  # (the core reads this line before it imports the file)
 
 import fcntl
 import hashlib

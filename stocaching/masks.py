@@ -11,6 +11,7 @@ it.
 from __future__ import annotations
 
 __all__ = []
+STOCACHING_FEATURE = "masks"  # (the core reads this line before it imports the file)
 
 from typing import Any, Iterator
 

@@ -8,6 +8,7 @@ A feature module of stocaching (see the core's section "The seam"); the core's
 from __future__ import annotations
 
 __all__ = ["OpenSizeCache"]
+STOCACHING_FEATURE = "open_size"  # (the core reads this line before it imports the file)
 # The names besides __all__ that cli.py (python -m stocaching) uses, as the core's _SEAM
 # lists its own.
 _SEAM = frozenset({"ARENA_ALIGN", "arena_size_for"})

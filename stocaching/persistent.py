@@ -9,6 +9,7 @@ A feature module of stocaching (see the core's section "The seam"): the local le
 from __future__ import annotations
 
 __all__ = []
+STOCACHING_FEATURE = "persistent"  # (the core reads this line before it imports the file)
 
 import contextlib
 import fcntl

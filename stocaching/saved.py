@@ -9,6 +9,7 @@ is filled by ``_SavedFileReader``.
 from __future__ import annotations
 
 __all__ = ["describe_saved_file"]
+STOCACHING_FEATURE = "saved"  # (the core reads this line before it imports the file)
 # The names besides __all__ that cli.py (python -m stocaching) uses, as the core's _SEAM
 # lists its own.
 _SEAM = frozenset({"SAVE_BLOCK", "SAVE_MAGIC"})
@@ -857,6 +858,7 @@ def save(self, path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         TypeError: ``path`` is not a str or path.
+        FileNotFoundError: ``path``'s directory does not exist (nothing is written).
         OSError: the file cannot be written (the previous state stays in force).
         NotImplementedError: a cache with open sizes (None in ``data_dims``).
     """
@@ -868,6 +870,11 @@ def save(self, path: str | os.PathLike) -> dict[str, Any]:
            "saved": self._world.is_local_leader}
     if not self._world.is_local_leader:
         return out
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(errno.ENOENT, f"path should be a file in an existing "
+                                f"directory, but got path={path!r} ({folder} is not a "
+                                "directory)", path)
     with _SAVE_LOCK:
         out.update(_SavedFileWriter(self).save(path))
     return out

@@ -10,6 +10,7 @@ A feature module of stocaching (see the core's section "The seam"): the cache ho
 from __future__ import annotations
 
 __all__ = []
+STOCACHING_FEATURE = "staging"  # (the core reads this line before it imports the file)
 
 import os
 from typing import Any, Iterable

@@ -73,6 +73,7 @@ import errno
 import fcntl
 import hashlib
 import importlib
+import importlib.util
 import itertools
 import logging
 import math
@@ -2032,27 +2033,41 @@ def _kept_for_restarts() -> bool:
 def feature_module(module: str) -> types.ModuleType:
     """The feature module ``module``: ``<package>.<module>`` inside a package, else the
     top-level ``module`` (this file copied into a project, the feature's file beside it).
-    Raises ImportError naming the file to copy when it is not there."""
+    Raises ImportError naming the file to copy when it is not there, and, without running
+    it, when the module of that name is not stocaching's (a project's own ``holder.py``)."""
     name = f"{__package__}.{module}" if __package__ else module
     found = sys.modules.get(name)
-    here = os.path.dirname(os.path.abspath(__file__))
     if found is None:
         try:
-            found = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            here = os.path.dirname(os.path.abspath(__file__))
             raise ImportError(
                 f"{_FEATURES[module]} needs {module}.py beside stocaching.py (in {here}): copy "
                 "it there from the stocaching package, which has one file per feature",
                 name=name) from None
-    path = getattr(found, "__file__", None)
-    if path is not None and os.path.dirname(os.path.abspath(path)) != here:
-        raise ImportError(  # (a module of the project's own, of the same name)
-            f"{_FEATURES[module]} needs stocaching's {module}.py beside stocaching.py (in "
-            f"{here}), but the module {name} is {path}: copy stocaching's files into a folder "
-            "of their own (a package) so that their names are theirs", name=name)
+        source = None
+        with contextlib.suppress(ImportError, OSError, AttributeError):
+            source = spec.loader.get_source(name)  # type: ignore[union-attr]
+        if source is not None and f'\nSTOCACHING_FEATURE = "{module}"' not in source:
+            raise _not_the_feature(module, name, spec.origin)
+        found = importlib.import_module(name)
+    if getattr(found, "STOCACHING_FEATURE", None) != module:
+        raise _not_the_feature(module, name, getattr(found, "__file__", None))
     return found
+
+
+def _not_the_feature(module: str, name: str, path: str | None) -> ImportError:
+    """The error for a module named as a feature that is not stocaching's (it lacks the line
+    ``STOCACHING_FEATURE = "<module>"`` that each feature module has)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return ImportError(
+        f"{_FEATURES[module]} needs stocaching's {module}.py beside stocaching.py (in {here}), "
+        f"but the module {name} is {path}, which is not stocaching's (it lacks the line "
+        f"STOCACHING_FEATURE = \"{module}\"): copy stocaching's files into a folder of their "
+        "own (a package) so that their names are theirs", name=name)
 
 
 class _FromFeature:
@@ -2076,13 +2091,33 @@ class _FromFeature:
         return code.__get__(cache, owner)
 
 
+# The public names of the opt-in modules, which a copied core does not serve: asked of it, they
+# raise the ImportError that says where they are (tests/test_docs.py checks this list).
+_OPT_IN_NAMES = {
+    "samplers": ("CacheAwareSampler", "ideal_hit_rate"),
+    "order": ("ReadyFirstSampler", "WIDE_WINDOW_PART", "ready_first_order"),
+    "prefetch": ("PrefetchError", "Prefetcher"),
+    "mixtures": ("MixtureDataset", "WeightedMixtureSampler"),
+    "device": ("DeviceLoader",), "wrapper": ("CachedDataset",),
+    "streams": ("CachedStream", "ShardLayout"),
+    "trainers": ("accelerate_epoch", "dealt_by_accelerate", "in_lightnings_wrapper"),
+}
+
+
 def __getattr__(name: str) -> Any:
     """The public names that live in feature modules (``stocaching.OpenSizeCache`` of a
-    copied core, with open_size.py beside it)."""
+    copied core, with open_size.py beside it); of a copied core, an opt-in's name raises an
+    ImportError naming its file (``from stocaching import CacheAwareSampler``)."""
     module = _PUBLIC_IN_FEATURES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(feature_module(module), name)
+    if module is not None:
+        return getattr(feature_module(module), name)
+    opt_in = next((m for m, names in _OPT_IN_NAMES.items() if name in names), None)
+    if opt_in is not None and not __package__:
+        raise ImportError(
+            f"{name} is in {opt_in}.py, an opt-in module of stocaching, not in the core "
+            f"stocaching.py: copy {opt_in}.py beside it (with the files it needs: see the "
+            f"README) and import it from there: from {opt_in} import {name}", name=__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3876,4 +3911,8 @@ class SharedCache(BaseCache):
 
 
 if __name__ == "__main__":
-    sys.exit(feature_module("cli").run_cli())
+    try:
+        _cli = feature_module("cli")
+    except ImportError as e:  # (a copied core without cli.py: one line, not a traceback)
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")
+    sys.exit(_cli.run_cli())

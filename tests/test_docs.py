@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from _helpers import CHILDREN, REPO, assert_ended_well, free_port, run_bounded
+from _helpers import CHILDREN, REPO, assert_ended_well, free_port, run_bounded, run_copied
 from stocaching import cli
 from stocaching import stocaching as core
 
@@ -81,6 +81,61 @@ def test_module_runs_as_a_copied_single_file(copied, tmp_path, shm_dir):
     assert r.returncode == 0, r.stderr
     n, path = r.stdout.split()
     assert n == "4" and path == str(tmp_path / "stocaching.py")
+
+
+@pytest.mark.timeout(120)
+def test_a_projects_own_module_under_a_features_name_is_refused_without_running_it(tmp_path):
+    """A project with the core copied in and modules of its own named saved.py, fields.py and
+    holder.py in the same folder: each keyword that needs the feature raises the ImportError
+    that says the module is not stocaching's, none of them is run, a torchrun job starts cold
+    rather than fail, and the two lines work."""
+    for module in ("saved", "fields", "holder"):
+        (tmp_path / f"{module}.py").write_text(
+            f"open({str(tmp_path / ('ran-' + module))!r}, 'w').close()\n")
+    out = run_copied(tmp_path, ("stocaching.py",), f"""
+        import os, torch, stocaching
+        from stocaching import SharedCache
+        for kw in (dict(load_from="c.stc"), dict(data_dims={{"a": (2,)}})):
+            try:
+                SharedCache(**{{"size_limit_gib": 0.01, "dataset_len": 10, "data_dims": (2,),
+                              "shm_dir": {str(tmp_path)!r}, **kw}})
+            except ImportError as e:
+                print("REFUSED", "not stocaching's" in str(e), "folder of their own" in str(e))
+        os.environ["TORCHELASTIC_RUN_ID"] = "x"
+        print("KEPT", stocaching._kept_for_restarts())
+        c = SharedCache(0.01, 10, (2,), shm_dir={str(tmp_path)!r})
+        c.set_slot(3, torch.ones(2, dtype=torch.uint8))
+        print("HIT", c.get_slot(3).tolist())
+        """)
+    assert out.split("\n")[:4] == ["REFUSED True True", "REFUSED True True", "KEPT False",
+                                   "HIT [1, 1]"], out
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ran-")]
+
+
+def test_a_copied_core_asked_for_an_opt_in_name_says_which_file_has_it(tmp_path):
+    """``from stocaching import CacheAwareSampler`` of the core copied alone raises an
+    ImportError naming samplers.py and the import to use; the core's list of the opt-ins'
+    names is every opt-in module's ``__all__``."""
+    import importlib
+
+    listed = {m: set(names) for m, names in core._OPT_IN_NAMES.items()}
+    assert listed == {m: set(importlib.import_module(f"stocaching.{m}").__all__)
+                      for m in listed}
+    import stocaching
+    assert set(stocaching.__all__) - set(core.__all__) - set(core._PUBLIC_IN_FEATURES) == \
+        set().union(*listed.values())
+    out = run_copied(tmp_path, ("stocaching.py",), """
+        try:
+            from stocaching import CacheAwareSampler
+        except ImportError as e:
+            print(e)
+        import stocaching
+        print(hasattr(stocaching, "no_such_name"))
+        """)
+    assert out.split("\n")[:2] == [
+        "CacheAwareSampler is in samplers.py, an opt-in module of stocaching, not in the core "
+        "stocaching.py: copy samplers.py beside it (with the files it needs: see the README) "
+        "and import it from there: from samplers import CacheAwareSampler", "False"], out
 
 
 @pytest.mark.timeout(600)

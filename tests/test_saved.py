@@ -376,6 +376,15 @@ def test_a_crc_put_together_from_parts_is_the_crc_of_the_whole():
         assert _crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data), cut
 
 
+def test_a_save_into_a_missing_directory_names_the_path_and_writes_nothing(shm_dir, tmp_path):
+    path = tmp_path / "missing" / "c.stc"
+    with saved_cache(shm_dir, None, key="") as c:
+        c.set_slot(1, value_of(1, SAVED_DIMS))
+        with pytest.raises(FileNotFoundError, match=r"path should be a file in an existing "
+                           r"directory, but got path='.*/missing/c\.stc' \(.*/missing is not"):
+            c.save(path)
+    assert os.listdir(tmp_path) == []
+
 @pytest.mark.parametrize("saved_with", ["zlib", "zlib-ng"])
 def test_a_file_saved_with_either_crc_32_loads_with_the_other(shm_dir, tmp_path, monkeypatch,
                                                                saved_with):

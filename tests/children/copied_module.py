@@ -54,7 +54,7 @@ if sys.argv[1] == "core":
     else:
         raise AssertionError("the project's fields.py was taken for stocaching's")
     sys.path.remove("other")
-    del sys.modules["fields"]
+    assert "fields" not in sys.modules  # (refused before it ran)
     left = [f for f in os.listdir(os.environ["STOCACHING_SHM_DIR"]) if f.startswith("stocaching")]
     assert left == [c._path.rsplit("/", 1)[1]] or left == [], left  # only c's (a name, or none)
 else:
