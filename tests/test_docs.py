@@ -112,6 +112,34 @@ def test_a_projects_own_module_under_a_features_name_is_refused_without_running_
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ran-")]
 
 
+def _readme_copy_table() -> list[tuple[list[str], str]]:
+    """The README's table of what to copy: per row with an import of its own, the files named
+    before any parenthesis, and that import."""
+    rows = []
+    for line in read("README.md").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[2].startswith("`from ") and "stocaching import" not in cells[2]:
+            files = re.findall(r"`([\w.]+\.py)`", cells[1].split("(")[0])
+            rows.append((files, cells[2].strip("`")))
+    return rows
+
+
+@pytest.mark.parametrize("files, statement", _readme_copy_table(),
+                         ids=[r[1] for r in _readme_copy_table()])
+def test_each_opt_in_imports_copied_with_the_files_the_readme_lists(files, statement, tmp_path):
+    """Each row of the README's table for an opt-in part: stocaching.py and the files the row
+    names, copied alone into a folder, import as the row says (the copies, not the package)."""
+    assert len(_readme_copy_table()) == 7
+    module = statement.split()[1]
+    out = run_copied(tmp_path, ("stocaching.py", *files), f"""
+        import os
+        {statement}
+        import {module}
+        print(os.path.dirname({module}.__file__) == os.getcwd())
+        """)
+    assert out.strip() == "True", out
+
+
 def test_a_copied_core_asked_for_an_opt_in_name_says_which_file_has_it(tmp_path):
     """``from stocaching import CacheAwareSampler`` of the core copied alone raises an
     ImportError naming samplers.py and the import to use; the core's list of the opt-ins'
