@@ -57,7 +57,12 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "WIDE_WINDOW_PART")),
 )
 
-SECTIONS = ("Args:", "Returns:", "Raises:", "Attributes:", "Example::", "Example:")
+SECTIONS = ("Args:", "Returns:", "Raises:", "Attributes:", "Keywords:", "Example::", "Example:")
+
+# The feature modules that document SharedCache's advanced keywords (their docstrings'
+# "Keywords:" sections), in the order of the constructor's arguments.
+KEYWORD_MODULES = ("stocaching.staging", "stocaching.persistent", "stocaching.saved",
+                   "stocaching.disk_tier")
 
 # Where a constant (an int, a dict) is defined: it carries no module of its own.
 MODULES = ("stocaching.stocaching", "stocaching.staging", "stocaching.samplers", "stocaching.order",
@@ -66,7 +71,12 @@ MODULES = ("stocaching.stocaching", "stocaching.staging", "stocaching.samplers",
 
 def _doc(obj) -> str:
     """The docstring as Markdown: Google-style sections become bold headings and lists."""
-    lines = inspect.cleandoc(obj.__doc__ or "").splitlines()
+    return _markdown(inspect.cleandoc(obj.__doc__ or ""))
+
+
+def _markdown(text: str) -> str:
+    """A docstring's text, its indentation cleaned, as Markdown (see ``_doc``)."""
+    lines = text.splitlines()
     out: list[str] = []
     section = None
     for ln in lines:
@@ -78,7 +88,7 @@ def _doc(obj) -> str:
             out += ["", "> **Warning:**"]
         elif section == "warning" and ln.startswith("    "):
             out.append("> " + ln.strip())
-        elif section in ("Args", "Attributes", "Raises") and re.match(r"^    \S", ln):
+        elif section in ("Args", "Attributes", "Raises", "Keywords") and re.match(r"^    \S", ln):
             head, _, rest = ln.strip().partition(": ")
             out.append(f"- `{head}`: {rest}" if rest else f"- {head}")
         elif section and section != "Example" and ln.startswith("        "):
@@ -133,6 +143,18 @@ def _constant(name: str, obj) -> str:
     return f"### `{name}`\n\n```python\n{head}\n```\n" + (f"\n{text}\n" if text else "")
 
 
+def _feature_keywords() -> str:
+    """SharedCache's advanced keywords as their feature modules document them."""
+    out = ["**The feature modules' keywords**", "",
+           _fill("Each is documented in the module beside the core that serves it, loaded when "
+                 "the keyword is used:")]
+    for module in KEYWORD_MODULES:
+        doc = inspect.cleandoc(importlib.import_module(module).__doc__)
+        body = _markdown(doc[doc.index("Keywords:"):]).replace("**Keywords**", "").strip()
+        out += ["", f"From `{module.replace('.', '/')}.py`:", "", body]
+    return "\n".join(out)
+
+
 def _members(name: str, obj, level: str) -> list[str]:
     out = []
     for attr, member in vars(obj).items():
@@ -165,6 +187,8 @@ def _entry(name: str) -> list[str]:
         return [_constant(name, obj)]
     kind = "class" if inspect.isclass(obj) else "function"
     out = [f"### `{name}`\n\n```python\n{kind} {_sig(name, obj)}\n```\n\n{_doc(obj)}\n"]
+    if name == "SharedCache":
+        out.append(_feature_keywords() + "\n")
     if name == "BaseCache":
         out.append(f"Its properties and methods: [{EVERY_CACHE}](#{_anchor(EVERY_CACHE)}).\n")
     elif inspect.isclass(obj) and not issubclass(obj, BaseException):

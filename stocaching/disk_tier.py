@@ -5,6 +5,32 @@ A feature module of stocaching (see the core's section "The seam"): the cache ho
 ``_DiskTier`` as its ``_disk_tier`` and asks it for rows (``read``, ``read_for_stager``),
 stores them (``store``, ``set_value``), clears and closes it; ``clean_segments(disk_tier=)``
 calls ``_clean_tier_files``.
+
+Keywords:
+    disk_tier: a directory on local disk (an NVMe) for a second tier behind the segment: the
+        sample of an index without a slot on this node is written to a file there when
+        ``set_slot`` stores it, and ``get_slot`` reads it from there on later misses (a new
+        tensor, even with ``copy=False``), for every local rank and DataLoader worker;
+        ``stats()`` counts its hits in ``hits`` and also apart, ``disk_hits``. The file
+        (``stocaching-tier_<uid>_<job>_n<node>_<name>``, owner-only) is sparse: only stored
+        rows take disk. It is freed with the cache's last process (its name is dropped once
+        every local rank has opened it), kept under the cache's name with ``persistent`` (the
+        next job reads what this one stored at once: remove it with ``python -m stocaching
+        clean --persistent NAME --disk-tier DIR``), and a file left by a job killed early is
+        removed by ``clean --disk-tier DIR``. With several nodes each node's tier holds its
+        own share of the indices that no node holds in memory, and ``CacheAwareSampler``
+        routes them there (``owner_rows``). A full disk leaves a sample untiered (logged
+        once), never an error. ``get_batch`` and ``locate`` see tier rows as misses: the
+        Dataset's fallback reads them with ``get_slot``. Reads go through the page cache,
+        which yields to /dev/shm; it is not counted by ``size_limit_gib="auto"``. A
+        ``disk_tier`` that is not an existing directory raises ValueError, one where no file
+        can be made (read-only, not this user's) OSError; nothing is left behind. Default:
+        None, no disk tier.
+    disk_tier_gib: the disk tier's budget in GiB for its rows: the first of this node's share
+        of indices that it pays for get a row (the metadata, about 9 bytes per dataset index,
+        comes on top). A disk with less free space only warns: rows that find it full are not
+        stored. Not a positive number, or without ``disk_tier``: a ValueError, and nothing is
+        made. Default: None, a row for every index of the node's share.
 """
 
 from __future__ import annotations

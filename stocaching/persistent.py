@@ -4,6 +4,22 @@ configuration and key.
 
 A feature module of stocaching (see the core's section "The seam"): the local leader's
 ``Segment`` is opened by ``open_persistent`` here instead of being made.
+
+Keywords:
+    persistent: keep the cache after the job, under ``name`` (required then): the next job on
+        this machine that asks for a persistent cache of that name, with the same ``key`` and
+        configuration, attaches to it with every filled slot a hit. It is removed only by
+        ``python -m stocaching clean --persistent NAME`` (or
+        ``clean_segments(persistent=[NAME])``), never while in use. Default: False (the cache
+        is freed when the job's last process exits).
+    key: with ``persistent`` or ``load_from``: which data the cache holds (a dataset version,
+        a hash of the file list, the transform's parameters), checked when a job attaches,
+        or loads a file (``save`` writes it there). Default: "".
+    on_mismatch: with ``persistent`` or ``load_from``, when the cache of that name, or the
+        file, holds another key or configuration: ``"raise"`` a ``CacheConfigError`` naming
+        what differs, or ``"replace"`` the cache with a new empty one (not while another
+        process uses it), or ignore the file with a warning (the next ``save`` writes it
+        anew). Default: "raise".
 """
 
 from __future__ import annotations

@@ -4,6 +4,16 @@
 A feature module of stocaching (see the core's section "The seam"): ``save`` is the cache's
 method (``SharedCache.save = _FromFeature("saved")``), and a segment made with ``load_from``
 is filled by ``_SavedFileReader``.
+
+Keywords:
+    load_from: a file that ``save`` wrote: the local leader fills the new segment from it
+        before the other local ranks attach (they wait as for any new segment), each sample
+        into the slot its index has here (so the file may come from a cache of another size);
+        the next ``save`` to it appends. A missing file starts empty (logged); ``{node}`` in
+        it becomes the node's rank. A persistent cache that exists already is attached as it
+        is, without reading the file. ``key`` and ``on_mismatch`` apply (persistent.py says
+        how). A file truncated, damaged or not a saved cache raises ``CacheFileError``.
+        Default: None.
 """
 
 from __future__ import annotations

@@ -5,6 +5,17 @@ A feature module of stocaching (see the core's section "The seam"): the cache ho
 ``_StagingTable`` as its ``_staging``; ``stage``, ``_take_staged``, ``unstage`` and
 ``read_tier`` (the reads of a loader that fills staging slots) are its methods
 (``SharedCache.stage = _FromFeature("staging")``).
+
+Keywords:
+    staging_slots: ``SharedCache``'s extra slots where a prefetcher holds samples of indices
+        without a slot until they are read once (see ``stage`` and ``stocaching.prefetch``);
+        they are paid from ``size_limit_gib`` first. Default: 0.
+    read_tags: (the cache's attribute) when not empty (a frozenset of ints, as ``stage``'s
+        ``tag``), ``get_slot`` and ``get_batch`` take a staged sample only from the copies
+        staged with one of these tags: local ranks whose epochs drift apart may each have
+        staged the same index, and each rank's workers must read their own rank's copy,
+        which its prefetcher accounts for. Each ``Prefetcher`` adds its own tag; the set
+        travels to ``DataLoader`` workers with the cache. Default: empty (any copy).
 """
 
 from __future__ import annotations

@@ -3072,6 +3072,8 @@ class BaseCache:
 
     @property
     def read_tags(self) -> frozenset:
+        """The staging tags whose staged samples this process's reads take (staging.py);
+        empty: any. Each ``Prefetcher`` adds its own, and the set travels to workers."""
         return self._read_tags
 
     @read_tags.setter
@@ -3293,65 +3295,28 @@ class SharedCache(BaseCache):
         timeout: seconds a non-leader waits for the leader's segment, and seconds the leader,
             when it closes the cache (or exits) before every local rank has attached, waits
             for them. Default: 300.
-        staging_slots: extra slots where a prefetcher holds samples of indices without a slot
-            until they are read once (see ``stage`` and ``stocaching.prefetch``); they are
-            paid from ``size_limit_gib`` first. Default: 0.
-        persistent: keep the cache after the job, under ``name`` (required then): the next
-            job on this machine that asks for a persistent cache of that name, with the same
-            ``key`` and configuration, attaches to it with every filled slot a hit. It is
-            removed only by ``python -m stocaching clean --persistent NAME`` (or
-            ``clean_segments(persistent=[NAME])``), never while in use. Default: False (the
-            cache is freed when the job's last process exits).
-        key: with ``persistent`` or ``load_from``: which data the cache holds (a dataset
-            version, a hash of the file list, the transform's parameters), checked when a job
-            attaches, or loads a file (``save`` writes it there). Default: "".
-        on_mismatch: with ``persistent`` or ``load_from``, when the cache of that name, or
-            the file, holds another key or configuration: ``"raise"`` a ``CacheConfigError``
-            naming what differs, or ``"replace"`` the cache with a new empty one (not while
-            another process uses it), or ignore the file with a warning (the next ``save``
-            writes it anew). Default: "raise".
-        load_from: a file that ``save`` wrote: the local leader fills the new segment from it
-            before the other local ranks attach (they wait as for any new segment), each
-            sample into the slot its index has here (so the file may come from a cache of
-            another size); the next ``save`` to it appends. A missing file starts empty
-            (logged); ``{node}`` in it becomes the node's rank. A persistent cache that
-            exists already is attached as it is, without reading the file. Default: None.
-        disk_tier: a directory on local disk (an NVMe) for a second tier behind the segment:
-            the sample of an index without a slot on this node is written to a file there
-            when ``set_slot`` stores it, and ``get_slot`` reads it from there on later misses
-            (a new tensor, even with ``copy=False``), for every local rank and DataLoader
-            worker; ``stats()`` counts its hits in ``hits`` and also apart, ``disk_hits``. The file
-            (``stocaching-tier_<uid>_<job>_n<node>_<name>``, owner-only) is sparse: only
-            stored rows take disk. It is freed with the cache's last process (its name is
-            dropped once every local rank has opened it), kept under the cache's name with
-            ``persistent`` (the next job reads what this one stored at once: remove it with
-            ``python -m stocaching clean --persistent NAME --disk-tier DIR``), and a file left
-            by a job killed early is removed by ``clean --disk-tier DIR``. With several
-            nodes each node's tier holds its own share of the indices that no node holds in
-            memory, and ``CacheAwareSampler`` routes them there (``owner_rows``). A
-            full disk leaves a sample untiered (logged once), never an error. ``get_batch``
-            and ``locate`` see tier rows as misses: the Dataset's fallback reads them with
-            ``get_slot``. Reads go through the page cache, which yields to /dev/shm; it is
-            not counted by ``size_limit_gib="auto"``. Default: None, no disk tier.
-        disk_tier_gib: the disk tier's budget in GiB for its rows: the first of this node's
-            share of indices that it pays for get a row (the metadata, about 9 bytes per
-            dataset index, comes on top). A disk with less free space only warns: rows that
-            find it full are not stored. Default: None, a row for every index of the node's
-            share.
+        staging_slots: slots where a prefetcher holds samples of indices without a slot
+            until they are read once, paid from ``size_limit_gib`` first (staging.py).
+            Default: 0.
+        persistent: keep the cache after the job under ``name``, for the next job that asks
+            for it (persistent.py). Default: False (freed with the job's last process).
+        key: with ``persistent`` or ``load_from``: which data the cache holds, checked when a
+            job attaches to it or loads a file. Default: "".
+        on_mismatch: with ``persistent`` or ``load_from``, when the cache or file holds
+            another key or configuration: ``"raise"`` or ``"replace"`` (persistent.py).
+            Default: "raise".
+        load_from: a file that ``save`` wrote, which fills the new segment (saved.py).
+            Default: None.
+        disk_tier: a directory on local disk for a second tier behind the segment, holding
+            the samples of the indices without a slot (disk_tier.py). Default: None.
+        disk_tier_gib: the disk tier's budget in GiB (disk_tier.py). Default: None, a row for
+            every index of the node's share.
         layout: which indices each node caches, for a source that knows which samples each
             node reads (``CachedStream`` passes the shards each node streams): a
             ``CacheLayout`` of ``dataset_len`` over the world's nodes, whose ``slots`` the
             budget sets; ``layout_seed`` and ``random_subset`` then stay at their defaults.
             Default: None, ``CacheLayout(dataset_len, slots, num_nodes, layout_seed,
             random_subset)``.
-
-    Attributes:
-        read_tags: when not empty (a frozenset of ints, as ``stage``'s ``tag``), ``get_slot``
-            and ``get_batch`` take a staged sample only from the copies staged with one of
-            these tags: local ranks whose epochs drift apart may each have staged the same
-            index, and each rank's workers must read their own rank's copy, which its
-            prefetcher accounts for. Each ``Prefetcher`` adds its own tag; the set travels to
-            ``DataLoader`` workers with the cache. Default: empty (any copy).
 
     Raises:
         CacheCapacityError: the tmpfs has not enough free space (nothing is left behind).
@@ -3361,10 +3326,7 @@ class SharedCache(BaseCache):
         CacheTimeoutError: a non-leader waited ``timeout`` seconds for the leader.
         RuntimeError: the local ranks have no way to agree on a job key (see ``job_key``).
         PermissionError: a file under the segment's name is not ours or not private.
-        OSError: ``disk_tier`` is a directory where no file can be made (read-only, not
-            this user's); nothing is left behind.
-        ValueError: ``disk_tier`` is not an existing directory, or ``disk_tier_gib`` is not
-            a positive number (or comes without ``disk_tier``); nothing is made.
+        OSError, ValueError: a ``disk_tier`` that cannot be used (disk_tier.py).
     """
 
     # -- state: BaseCache's, and its views of the slots (set in _map_samples / _map_slots) --
