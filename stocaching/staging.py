@@ -24,19 +24,43 @@ __all__ = []
 STOCACHING_FEATURE = "staging"  # (the core reads this line before it imports the file)
 
 import os
+import warnings
 from typing import Any, Iterable
 
 import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (MAX_STAGE_TAG, OOB, STAGE_INDEX_MASK, STAGE_LOCK, STAGE_TAG_SHIFT,
-                             STATS_HITS, STATS_STAGED_HITS, STATS_STAGES, Segment, check_int,
-                             closed_error, process_alive, slot_lock_offset)
+    from .stocaching import (BYTES_PER_GIB, MAX_STAGE_TAG, OOB, STAGE_INDEX_MASK, STAGE_LOCK,
+                             STAGE_TAG_SHIFT, STATS_HITS, STATS_STAGED_HITS, STATS_STAGES,
+                             Segment, check_int, closed_error, fmt_bytes, process_alive,
+                             slot_lock_offset)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (MAX_STAGE_TAG, OOB, STAGE_INDEX_MASK, STAGE_LOCK, STAGE_TAG_SHIFT,
-                            STATS_HITS, STATS_STAGED_HITS, STATS_STAGES, Segment, check_int,
-                            closed_error, process_alive, slot_lock_offset)
+    from stocaching import (BYTES_PER_GIB, MAX_STAGE_TAG, OOB, STAGE_INDEX_MASK, STAGE_LOCK,
+                            STAGE_TAG_SHIFT, STATS_HITS, STATS_STAGED_HITS, STATS_STAGES,
+                            Segment, check_int, closed_error, fmt_bytes, process_alive,
+                            slot_lock_offset)
+
+
+def check_staging_slots(staging: int, dataset_len: int, slot_bytes: int, slots: int,
+                        size_limit_gib: float | None, is_local_leader: bool) -> None:
+    """SharedCache's checks of ``staging_slots`` (a positive int) against the rest of its
+    configuration, before anything is made: raises ValueError for staging slots that cannot
+    work, and warns (on the local leader) of ones that no sample can use. ``size_limit_gib``
+    is None for ``"auto"``, which sizes around them."""
+    if dataset_len > STAGE_INDEX_MASK:
+        raise ValueError(f"staging_slots should be 0 for a dataset_len above "
+                         f"{STAGE_INDEX_MASK}, but got staging_slots={staging} with "
+                         f"dataset_len={dataset_len}")
+    if size_limit_gib is not None and staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB:
+        raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
+                         f" (they take {fmt_bytes(staging * slot_bytes)} of it), but got "
+                         f"staging_slots={staging}")
+    if slots >= dataset_len and is_local_leader:
+        warnings.warn(f"staging_slots={staging} take {fmt_bytes(staging * slot_bytes)} that "
+                      f"no sample can use: every index of the {dataset_len} has a slot on "
+                      "this node, and staging holds only samples of indices without one; "
+                      "pass staging_slots=0", RuntimeWarning, stacklevel=3)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3391,8 +3391,7 @@ class SharedCache(BaseCache):
             name=name, job_key=job_key, shm_dir=shm_dir, load_from=load_from, layout=layout)
         shm_dir = os.path.dirname(self._path)
         staging = check_int("staging_slots", staging_slots, low=0)
-        if staging:
-            feature_module("staging")  # (its ImportError before anything is made)
+        staging_checks = feature_module("staging").check_staging_slots if staging else None
         if auto:
             if persistent:
                 raise ValueError("size_limit_gib='auto' cannot make a persistent cache: the size "
@@ -3418,25 +3417,15 @@ class SharedCache(BaseCache):
                 self._slots_from_leader = True
                 size_limit_gib = budget_for_slots(0, dataset_len, slot_bytes, staging) + \
                     slot_bytes / BYTES_PER_GIB
-        if staging and dataset_len > STAGE_INDEX_MASK:
-            raise ValueError(f"staging_slots should be 0 for a dataset_len above "
-                             f"{STAGE_INDEX_MASK}, but got staging_slots={staging} with "
-                             f"dataset_len={dataset_len}")
-        if staging * slot_bytes >= size_limit_gib * BYTES_PER_GIB and not auto:
-            raise ValueError(f"staging_slots should leave room in size_limit_gib={size_limit_gib}"
-                             f" (they take {fmt_bytes(staging * slot_bytes)} of it), but got "
-                             f"staging_slots={staging}")
         slots = slots_for_budget(size_limit_gib, dataset_len, slot_bytes, staging)
+        if staging_checks:
+            staging_checks(staging, dataset_len, slot_bytes, slots, None if auto else
+                           size_limit_gib, world.is_local_leader)
         if slots == 0 and not auto:  # ("auto" says why itself)
             warnings.warn(f"size_limit_gib={size_limit_gib} leaves no slots: the aux array alone "
                           f"needs {fmt_bytes(dataset_len)} and a slot {fmt_bytes(slot_bytes)}"
                           + (f" (after {staging} staging slots)" if staging else "") +
                           "; only staged samples can hit", RuntimeWarning, stacklevel=2)
-        if staging and slots >= dataset_len and world.is_local_leader:
-            warnings.warn(f"staging_slots={staging} take {fmt_bytes(staging * slot_bytes)} that "
-                          f"no sample can use: every index of the {dataset_len} has a slot on "
-                          "this node, and staging holds only samples of indices without one; "
-                          "pass staging_slots=0", RuntimeWarning, stacklevel=2)
         self._open(slots, dims, dtype, fields, staging, load_from)
         if disk_tier is not None:
             try:
