@@ -18,11 +18,29 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (OOB, SET, STATS_MISSES, STATS_OOB_MISSES, BatchRows, check_out,
-                             is_int, is_integer_dtype)
+    from .stocaching import (OOB, SET, STATS_MISSES, STATS_OOB_MISSES, BatchRows, is_int,
+                             is_integer_dtype)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (OOB, SET, STATS_MISSES, STATS_OOB_MISSES, BatchRows, check_out, is_int,
+    from stocaching import (OOB, SET, STATS_MISSES, STATS_OOB_MISSES, BatchRows, is_int,
                             is_integer_dtype)
+
+
+def check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``out`` (or a field of it, ``what``) of ``get_batch`` if it can take a batch of
+    ``shape`` and ``dtype``, or raise naming it."""
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.layout != torch.strided:
+        got = f"dtype {out.dtype}, layout {out.layout}" if isinstance(out, torch.Tensor) \
+            else f"type {type(out).__name__}"
+        raise TypeError(f"{what} should be a dense tensor of dtype {dtype} (the cache's), but "
+                        f"got {what} of {got}")
+    if tuple(out.shape) != shape or out.device.type != "cpu" or not out.is_contiguous() or \
+            out.requires_grad:
+        raise ValueError(
+            f"{what} should be a contiguous CPU tensor of shape {shape} (len(indices), "
+            f"*data_dims) without requires_grad, but got {what} of shape {tuple(out.shape)} "
+            f"on {out.device}, contiguous={out.is_contiguous()}, "
+            f"requires_grad={out.requires_grad}")
+    return out
 
 
 def get_batch(self, indices: Any, *, out: Any = None) -> tuple[Any, torch.Tensor]:

@@ -30,7 +30,7 @@ try:  # inside the package
     from .stocaching import (BYTES_PER_GIB, DEFAULT_SHM_DIR, HEADER_BYTES, PERSISTENT_JOB_KEY,
                              POINTER, SEGMENT_PREFIX, SET, STATS_COLS, STATS_ROWS, CacheFileError,
                              CacheLayout, auto_is_anonymous, auto_room, budget_for_slots,
-                             bytes_per_slot, check_dims, check_dtype, check_fields, check_int,
+                             bytes_per_slot, check_dims, check_dtype, check_int,
                              check_positive, clean_segments, feature_module, fmt_bytes, free_bytes,
                              is_stale_file, memory_room, open_to_look, parse_segment_name,
                              pointer_of, read_header, read_key, segment_offsets, shm_headroom,
@@ -39,7 +39,7 @@ except ImportError:  # copied beside stocaching.py
     from stocaching import (BYTES_PER_GIB, DEFAULT_SHM_DIR, HEADER_BYTES, PERSISTENT_JOB_KEY,
                             POINTER, SEGMENT_PREFIX, SET, STATS_COLS, STATS_ROWS, CacheFileError,
                             CacheLayout, auto_is_anonymous, auto_room, budget_for_slots,
-                            bytes_per_slot, check_dims, check_dtype, check_fields, check_int,
+                            bytes_per_slot, check_dims, check_dtype, check_int,
                             check_positive, clean_segments, feature_module, fmt_bytes, free_bytes,
                             is_stale_file, memory_room, open_to_look, parse_segment_name,
                             pointer_of, read_header, read_key, segment_offsets, shm_headroom,
@@ -190,7 +190,7 @@ def plan(dataset_len: int, data_dims: Sequence[int] | Mapping[str, Sequence[int]
     """
     dataset_len = check_int("dataset_len", dataset_len, low=1)
     if isinstance(data_dims, Mapping):
-        fields, slot_bytes = check_fields(data_dims, dtype)
+        fields, slot_bytes = feature_module("fields").check_fields(data_dims, dtype)
         opened = sum(d is None for f in fields for d in f.dims)
     else:
         dims = check_dims(data_dims)

@@ -2,8 +2,10 @@
 "label": ()})``): the cache whose slot holds the fields packed one after the other.
 
 A feature module of stocaching (see the core's section "The seam"): ``SharedCache.__new__``
-makes a ``_FieldsCache`` for a dict ``data_dims``. The field table of the segment's header is
-the core's (``check_fields``, ``_read_field``).
+makes a ``_FieldsCache`` for a dict ``data_dims``, whose fields ``check_fields`` checks and packs
+(the packing rule, ``pack_fields``, and the field table of the segment's header are the core's:
+the format every kind of cache shares). ``OpenSizeCache`` and ``plan`` check a dict
+``data_dims`` here too.
 """
 
 from __future__ import annotations
@@ -19,13 +21,63 @@ import numpy as np
 import torch
 
 try:  # inside the package
-    from .stocaching import (DTYPE_CODES, BaseCache, Closed, ReadOnlyView, SharedCache,
-                             check_fields, check_keys, check_out, checked_value, slot_array,
-                             torch_of)
+    from .stocaching import (DTYPE_CODES, FIELD_NAME_BYTES, MAX_FIELDS, BaseCache, Closed,
+                             Field, SharedCache, check_dims, check_dtype, checked_value,
+                             feature_module, pack_fields, slot_array, torch_of)
 except ImportError:  # copied beside stocaching.py
-    from stocaching import (DTYPE_CODES, BaseCache, Closed, ReadOnlyView, SharedCache,
-                            check_fields, check_keys, check_out, checked_value, slot_array,
-                            torch_of)
+    from stocaching import (DTYPE_CODES, FIELD_NAME_BYTES, MAX_FIELDS, BaseCache, Closed, Field,
+                            SharedCache, check_dims, check_dtype, checked_value, feature_module,
+                            pack_fields, slot_array, torch_of)
+
+
+def check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[Field, ...], int]:
+    """The fields of ``data_dims={name: dims}`` and ``dtype`` (one dtype for every field, or a
+    dict with the same keys), packed in the order given, each at a multiple of its itemsize
+    (as a C struct); returns them and the bytes of one slot (a multiple of the largest
+    itemsize, so every slot is aligned too)."""
+    if not 1 <= len(data_dims) <= MAX_FIELDS:
+        raise ValueError(f"data_dims should be a tuple of positive ints, or a dict of 1 to "
+                         f"{MAX_FIELDS} fields, but got data_dims={dict(data_dims)!r}")
+    for name in data_dims:
+        if not isinstance(name, str):
+            raise TypeError(f"data_dims keys should be field names (str), but got "
+                            f"{name!r} (type {type(name).__name__})")
+        if not (name.isascii() and name.isidentifier() and len(name) <= FIELD_NAME_BYTES):
+            raise ValueError(f"data_dims keys should be field names of 1 to "
+                             f"{FIELD_NAME_BYTES} ASCII letters, digits and '_', not starting "
+                             f"with a digit, but got {name!r}")
+    dims = {n: check_dims(d, f"data_dims[{n!r}]", scalar=True) for n, d in data_dims.items()}
+    if isinstance(dtype, Mapping):
+        if list(dtype) != list(dims):
+            missing = [n for n in dims if n not in dtype]
+            extra = [n for n in dtype if n not in dims]
+            why = (f"missing {missing}" if missing else "") + \
+                (", " if missing and extra else "") + (f"unknown {extra}" if extra else "")
+            raise ValueError(f"dtype should be a torch dtype, or a dict with the keys of "
+                             f"data_dims in its order {list(dims)}, but got dtype with keys "
+                             f"{list(dtype)}" + (f" ({why})" if why else ""))
+        dtypes = {n: check_dtype(dtype[n], f"dtype[{n!r}]") for n in dims}
+    else:
+        one = check_dtype(dtype)
+        dtypes = {n: one for n in dims}
+    return pack_fields(dims, dtypes)
+
+
+def check_keys(value: Any, dims: Mapping) -> Mapping:
+    """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
+    ``data_dims``) as keys, or raise."""
+    names = list(dims)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"value should be a dict with the fields {names} (the keys of "
+                        f"data_dims), but got value of type {type(value).__name__}")
+    missing = [n for n in names if n not in value]
+    extra = [k for k in value if k not in dims]
+    if missing or extra:
+        why = ", ".join(([f"missing {missing}"] if missing else []) +
+                        ([f"unknown {extra}"] if extra else []))
+        raise ValueError(f"value should be a dict with the fields {names} (the keys of "
+                         f"data_dims), but got value with keys {list(value)} ({why})")
+    return value
 
 
 class _FieldsCache(SharedCache):
@@ -42,8 +94,12 @@ class _FieldsCache(SharedCache):
     _field_arrays: dict[str, torch.Tensor]  # each field of every slot
     _read_only_fields: dict[str, torch.Tensor]  # the same through the read-only mapping
 
+    @property
+    def _slot_bytes(self) -> int:
+        return check_fields(self._dims, self._dtype)[1]
+
     def _map_slots(self, data_off: int, n_slots: int) -> None:
-        self._row_bytes = row_bytes = check_fields(self._dims, self._dtype)[1]
+        self._row_bytes = row_bytes = self._slot_bytes
 
         def rows_of(buf: mmap.mmap) -> np.ndarray:
             return np.frombuffer(buf, np.uint8, n_slots * row_bytes, data_off).reshape(
@@ -71,7 +127,8 @@ class _FieldsCache(SharedCache):
     get_slot = BaseCache.get_slot
 
     def _view_row(self, row: int) -> dict[str, torch.Tensor]:
-        return {n: t[row].as_subclass(ReadOnlyView) for n, t in self._read_only_fields.items()}
+        return feature_module("views").read_only(
+            {n: t[row] for n, t in self._read_only_fields.items()})
 
     def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
         """The fields in a copy of a slot's bytes: tensors that share that one copy."""
@@ -109,7 +166,8 @@ class _FieldsCache(SharedCache):
             raise TypeError(f"out should be a dict of tensors with the fields {names}, but "
                             f"got out of {got}")
         batch = {f.name: torch.empty((k, *f.dims), dtype=f.dtype) if out is None else
-                 check_out(out[f.name], (k, *f.dims), f.dtype, f"out[{f.name!r}]")
+                 feature_module("batches").check_out(out[f.name], (k, *f.dims), f.dtype,
+                                                     f"out[{f.name!r}]")
                  for f in self._fields}
         views = {n: b.view(torch.uint16) if b.dtype is torch.bfloat16 else b
                  for n, b in batch.items()}

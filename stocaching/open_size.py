@@ -26,15 +26,15 @@ import torch
 try:  # inside the package
     from .stocaching import (BYTES_PER_GIB, COPY_COUNTER, DTYPE_CODES, EMPTY, LOCK_BASE, OOB, SET,
                              STATS_HITS, STATS_WRITES, WRITING, BaseCache, CacheCapacityError,
-                             Closed, Field, ReadOnlyView, World, check_dims, check_dtype,
-                             check_fields, check_int, check_keys, check_positive, checked_value,
+                             Closed, Field, World, check_dims, check_dtype,
+                             check_int, check_positive, checked_value, feature_module,
                              fmt_bytes, has_open_size, is_int, more_room, pack_fields,
                              segment_offsets, slot_array, slot_lock_offset, torch_of, what_fits)
 except ImportError:  # copied beside stocaching.py
     from stocaching import (BYTES_PER_GIB, COPY_COUNTER, DTYPE_CODES, EMPTY, LOCK_BASE, OOB, SET,
                             STATS_HITS, STATS_WRITES, WRITING, BaseCache, CacheCapacityError,
-                            Closed, Field, ReadOnlyView, World, check_dims, check_dtype,
-                            check_fields, check_int, check_keys, check_positive, checked_value,
+                            Closed, Field, World, check_dims, check_dtype,
+                            check_int, check_positive, checked_value, feature_module,
                             fmt_bytes, has_open_size, is_int, more_room, pack_fields,
                             segment_offsets, slot_array, slot_lock_offset, torch_of, what_fits)
 
@@ -182,7 +182,7 @@ class OpenSizeCache(BaseCache):
         size_limit_gib = check_positive("size_limit_gib", size_limit_gib, "GiB")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         if isinstance(data_dims, Mapping):
-            fields = check_fields(data_dims, dtype)[0]
+            fields = feature_module("fields").check_fields(data_dims, dtype)[0]
             dims: Any = {f.name: f.dims for f in fields}
             dtype = {f.name: f.dtype for f in fields}
         else:
@@ -315,8 +315,7 @@ class OpenSizeCache(BaseCache):
         if copy:
             return self._unpack(data, r[4:])
         sample = self._unpack(data.numpy(), r[4:])  # views of the read-only arena
-        return {k: t.as_subclass(ReadOnlyView) for k, t in sample.items()} if self._fields \
-            else sample.as_subclass(ReadOnlyView)
+        return feature_module("views").read_only(sample)
 
     def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
         it = iter(sizes)
@@ -341,7 +340,7 @@ class OpenSizeCache(BaseCache):
         """Check ``value`` against the fields with their open sizes; return the checked
         tensor (or dict of them) and the open sizes, in the order of the Nones."""
         if self._fields:
-            value = check_keys(value, self._dims)
+            value = feature_module("fields").check_keys(value, self._dims)
         checked, sizes = {}, []
         for f in self._sample_fields:
             v, what = (value[f.name], f"value[{f.name!r}]") if f.name else (value, "value")

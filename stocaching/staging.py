@@ -332,7 +332,11 @@ def read_tier(self, idx: int) -> Any:
         idx: dataset index (int, numpy or torch integer scalar) in ``[0, dataset_len)``.
     """
     self._check_open()
-    return self._read_for_stager(self._index(idx))
+    idx = self._index(idx)
+    if self._disk_tier is None:
+        return None
+    row = self._disk_tier.read_for_stager(idx)  # (not a hit: it will be, once staged)
+    return None if row is None else self._from_row(row)
 
 
 def unstage(self, idx: int, *, tag: int | None = None) -> bool:

@@ -54,7 +54,6 @@ __all__ = [
     "CacheLayout",
     "CacheTimeoutError",
     "MAX_STAGE_TAG",
-    "ReadOnlyView",
     "SharedCache",
     "SlotState",
     "World",
@@ -122,8 +121,8 @@ class SlotState(enum.Enum):
 SEGMENT_PREFIX = "stocaching"
 DEFAULT_SHM_DIR = "/dev/shm"
 _MAX_DIMS = 8
-_MAX_FIELDS = 16  # fields of one sample (a dict data_dims)
-_FIELD_NAME_BYTES = 32
+MAX_FIELDS = 16  # fields of one sample (a dict data_dims)
+FIELD_NAME_BYTES = 32
 
 #: Free memory that a new cache should leave, below which we warn, and which
 #: ``size_limit_gib="auto"`` keeps free: the larger of RAM_MARGIN_FRACTION of the memory and
@@ -307,39 +306,6 @@ class Field(NamedTuple):
     nbytes: int
 
 
-def check_fields(data_dims: Mapping, dtype: Any) -> tuple[tuple[Field, ...], int]:
-    """The fields of ``data_dims={name: dims}`` and ``dtype`` (one dtype for every field, or a
-    dict with the same keys), packed in the order given, each at a multiple of its itemsize
-    (as a C struct); returns them and the bytes of one slot (a multiple of the largest
-    itemsize, so every slot is aligned too)."""
-    if not 1 <= len(data_dims) <= _MAX_FIELDS:
-        raise ValueError(f"data_dims should be a tuple of positive ints, or a dict of 1 to "
-                         f"{_MAX_FIELDS} fields, but got data_dims={dict(data_dims)!r}")
-    for name in data_dims:
-        if not isinstance(name, str):
-            raise TypeError(f"data_dims keys should be field names (str), but got "
-                            f"{name!r} (type {type(name).__name__})")
-        if not (name.isascii() and name.isidentifier() and len(name) <= _FIELD_NAME_BYTES):
-            raise ValueError(f"data_dims keys should be field names of 1 to "
-                             f"{_FIELD_NAME_BYTES} ASCII letters, digits and '_', not starting "
-                             f"with a digit, but got {name!r}")
-    dims = {n: check_dims(d, f"data_dims[{n!r}]", scalar=True) for n, d in data_dims.items()}
-    if isinstance(dtype, Mapping):
-        if list(dtype) != list(dims):
-            missing = [n for n in dims if n not in dtype]
-            extra = [n for n in dtype if n not in dims]
-            why = (f"missing {missing}" if missing else "") + \
-                (", " if missing and extra else "") + (f"unknown {extra}" if extra else "")
-            raise ValueError(f"dtype should be a torch dtype, or a dict with the keys of "
-                             f"data_dims in its order {list(dims)}, but got dtype with keys "
-                             f"{list(dtype)}" + (f" ({why})" if why else ""))
-        dtypes = {n: check_dtype(dtype[n], f"dtype[{n!r}]") for n in dims}
-    else:
-        one = check_dtype(dtype)
-        dtypes = {n: one for n in dims}
-    return pack_fields(dims, dtypes)
-
-
 def pack_fields(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]
           ) -> tuple[tuple[Field, ...], int]:
     """Fields of these sizes packed in their order, each at a multiple of its itemsize (as a
@@ -355,41 +321,6 @@ def pack_fields(dims: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.
         fields.append(Field(n, d, dtypes[n], offset, math.prod(d) * size))
         end, align = offset + fields[-1].nbytes, max(align, size)
     return tuple(fields), -(-end // align) * align
-
-
-def check_keys(value: Any, dims: Mapping) -> Mapping:
-    """``value`` if it is a dict with exactly the fields of ``dims`` (a cache's
-    ``data_dims``) as keys, or raise."""
-    names = list(dims)
-    if not isinstance(value, Mapping):
-        raise TypeError(f"value should be a dict with the fields {names} (the keys of "
-                        f"data_dims), but got value of type {type(value).__name__}")
-    missing = [n for n in names if n not in value]
-    extra = [k for k in value if k not in dims]
-    if missing or extra:
-        why = ", ".join(([f"missing {missing}"] if missing else []) +
-                        ([f"unknown {extra}"] if extra else []))
-        raise ValueError(f"value should be a dict with the fields {names} (the keys of "
-                         f"data_dims), but got value with keys {list(value)} ({why})")
-    return value
-
-
-def check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
-    """``out`` (or a field of it, ``what``) of ``get_batch`` if it can take a batch of
-    ``shape`` and ``dtype``, or raise naming it."""
-    if not isinstance(out, torch.Tensor) or out.dtype != dtype or out.layout != torch.strided:
-        got = f"dtype {out.dtype}, layout {out.layout}" if isinstance(out, torch.Tensor) \
-            else f"type {type(out).__name__}"
-        raise TypeError(f"{what} should be a dense tensor of dtype {dtype} (the cache's), but "
-                        f"got {what} of {got}")
-    if tuple(out.shape) != shape or out.device.type != "cpu" or not out.is_contiguous() or \
-            out.requires_grad:
-        raise ValueError(
-            f"{what} should be a contiguous CPU tensor of shape {shape} (len(indices), "
-            f"*data_dims) without requires_grad, but got {what} of shape {tuple(out.shape)} "
-            f"on {out.device}, contiguous={out.is_contiguous()}, "
-            f"requires_grad={out.requires_grad}")
-    return out
 
 
 def torch_of(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -955,7 +886,7 @@ _FIELDS_OFF = 1024
 KEY_OFF, _KEY_BYTES = 3072, 1024
 # The job key of every persistent segment: its name alone identifies it.
 PERSISTENT_JOB_KEY = "persistent"
-_FIELD_RECORD = struct.Struct(f"<{_FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
+_FIELD_RECORD = struct.Struct(f"<{FIELD_NAME_BYTES}sqqq" + "q" * _MAX_DIMS)
 STATS_ROWS = 1024
 STATS_COLS = 8  # pid, process start, hits, misses, oob misses, writes, staged hits, stages
 (STATS_PID, STATS_START, STATS_HITS, STATS_MISSES, STATS_OOB_MISSES, STATS_WRITES,
@@ -1438,7 +1369,7 @@ def read_header(buf: Any) -> dict:
         raise CacheConfigError("the segment is not a stocaching segment (bad magic)", "magic",
                                _MAGIC, magic)
     head = dict(zip(_HEADER_FIELDS, values))
-    head["fields"] = tuple(_read_field(buf, k) for k in range(min(head["nfields"], _MAX_FIELDS)))
+    head["fields"] = tuple(_read_field(buf, k) for k in range(min(head["nfields"], MAX_FIELDS)))
     return head
 
 
@@ -1992,27 +1923,29 @@ _FEATURES = {  # module: what uses it (the error when its file is missing says s
     "masks": "asking which indices a cache holds (slot_mask, stored_mask, ready_mask, "
              "cached_indices, owner_rows)",
     "staging": "staging (staging_slots=, stage, unstage, read_tier)",
+    "views": "reading a sample without a copy (get_slot(i, copy=False), a ReadOnlyView)",
 }
-_PUBLIC_IN_FEATURES = {"OpenSizeCache": "open_size", "describe_saved_file": "saved",
-                       "list_segments": "cli", "plan": "cli"}
+_PUBLIC_IN_FEATURES = {"OpenSizeCache": "open_size", "ReadOnlyView": "views",
+                       "describe_saved_file": "saved", "list_segments": "cli", "plan": "cli"}
 # The names of this module, public but not in __all__, that the feature modules use besides
 # __all__ (tests/test_docs.py checks that they use no other, and nothing private): the
 # segment's format, sizing, locks and the cache's hooks. They are the seam's, not a user's API.
 _SEAM = frozenset({
-    "BYTES_PER_MIB", "COPY_COUNTER", "DEFAULT_SHM_DIR", "DTYPE_CODES", "EMPTY", "HEADER_BYTES",
-    "KEY_OFF", "LAYOUT_VERSION", "LOCK_BASE", "MEMORY_FILESYSTEMS", "OOB", "PERSISTENT_JOB_KEY",
-    "POINTER", "SEGMENT_PREFIX", "SET", "STAGE_INDEX_MASK", "STAGE_LOCK", "STAGE_TAG_SHIFT",
-    "STATS_COLS", "STATS_HITS", "STATS_MISSES", "STATS_OOB_MISSES", "STATS_ROWS",
-    "STATS_STAGED_HITS", "STATS_STAGES", "STATS_WRITES", "WRITING", "Closed", "Field",
-    "RecordLocks", "Segment", "auto_is_anonymous", "auto_room", "budget_for_slots",
-    "bytes_per_slot", "check_dims", "check_dtype", "check_fields", "check_key", "check_keys",
-    "check_out", "check_positive", "checked_value", "claim_stats_row", "close_fd", "closed_error",
-    "feature_module", "finalize_segment", "fmt_bytes", "free_bytes", "fs_type", "has_open_size",
-    "hash_of_key", "is_int", "is_integer_dtype", "is_stale_file", "logger", "memory_room",
-    "more_room", "names_file", "open_existing", "open_leaders_file", "open_to_look", "pack_fields",
-    "parse_segment_name", "pointer_of", "process_alive", "process_start", "pwrite_all",
-    "read_header", "read_key", "segment_offsets", "shm_headroom", "slot_array", "slot_lock_offset",
-    "slots_fitting", "slots_for_budget", "torch_of", "try_stale", "unlink_if_same", "what_fits"
+    "BYTES_PER_MIB", "COPY_COUNTER", "DEFAULT_SHM_DIR", "DTYPE_CODES", "EMPTY",
+    "FIELD_NAME_BYTES", "HEADER_BYTES", "KEY_OFF", "LAYOUT_VERSION", "LOCK_BASE", "MAX_FIELDS",
+    "MEMORY_FILESYSTEMS", "OOB", "PERSISTENT_JOB_KEY", "POINTER", "SEGMENT_PREFIX", "SET",
+    "STAGE_INDEX_MASK", "STAGE_LOCK", "STAGE_TAG_SHIFT", "STATS_COLS", "STATS_HITS",
+    "STATS_MISSES", "STATS_OOB_MISSES", "STATS_ROWS", "STATS_STAGED_HITS", "STATS_STAGES",
+    "STATS_WRITES", "WRITING", "Closed", "Field", "RecordLocks", "Segment", "auto_is_anonymous",
+    "auto_room", "budget_for_slots", "bytes_per_slot", "check_dims", "check_dtype", "check_key",
+    "check_positive", "checked_value", "claim_stats_row", "close_fd",
+    "closed_error", "feature_module", "finalize_segment", "fmt_bytes", "free_bytes", "fs_type",
+    "has_open_size", "hash_of_key", "is_int", "is_integer_dtype", "is_stale_file", "logger",
+    "memory_room", "more_room", "names_file", "open_existing", "open_leaders_file",
+    "open_to_look", "pack_fields", "parse_segment_name", "pointer_of", "process_alive",
+    "process_start", "pwrite_all", "read_header", "read_key", "segment_offsets", "shm_headroom",
+    "slot_array", "slot_lock_offset", "slots_fitting", "slots_for_budget", "torch_of",
+    "try_stale", "unlink_if_same", "what_fits"
 })
 
 
@@ -2476,68 +2409,6 @@ class Segment(RecordLocks):
 # ----------------------------------------------------------------------------------------------
 # 11. The cache contract: BaseCache (construction, views, sending, the public API)
 # ----------------------------------------------------------------------------------------------
-
-
-# The in-place operators of a tensor (every other in-place method's name ends in one "_").
-_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
-    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
-    "lshift", "rshift")) | {"__setitem__"}
-_WRITES_FIRST: dict[str, bool] = {}  # does the torch function of this name write its input?
-
-
-def _writes(name: str) -> bool:
-    writes = _WRITES_FIRST.get(name)
-    if writes is None:
-        writes = _WRITES_FIRST[name] = (name[-1:] == "_" and name[-2:] != "__" and
-                                        name != "requires_grad_") or name in _INPLACE_DUNDERS
-    return writes
-
-
-def _is_view(x: Any) -> bool:
-    """True when ``x`` (a tensor, or a sequence of them: ``out=``) holds a ReadOnlyView."""
-    return type(x) is ReadOnlyView or (isinstance(x, (tuple, list)) and
-                                       any(type(t) is ReadOnlyView for t in x))
-
-
-def _views_read_only(res: Any, of: torch.Tensor) -> Any:
-    """``res`` with each tensor in it that shares ``of``'s memory made a ``ReadOnlyView``."""
-    if type(res) is torch.Tensor:
-        same = res.untyped_storage().data_ptr() == of.untyped_storage().data_ptr()
-        return res.as_subclass(ReadOnlyView) if same else res
-    if isinstance(res, (tuple, list)) and res and isinstance(res[0], torch.Tensor):
-        return type(res)(_views_read_only(r, of) for r in res)
-    return res
-
-
-class ReadOnlyView(torch.Tensor):
-    """What ``get_slot(i, copy=False)`` returns: a tensor viewing the cached sample in the
-    segment's read-only mapping, without a copy. Every operation that only reads it works as
-    on any tensor (and gives plain tensors); one that would write into it (an in-place method
-    such as ``add_`` or ``copy_``, ``x[k] = v``, ``+=``, ``out=x``) raises RuntimeError
-    instead of writing, as the memory is shared by every process of the node (a write would
-    be a crash: the mapping is read-only). Its views (``x[0]``, ``x.view(...)``, ``x.t()``)
-    are read-only views too, and ``x.numpy()`` and ``np.asarray(x)`` are read-only arrays.
-    ``x.clone()`` gives a tensor of your own. Each operation on it costs a few microseconds more than on a plain
-    tensor (docs/design.md, "A read-only view")."""
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        name = func.__name__
-        view = args[0] if args and type(args[0]) is ReadOnlyView else None
-        if (view is not None and _writes(name)) or (kwargs and _is_view(kwargs.get("out"))):
-            raise RuntimeError(
-                f"{name} would write into a read-only view of the cache (get_slot(..., "
-                "copy=False) views the shared memory of every process of the node, without a "
-                "copy): clone it first (x = x.clone()), or read it with get_slot(i), a copy")
-        with torch._C.DisableTorchFunctionSubclass():  # (the checks below too: no recursion)
-            res = func(*args, **kwargs) if kwargs else func(*args)
-            if view is None:
-                return res
-            if name in ("numpy", "__array__"):  # (np.asarray(x) calls __array__)
-                res.flags.writeable = False
-                return res
-            return _views_read_only(res, view)
 
 
 class BatchRows(NamedTuple):
@@ -3031,12 +2902,6 @@ class BaseCache:
         with a disk tier looks there too."""
         return self._take_staged(idx) if self._staging_slots else None
 
-    def _read_tier(self, idx: int) -> Any:
-        return None  # (a kind with a disk tier reads it here: get_slot's disk hits)
-
-    def _read_for_stager(self, idx: int) -> Any:
-        return None  # (the same read, counted as disk_reads)
-
     def _read_again(self, idx: int, copy: bool) -> Any:
         """A read that met a writer: yield the CPU and try twice more while the slot is set."""
         for _ in range(2):
@@ -3371,7 +3236,7 @@ class SharedCache(BaseCache):
             size_limit_gib = check_positive("size_limit_gib", size_limit_gib, "GiB or 'auto'")
         dataset_len = check_int("dataset_len", dataset_len, low=1)
         if isinstance(data_dims, Mapping):
-            fields, slot_bytes = check_fields(data_dims, dtype)
+            fields, slot_bytes = feature_module("fields").check_fields(data_dims, dtype)
             dims: Any = {f.name: f.dims for f in fields}
             dtype = {f.name: f.dtype for f in fields}
         else:
@@ -3453,7 +3318,7 @@ class SharedCache(BaseCache):
             seq = self._slot_versions[slot]
             if not seq & 1:
                 out = torch.from_numpy(self._slot_samples[slot].copy()) if copy \
-                    else self._read_only_slots[slot].as_subclass(ReadOnlyView)
+                    else self._view_row(slot)
                 if self._index_states[idx] == SET and self._slot_versions[slot] == seq:
                     self._own_counters[STATS_HITS] += 1
                     return out if self._view_as is None or not copy else out.view(self._view_as)
@@ -3471,20 +3336,9 @@ class SharedCache(BaseCache):
         tensor, whatever ``copy`` asked: the row was read from the file), or None."""
         out = self._take_staged(idx) if self._staging_slots else None
         if out is None and self._disk_tier is not None:
-            out = self._read_tier(idx)
+            row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
+            out = None if row is None else self._from_row(row)
         return out
-
-    def _read_tier(self, idx: int) -> Any:
-        if self._disk_tier is None:
-            return None
-        row = self._disk_tier.read(idx)  # (counted there: stats() adds its hits to ours)
-        return None if row is None else self._from_row(row)
-
-    def _read_for_stager(self, idx: int) -> Any:
-        if self._disk_tier is None:
-            return None
-        row = self._disk_tier.read_for_stager(idx)  # (not a hit: it will be, once staged)
-        return None if row is None else self._from_row(row)
 
     def _read(self, idx: int, copy: bool) -> Any:
         """The sample in the slot of ``idx`` (a copy, or with ``copy=False`` a read-only view),
@@ -3525,8 +3379,9 @@ class SharedCache(BaseCache):
         return out
 
     def _view_row(self, row: int) -> Any:
-        """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
-        return self._read_only_slots[row].as_subclass(ReadOnlyView)
+        """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``:
+        a ``ReadOnlyView`` of views.py)."""
+        return feature_module("views").read_only(self._read_only_slots[row])
 
     # -- sizing and views of the segment ----------------------------------------------------
 
@@ -3535,8 +3390,6 @@ class SharedCache(BaseCache):
 
     @property
     def _slot_bytes(self) -> int:
-        if self._fields:
-            return check_fields(self._dims, self._dtype)[1]
         return bytes_per_slot(self._dims, self._dtype)
 
     def _budget_fitting(self, room: int, total: int) -> float:

@@ -64,7 +64,7 @@ def test_relative_links_resolve():
 
 
 FEATURES = ("batches", "cli", "disk_tier", "fields", "holder", "masks", "open_size",
-            "persistent", "saved", "staging")
+            "persistent", "saved", "staging", "views")
 
 
 @pytest.mark.timeout(300)

@@ -17,6 +17,7 @@ from _helpers import (FIELD_DTYPES, FIELDS, FIELDS_ROW, BatchedDataset, TwoLineD
                       assert_no_leak, assert_the_killed_write_is_a_miss, budget_for, fields_of,
                       ranks_with_a_killed_writer)
 from stocaching import CacheConfigError, Prefetcher, SharedCache, World, plan
+from stocaching import fields as fields_module
 from stocaching import stocaching as core
 
 N = 40
@@ -44,12 +45,12 @@ def snapshot(c: SharedCache) -> tuple:
 
 
 def test_fields_are_packed_in_order_each_aligned_to_its_itemsize(shm_dir):
-    fields, row = core.check_fields(FIELDS, FIELD_DTYPES)
+    fields, row = fields_module.check_fields(FIELDS, FIELD_DTYPES)
     assert [(f.name, f.offset, f.nbytes) for f in fields] == \
         [("image", 0, 192), ("label", 192, 8), ("box", 200, 16)]
     assert row == 216
-    fields, row = core.check_fields({"a": (3,), "b": (), "c": (1,)},
-                                    {"a": torch.uint8, "b": torch.int64, "c": torch.int16})
+    fields, row = fields_module.check_fields({"a": (3,), "b": (), "c": (1,)},
+                                             {"a": torch.uint8, "b": torch.int64, "c": torch.int16})
     assert [f.offset for f in fields] == [0, 8, 16] and row == 24  # a struct's padding
     with fields_cache(shm_dir) as c:
         assert len(c) == 30 and c._slot_samples.shape[1] == 216

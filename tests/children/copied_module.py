@@ -39,6 +39,7 @@ if sys.argv[1] == "core":
     refused(lambda: c.ready_mask([1]), "masks.py")
     refused(lambda: c.unstage(1), "staging.py")
     refused(lambda: c.save("x.stc"), "saved.py")
+    refused(lambda: c.get_slot(1, copy=False), "views.py")
     refused(lambda: stocaching.plan(10, (4,)), "cli.py")
     assert not os.path.exists("x.stc")
     # A module of the project's own with a feature's name is not taken for the feature's
@@ -65,6 +66,9 @@ else:
     o = stocaching.OpenSizeCache(1e-4, 10, (None, 2))
     o.set_slot(0, torch.ones(3, 2, dtype=torch.uint8))
     assert tuple(o.get_slot(0).shape) == (3, 2)
+    assert type(o.get_slot(0, copy=False)) is stocaching.ReadOnlyView
     assert c.get_batch([1])[1].tolist() == [True]
     assert c.ready_mask([0, 1]).tolist() == [False, True] and not c.unstage(1)
+    assert type(c.get_slot(1, copy=False)) is stocaching.ReadOnlyView
+    assert type(f.get_slot(0, copy=False)["x"]) is stocaching.ReadOnlyView
 print(int(c.get_slot(1).sum()), stocaching.__file__)
