@@ -127,8 +127,7 @@ class _FieldsCache(SharedCache):
     get_slot = BaseCache.get_slot
 
     def _view_row(self, row: int) -> dict[str, torch.Tensor]:
-        return feature_module("views").read_only(
-            {n: t[row] for n, t in self._read_only_fields.items()})
+        return self._view_of({n: t[row] for n, t in self._read_only_fields.items()})
 
     def _from_row(self, row: np.ndarray) -> dict[str, torch.Tensor]:
         """The fields in a copy of a slot's bytes: tensors that share that one copy."""

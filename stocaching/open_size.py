@@ -315,7 +315,7 @@ class OpenSizeCache(BaseCache):
         if copy:
             return self._unpack(data, r[4:])
         sample = self._unpack(data.numpy(), r[4:])  # views of the read-only arena
-        return feature_module("views").read_only(sample)
+        return self._view_of(sample)
 
     def _shapes(self, sizes: Sequence[int]) -> list[tuple[int, ...]]:
         it = iter(sizes)

@@ -2481,6 +2481,9 @@ class BaseCache:
     # samples close() gives back. A forked child inherits them with its parent's pid, and a
     # process the cache is sent to gets none: neither gives back its parent's.
     _own_tags: tuple[int, frozenset] = (0, frozenset())
+    # Process-wide: views.ReadOnlyView, looked up once, at the first read without a copy
+    # (docs/design.md, "A read-only view": a lookup at each read cost a fifth of it).
+    _view_type: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("BaseCache is what every kind of cache offers, not a cache: construct "
@@ -2902,6 +2905,16 @@ class BaseCache:
         with a disk tier looks there too."""
         return self._take_staged(idx) if self._staging_slots else None
 
+    def _view_of(self, sample: Any) -> Any:
+        """``sample`` (a tensor viewing the read-only mapping, or a dict of them) as what
+        ``get_slot(copy=False)`` returns: ``ReadOnlyView``s (views.py)."""
+        kind = BaseCache._view_type
+        if kind is None:
+            kind = BaseCache._view_type = feature_module("views").ReadOnlyView
+        if type(sample) is dict:
+            return {name: t.as_subclass(kind) for name, t in sample.items()}
+        return sample.as_subclass(kind)
+
     def _read_again(self, idx: int, copy: bool) -> Any:
         """A read that met a writer: yield the CPU and try twice more while the slot is set."""
         for _ in range(2):
@@ -3318,7 +3331,7 @@ class SharedCache(BaseCache):
             seq = self._slot_versions[slot]
             if not seq & 1:
                 out = torch.from_numpy(self._slot_samples[slot].copy()) if copy \
-                    else self._view_row(slot)
+                    else self._view_of(self._read_only_slots[slot])
                 if self._index_states[idx] == SET and self._slot_versions[slot] == seq:
                     self._own_counters[STATS_HITS] += 1
                     return out if self._view_as is None or not copy else out.view(self._view_as)
@@ -3379,9 +3392,8 @@ class SharedCache(BaseCache):
         return out
 
     def _view_row(self, row: int) -> Any:
-        """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``:
-        a ``ReadOnlyView`` of views.py)."""
-        return feature_module("views").read_only(self._read_only_slots[row])
+        """The sample in a row, viewed through the read-only mapping (``get_slot(copy=False)``)."""
+        return self._view_of(self._read_only_slots[row])
 
     # -- sizing and views of the segment ----------------------------------------------------
 

@@ -2,8 +2,8 @@
 ``ReadOnlyView`` of the segment's read-only mapping.
 
 A feature module of stocaching (see the core's section "The seam"): each kind of cache reads
-the row of a sample through the read-only mapping, and ``read_only`` makes what it read a
-``ReadOnlyView``. Why a tensor subclass and not a plain tensor: docs/design.md, "A read-only
+the row of a sample through the read-only mapping, and ``BaseCache._view_of`` makes what it
+read a ``ReadOnlyView``. Why a tensor subclass and not a plain tensor: docs/design.md, "A read-only
 view". The two lines (``get_slot(i)``, a copy) never load it.
 """
 
@@ -15,14 +15,6 @@ STOCACHING_FEATURE = "views"  # (the core reads this line before it imports the 
 from typing import Any
 
 import torch
-
-
-def read_only(sample: Any) -> Any:
-    """``sample`` (a tensor viewing the read-only mapping, or a dict of them: a sample of
-    fields) as ``ReadOnlyView``s."""
-    if isinstance(sample, dict):
-        return {name: t.as_subclass(ReadOnlyView) for name, t in sample.items()}
-    return sample.as_subclass(ReadOnlyView)
 
 
 # The in-place operators of a tensor (every other in-place method's name ends in one "_").
