@@ -985,7 +985,10 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
                                         if tiered else "") + f". {more_room(shm_dir, metadata)}"
             + ("" if tiered else ", and pass disk_tier=DIR to keep the samples that do not "
                "fit decoded on local disk"), shm_dir, metadata, shm_free)
-    if slots == 0 and anonymous and metadata > room:
+    # Where the margin leaves no room, a cache without slots may still take its metadata from
+    # it, up to a sixteenth of what is available: a job that runs without the cache must not
+    # fail over a cache's few KiB (it warns, below, that every read misses).
+    if slots == 0 and anonymous and metadata > max(room, memory.available // 16):
         more_gib = math.ceil((memory.total - memory.available + 2 * metadata) / BYTES_PER_GIB)
         raise CacheCapacityError(
             f"size_limit_gib='auto' finds {fmt_bytes(memory.available)} of memory available "
@@ -1019,13 +1022,18 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
                f"{fmt_bytes(2 * whole * BYTES_PER_GIB)}" if short_of_memory and memory.limited
                else "Free some memory" if short_of_memory else
                more_room(shm_dir, whole * BYTES_PER_GIB))
+        spawned = memory.margin == memory.workers > 0 and \
+            multiprocessing.get_start_method(allow_none=True) != "fork"
         warnings.warn(
             f"size_limit_gib='auto' finds room for no slot: {shm_dir} has {fmt_bytes(shm_free)}"
             f" free (of which {fmt_bytes(headroom)} is left for its other users) and "
             f"{fmt_bytes(memory.available)} of memory is available ({memory.describe()}, of "
-            f"which {fmt_bytes(memory.margin)} is kept free); every read will miss. {fix}, or "
-            "pass disk_tier=DIR to keep the samples decoded on local disk", RuntimeWarning,
-            stacklevel=_stacklevel_of_caller())
+            f"which {fmt_bytes(memory.margin)} is kept free" +
+            (f" for {AUTO_WORKERS_PER_RANK} DataLoader workers a local rank, counted as "
+             "started by spawn: if yours fork, call multiprocessing.set_start_method('fork') "
+             "before the cache is made, and they count as forks" if spawned else "") +
+            f"); every read will miss. {fix}, or pass disk_tier=DIR to keep the samples "
+            "decoded on local disk", RuntimeWarning, stacklevel=_stacklevel_of_caller())
     return budget
 
 
@@ -1121,12 +1129,12 @@ def _workers_to_come(local_world_size: int) -> int:
     """What ``AUTO_WORKERS_PER_RANK`` DataLoader workers per local rank will take: each about
     half of this process's own resident memory (its anonymous pages: resident less the shared
     files' pages) where workers fork (the pages they write are copied), 1.5 times it where
-    each starts a new interpreter that imports torch again (spawn, forkserver: the start
-    method of ``multiprocessing``, which the DataLoader uses unless given another, and which
-    ``torch.multiprocessing.spawn`` sets to spawn in its ranks). Measured: design note "The
-    memory a cache leaves under a limit"."""
-    method = multiprocessing.get_start_method(allow_none=True) or \
-        multiprocessing.get_all_start_methods()[0]
+    each starts a new interpreter that imports torch again (spawn, forkserver). Workers are
+    counted as forks only where ``multiprocessing``'s start method is fork (set by the user,
+    or by a DataLoader that started workers with the default): a DataLoader's own
+    ``multiprocessing_context`` is not visible here, and a spawned worker counted as a fork
+    was an OOM kill. Measured: design note "The memory a cache leaves under a limit"."""
+    method = multiprocessing.get_start_method(allow_none=True)
     info = psutil.Process().memory_info()
     own = max(0, info.rss - getattr(info, "shared", 0))
     per_worker = own // 2 if method == "fork" else own * 3 // 2
@@ -2997,7 +3005,7 @@ class BaseCache:
             those, indices without a slot here), ``writes`` (set_slot calls that stored, or
             found the same value there already),
             ``staged_hits`` (of the hits, staged samples taken), ``stages`` (samples staged),
-            ``full`` (with open sizes: writes that found no room in the arena),
+            ``full`` (an ``OpenSizeCache``'s only: writes that found no room in the arena),
             ``disk_hits`` (of the hits, rows read from the disk tier), ``disk_writes`` (rows
             written there), ``disk_reads`` (rows read there by ``read_tier``, for a stager:
             not hits), ``disk_rows`` (rows stored there now), ``disk_tier_rows`` (rows it has

@@ -62,6 +62,7 @@ SLOW = {
     "tests/test_containers.py::test_auto_never_fails_a_loader_of_float_batches_that_runs_without_it",  # 60 s
     "tests/test_containers.py::test_auto_with_a_disk_tier_under_a_memory_limit_serves_float_batches",  # 30 s
     "tests/test_containers.py::test_auto_under_mp_spawn_leaves_room_for_spawned_workers",
+    "tests/test_containers.py::test_auto_under_a_limit_never_fails_a_loader_that_runs_without_it",
     # torture, fuzz, endurance, kills and fault-injection matrices
     "tests/test_batch.py::test_a_writer_killed_mid_copy_leaves_a_miss_in_a_batch",  # 3 s
     "tests/test_concurrency.py::test_torture_reads_are_never_corrupt",  # 31 s

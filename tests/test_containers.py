@@ -86,7 +86,9 @@ def test_auto_sizes_within_the_memory_limit_and_a_loader_runs(memory_cgroup, shm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("limit_mib,budget,fix", [
     (300, 0.5, "no cache fits beside the"),  # torch and the workers to come take it all
-    (600, 5.0, "or pass a smaller size_limit_gib (about 0."),
+    # (spawned workers, as "auto" counts them with the start method unset, leave no room at
+    # 600 MiB: there, too, no cache fits)
+    (1000, 5.0, "or pass a smaller size_limit_gib (about 0."),
 ])
 def test_a_budget_over_the_memory_limit_is_refused_with_the_limit_and_the_fix(
         memory_cgroup, shm_dir, limit_mib, budget, fix):
@@ -205,6 +207,26 @@ def test_auto_with_a_disk_tier_under_a_memory_limit_serves_float_batches(small_s
     assert one(said, "checked") == {"checked": N, "wrong": 0}
     assert not warnings_of(said)
     assert one(said, "left")["left"] == []
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("limit_mib,start", [(600, "spawn"), (300, "fork")])
+def test_auto_under_a_limit_never_fails_a_loader_that_runs_without_it(small_shm, memory_cgroup,
+                                                                       limit_mib, start):
+    """A newcomer's job: 20,000 samples (234 MiB) in a memory cgroup, a DataLoader of 2 workers
+    with its own multiprocessing_context (the start method left unset). With spawn under
+    600 MiB, "auto" counted the workers as forks and the job was OOM-killed in 2 runs of 2;
+    under 300 MiB, where the margin leaves no room, "auto" raised a CacheCapacityError over
+    88 KiB of metadata. Now both run as they do without the cache, every batch the same."""
+    cg = memory_cgroup(limit_mib * MIB)
+    spec = dict(n=20_000, dims=[3, 64, 64], workers=2, batch=64, epochs=2, start=start)
+    [base] = run_float_batches(dict(spec, cache=False), shm_mib=256, cgroup=cg, timeout=500)
+    [got] = run_float_batches(dict(spec, cache=True), shm_mib=256, cgroup=cg, timeout=500)
+    assert cg.oom_kills() == 0
+    assert got["slots"] < 20_000 and got["anonymous"]
+    assert [e["seen"] for e in got["epochs"]] == [20_000, 20_000]
+    assert [e["hits"] for e in got["epochs"]] == [0, got["slots"]]
+    assert [e["sum"] for e in got["epochs"]] == [e["sum"] for e in base["epochs"]]
 
 
 @pytest.mark.timeout(120)
