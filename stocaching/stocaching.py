@@ -3423,9 +3423,11 @@ class SharedCache(BaseCache):
         lay, per_slot = self._layout, self._slot_bytes
         return CacheCapacityError(
             f"{shm_dir} has {fmt_bytes(free)} free but the cache needs {fmt_bytes(total)} "
-            f"({lay.slots} slots of {fmt_bytes(per_slot)}). {more_room(shm_dir, total)} or "
-            f"pass a smaller size_limit_gib ({what_fits(self, shm_dir, total, free)})",
-            shm_dir, total, free)
+            f"({lay.slots} slots of {fmt_bytes(per_slot)}). {more_room(shm_dir, total)}, "
+            f"pass a smaller size_limit_gib ({what_fits(self, shm_dir, total, free)})" +
+            (", or pass size_limit_gib='auto' (its segment takes memory, not room in "
+             f"{shm_dir})" if lay.num_nodes == 1 and not self._persistent and
+             auto_is_anonymous(shm_dir) else ""), shm_dir, total, free)
 
     def _map_samples(self, head: dict) -> None:
         """The views of the slots' sequence numbers and of the slots (``_map_slots``), the
