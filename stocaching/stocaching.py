@@ -2906,7 +2906,7 @@ class BaseCache:
             out = self._read_oob(idx)
             if out is not None:
                 return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+        return self._miss(idx, allow_oob_idx, allow_empty_slot, copy)
 
     def _read_oob(self, idx: int) -> Any:
         """The sample of an index without a slot here, if one is staged (else None); a kind
@@ -2918,10 +2918,17 @@ class BaseCache:
         ``get_slot(copy=False)`` returns: ``ReadOnlyView``s (views.py)."""
         kind = BaseCache._view_type
         if kind is None:
-            kind = BaseCache._view_type = feature_module("views").ReadOnlyView
+            kind = self._view_kind()
         if type(sample) is dict:
             return {name: t.as_subclass(kind) for name, t in sample.items()}
         return sample.as_subclass(kind)
+
+    @staticmethod
+    def _view_kind() -> type:
+        """views.ReadOnlyView, looked up once: at the first read without a copy, a hit or a
+        miss, so that a missing views.py is an ImportError at the first call, not at a hit."""
+        kind = BaseCache._view_type = feature_module("views").ReadOnlyView
+        return kind
 
     def _read_again(self, idx: int, copy: bool) -> Any:
         """A read that met a writer: yield the CPU and try twice more while the slot is set."""
@@ -2934,7 +2941,10 @@ class BaseCache:
                 return out
         return None
 
-    def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool) -> None:
+    def _miss(self, idx: int, allow_oob_idx: bool, allow_empty_slot: bool,
+              copy: bool = True) -> None:
+        if not copy and BaseCache._view_type is None:
+            self._view_kind()
         if self._index_states[idx] == OOB:
             if not allow_oob_idx:
                 raise self._oob_error(idx)
@@ -3350,7 +3360,7 @@ class SharedCache(BaseCache):
             out = self._read_oob(idx)
             if out is not None:
                 return out
-        return self._miss(idx, allow_oob_idx, allow_empty_slot)
+        return self._miss(idx, allow_oob_idx, allow_empty_slot, copy)
 
     def _read_oob(self, idx: int) -> Any:
         """The sample of an index without a slot here: staged, or on the disk tier (a new

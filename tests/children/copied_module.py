@@ -39,7 +39,8 @@ if sys.argv[1] == "core":
     refused(lambda: c.ready_mask([1]), "masks.py")
     refused(lambda: c.unstage(1), "staging.py")
     refused(lambda: c.save("x.stc"), "saved.py")
-    refused(lambda: c.get_slot(1, copy=False), "views.py")
+    refused(lambda: c.get_slot(2, copy=False), "views.py")  # a miss: at the first call
+    refused(lambda: c.get_slot(1, copy=False), "views.py")  # a hit
     refused(lambda: stocaching.plan(10, (4,)), "cli.py")
     assert not os.path.exists("x.stc")
     # A module of the project's own with a feature's name is not taken for the feature's
