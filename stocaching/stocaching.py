@@ -1022,8 +1022,7 @@ def _auto_budget(dataset_len: int, slot_bytes: int, staging: int, shm_dir: str,
                f"{fmt_bytes(2 * whole * BYTES_PER_GIB)}" if short_of_memory and memory.limited
                else "Free some memory" if short_of_memory else
                more_room(shm_dir, whole * BYTES_PER_GIB))
-        spawned = memory.margin == memory.workers > 0 and \
-            multiprocessing.get_start_method(allow_none=True) != "fork"
+        spawned = memory.margin == memory.workers > 0 and not _workers_fork()
         warnings.warn(
             f"size_limit_gib='auto' finds room for no slot: {shm_dir} has {fmt_bytes(shm_free)}"
             f" free (of which {fmt_bytes(headroom)} is left for its other users) and "
@@ -1134,11 +1133,16 @@ def _workers_to_come(local_world_size: int) -> int:
     or by a DataLoader that started workers with the default): a DataLoader's own
     ``multiprocessing_context`` is not visible here, and a spawned worker counted as a fork
     was an OOM kill. Measured: design note "The memory a cache leaves under a limit"."""
-    method = multiprocessing.get_start_method(allow_none=True)
     info = psutil.Process().memory_info()
     own = max(0, info.rss - getattr(info, "shared", 0))
-    per_worker = own // 2 if method == "fork" else own * 3 // 2
+    per_worker = own // 2 if _workers_fork() else own * 3 // 2
     return local_world_size * AUTO_WORKERS_PER_RANK * per_worker
+
+
+def _workers_fork() -> bool:
+    """Whether ``_workers_to_come`` counts DataLoader workers as forks: ``multiprocessing``'s
+    start method is fork."""
+    return multiprocessing.get_start_method(allow_none=True) == "fork"
 
 
 def _memory_cgroup_levels(proc: str = "/proc/self") -> list[tuple[str, int, int]]:
