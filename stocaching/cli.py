@@ -401,7 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         gib = {k: fmt_bytes(v * BYTES_PER_GIB) for k, v in r.items()
                if k.endswith("_gib") and k != "size_limit_gib"}
         out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
-            f"{r['size_limit_gib']:.2f} GiB: {100 * r['fraction']:.1f}% of the dataset\n"
+            f"{fmt_bytes(r['size_limit_gib'] * BYTES_PER_GIB)}"
+            + (f" beside {args.staging_slots} staging slots" if args.staging_slots else "") +
+            f": {100 * r['fraction']:.1f}% of the dataset\n"
             f"the whole dataset needs {gib['dataset_gib']}; {args.shm_dir} has "
             f"{gib['shm_free_gib']} free, of which a cache of a given size leaves "
             f"{gib['shm_headroom_gib']} to its other users (DataLoader batches, NCCL)"

@@ -71,6 +71,20 @@ def test_cli_plan(shm_dir):
     assert bad.returncode == 2 and "--dataset-len should be a positive int" in bad.stderr
 
 
+def test_cli_plan_prints_the_budget_it_was_given_and_the_staging_slots_it_pays(shm_dir, capsys):
+    # 0.005 GiB printed to two decimals read "0.01 GiB", twice the budget; staging slots cut
+    # the slot count without a word
+    args = ["--shm-dir", shm_dir, "plan", "--dataset-len", "1000", "--dims", "3,64,64",
+            "--size-gib", "0.005"]
+    assert cli.main(args) == 0
+    alone = capsys.readouterr().out.splitlines()[0]
+    assert cli.main(args + ["--staging-slots", "10"]) == 0
+    staged = capsys.readouterr().out.splitlines()[0]
+    assert alone == "436 of 1000 samples of (3, 64, 64) uint8 fit in 5.1 MiB: 43.6% of the dataset"
+    assert staged == ("426 of 1000 samples of (3, 64, 64) uint8 fit in 5.1 MiB beside 10 staging "
+                      "slots: 42.6% of the dataset")
+
+
 def test_cli_plan_takes_torch_dtypes_and_says_when_it_does_not_fit(shm_dir):
     r = _cli("--shm-dir", shm_dir, "plan", "--dataset-len", "100", "--dims", "4",
              "--dtype", "torch.float16")
