@@ -398,10 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 msg = re.sub(rf"\b{param}\b", flag, msg)
             parser.error(msg)
         what = f"{dims} {args.dtype}" if not args.field else " + ".join(args.field)
-        gib = {k: fmt_bytes(v * BYTES_PER_GIB) for k, v in r.items()
-               if k.endswith("_gib") and k != "size_limit_gib"}
+        gib = {k: fmt_bytes(v * BYTES_PER_GIB) for k, v in r.items() if k.endswith("_gib")}
         out(f"{r['slots']} of {args.dataset_len} samples of {what} fit in "
-            f"{fmt_bytes(r['size_limit_gib'] * BYTES_PER_GIB)}"
+            f"{gib['size_limit_gib']}"
             + (f" beside {args.staging_slots} staging slots" if args.staging_slots else "") +
             f": {100 * r['fraction']:.1f}% of the dataset\n"
             f"the whole dataset needs {gib['dataset_gib']}; {args.shm_dir} has "
